@@ -1,0 +1,13 @@
+"""Benchmark suites: ``spmdkit bench --suite NAME``. One module per suite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from spmdkit._bench import pmap_suite
+
+# A suite takes its quick flag and returns a report: {"suite", "machine", "rows", "targets"}.
+SUITES: dict[str, Callable[..., dict[str, Any]]] = {
+    "pmap": pmap_suite.run,
+}

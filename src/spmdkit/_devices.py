@@ -1,0 +1,105 @@
+"""Host-device simulation and the device table."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from spmdkit._errors import DeviceSetupError, fix
+
+ENV_HOST_DEVICES = "SPMDKIT_HOST_DEVICES"
+
+
+def use_host_devices(n: int) -> None:
+    """Simulate ``n`` CPU devices in this process (before any JAX work).
+
+    Simulated devices share the machine's cores: they prove that a program is
+    correct on ``n`` devices, not that it is faster. Calling this after JAX has
+    started its backends raises :class:`DeviceSetupError`, unless the process
+    already has exactly ``n`` CPU devices.
+
+    Example:
+        >>> import spmdkit, jax
+        >>> spmdkit.use_host_devices(jax.device_count())  # already so: a no-op
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise DeviceSetupError(
+            fix(f"use_host_devices(n={n!r}): n must be an int >= 1.", "pass e.g. n=8.")
+        )
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have == n:
+            return
+        raise DeviceSetupError(
+            fix(
+                f"use_host_devices({n}) was called after JAX had started its backends with "
+                f"{have} CPU device(s); the device count cannot change in a running process.",
+                f"call spmdkit.use_host_devices({n}) right after `import spmdkit`, before any "
+                f"JAX operation (creating an array, jax.devices(), a jit call); or set "
+                f"{ENV_HOST_DEVICES}={n} in the environment before Python starts; on the "
+                f"command line pass --host-devices {n}.",
+            )
+        ) from None
+
+
+def host_devices_from_env() -> int | None:
+    """The device count asked for by ``SPMDKIT_HOST_DEVICES``, or None if unset."""
+    raw = os.environ.get(ENV_HOST_DEVICES, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise DeviceSetupError(
+            fix(
+                f"{ENV_HOST_DEVICES}={raw!r} is not a positive integer.",
+                f"set it to a device count such as {ENV_HOST_DEVICES}=8, or unset it.",
+            )
+        )
+    return n
+
+
+def device_table() -> list[dict[str, Any]]:
+    """One row per device of every process: id, platform, kind, process index."""
+    me = jax.process_index()
+    return [
+        {
+            "id": d.id,
+            "platform": d.platform,
+            "kind": d.device_kind,
+            "process_index": d.process_index,
+            "local": d.process_index == me,
+        }
+        for d in jax.devices()
+    ]
+
+
+def suggest_mesh(n_devices: int, model: int | None = None) -> dict[str, int]:
+    """A default mesh for ``n_devices``: all data parallel, or data x model.
+
+    With ``model`` unset: ``{"data": n}``. With ``model=k`` (k divides n):
+    ``{"data": n // k, "model": k}``.
+
+    Example:
+        >>> suggest_mesh(8), suggest_mesh(8, model=4)
+        ({'data': 8}, {'data': 2, 'model': 4})
+    """
+    if model is None:
+        return {"data": n_devices}
+    return {"data": n_devices // model, "model": model}
+
+
+def model_parallel_suggestion(n_devices: int) -> dict[str, int] | None:
+    """The most square data x model split of ``n_devices`` (model the larger), or None."""
+    best = None
+    for k in range(2, n_devices):
+        if n_devices % k == 0 and k >= n_devices // k:
+            best = k
+            break
+    return None if best is None else suggest_mesh(n_devices, model=best)

@@ -1,0 +1,41 @@
+"""The spmdkit error hierarchy.
+
+Every error spmdkit raises on bad input derives from :class:`SpmdkitError`, so a
+caller can catch ours without catching JAX's. Messages follow one shape: what is
+wrong, where (argument and pytree path), the sizes involved, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class SpmdkitError(Exception):
+    """Base class of every error spmdkit raises on purpose."""
+
+
+class DeviceSetupError(SpmdkitError, RuntimeError):
+    """Devices were requested in a way the running JAX backend cannot honour."""
+
+
+class MeshError(SpmdkitError, ValueError):
+    """A mesh shape or axis name is invalid for the available devices."""
+
+
+class MappedAxisError(SpmdkitError, ValueError):
+    """An argument of a parallel-mapped function has a wrong mapped axis."""
+
+
+class TreeMismatchError(SpmdkitError, ValueError):
+    """A pytree prefix (``in_axes``, ``out_axes``) does not match its pytree."""
+
+
+class AxisNameError(SpmdkitError, NameError):
+    """A collective names an axis that the enclosing parallel map does not bind."""
+
+
+class BatchSizeError(SpmdkitError, ValueError):
+    """A batch cannot be split across devices as requested."""
+
+
+def fix(message: str, remedy: str) -> str:
+    """Join a diagnosis and its remedy in the house style."""
+    return f"{message}\n  Fix: {remedy}"

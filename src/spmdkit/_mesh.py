@@ -1,0 +1,98 @@
+"""Device meshes with named axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from spmdkit._errors import MeshError, fix
+
+
+def _format(axes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in axes.items())
+
+
+def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes: int) -> Mesh:
+    """A ``jax.sharding.Mesh`` from ordered ``name=size`` pairs; one size may be -1.
+
+    The -1 axis takes whatever the others leave of the device count. Axes are of
+    type ``Auto`` (the classic sharding-propagation behaviour the seeds rely on).
+    ``devices`` defaults to all devices (of every process).
+
+    Example:
+        >>> import jax, spmdkit
+        >>> mesh = spmdkit.make_mesh(data=-1)
+        >>> dict(mesh.shape) == {"data": jax.device_count()}
+        True
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    n = len(devs)
+    if not axes:
+        raise MeshError(
+            fix("make_mesh() got no axes.", f"name at least one axis, e.g. make_mesh(data={n}).")
+        )
+    for name, size in axes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise MeshError(
+                fix(
+                    f"make_mesh: axis {name!r} has size {size!r}; sizes are ints >= 1, or -1 "
+                    "for 'the rest of the devices'.",
+                    f"e.g. make_mesh({name}=-1).",
+                )
+            )
+    fill = [k for k, v in axes.items() if v == -1]
+    if len(fill) > 1:
+        raise MeshError(
+            fix(
+                f"make_mesh({_format(axes)}): only one axis may be -1, got {fill}.",
+                f"give every axis but one a size, e.g. make_mesh({fill[0]}=-1, "
+                + ", ".join(f"{k}=2" for k in fill[1:])
+                + ").",
+            )
+        )
+    known = math.prod(v for v in axes.values() if v != -1)
+    if fill:
+        if n % known:
+            raise MeshError(
+                fix(
+                    f"make_mesh({_format(axes)}): the fixed axes use {known} devices, which does "
+                    f"not divide the {n} available, so {fill[0]}=-1 cannot be filled.",
+                    _suggest(axes, n),
+                )
+            )
+        axes = {k: (n // known if v == -1 else v) for k, v in axes.items()}
+    elif known != n:
+        raise MeshError(
+            fix(
+                f"make_mesh({_format(axes)}) needs {known} devices but {n} are available.",
+                _suggest(axes, n),
+            )
+        )
+    return jax.make_mesh(
+        tuple(axes.values()),
+        tuple(axes.keys()),
+        axis_types=(AxisType.Auto,) * len(axes),
+        devices=devs,
+    )
+
+
+def _suggest(axes: dict[str, int], n: int) -> str:
+    names = list(axes)
+    if len(names) == 1:
+        return f"use make_mesh({names[0]}={n}) or make_mesh({names[0]}=-1)."
+    # Keep the last axis if it divides n and let the first take the rest.
+    last = axes[names[-1]]
+    if last != -1 and n % last == 0:
+        alt = {names[0]: -1, **{k: (1 if k != names[-1] else last) for k in names[1:]}}
+        return (
+            f"make the sizes multiply to {n}, e.g. make_mesh({_format(alt)}); the devices "
+            f"can be simulated with spmdkit.use_host_devices(k) before any JAX work."
+        )
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return (
+        f"make the sizes multiply to {n} (axis sizes that divide {n}: {divisors}); one axis "
+        "may be -1 to take the rest."
+    )

@@ -1,0 +1,109 @@
+"""The spmdkit command line: help, devices, demo, bench, device set-up errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from spmdkit._cli import main
+
+SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300):
+    # The caller's own SPMDKIT_HOST_DEVICES must not leak into what a test expects.
+    full_env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [SPMDKIT, *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+
+
+def test_help_lists_commands():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for word in ("devices", "demo", "bench", "--host-devices"):
+        assert word in out.stdout
+
+
+def test_devices_json_in_process(capsys):
+    assert main(["devices", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["device_count"] == 8
+    assert info["devices_per_process"] == {"0": 8}
+    assert info["suggested_mesh"] == {"data": 8}
+    assert info["suggested_model_parallel_mesh"] == {"data": 2, "model": 4}
+
+
+def test_devices_table_in_process(capsys):
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "8 device(s), 1 process(es)" in out and "make_mesh(data=8)" in out
+
+
+def test_host_devices_after_start_is_a_clean_error(capsys):
+    # This test process already runs 8 devices: asking for 4 must say how to fix it.
+    assert main(["--host-devices", "4", "devices"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "--host-devices 4" in err
+    assert "Traceback" not in err
+
+
+def test_bad_flag_values_are_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["devices", "--host-devices", "0"])
+    assert e.value.code == 2
+    assert "--host-devices: expected a whole number >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--suite", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, env, expected",
+    [
+        (["devices", "--json"], {"SPMDKIT_HOST_DEVICES": "4"}, 4),
+        (["--host-devices", "2", "devices", "--json"], {"SPMDKIT_HOST_DEVICES": "4"}, 2),
+        (["devices", "--host-devices", "3", "--json"], None, 3),
+    ],
+)
+def test_device_count_from_flag_and_env(args, env, expected):
+    out = run_cli(*args, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["device_count"] == expected
+
+
+def test_bad_env_value_is_a_clean_error():
+    out = run_cli("devices", env={"SPMDKIT_HOST_DEVICES": "many"})
+    assert out.returncode == 2
+    assert "SPMDKIT_HOST_DEVICES='many' is not a positive integer" in out.stderr
+
+
+def test_demo_runs_seed000_on_eight_devices():
+    out = run_cli("demo")
+    assert out.returncode == 0, out.stderr
+    assert "on 8 device(s)" in out.stdout
+    assert "first row [11.0, 20.0, 29.0]" in out.stdout
+    assert "demo OK" in out.stdout
+
+
+def test_bench_pmap_quick_writes_json(tmp_path):
+    path = tmp_path / "pmap.json"
+    out = run_cli("bench", "--suite", "pmap", "--quick", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(path.read_text())
+    assert report["suite"] == "pmap" and report["machine"]["devices"] == 8
+    impls = {r["impl"] for r in report["rows"]}
+    assert impls == {"spmdkit.pmap", "jax.pmap", "jit(vmap)"}
+    for row in report["rows"]:
+        assert row["median_us"] > 0
+        if row["impl"] == "jax.pmap":
+            assert row["x_jax_pmap"] == 1.0
+    (target,) = report["targets"]
+    assert target["value"] > 0 and isinstance(target["met"], bool)
+    assert "target" in out.stdout

@@ -1,0 +1,76 @@
+"""use_host_devices, the environment variable, the device table, mesh suggestions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import spmdkit
+from spmdkit._devices import model_parallel_suggestion
+
+
+def test_same_count_after_start_is_a_no_op():
+    spmdkit.use_host_devices(8)
+    assert jax.device_count() == 8
+
+
+def test_changing_count_after_start_is_our_error():
+    with pytest.raises(spmdkit.DeviceSetupError) as e:
+        spmdkit.use_host_devices(4)
+    msg = str(e.value)
+    assert "already" in msg or "after JAX had started" in msg
+    assert "8 CPU device(s)" in msg
+    assert "SPMDKIT_HOST_DEVICES=4" in msg and "--host-devices 4" in msg
+    assert "before any JAX operation" in msg
+    assert isinstance(e.value, RuntimeError)  # still catchable as before
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "8", True])
+def test_bad_count(bad):
+    with pytest.raises(spmdkit.DeviceSetupError, match="n must be an int >= 1"):
+        spmdkit.use_host_devices(bad)
+
+
+def test_fresh_process_gets_requested_devices():
+    code = "import spmdkit, jax; spmdkit.use_host_devices(3); print(jax.device_count())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "3"
+
+
+@pytest.mark.parametrize("raw, expected", [("", None), ("4", 4), (" 2 ", 2)])
+def test_env_parsing(monkeypatch, raw, expected):
+    monkeypatch.setenv(spmdkit.ENV_HOST_DEVICES, raw)
+    assert spmdkit.host_devices_from_env() == expected
+
+
+@pytest.mark.parametrize("raw", ["zero", "0", "-3"])
+def test_env_bad_value(monkeypatch, raw):
+    monkeypatch.setenv(spmdkit.ENV_HOST_DEVICES, raw)
+    with pytest.raises(spmdkit.DeviceSetupError, match="SPMDKIT_HOST_DEVICES="):
+        spmdkit.host_devices_from_env()
+
+
+def test_device_table():
+    rows = spmdkit.device_table()
+    assert [r["id"] for r in rows] == list(range(8))
+    assert all(r["platform"] == "cpu" and r["process_index"] == 0 and r["local"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "n, data_only, model_parallel",
+    [
+        (8, {"data": 8}, {"data": 2, "model": 4}),
+        (4, {"data": 4}, {"data": 2, "model": 2}),
+        (6, {"data": 6}, {"data": 2, "model": 3}),
+        (1, {"data": 1}, None),
+        (7, {"data": 7}, None),
+    ],
+)
+def test_suggestions(n, data_only, model_parallel):
+    assert spmdkit.suggest_mesh(n) == data_only
+    assert model_parallel_suggestion(n) == model_parallel
