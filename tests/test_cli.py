@@ -94,7 +94,8 @@ def test_demo_runs_seed000_on_eight_devices():
 
 def test_bench_pmap_quick_writes_json(tmp_path):
     path = tmp_path / "pmap.json"
-    out = run_cli("bench", "--suite", "pmap", "--quick", "--json", str(path))
+    md = tmp_path / "pmap.md"
+    out = run_cli("bench", "--suite", "pmap", "--quick", "--json", str(path), "--markdown", str(md))
     assert out.returncode == 0, out.stderr
     report = json.loads(path.read_text())
     assert report["suite"] == "pmap" and report["machine"]["devices"] == 8
@@ -107,3 +108,4 @@ def test_bench_pmap_quick_writes_json(tmp_path):
     (target,) = report["targets"]
     assert target["value"] > 0 and isinstance(target["met"], bool)
     assert "target" in out.stdout
+    assert "| spmdkit.pmap |" in md.read_text() and "target <= 1.0" in md.read_text()

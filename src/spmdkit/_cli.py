@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", parents=[common], help="run a benchmark suite (8 devices by default)")
     p.add_argument("--suite", choices=sorted(SUITES), required=True, help="which suite")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
+    p.add_argument("--markdown", metavar="FILE", help="also write the figures as Markdown to FILE")
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run)")
     return parser
 
@@ -136,7 +137,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._bench import SUITES
-    from spmdkit._bench.report import print_report
+    from spmdkit._bench.report import print_report, to_markdown
 
     report = SUITES[args.suite](quick=args.quick)
     print_report(report, console)
@@ -144,6 +145,10 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
         console.print(f"wrote {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(to_markdown(report))
+        console.print(f"wrote {args.markdown}")
     return 0
 
 

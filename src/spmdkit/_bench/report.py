@@ -28,3 +28,22 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for t in report.get("targets", []):
         verdict = "[green]met[/]" if t["met"] else "[red]MISSED[/]"
         console.print(f"target: {t['name']} = {t['value']:.3f} (target {t['target']}): {verdict}")
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown section, the form BENCHMARKS.md keeps."""
+    m = report["machine"]
+    cols = report["columns"]
+    lines = [
+        f"Measured {m['date']} on {m['cpu_count']} cores ({m['processor']}), "
+        f"{m['devices']} {m['backend']} device(s), jax {m['jax']}, Python {m['python']}.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join(" --- " for _ in cols) + "|",
+    ]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in cols) + " |" for row in report["rows"]]
+    lines.append("")
+    for t in report.get("targets", []):
+        verdict = "met" if t["met"] else "**missed**"
+        lines.append(f"- {t['name']}: **{t['value']:.3f}** (target {t['target']}): {verdict}")
+    return "\n".join(lines) + "\n"
