@@ -10,17 +10,24 @@ from spmdkit._devices import (
     suggest_mesh,
     use_host_devices,
 )
+from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
 from spmdkit._errors import (
     AxisNameError,
     BatchSizeError,
+    ConfigError,
+    DataError,
     DeviceSetupError,
     MappedAxisError,
     MeshError,
+    NonFiniteLossError,
     SpmdkitError,
     TreeMismatchError,
 )
 from spmdkit._mesh import make_mesh
 from spmdkit._pmap import ShardedBatch, pmap, replicate, shard, unreplicate
+from spmdkit._strategies import DataParallel, Single, Strategy, TrainState, get_strategy
+from spmdkit._tasks import Task, get_task
+from spmdkit._train import FitResult, fit, load_params, save_params
 
 __version__ = "0.1.0"
 
@@ -28,17 +35,34 @@ __all__ = [
     "ENV_HOST_DEVICES",
     "AxisNameError",
     "BatchSizeError",
+    "ConfigError",
+    "DataError",
+    "DataParallel",
     "DeviceSetupError",
+    "FitResult",
     "MappedAxisError",
     "MeshError",
+    "NonFiniteLossError",
+    "OptimizerConfig",
+    "RunConfig",
     "ShardedBatch",
+    "Single",
     "SpmdkitError",
+    "Strategy",
+    "Task",
+    "TrainConfig",
+    "TrainState",
     "TreeMismatchError",
     "device_table",
+    "fit",
+    "get_strategy",
+    "get_task",
     "host_devices_from_env",
+    "load_params",
     "make_mesh",
     "pmap",
     "replicate",
+    "save_params",
     "shard",
     "suggest_mesh",
     "unreplicate",

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(or --host-devices N) and prints what it did.",
     )
 
+    _add_train_parser(sub, common)
+
     from spmdkit._bench import SUITES
 
     p = sub.add_parser("bench", parents=[common], help="run a benchmark suite (8 devices by default)")
@@ -82,13 +84,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
+    from spmdkit._strategies import IMPLS, STRATEGIES
+    from spmdkit._tasks import TASKS
+
+    p = sub.add_parser(
+        "train",
+        parents=[common],
+        help="train a task with a strategy; writes metrics, summary, params and plots",
+        description="Train a built-in task. Option values come from the task's defaults, then "
+        "--config FILE (flat TOML whose keys mirror these flags), then the flags themselves.",
+        argument_default=argparse.SUPPRESS,  # so we know which flags were given
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file of options (keys mirror the flags)")
+    p.add_argument("--task", choices=sorted(TASKS), help="what to train (default: linreg)")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), help="where it runs (default: data)")
+    p.add_argument("--impl", choices=IMPLS, help="data-parallel implementation (default: jit)")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the task's)")
+    p.add_argument("--epochs", type=_positive_int, help="passes over the training set, instead of --steps")
+    p.add_argument("--batch-size", type=int, help="global batch size, all devices together")
+    p.add_argument("--optimizer", help="sgd, adam or adamw (default: the task's)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the task's)")
+    p.add_argument("--momentum", type=float, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, help="AdamW weight decay")
+    p.add_argument("--seed", type=int, help="seed of init, data order and step randomness (default 0)")
+    p.add_argument("--eval-every", type=_positive_int, help="steps between evals (default: each epoch)")
+    p.add_argument("--eval-batch-size", type=_positive_int, help="examples per eval batch (default 256)")
+    p.add_argument("--log-every", type=_positive_int, help="steps per metrics line (default 1)")
+    p.add_argument("--drop-remainder", action="store_true", help="skip each epoch's last partial batch")
+    p.add_argument("--out", metavar="DIR", help="output directory (default runs/latest)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
 # Commands that run on 8 simulated devices unless told otherwise: they are about
 # showing or measuring many devices on a machine that has one CPU.
 _DEFAULT_DEVICES = {"demo": 8, "bench": 8}
 
 
 def _setup_devices(args: argparse.Namespace) -> None:
-    n = args.host_devices or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
+    n = getattr(args, "host_devices", None)
+    if n is None and getattr(args, "config", None):
+        from spmdkit._config import load_toml
+
+        n = load_toml(args.config).get("host_devices")
+    n = n or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
     if n is not None:
         use_host_devices(n)
 
@@ -152,7 +191,18 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-_COMMANDS = {"devices": _cmd_devices, "demo": _cmd_demo, "bench": _cmd_bench}
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._train_cli import train_from_args
+
+    return train_from_args(args, console)
+
+
+_COMMANDS = {
+    "devices": _cmd_devices,
+    "demo": _cmd_demo,
+    "bench": _cmd_bench,
+    "train": _cmd_train,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,3 +39,20 @@ class BatchSizeError(SpmdkitError, ValueError):
 def fix(message: str, remedy: str) -> str:
     """Join a diagnosis and its remedy in the house style."""
     return f"{message}\n  Fix: {remedy}"
+
+
+class ConfigError(SpmdkitError, ValueError):
+    """A training option or config-file key is invalid."""
+
+
+class DataError(SpmdkitError, ValueError):
+    """A data set is malformed: mismatched lengths, missing or corrupt files."""
+
+
+class NonFiniteLossError(SpmdkitError, FloatingPointError):
+    """Training produced a NaN or infinite loss; the last good state is kept."""
+
+    def __init__(self, message: str, step: int, loss: float):
+        super().__init__(message)
+        self.step = step
+        self.loss = loss

@@ -1,0 +1,184 @@
+"""Frozen configs, one per concern, and the TOML file that mirrors the CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+import optax
+
+from spmdkit._errors import ConfigError, fix
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """When things happen in the training loop.
+
+    Exactly one of ``steps`` and ``epochs`` sets the length. ``batch_size`` is the
+    global batch (all devices together); results do not depend on how many devices
+    share it.
+    """
+
+    steps: int | None = None
+    epochs: int | None = None
+    batch_size: int = 32
+    seed: int = 0
+    eval_every: int | None = None  # steps; None: once per epoch and at the end
+    eval_batch_size: int = 256
+    log_every: int = 1
+    drop_remainder: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.epochs is None:
+            object.__setattr__(self, "steps", 100)
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError(
+                fix(
+                    f"both steps={self.steps} and epochs={self.epochs} were given.",
+                    "give one of them: --steps S or --epochs E.",
+                )
+            )
+        for name in ("steps", "epochs", "batch_size", "eval_every", "eval_batch_size", "log_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(
+                    fix(f"{name}={value!r} must be a whole number >= 1.", f"e.g. {name}=10.")
+                )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(fix(f"seed={self.seed!r} must be an int >= 0.", "e.g. seed=0."))
+
+
+_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optax optimizer, with which hyperparameters."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in _OPTIMIZERS:
+            raise ConfigError(
+                fix(
+                    f"optimizer={self.name!r} is not known.",
+                    f"choose one of {list(_OPTIMIZERS)} (or pass any optax transformation "
+                    "from Python).",
+                )
+            )
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise ConfigError(
+                fix(
+                    f"lr={lr!r}: the learning rate must be a finite number > 0.",
+                    "pass e.g. --lr 0.01 (a negative rate would climb the loss, not descend it).",
+                )
+            )
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(fix(f"momentum={self.momentum!r} must be in [0, 1).", "e.g. 0.9."))
+        if self.weight_decay < 0:
+            raise ConfigError(fix(f"weight_decay={self.weight_decay!r} must be >= 0.", "e.g. 1e-4."))
+
+    def build(self) -> optax.GradientTransformation:
+        """The optax transformation this config describes."""
+        if self.name == "sgd":
+            return optax.sgd(self.lr, momentum=self.momentum or None)
+        if self.name == "adam":
+            return optax.adam(self.lr)
+        return optax.adamw(self.lr, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to train, where it runs, where results go."""
+
+    task: str = "linreg"
+    strategy: str = "data"
+    impl: str = "jit"
+    host_devices: int | None = None
+    out: str = "runs/latest"
+    progress: bool = True
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+# Keys of the TOML file / CLI flags -> (config section, field). Flags and keys share
+# one table so that a key the file accepts is always a flag too, and the reverse.
+_KEYS: dict[str, tuple[str | None, str]] = {
+    "task": (None, "task"),
+    "strategy": (None, "strategy"),
+    "impl": (None, "impl"),
+    "host_devices": (None, "host_devices"),
+    "out": (None, "out"),
+    "progress": (None, "progress"),
+    **{f.name: ("train", f.name) for f in dataclasses.fields(TrainConfig)},
+    "optimizer": ("optimizer", "name"),
+    "lr": ("optimizer", "lr"),
+    "momentum": ("optimizer", "momentum"),
+    "weight_decay": ("optimizer", "weight_decay"),
+}
+CONFIG_KEYS = tuple(_KEYS)
+
+
+def _normalise(key: str) -> str:
+    return key.strip().replace("-", "_")
+
+
+def check_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Normalise ``batch-size`` to ``batch_size``; an unknown key is a ConfigError."""
+    out = {}
+    for key, value in values.items():
+        k = _normalise(key)
+        if k not in _KEYS:
+            close = difflib.get_close_matches(k, CONFIG_KEYS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                fix(
+                    f"{source}: unknown key {key!r}.",
+                    f"{hint}known keys: {', '.join(CONFIG_KEYS)}.",
+                )
+            )
+        out[k] = value
+    return out
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a flat TOML config whose keys mirror the flags (``batch-size = 32``)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(fix(f"config file {path!r} does not exist.", "check the path.")) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(fix(f"config file {path!r} is not valid TOML: {e}.", "fix the syntax.")) from None
+    nested = [k for k, v in raw.items() if isinstance(v, dict)]
+    if nested:
+        raise ConfigError(
+            fix(
+                f"config file {path!r}: keys are flat (they mirror the flags), but "
+                f"{nested} are tables.",
+                "write e.g. `lr = 0.01`, not `[optimizer]\\nlr = 0.01`.",
+            )
+        )
+    return check_keys(raw, f"config file {path!r}")
+
+
+def build_run_config(values: dict[str, Any]) -> RunConfig:
+    """A RunConfig from flat, already-checked keys; each dataclass validates itself."""
+    sections: dict[str | None, dict[str, Any]] = {None: {}, "train": {}, "optimizer": {}}
+    for key, value in check_keys(values, "options").items():
+        section, name = _KEYS[key]
+        sections[section][name] = value
+    try:
+        train = TrainConfig(**sections["train"])
+        optimizer = OptimizerConfig(**sections["optimizer"])
+        return RunConfig(train=train, optimizer=optimizer, **sections[None])
+    except TypeError as e:  # a wrongly typed value in a TOML file
+        raise ConfigError(fix(f"invalid option value: {e}.", "check the types in the config file.")) from None

@@ -1,0 +1,110 @@
+"""What every strategy shares: the train state, the contract, exact masked means.
+
+A strategy decides where the train state and the batches live on the devices and
+compiles the step; it knows nothing of the task. The loop calls only what
+:class:`Strategy` lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+Params = Any
+Batch = Any
+# loss_fn(params, batch, rng) -> (mean loss over the batch, {name: mean metric})
+LossFn = Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+# step(state, batch, mask or None, rng) -> (new state, {name: scalar})
+StepFn = Callable[..., tuple["TrainState", dict[str, jax.Array]]]
+# eval(params, batch, mask or None, rng) -> {"count": n, "loss": sum, name: sum, ...}
+EvalFn = Callable[..., dict[str, jax.Array]]
+
+
+class TrainState(NamedTuple):
+    """Everything the optimizer carries from one step to the next."""
+
+    step: jax.Array
+    params: Params
+    opt_state: optax.OptState
+
+
+class Strategy(Protocol):
+    """How a train state and batches live on a mesh, and the compiled steps."""
+
+    name: str
+
+    @property
+    def batch_shards(self) -> int:
+        """How many pieces the global batch is split into (its size is padded to a multiple)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Mesh shape, device count and implementation, for summaries."""
+        ...
+
+    def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+        """The initial state, already placed where the steps expect it."""
+        ...
+
+    def put_batch(self, batch: Batch, size: int | None = None) -> tuple[Batch, jax.Array | None]:
+        """A host batch on the devices, padded to ``size`` (rounded up to ``batch_shards``)."""
+        ...
+
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
+        ...
+
+    def eval_step(self, loss_fn: LossFn) -> EvalFn:
+        ...
+
+    def host_params(self, state: TrainState) -> Params:
+        """The parameters as numpy arrays on the host (the single model's)."""
+        ...
+
+
+def padded_size(size: int, shards: int) -> int:
+    return -(-size // shards) * shards
+
+
+def pad_batch(batch: Batch, size: int) -> tuple[Batch, np.ndarray | None]:
+    """Zero-pad every leaf to ``size`` rows; the mask is None when nothing was padded."""
+    n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if n == size:
+        return batch, None
+    pad = lambda x: np.concatenate([x, np.zeros((size - n, *x.shape[1:]), x.dtype)])  # noqa: E731
+    return jax.tree.map(pad, batch), np.arange(size) < n
+
+
+def masked_sums(loss_fn: LossFn, params: Params, batch: Batch, mask: jax.Array | None, rng: jax.Array):
+    """``(loss sum, {metric: sum}, example count)`` over the real examples of a batch.
+
+    Without a mask the user's ``loss_fn`` sees the whole batch, exactly as on one
+    device. With a mask (a padded batch) it is applied to each example alone
+    (``vmap`` over batches of one, example ``i`` with ``fold_in(rng, i)``) and the
+    padded rows are weighted 0: exact for any loss that is a mean of per-example
+    terms, which is what makes the mean of an uneven batch right.
+    """
+    if mask is None:
+        count = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        loss, aux = loss_fn(params, batch, rng)
+        return loss * count, jax.tree.map(lambda a: a * count, aux), jnp.float32(count)
+
+    def one(example, i):
+        return loss_fn(params, jax.tree.map(lambda x: x[None], example), jax.random.fold_in(rng, i))
+
+    n = mask.shape[0]
+    losses, aux = jax.vmap(one)(batch, jnp.arange(n))
+    w = mask.astype(losses.dtype)
+    return jnp.sum(losses * w), jax.tree.map(lambda a: jnp.sum(a * w), aux), jnp.sum(w)
+
+
+def as_metrics(loss_sum, aux_sums, count) -> dict[str, jax.Array]:
+    return {"loss": loss_sum / count, **{k: v / count for k, v in aux_sums.items()}}
+
+
+def as_sums(loss_sum, aux_sums, count) -> dict[str, jax.Array]:
+    return {"count": count, "loss": loss_sum, **aux_sums}

@@ -1,0 +1,180 @@
+"""Data parallelism: parameters replicated, the batch split over a mesh axis.
+
+Two implementations of the same step, chosen by ``impl``:
+
+- ``"jit"`` (default): the user's loss runs on the *global* batch inside ``jax.jit``
+  with ``NamedSharding``; XLA splits the work and inserts the gradient all-reduce.
+  The program is the single-device program, so results do not depend on the device
+  count (random draws included: JAX's partitionable threefry gives the same bits
+  whatever the layout).
+- ``"shard_map"``: each device runs the loss on its own slice and the gradient sums
+  are ``psum``-ed explicitly (with ``check_vma=False``, so the gradient of the
+  replicated parameters is the per-device one and is not summed twice). A loss that
+  draws random numbers sees per-device shapes here, so its draws depend on the
+  device count; deterministic losses give the same results as ``"jit"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdkit._errors import ConfigError, MeshError, fix
+from spmdkit._mesh import make_mesh
+from spmdkit._strategies._base import (
+    EvalFn,
+    LossFn,
+    Params,
+    StepFn,
+    TrainState,
+    as_metrics,
+    as_sums,
+    masked_sums,
+    pad_batch,
+    padded_size,
+)
+
+IMPLS = ("jit", "shard_map")
+
+
+class DataParallel:
+    """Replicated parameters, batch split over ``axis`` of ``mesh``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, spmdkit
+        >>> strategy = spmdkit.DataParallel()            # every device on one 'data' axis
+        >>> loss = lambda p, b, rng: (jnp.mean((b["x"] * p["w"] - b["y"]) ** 2), {})
+        >>> opt = optax.sgd(0.1)
+        >>> state = strategy.init_state(lambda rng: {"w": jnp.zeros(())}, opt, jax.random.key(0))
+        >>> step = strategy.train_step(loss, opt)
+        >>> batch, mask = strategy.put_batch({"x": np.ones(16, np.float32), "y": np.ones(16, np.float32)})
+        >>> state, metrics = step(state, batch, mask, jax.random.key(1))
+        >>> float(metrics["loss"])
+        1.0
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh | None = None,
+        *,
+        axis: str = "data",
+        impl: str = "jit",
+        name: str = "data",
+    ):
+        if impl not in IMPLS:
+            raise ConfigError(
+                fix(f"impl={impl!r} is not a data-parallel implementation.", f"choose one of {list(IMPLS)}.")
+            )
+        mesh = make_mesh(**{axis: -1}) if mesh is None else mesh
+        if axis not in mesh.axis_names:
+            raise MeshError(
+                fix(
+                    f"the mesh has axes {list(mesh.axis_names)} but the batch axis is {axis!r}.",
+                    f"pass axis= one of {list(mesh.axis_names)}, or build the mesh with "
+                    f"spmdkit.make_mesh({axis}=-1, ...).",
+                )
+            )
+        self.name = name
+        self.mesh = mesh
+        self.axis = axis
+        self.impl = impl
+        self._replicated = NamedSharding(mesh, P())
+        self._split = NamedSharding(mesh, P(axis))
+
+    @property
+    def batch_shards(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "impl": self.impl,
+            "mesh": dict(self.mesh.shape),
+            "device_count": self.mesh.size,
+        }
+
+    # ---- placement ------------------------------------------------------------
+    def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+        def init(key):
+            params = init_fn(key)
+            return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+        return jax.jit(init, out_shardings=self._replicated)(rng)
+
+    def put_batch(self, batch: Any, size: int | None = None):
+        n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        batch, mask = pad_batch(batch, padded_size(max(n, size or n), self.batch_shards))
+        placed = jax.device_put(batch, self._split)
+        return placed, None if mask is None else jax.device_put(mask, self._split)
+
+    def host_params(self, state: TrainState) -> Params:
+        return jax.device_get(state.params)
+
+    # ---- compiled steps ---------------------------------------------------------
+    def _grads_and_sums(self, loss_fn: LossFn) -> Callable[..., Any]:
+        """(params, batch, mask, rng) -> (grads of the global mean, (loss sum, aux sums, count))."""
+
+        def global_mean(params, batch, mask, rng):
+            def objective(p):
+                s, a, c = masked_sums(loss_fn, p, batch, mask, rng)
+                return s / c, (s, a, c)
+
+            return jax.grad(objective, has_aux=True)(params)
+
+        if self.impl == "jit":
+            return global_mean
+        axis = self.axis
+
+        def per_device(params, batch, mask, rng):
+            def objective(p):
+                s, a, c = masked_sums(loss_fn, p, batch, mask, rng)
+                return s / jax.lax.psum(c, axis), (s, a, c)
+
+            grads, sums = jax.grad(objective, has_aux=True)(params)
+            return jax.lax.psum((grads, sums), axis)
+
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(P(), P(axis), P(axis), P()),
+            out_specs=P(),
+            check_vma=False,
+        )
+
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
+        grads_and_sums = self._grads_and_sums(loss_fn)
+
+        def step(state: TrainState, batch, mask, rng):
+            grads, sums = grads_and_sums(state.params, batch, mask, rng)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            return TrainState(state.step + 1, params, opt_state), as_metrics(*sums)
+
+        r, s = self._replicated, self._split
+        return jax.jit(step, in_shardings=(r, s, s, r), out_shardings=(r, r))
+
+    def eval_step(self, loss_fn: LossFn) -> EvalFn:
+        if self.impl == "jit":
+
+            def evaluate(params, batch, mask, rng):
+                return as_sums(*masked_sums(loss_fn, params, batch, mask, rng))
+
+        else:
+            axis = self.axis
+
+            def local(params, batch, mask, rng):
+                return jax.lax.psum(as_sums(*masked_sums(loss_fn, params, batch, mask, rng)), axis)
+
+            evaluate = jax.shard_map(
+                local, mesh=self.mesh, in_specs=(P(), P(axis), P(axis), P()), out_specs=P(), check_vma=False
+            )
+        r, s = self._replicated, self._split
+        return jax.jit(evaluate, in_shardings=(r, s, s, r), out_shardings=r)
+
+    def __repr__(self) -> str:
+        return f"DataParallel(mesh={dict(self.mesh.shape)}, axis={self.axis!r}, impl={self.impl!r})"

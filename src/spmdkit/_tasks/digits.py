@@ -1,0 +1,77 @@
+"""Seed 003's CNN, scaled to 8x8 inputs, on scikit-learn's handwritten digits."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from spmdkit._tasks._base import Task
+
+
+class CNN(nn.Module):
+    """The Flax MNIST example's CNN (conv 32, conv 64, dense 256, dense 10)."""
+
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(32, (3, 3))(x))
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Conv(64, (3, 3))(x))
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.relu(nn.Dense(256)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+def classification_task(
+    name: str, model: nn.Module, train: dict, test: dict, defaults: dict
+) -> Task:
+    """A softmax classifier task for any Flax module on ``{"image", "label"}`` data."""
+    example = jnp.zeros((1, *train["image"].shape[1:]), jnp.float32)
+
+    def init(rng):
+        return model.init(rng, example)["params"]
+
+    def loss_fn(params, batch, rng):
+        logits = model.apply({"params": params}, batch["image"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+        return loss, {"accuracy": accuracy}
+
+    return Task(name=name, init=init, loss_fn=loss_fn, train_data=train, eval_data=test, defaults=defaults)
+
+
+def load(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[dict, dict]:
+    """The 1,797 8x8 digits shipped with scikit-learn, scaled to [0, 1], split."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[..., None]
+    labels = digits.target.astype(np.int32)
+    order = np.random.default_rng(split_seed).permutation(len(labels))
+    n_test = int(round(len(labels) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return (
+        {"image": images[train], "label": labels[train]},
+        {"image": images[test], "label": labels[test]},
+    )
+
+
+def make() -> Task:
+    train, test = load()
+    return classification_task(
+        "digits",
+        CNN(),
+        train,
+        test,
+        defaults={"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "steps": 300, "batch_size": 64},
+    )
+
+
+def predict(params, images: np.ndarray) -> jax.Array:
+    """Class probabilities of the digits CNN."""
+    return jax.nn.softmax(CNN().apply({"params": params}, images))

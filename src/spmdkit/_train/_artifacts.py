@@ -1,0 +1,156 @@
+"""What a run leaves behind: metrics.jsonl, summary.json, params.npz, plots."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmdkit._errors import DataError, fix
+
+
+class MetricsWriter:
+    """Append-only JSON lines, flushed per line so a crash loses at most one."""
+
+    def __init__(self, path: Path | None):
+        self._fh = None if path is None else open(path, "w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically: a reader never sees half a summary."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    os.replace(tmp, path)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (np.generic, jax.Array)):
+        return np.asarray(x).tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def flat_params(params: Any) -> dict[str, np.ndarray]:
+    """``{"['Dense_0']['kernel']": array, ...}``: one array per leaf, keyed by path."""
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+
+
+def save_params(path: Path, params: Any) -> None:
+    """Save parameters as ``.npz``, one array per leaf keyed by its pytree path."""
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **flat_params(params))
+    os.replace(tmp, path)
+
+
+def load_params(path: str | os.PathLike, like: Any = None) -> Any:
+    """Read a ``params.npz`` written by spmdkit (no pickle is ever loaded).
+
+    Without ``like`` returns ``{path: array}``; with ``like`` (a pytree of the same
+    structure, e.g. the model's init) returns that structure filled from the file.
+
+    Example:
+        >>> import numpy as np, tempfile, pathlib, spmdkit
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "params.npz"
+        >>> spmdkit.save_params(p, {"w": np.ones(2)})
+        >>> spmdkit.load_params(p, like={"w": np.zeros(2)})["w"].tolist()
+        [1.0, 1.0]
+    """
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    if like is None:
+        return arrays
+    leaves = jax.tree_util.tree_flatten_with_path(like)
+    out = []
+    for p, leaf in leaves[0]:
+        key = jax.tree_util.keystr(p)
+        if key not in arrays:
+            raise DataError(
+                fix(
+                    f"{path} has no array for parameter {key} (it holds {sorted(arrays)[:6]}...).",
+                    "load it into the structure it was saved from.",
+                )
+            )
+        if arrays[key].shape != np.shape(leaf):
+            raise DataError(
+                fix(
+                    f"{path}: parameter {key} has shape {arrays[key].shape} in the file but "
+                    f"{np.shape(leaf)} in the model.",
+                    "load it into the model it was trained with.",
+                )
+            )
+        out.append(arrays[key])
+    return jax.tree_util.tree_unflatten(leaves[1], out)
+
+
+def params_digest(params: Any) -> str:
+    """A short hash of every leaf's path, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for key, arr in flat_params(params).items():
+        h.update(f"{key}|{arr.dtype}|{arr.shape}|".encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()[:16]
+
+
+def param_count(params: Any) -> int:
+    return int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params)))
+
+
+def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Loss (train and eval) per step, and every other metric in a second panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in history if r["split"] == "train"]
+    evals = [r for r in history if r["split"] == "eval"]
+    extra = sorted(
+        {k for r in history for k in r if k not in _NOT_METRICS and k != "loss"}
+    )
+    fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(11 if extra else 6, 4), squeeze=False)
+    ax = axes[0, 0]
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval loss")
+    losses = [r["loss"] for r in train + evals if math.isfinite(r["loss"])]
+    if losses and min(losses) > 0 and max(losses) / min(losses) > 100:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if extra:
+        ax = axes[0, 1]
+        for name in extra:
+            for split, rows, style in (("train", train, "-"), ("eval", evals, "o-")):
+                pts = [(r["step"], r[name]) for r in rows if name in r]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{split} {name}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+_NOT_METRICS = {"split", "step", "epoch", "steps_per_sec", "elapsed_s", "count"}

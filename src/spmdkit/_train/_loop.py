@@ -1,0 +1,290 @@
+"""The training loop: steps, eval, metrics, artifacts, stop rules.
+
+It knows neither the task's insides nor the strategy's: it asks the strategy to
+place state and batches and to compile the steps, and the task for data and loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from spmdkit._config import TrainConfig
+from spmdkit._errors import ConfigError, NonFiniteLossError, fix
+from spmdkit._strategies._base import Strategy, TrainState
+from spmdkit._tasks._base import Task, num_examples
+from spmdkit._train import _artifacts as art
+
+
+class FitResult(NamedTuple):
+    """What :func:`fit` returns: the final state, host parameters, summary, history."""
+
+    state: TrainState
+    params: Any
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+
+
+def iterate_batches(data: Any, batch_size: int, seed: int, drop_remainder: bool) -> Iterator[tuple[int, Any]]:
+    """``(epoch, host batch)`` forever; the order depends only on ``seed`` and epoch."""
+    n = num_examples(data)
+    stop = n - n % batch_size if drop_remainder else n
+    epoch = 0
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        for start in range(0, stop, batch_size):
+            idx = order[start : start + batch_size]
+            yield epoch, jax.tree.map(lambda x: x[idx], data)
+        epoch += 1
+
+
+def evaluate(strategy: Strategy, eval_fn, params, data: Any, batch_size: int, rng: jax.Array) -> dict[str, float]:
+    """Exact means over a whole data set, in fixed-size (padded, masked) chunks."""
+    n = num_examples(data)
+    size = min(batch_size, n)
+    totals: dict[str, float] = {}
+    for start in range(0, n, size):
+        chunk = jax.tree.map(lambda x: x[start : start + size], data)
+        batch, mask = strategy.put_batch(chunk, size=size)
+        sums = jax.device_get(eval_fn(params, batch, mask, rng))
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    count = totals.pop("count")
+    return {k: v / count for k, v in totals.items()}
+
+
+class _StopRequest:
+    """First Ctrl-C: finish the current step, then stop. Second: stop at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _progress(enabled: bool, total: int, title: str):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn(f"[bold]{title}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[rate]} steps/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    )
+
+
+def fit(
+    task: Task,
+    strategy: Strategy,
+    optimizer: optax.GradientTransformation,
+    config: TrainConfig = TrainConfig(),
+    *,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    run_info: dict[str, Any] | None = None,
+) -> FitResult:
+    """Train ``task`` with ``strategy`` and ``optimizer`` for ``config.steps`` (or epochs).
+
+    The data order, initialisation and per-step randomness depend only on
+    ``config.seed``, so the same config on 1 or 8 devices gives the same result.
+    The loop waits for every step to finish before the next (XLA:CPU deadlocks
+    when many collective steps are queued). With ``out_dir`` it writes
+    ``metrics.jsonl`` (as it goes), ``summary.json``, ``params.npz`` and ``loss.png``.
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np, optax, spmdkit
+        >>> x = np.linspace(-1, 1, 64, dtype=np.float32)
+        >>> task = spmdkit.Task(
+        ...     name="line",
+        ...     init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+        ...     loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+        ...     train_data={"x": x, "y": 3 * x + 1},
+        ... )
+        >>> result = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.3),
+        ...                      spmdkit.TrainConfig(steps=200, batch_size=16), progress=False)
+        >>> round(float(result.params["w"]), 2), round(float(result.params["b"]), 2)
+        (3.0, 1.0)
+    """
+    n_train = task.num_train
+    bs = config.batch_size
+    if bs > n_train:
+        raise ConfigError(
+            fix(
+                f"batch_size={bs} is larger than the training set of task {task.name!r} "
+                f"({n_train} examples).",
+                f"use --batch-size {n_train} or less.",
+            )
+        )
+    steps_per_epoch = n_train // bs if config.drop_remainder else math.ceil(n_train / bs)
+    total = config.steps if config.steps is not None else config.epochs * steps_per_epoch
+    eval_every = config.eval_every or steps_per_epoch
+    out = None if out_dir is None else Path(out_dir)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+
+    key = jax.random.key(config.seed)
+    init_key, step_key, eval_key = jax.random.split(key, 3)
+    state = strategy.init_state(task.init, optimizer, init_key)
+    step_fn = strategy.train_step(task.loss_fn, optimizer)
+    eval_fn = strategy.eval_step(task.loss_fn)
+    batches = iterate_batches(task.train_data, bs, config.seed, config.drop_remainder)
+
+    history: list[dict[str, Any]] = []
+    writer = art.MetricsWriter(None if out is None else out / "metrics.jsonl")
+    status, failure = "completed", None
+    good = state
+    done = 0
+    last_train: dict[str, float] = {}
+    window: dict[str, float] = {}
+    window_steps, window_start = 0, time.perf_counter()
+    t0 = time.perf_counter()
+    t_first = None  # end of the first step: excludes compilation from steps/s
+    eval_seconds = 0.0  # excluded from steps/s as well
+
+    def record(row: dict[str, Any]) -> None:
+        history.append(row)
+        writer.write(row)
+
+    def run_eval(params, at_step: int) -> None:
+        nonlocal eval_seconds
+        if task.eval_data is None:
+            return
+        started = time.perf_counter()
+        means = evaluate(strategy, eval_fn, params, task.eval_data, config.eval_batch_size, eval_key)
+        record({"split": "eval", "step": at_step, **means})
+        eval_seconds += time.perf_counter() - started
+
+    title = f"{task.name} / {strategy.name}"
+    try:
+        with _StopRequest() as stop, _progress(progress, total, title) as bar:
+            bar_task = bar.add_task(title, total=total, loss="-", rate="-") if bar else None
+            for step in range(total):
+                epoch, host_batch = next(batches)
+                batch, mask = strategy.put_batch(host_batch, size=bs)
+                new_state, metrics = step_fn(state, batch, mask, jax.random.fold_in(step_key, step))
+                # Block every step: queued collective steps deadlock XLA:CPU.
+                jax.block_until_ready(new_state)
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not math.isfinite(values["loss"]):
+                    status = "diverged"
+                    failure = NonFiniteLossError(
+                        fix(
+                            f"the training loss became {values['loss']} at step {step + 1} "
+                            f"(epoch {epoch + 1}). The last finite loss was "
+                            f"{last_train.get('loss', float('nan')):.6g} at step {step}; the "
+                            "parameters that produced it are kept"
+                            + (f" in {out / 'params.npz'}." if out else "."),
+                            "lower the learning rate (--lr), or check the data for NaN/inf.",
+                        ),
+                        step=step + 1,
+                        loss=values["loss"],
+                    )
+                    state = good
+                    break
+                good, state, done = state, new_state, step + 1
+                last_train = values
+                if t_first is None:
+                    t_first = time.perf_counter()
+                for k, v in values.items():
+                    window[k] = window.get(k, 0.0) + v
+                window_steps += 1
+                if done % config.log_every == 0 or done == total:
+                    now = time.perf_counter()
+                    rate = window_steps / max(now - window_start, 1e-9)
+                    record(
+                        {
+                            "split": "train",
+                            "step": done,
+                            "epoch": epoch + 1,
+                            **{k: v / window_steps for k, v in window.items()},
+                            "steps_per_sec": rate,
+                            "elapsed_s": now - t0,
+                        }
+                    )
+                    window, window_steps, window_start = {}, 0, now
+                    if bar is not None:
+                        bar.update(bar_task, loss=f"{values['loss']:.4g}", rate=f"{rate:.1f}")
+                if bar is not None:
+                    bar.update(bar_task, completed=done)
+                if done % eval_every == 0 or done == total:
+                    run_eval(state.params, done)
+                if stop.requested:
+                    status = "interrupted"
+                    break
+    except KeyboardInterrupt:
+        status = "interrupted"
+    elapsed = time.perf_counter() - t0
+    train_seconds = None if t_first is None else time.perf_counter() - t_first - eval_seconds
+    if status == "interrupted" and done and history[-1]["split"] != "eval":
+        run_eval(state.params, done)  # so an interrupted run still reports where it got
+    writer.close()
+    params = strategy.host_params(state)
+    eval_row = next((r for r in reversed(history) if r["split"] == "eval"), None)
+    summary: dict[str, Any] = {
+        "task": task.name,
+        "status": status,
+        **strategy.describe(),
+        "steps": done,
+        "steps_planned": total,
+        "epochs": done / steps_per_epoch,
+        "batch_size": bs,
+        "seed": config.seed,
+        "final_train_loss": last_train.get("loss"),
+        "final_train_metrics": last_train,
+        "eval_loss": None if eval_row is None else eval_row["loss"],
+        **(
+            {f"eval_{k}": v for k, v in eval_row.items() if k not in ("split", "step", "loss")}
+            if eval_row
+            else {}
+        ),
+        "wall_time_s": elapsed,
+        "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
+        "params_digest": art.params_digest(params),
+        "param_count": art.param_count(params),
+        **(task.report(params) if task.report else {}),
+        **({"config": run_info} if run_info else {}),
+    }
+    if out is not None:
+        art.save_params(out / "params.npz", params)
+        art.write_json(out / "summary.json", summary)
+        if history:
+            art.plot_history(history, out / "loss.png", f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)")
+    if failure is not None:
+        raise failure
+    return FitResult(state, params, summary, history)

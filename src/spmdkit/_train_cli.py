@@ -1,0 +1,80 @@
+"""``spmdkit train``: resolve options (task defaults < config file < flags), run, report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from spmdkit._config import build_run_config, check_keys, load_toml
+from spmdkit._errors import NonFiniteLossError
+from spmdkit._strategies import get_strategy
+from spmdkit._tasks import get_task
+from spmdkit._train import fit
+
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
+
+
+def resolve_options(flags: dict[str, Any]) -> dict[str, Any]:
+    """Flat options: the task's defaults, overridden by the config file, then by flags."""
+    flags = dict(flags)
+    path = flags.pop("config", None)
+    from_file = load_toml(path) if path else {}
+    given = {**from_file, **check_keys(flags, "flags")}
+    task_name = given.get("task", "linreg")
+    defaults = dict(get_task(task_name).defaults)
+    # A task's default length must not clash with a user-given --epochs.
+    if "epochs" in given:
+        defaults.pop("steps", None)
+    return {**defaults, **given}
+
+
+def train_from_args(args: argparse.Namespace, console: Console) -> int:
+    flags = {k: v for k, v in vars(args).items() if k not in ("command",)}
+    options = resolve_options(flags)
+    run = build_run_config(options)
+    task = get_task(run.task)
+    strategy = get_strategy(run.strategy, run.impl)
+    info = strategy.describe()
+    console.print(
+        f"training [bold]{run.task}[/] with [bold]{info['strategy']}[/] ({info['impl']}) on "
+        f"{info['device_count']} device(s), mesh {info['mesh']}; output in {run.out}"
+    )
+    try:
+        result = fit(
+            task,
+            strategy,
+            run.optimizer.build(),
+            run.train,
+            out_dir=run.out,
+            progress=run.progress,
+            run_info=_jsonable_options(options),
+        )
+    except NonFiniteLossError as e:
+        Console(stderr=True).print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        return EXIT_DIVERGED
+    _print_summary(result.summary, Path(run.out), console)
+    return EXIT_INTERRUPTED if result.summary["status"] == "interrupted" else 0
+
+
+def _jsonable_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if isinstance(v, (str, int, float, bool)) or v is None}
+
+
+def _print_summary(summary: dict[str, Any], out: Path, console: Console) -> None:
+    table = Table(title=f"{summary['task']}: {summary['status']} after {summary['steps']} steps")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    keys = ["final_train_loss", "eval_loss", "eval_accuracy", "w", "b", "wall_time_s", "steps_per_sec", "params_digest"]
+    for k in keys:
+        if summary.get(k) is not None:
+            v = summary[k]
+            table.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
+    console.print(table)
+    console.print(
+        f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'params.npz'}, {out / 'loss.png'}"
+    )
