@@ -84,12 +84,15 @@ def test_bad_env_value_is_a_clean_error():
     assert "SPMDKIT_HOST_DEVICES='many' is not a positive integer" in out.stderr
 
 
-def test_demo_runs_seed000_on_eight_devices():
-    out = run_cli("demo")
+def test_demo_runs_seed000_and_trains_on_eight_devices(tmp_path):
+    out = run_cli("demo", "--out", str(tmp_path), "--steps", "60")
     assert out.returncode == 0, out.stderr
     assert "on 8 device(s)" in out.stdout
     assert "first row [11.0, 20.0, 29.0]" in out.stdout
+    assert "split over mesh {'data': 8}" in out.stdout
     assert "demo OK" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["device_count"] == 8 and summary["steps"] == 60
 
 
 def test_bench_pmap_quick_writes_json(tmp_path):

@@ -1,0 +1,166 @@
+"""The training loop: artifacts, data order, eval, divergence, users' own models."""
+
+from __future__ import annotations
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._tasks import linreg
+from spmdkit._train import evaluate, iterate_batches
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_artifacts(tmp_path):
+    task = linreg.make()
+    result = spmdkit.fit(
+        task, spmdkit.DataParallel(), optax.sgd(0.005),
+        spmdkit.TrainConfig(steps=40, batch_size=32, log_every=10),
+        out_dir=tmp_path, progress=False, run_info={"lr": 0.005},
+    )
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    assert [r["step"] for r in evals] == [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]  # each epoch of 4 steps
+    assert all(r["steps_per_sec"] > 0 for r in train)
+    assert rows == result.history
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("task", "strategy", "device_count", "mesh", "steps", "final_train_loss", "eval_loss",
+                "wall_time_s", "steps_per_sec", "params_digest", "w", "b", "status"):
+        assert key in summary, key
+    assert summary["status"] == "completed" and summary["steps"] == 40
+    assert summary["device_count"] == 8 and summary["mesh"] == {"data": 8}
+    assert summary["config"] == {"lr": 0.005}
+    assert summary["eval_loss"] == evals[-1]["loss"]
+
+    loaded = spmdkit.load_params(tmp_path / "params.npz")
+    assert sorted(loaded) == ["['bias']", "['weight']"]
+    back = spmdkit.load_params(tmp_path / "params.npz", like=task.init(jax.random.key(0)))
+    assert float(back["weight"]) == summary["w"] == float(result.params["weight"])
+
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_load_params_errors(tmp_path):
+    spmdkit.save_params(tmp_path / "p.npz", {"w": np.ones((2, 3))})
+    with pytest.raises(spmdkit.DataError, match=r"no array for parameter \['v'\]"):
+        spmdkit.load_params(tmp_path / "p.npz", like={"v": np.ones(1)})
+    with pytest.raises(spmdkit.DataError, match=r"\['w'\] has shape \(2, 3\) in the file but \(3, 2\)"):
+        spmdkit.load_params(tmp_path / "p.npz", like={"w": np.ones((3, 2))})
+
+
+def test_data_order_is_deterministic_and_covers_every_example():
+    data = {"i": np.arange(10)}
+    a = iterate_batches(data, 4, seed=3, drop_remainder=False)
+    b = iterate_batches(data, 4, seed=3, drop_remainder=False)
+    first = [next(a) for _ in range(6)]
+    assert all(np.array_equal(x[1]["i"], y[1]["i"]) for x, y in zip(first, (next(b) for _ in range(6))))
+    assert [e for e, _ in first] == [0, 0, 0, 1, 1, 1]
+    assert [len(batch["i"]) for _, batch in first[:3]] == [4, 4, 2]
+    assert sorted(np.concatenate([batch["i"] for _, batch in first[:3]]).tolist()) == list(range(10))
+    assert not np.array_equal(first[0][1]["i"], first[3][1]["i"])  # a new order each epoch
+    other = next(iterate_batches(data, 4, seed=4, drop_remainder=False))
+    assert not np.array_equal(other[1]["i"], first[0][1]["i"])
+    dropped = iterate_batches(data, 4, seed=3, drop_remainder=True)
+    assert [len(next(dropped)[1]["i"]) for _ in range(3)] == [4, 4, 4]
+
+
+def test_epochs_and_drop_remainder_set_the_length():
+    task = linreg.make(num_points=40)
+    run = lambda **kw: spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.01), spmdkit.TrainConfig(**kw), progress=False)  # noqa: E731
+    assert run(epochs=2, batch_size=16).summary["steps"] == 6  # ceil(40/16) = 3 per epoch
+    assert run(epochs=2, batch_size=16, drop_remainder=True).summary["steps"] == 4
+
+
+def test_evaluate_is_the_exact_mean_over_uneven_chunks():
+    task = linreg.make()
+    strategy = spmdkit.DataParallel()
+    params = {"weight": jnp.float32(1.5), "bias": jnp.float32(0.25)}
+    means = evaluate(strategy, strategy.eval_step(task.loss_fn), params, task.eval_data, 50, jax.random.key(0))
+    x, y = task.eval_data["x"], task.eval_data["y"]
+    assert means["loss"] == pytest.approx(float(np.mean((1.5 * x + 0.25 - y) ** 2)), rel=1e-6)
+
+
+def test_divergence_stops_with_the_step_and_keeps_the_last_good_state(tmp_path):
+    with pytest.raises(spmdkit.NonFiniteLossError) as e:
+        spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optax.sgd(40.0),
+                    spmdkit.TrainConfig(steps=200, batch_size=128), out_dir=tmp_path, progress=False)
+    err = e.value
+    assert 1 < err.step < 200 and not np.isfinite(err.loss)
+    assert f"at step {err.step}" in str(err) and "--lr" in str(err)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["steps"] == err.step - 1
+    saved = spmdkit.load_params(tmp_path / "params.npz")
+    assert all(np.isfinite(v).all() for v in saved.values())
+
+
+def test_batch_larger_than_the_data_set():
+    with pytest.raises(spmdkit.ConfigError, match=r"batch_size=500 is larger than the training set .*\(128 examples\)"):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(batch_size=500), progress=False)
+
+
+# ---- users' own models --------------------------------------------------------
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.tanh(nn.Dense(16)(x)))
+
+
+def two_moons(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    t = rng.uniform(0, np.pi, n)
+    label = rng.integers(0, 2, n)
+    x = np.stack([np.cos(t) + label, np.sin(t) * (1 - 2 * label) + 0.5 * label], 1)
+    return {"x": (x + 0.1 * rng.standard_normal(x.shape)).astype(np.float32), "y": label.astype(np.int32)}
+
+
+def test_users_own_flax_module_loss_and_arrays():
+    model = MLP()
+
+    def loss_fn(params, batch, rng):
+        logits = model.apply({"params": params}, batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+
+    task = spmdkit.Task(
+        name="moons",
+        init=lambda rng: model.init(rng, jnp.zeros((1, 2)))["params"],
+        loss_fn=loss_fn,
+        train_data=two_moons(500, 0),
+        eval_data=two_moons(200, 1),
+    )
+    result = spmdkit.fit(task, spmdkit.DataParallel(), optax.adam(0.05),
+                         spmdkit.TrainConfig(steps=150, batch_size=50), progress=False)
+    assert result.summary["eval_accuracy"] > 0.95
+    assert set(result.params) == {"Dense_0", "Dense_1"}
+
+
+def test_users_plain_apply_fn_and_params_pytree():
+    def apply_fn(params, x):
+        return x @ params["w"] + params["b"]
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 3)).astype(np.float32)
+    true_w = np.array([[1.0], [-2.0], [0.5]], np.float32)
+    task = spmdkit.Task(
+        name="plain",
+        init=lambda key: {"w": jnp.zeros((3, 1)), "b": jnp.zeros((1,))},
+        loss_fn=lambda p, b, key: (jnp.mean((apply_fn(p, b["x"]) - b["y"]) ** 2), {}),
+        train_data={"x": x, "y": x @ true_w + 0.5},
+    )
+    result = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.1),
+                         spmdkit.TrainConfig(steps=300, batch_size=24), progress=False)
+    np.testing.assert_allclose(result.params["w"], true_w, atol=1e-3)
+    np.testing.assert_allclose(result.params["b"], [0.5], atol=1e-3)
