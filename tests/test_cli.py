@@ -112,3 +112,18 @@ def test_bench_pmap_quick_writes_json(tmp_path):
     assert target["value"] > 0 and isinstance(target["met"], bool)
     assert "target" in out.stdout
     assert "| spmdkit.pmap |" in md.read_text() and "target <= 1.0" in md.read_text()
+
+
+def test_bench_data_quick_writes_json(tmp_path):
+    path = tmp_path / "data.json"
+    out = run_cli("bench", "--suite", "data", "--quick", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(path.read_text())
+    assert {r["impl"] for r in report["rows"]} == {
+        "spmdkit jit", "spmdkit shard_map", "hand jit", "seed-002 pmap"
+    }
+    # Every implementation computed the same loss from the same state and batch.
+    assert all(r["loss_spread"] < 1e-4 for r in report["rows"])
+    assert [t["target"] for t in report["targets"]] == ["<= 1.02", "<= 1.0"]
+    flops = report["single_device_flops"]
+    assert flops["flops_per_step"] > 0 and 0 < flops["fraction_of_peak"] < 1.5

@@ -28,6 +28,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for t in report.get("targets", []):
         verdict = "[green]met[/]" if t["met"] else "[red]MISSED[/]"
         console.print(f"target: {t['name']} = {t['value']:.3f} (target {t['target']}): {verdict}")
+    for note in report.get("notes", []):
+        console.print(f"note: {note}")
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -46,4 +48,5 @@ def to_markdown(report: dict[str, Any]) -> str:
     for t in report.get("targets", []):
         verdict = "met" if t["met"] else "**missed**"
         lines.append(f"- {t['name']}: **{t['value']:.3f}** (target {t['target']}): {verdict}")
+    lines += [f"- {note}" for note in report.get("notes", [])]
     return "\n".join(lines) + "\n"

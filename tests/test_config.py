@@ -1,0 +1,99 @@
+"""Configs: validation, the TOML file, and option precedence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import spmdkit
+from spmdkit._config import build_run_config, check_keys, load_toml
+from spmdkit._train_cli import resolve_options
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"batch_size": 0}, "batch_size=0 must be a whole number >= 1"),
+        ({"batch_size": -4}, "batch_size=-4"),
+        ({"steps": 10, "epochs": 2}, "both steps=10 and epochs=2"),
+        ({"seed": -1}, "seed=-1"),
+        ({"log_every": 0}, "log_every=0"),
+    ],
+)
+def test_train_config_errors(kwargs, match):
+    with pytest.raises(spmdkit.ConfigError, match=match):
+        spmdkit.TrainConfig(**kwargs)
+
+
+def test_train_config_default_length():
+    assert spmdkit.TrainConfig().steps == 100
+    assert spmdkit.TrainConfig(epochs=3).steps is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lr": -0.1}, "lr=-0.1: the learning rate must be a finite number > 0"),
+        ({"lr": 0.0}, "lr=0.0"),
+        ({"lr": math.nan}, "lr=nan"),
+        ({"name": "lion"}, r"optimizer='lion' is not known"),
+        ({"momentum": 1.0}, "momentum=1.0"),
+    ],
+)
+def test_optimizer_config_errors(kwargs, match):
+    with pytest.raises(spmdkit.ConfigError, match=match):
+        spmdkit.OptimizerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_optimizer_builds(name):
+    import jax.numpy as jnp
+
+    opt = spmdkit.OptimizerConfig(name=name, lr=0.1, momentum=0.9 if name == "sgd" else 0.0).build()
+    state = opt.init({"w": jnp.ones(2)})
+    updates, _ = opt.update({"w": jnp.ones(2)}, state, {"w": jnp.ones(2)})
+    assert float(updates["w"][0]) < 0
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(spmdkit.ConfigError) as e:
+        check_keys({"batchsize": 3}, "config file 'x.toml'")
+    assert "unknown key 'batchsize'" in str(e.value) and "did you mean 'batch_size'" in str(e.value)
+    assert check_keys({"batch-size": 3}, "f") == {"batch_size": 3}
+
+
+def test_toml_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('task = "digits"\nbatch-size = 16\nlr = 0.1\nsteps = 7\n')
+    assert load_toml(str(path)) == {"task": "digits", "batch_size": 16, "lr": 0.1, "steps": 7}
+    (tmp_path / "bad.toml").write_text("lr = = 1")
+    with pytest.raises(spmdkit.ConfigError, match="is not valid TOML"):
+        load_toml(str(tmp_path / "bad.toml"))
+    (tmp_path / "nested.toml").write_text("[optimizer]\nlr = 1.0\n")
+    with pytest.raises(spmdkit.ConfigError, match=r"keys are flat .*\['optimizer'\]"):
+        load_toml(str(tmp_path / "nested.toml"))
+    with pytest.raises(spmdkit.ConfigError, match="does not exist"):
+        load_toml(str(tmp_path / "missing.toml"))
+    (tmp_path / "typo.toml").write_text("learning_rate = 0.1\n")
+    with pytest.raises(spmdkit.ConfigError, match="unknown key 'learning_rate'"):
+        load_toml(str(tmp_path / "typo.toml"))
+
+
+def test_precedence_task_defaults_then_file_then_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('task = "digits"\nlr = 0.2\nsteps = 7\n')
+    options = resolve_options({"config": str(path), "steps": 9})
+    assert options["task"] == "digits"
+    assert options["lr"] == 0.2  # file over the task's 0.05
+    assert options["steps"] == 9  # flag over file
+    assert options["momentum"] == 0.9  # the task's default
+    run = build_run_config(options)
+    assert run.train.steps == 9 and run.optimizer.lr == 0.2 and run.optimizer.momentum == 0.9
+    # --epochs replaces the task's default steps rather than clashing with it.
+    assert build_run_config(resolve_options({"epochs": 2})).train.epochs == 2
+
+
+def test_wrongly_typed_value():
+    with pytest.raises(spmdkit.ConfigError):
+        build_run_config({"batch_size": "big"})

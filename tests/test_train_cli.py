@@ -1,0 +1,110 @@
+"""``spmdkit train`` end to end, as a user runs it (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+SPMDKIT = [sys.executable, "-m", "spmdkit._cli"]
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
+    return subprocess.run([*SPMDKIT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_seed002_linreg_from_the_command_line(tmp_path):
+    out = run("train", "--task", "linreg", "--host-devices", "8", "--steps", "1000", "--out", str(tmp_path),
+              "--no-progress")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["device_count"] == 8 and summary["strategy"] == "data"
+    assert abs(summary["w"] - 2) < 0.15 and abs(summary["b"] + 1) < 0.15
+    assert summary["config"]["lr"] == 0.005
+    for name in ("metrics.jsonl", "params.npz", "loss.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "completed after 1000 steps" in out.stdout
+
+
+def test_config_file_and_flags(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('task = "digits"\nstrategy = "single"\nsteps = 30\nbatch-size = 32\nhost-devices = 2\n')
+    out = run("train", "--config", str(cfg), "--steps", "12", "--out", str(tmp_path / "o"), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["task"] == "digits" and summary["strategy"] == "single"
+    assert summary["steps"] == 12 and summary["batch_size"] == 32
+    assert 0 <= summary["eval_accuracy"] <= 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-size", "0"], "batch_size=0 must be a whole number >= 1"),
+        (["--batch-size", "500"], "larger than the training set"),
+        (["--lr", "-0.1"], "the learning rate must be a finite number > 0"),
+        (["--optimizer", "lion"], "optimizer='lion' is not known"),
+    ],
+)
+def test_bad_options_are_clean_errors(tmp_path, args, message):
+    out = run("train", "--task", "linreg", *args, "--out", str(tmp_path), "--no-progress")
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "cifar"], "invalid choice: 'cifar'"),
+        (["--strategy", "ring"], "invalid choice: 'ring'"),
+        (["--learning-rate", "1"], "unrecognized arguments: --learning-rate"),
+    ],
+)
+def test_unknown_names_are_rejected(args, message):
+    out = run("train", *args)
+    assert out.returncode == 2 and message in out.stderr
+
+
+def test_unknown_config_key(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("batchsize = 8\n")
+    out = run("train", "--config", str(cfg))
+    assert out.returncode == 2 and "did you mean 'batch_size'" in out.stderr
+
+
+def test_divergence_exits_3_naming_the_step(tmp_path):
+    out = run("train", "--task", "linreg", "--lr", "40", "--out", str(tmp_path), "--no-progress")
+    assert out.returncode == 3
+    assert "the training loss became" in out.stderr and "at step" in out.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
+
+
+def test_ctrl_c_finishes_the_step_and_writes_what_it_has(tmp_path):
+    proc = subprocess.Popen(
+        [*SPMDKIT, "train", "--task", "digits", "--host-devices", "2", "--steps", "100000",
+         "--out", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert 20 <= summary["steps"] < 100000
+    assert summary["eval_accuracy"] is not None  # evaluated where it stopped
+    assert (tmp_path / "params.npz").exists() and (tmp_path / "loss.png").exists()
+    assert "interrupted after" in stdout
