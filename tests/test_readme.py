@@ -17,3 +17,4 @@ def test_readme_python_blocks_run():
     assert namespace["out"][0].tolist() == [11.0, 20.0, 29.0]
     assert namespace["grads"].shape == (8, 3)
     assert int(namespace["mask"].sum()) == 13
+    assert namespace["result"].summary["eval_loss"] < 0.05
