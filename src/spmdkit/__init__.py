@@ -25,7 +25,16 @@ from spmdkit._errors import (
 )
 from spmdkit._mesh import make_mesh
 from spmdkit._pmap import ShardedBatch, pmap, replicate, shard, unreplicate
-from spmdkit._strategies import DataParallel, Single, Strategy, TrainState, get_strategy
+from spmdkit._strategies import (
+    DataParallel,
+    Ensemble,
+    MembersMismatchError,
+    Predictor,
+    Single,
+    Strategy,
+    TrainState,
+    get_strategy,
+)
 from spmdkit._tasks import Task, get_task
 from spmdkit._train import FitResult, fit, load_params, save_params
 
@@ -39,11 +48,14 @@ __all__ = [
     "DataError",
     "DataParallel",
     "DeviceSetupError",
+    "Ensemble",
     "FitResult",
     "MappedAxisError",
+    "MembersMismatchError",
     "MeshError",
     "NonFiniteLossError",
     "OptimizerConfig",
+    "Predictor",
     "RunConfig",
     "ShardedBatch",
     "Single",

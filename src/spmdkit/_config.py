@@ -102,6 +102,9 @@ class RunConfig:
     task: str = "linreg"
     strategy: str = "data"
     impl: str = "jit"
+    members: int | None = None
+    bagging: bool = False
+    data_dir: str | None = None
     host_devices: int | None = None
     out: str = "runs/latest"
     progress: bool = True
@@ -115,6 +118,9 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "task": (None, "task"),
     "strategy": (None, "strategy"),
     "impl": (None, "impl"),
+    "members": (None, "members"),
+    "bagging": (None, "bagging"),
+    "data_dir": (None, "data_dir"),
     "host_devices": (None, "host_devices"),
     "out": (None, "out"),
     "progress": (None, "progress"),

@@ -12,7 +12,7 @@ from rich.table import Table
 from spmdkit._config import build_run_config, check_keys, load_toml
 from spmdkit._errors import NonFiniteLossError
 from spmdkit._strategies import get_strategy
-from spmdkit._tasks import get_task
+from spmdkit._tasks import get_task, task_defaults
 from spmdkit._train import fit
 
 EXIT_DIVERGED = 3
@@ -26,7 +26,7 @@ def resolve_options(flags: dict[str, Any]) -> dict[str, Any]:
     from_file = load_toml(path) if path else {}
     given = {**from_file, **check_keys(flags, "flags")}
     task_name = given.get("task", "linreg")
-    defaults = dict(get_task(task_name).defaults)
+    defaults = dict(task_defaults(task_name))
     # A task's default length must not clash with a user-given --epochs.
     if "epochs" in given:
         defaults.pop("steps", None)
@@ -37,8 +37,8 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in ("command",)}
     options = resolve_options(flags)
     run = build_run_config(options)
-    task = get_task(run.task)
-    strategy = get_strategy(run.strategy, run.impl)
+    task = get_task(run.task, data_dir=run.data_dir)
+    strategy = get_strategy(run.strategy, run.impl, members=run.members, bagging=run.bagging)
     info = strategy.describe()
     console.print(
         f"training [bold]{run.task}[/] with [bold]{info['strategy']}[/] ({info['impl']}) on "
@@ -69,7 +69,8 @@ def _print_summary(summary: dict[str, Any], out: Path, console: Console) -> None
     table = Table(title=f"{summary['task']}: {summary['status']} after {summary['steps']} steps")
     table.add_column("")
     table.add_column("value", justify="right")
-    keys = ["final_train_loss", "eval_loss", "eval_accuracy", "w", "b", "wall_time_s", "steps_per_sec", "params_digest"]
+    keys = ["final_train_loss", "eval_loss", "eval_accuracy", "mean_member_accuracy", "ensemble_accuracy",
+            "w", "b", "wall_time_s", "steps_per_sec", "params_digest"]
     for k in keys:
         if summary.get(k) is not None:
             v = summary[k]

@@ -33,10 +33,23 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
+class Predictor(NamedTuple):
+    """How to combine models' outputs (ensembles): class probabilities and their scores.
+
+    ``predict(params, batch) -> probabilities [B, C]``;
+    ``score(probabilities, batch) -> {metric: per-example values [B]}``.
+    """
+
+    predict: Callable[[Params, Batch], jax.Array]
+    score: Callable[[jax.Array, Batch], dict[str, jax.Array]]
+
+
 class Strategy(Protocol):
     """How a train state and batches live on a mesh, and the compiled steps."""
 
     name: str
+    # How many independent batch streams a step takes (1; K for bagged ensembles).
+    data_streams: int
 
     @property
     def batch_shards(self) -> int:
@@ -51,18 +64,30 @@ class Strategy(Protocol):
         """The initial state, already placed where the steps expect it."""
         ...
 
-    def put_batch(self, batch: Batch, size: int | None = None) -> tuple[Batch, jax.Array | None]:
-        """A host batch on the devices, padded to ``size`` (rounded up to ``batch_shards``)."""
+    def put_batch(self, batch: Batch, size: int | None = None, *, shared: bool = False) -> tuple[Batch, jax.Array | None]:
+        """A host batch on the devices, padded to ``size`` (rounded up to ``batch_shards``).
+
+        ``shared``: one batch for every stream (eval data), even when
+        ``data_streams > 1``.
+        """
         ...
 
     def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
         ...
 
-    def eval_step(self, loss_fn: LossFn) -> EvalFn:
+    def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
         ...
 
     def host_params(self, state: TrainState) -> Params:
-        """The parameters as numpy arrays on the host (the single model's)."""
+        """The parameters as numpy arrays on the host."""
+        ...
+
+    def member_params(self, params: Params) -> list[Params]:
+        """One parameter pytree per model trained (one, or an ensemble's members)."""
+        ...
+
+    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
+        """Entries this strategy adds to summary.json from the last eval."""
         ...
 
 

@@ -30,6 +30,7 @@ from spmdkit._strategies._base import (
     EvalFn,
     LossFn,
     Params,
+    Predictor,
     StepFn,
     TrainState,
     as_metrics,
@@ -80,6 +81,7 @@ class DataParallel:
                 )
             )
         self.name = name
+        self.data_streams = 1
         self.mesh = mesh
         self.axis = axis
         self.impl = impl
@@ -106,7 +108,7 @@ class DataParallel:
 
         return jax.jit(init, out_shardings=self._replicated)(rng)
 
-    def put_batch(self, batch: Any, size: int | None = None):
+    def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
         n = jax.tree_util.tree_leaves(batch)[0].shape[0]
         batch, mask = pad_batch(batch, padded_size(max(n, size or n), self.batch_shards))
         placed = jax.device_put(batch, self._split)
@@ -114,6 +116,12 @@ class DataParallel:
 
     def host_params(self, state: TrainState) -> Params:
         return jax.device_get(state.params)
+
+    def member_params(self, params: Params) -> list[Params]:
+        return [params]
+
+    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
+        return {}
 
     # ---- compiled steps ---------------------------------------------------------
     def _grads_and_sums(self, loss_fn: LossFn) -> Callable[..., Any]:
@@ -158,7 +166,7 @@ class DataParallel:
         r, s = self._replicated, self._split
         return jax.jit(step, in_shardings=(r, s, s, r), out_shardings=(r, r))
 
-    def eval_step(self, loss_fn: LossFn) -> EvalFn:
+    def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
         if self.impl == "jit":
 
             def evaluate(params, batch, mask, rng):

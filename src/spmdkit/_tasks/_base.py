@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from spmdkit._errors import DataError, fix
-from spmdkit._strategies._base import LossFn, Params
+from spmdkit._strategies._base import LossFn, Params, Predictor
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class Task:
     for one device. Data sets are pytrees (usually dicts) of arrays sharing their
     leading (example) axis. ``report(params)`` may add entries to the summary.
     ``defaults`` holds option values the task trains well with (``lr``, ``steps``...);
-    flags and config files override them.
+    flags and config files override them. ``predictor`` (classifiers) tells an
+    ensemble how to average its members' probabilities and score the average.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, spmdkit
@@ -44,6 +45,7 @@ class Task:
     eval_data: Any = None
     report: Callable[[Params], dict[str, Any]] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    predictor: Predictor | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.init) or not callable(self.loss_fn):

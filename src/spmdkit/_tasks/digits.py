@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from spmdkit._strategies._base import Predictor
 from spmdkit._tasks._base import Task
 
 
@@ -42,7 +43,18 @@ def classification_task(
         accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
         return loss, {"accuracy": accuracy}
 
-    return Task(name=name, init=init, loss_fn=loss_fn, train_data=train, eval_data=test, defaults=defaults)
+    def predict(params, batch):
+        return jax.nn.softmax(model.apply({"params": params}, batch["image"]))
+
+    def score(probs, batch):
+        label = batch["label"]
+        picked = jnp.take_along_axis(probs, label[:, None], axis=-1)[:, 0]
+        return {"accuracy": (jnp.argmax(probs, -1) == label).astype(jnp.float32), "nll": -jnp.log(picked + 1e-12)}
+
+    return Task(
+        name=name, init=init, loss_fn=loss_fn, train_data=train, eval_data=test, defaults=defaults,
+        predictor=Predictor(predict, score),
+    )
 
 
 def load(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[dict, dict]:
@@ -61,17 +73,10 @@ def load(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[dict, dict]:
     )
 
 
-def make() -> Task:
+DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "steps": 300, "batch_size": 64}
+
+
+def make(data_dir: str | None = None) -> Task:
+    """The digits task; the data ships with scikit-learn, so ``data_dir`` is not used."""
     train, test = load()
-    return classification_task(
-        "digits",
-        CNN(),
-        train,
-        test,
-        defaults={"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "steps": 300, "batch_size": 64},
-    )
-
-
-def predict(params, images: np.ndarray) -> jax.Array:
-    """Class probabilities of the digits CNN."""
-    return jax.nn.softmax(CNN().apply({"params": params}, images))
+    return classification_task("digits", CNN(), train, test, defaults=DEFAULTS)

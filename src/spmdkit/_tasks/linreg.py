@@ -30,7 +30,10 @@ def loss_fn(params, batch, rng):
     return jnp.mean((pred - batch["y"]) ** 2), {}
 
 
-def make(num_points: int = 128, data_seed: int = 0) -> Task:
+DEFAULTS = {"optimizer": "sgd", "lr": 0.005, "steps": 1000, "batch_size": 128}
+
+
+def make(data_dir: str | None = None, num_points: int = 128, data_seed: int = 0) -> Task:
     """128 training points (the seed's), 128 held-out points from the same line."""
     return Task(
         name="linreg",
@@ -40,5 +43,5 @@ def make(num_points: int = 128, data_seed: int = 0) -> Task:
         eval_data=_samples(num_points, data_seed + 1),
         report=lambda p: {"w": float(p["weight"]), "b": float(p["bias"])},
         # The seed's (and the JAX tutorial's) full-batch SGD at learning rate 0.005.
-        defaults={"optimizer": "sgd", "lr": 0.005, "steps": 1000, "batch_size": num_points},
+        defaults={**DEFAULTS, "batch_size": num_points},
     )

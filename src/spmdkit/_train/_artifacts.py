@@ -121,8 +121,9 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
     train = [r for r in history if r["split"] == "train"]
     evals = [r for r in history if r["split"] == "eval"]
+    # Scalar metrics only: per-member lists have their own plot (ensemble.png).
     extra = sorted(
-        {k for r in history for k in r if k not in _NOT_METRICS and k != "loss"}
+        {k for r in history for k, v in r.items() if k not in _NOT_METRICS and k != "loss" and not isinstance(v, list)}
     )
     fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(11 if extra else 6, 4), squeeze=False)
     ax = axes[0, 0]
@@ -148,6 +149,32 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_members(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Each member's eval accuracy and the ensemble's, per eval (one per epoch by default)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = [r for r in history if r["split"] == "eval" and "member_accuracy" in r]
+    steps = [r["step"] for r in evals]
+    members = np.array([r["member_accuracy"] for r in evals])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in range(members.shape[1]):
+        ax.plot(steps, members[:, m], color="0.6", lw=1, label="members" if m == 0 else None)
+    ax.plot(steps, members.mean(1), "k--", label="mean member")
+    if "ensemble_accuracy" in evals[0]:
+        ax.plot(steps, [r["ensemble_accuracy"] for r in evals], "o-", color="C3", lw=2, label="ensemble")
+    ax.set_xlabel("step")
+    ax.set_ylabel("eval accuracy")
+    ax.set_title(f"{title}: {members.shape[1]} members")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

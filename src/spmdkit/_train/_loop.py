@@ -35,32 +35,46 @@ class FitResult(NamedTuple):
     history: list[dict[str, Any]]
 
 
-def iterate_batches(data: Any, batch_size: int, seed: int, drop_remainder: bool) -> Iterator[tuple[int, Any]]:
-    """``(epoch, host batch)`` forever; the order depends only on ``seed`` and epoch."""
+def iterate_batches(
+    data: Any, batch_size: int, seed: int, drop_remainder: bool, stream: int | None = None
+) -> Iterator[tuple[int, Any]]:
+    """``(epoch, host batch)`` forever; the order depends only on ``seed``, epoch and ``stream``.
+
+    ``stream`` numbers independent orders of the same data (bagged ensemble members).
+    """
     n = num_examples(data)
     stop = n - n % batch_size if drop_remainder else n
     epoch = 0
     while True:
-        order = np.random.default_rng([seed, epoch]).permutation(n)
+        entropy = [seed, epoch] if stream is None else [seed, epoch, stream]
+        order = np.random.default_rng(entropy).permutation(n)
         for start in range(0, stop, batch_size):
             idx = order[start : start + batch_size]
             yield epoch, jax.tree.map(lambda x: x[idx], data)
         epoch += 1
 
 
-def evaluate(strategy: Strategy, eval_fn, params, data: Any, batch_size: int, rng: jax.Array) -> dict[str, float]:
+def to_python(values: dict[str, Any]) -> dict[str, Any]:
+    """Scalars to float, per-member arrays to lists: what JSON lines and plots take."""
+    out = {}
+    for k, v in jax.device_get(values).items():
+        a = np.asarray(v, np.float64)
+        out[k] = float(a) if a.ndim == 0 else a.tolist()
+    return out
+
+
+def evaluate(strategy: Strategy, eval_fn, params, data: Any, batch_size: int, rng: jax.Array) -> dict[str, Any]:
     """Exact means over a whole data set, in fixed-size (padded, masked) chunks."""
     n = num_examples(data)
     size = min(batch_size, n)
-    totals: dict[str, float] = {}
+    totals: dict[str, np.ndarray] = {}
     for start in range(0, n, size):
         chunk = jax.tree.map(lambda x: x[start : start + size], data)
-        batch, mask = strategy.put_batch(chunk, size=size)
-        sums = jax.device_get(eval_fn(params, batch, mask, rng))
-        for k, v in sums.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
+        batch, mask = strategy.put_batch(chunk, size=size, shared=True)
+        for k, v in jax.device_get(eval_fn(params, batch, mask, rng)).items():
+            totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
     count = totals.pop("count")
-    return {k: v / count for k, v in totals.items()}
+    return to_python({k: v / count for k, v in totals.items()})
 
 
 class _StopRequest:
@@ -83,6 +97,24 @@ class _StopRequest:
     def __exit__(self, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+
+
+def _batches(data: Any, batch_size: int, config: TrainConfig, streams: int) -> Iterator[tuple[int, Any]]:
+    """One stream of batches, or ``streams`` independent ones stacked on a leading axis."""
+    if streams == 1:
+        yield from iterate_batches(data, batch_size, config.seed, config.drop_remainder)
+        return
+    its = [iterate_batches(data, batch_size, config.seed, config.drop_remainder, stream=m) for m in range(streams)]
+    for parts in zip(*its):
+        # Partial batches line up: every stream has the same epoch length.
+        yield parts[0][0], jax.tree.map(lambda *xs: np.stack(xs), *(b for _, b in parts))
+
+
+def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
+    if task.report is None:
+        return {}
+    reports = [task.report(p) for p in strategy.member_params(params)]
+    return reports[0] if len(reports) == 1 else {"member_reports": reports}
 
 
 def _progress(enabled: bool, total: int, title: str):
@@ -162,8 +194,8 @@ def fit(
     init_key, step_key, eval_key = jax.random.split(key, 3)
     state = strategy.init_state(task.init, optimizer, init_key)
     step_fn = strategy.train_step(task.loss_fn, optimizer)
-    eval_fn = strategy.eval_step(task.loss_fn)
-    batches = iterate_batches(task.train_data, bs, config.seed, config.drop_remainder)
+    eval_fn = strategy.eval_step(task.loss_fn, task.predictor)
+    batches = _batches(task.train_data, bs, config, strategy.data_streams)
 
     history: list[dict[str, Any]] = []
     writer = art.MetricsWriter(None if out is None else out / "metrics.jsonl")
@@ -200,7 +232,7 @@ def fit(
                 new_state, metrics = step_fn(state, batch, mask, jax.random.fold_in(step_key, step))
                 # Block every step: queued collective steps deadlock XLA:CPU.
                 jax.block_until_ready(new_state)
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                values = to_python(metrics)
                 if not math.isfinite(values["loss"]):
                     status = "diverged"
                     failure = NonFiniteLossError(
@@ -222,7 +254,7 @@ def fit(
                 if t_first is None:
                     t_first = time.perf_counter()
                 for k, v in values.items():
-                    window[k] = window.get(k, 0.0) + v
+                    window[k] = window.get(k, 0.0) + np.asarray(v)
                 window_steps += 1
                 if done % config.log_every == 0 or done == total:
                     now = time.perf_counter()
@@ -232,7 +264,7 @@ def fit(
                             "split": "train",
                             "step": done,
                             "epoch": epoch + 1,
-                            **{k: v / window_steps for k, v in window.items()},
+                            **to_python({k: v / window_steps for k, v in window.items()}),
                             "steps_per_sec": rate,
                             "elapsed_s": now - t0,
                         }
@@ -277,14 +309,18 @@ def fit(
         "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
         "params_digest": art.params_digest(params),
         "param_count": art.param_count(params),
-        **(task.report(params) if task.report else {}),
+        **_task_report(task, strategy, params),
+        **strategy.summarize(eval_row or {}),
         **({"config": run_info} if run_info else {}),
     }
     if out is not None:
         art.save_params(out / "params.npz", params)
         art.write_json(out / "summary.json", summary)
         if history:
-            art.plot_history(history, out / "loss.png", f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)")
+            title = f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)"
+            art.plot_history(history, out / "loss.png", title)
+            if any("member_accuracy" in r for r in history):
+                art.plot_members(history, out / "ensemble.png", title)
     if failure is not None:
         raise failure
     return FitResult(state, params, summary, history)

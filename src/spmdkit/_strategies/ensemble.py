@@ -1,0 +1,264 @@
+"""Ensembles: K independently initialised models, members spread over a mesh axis.
+
+Every leaf of the train state carries a leading member axis of size K, sharded over
+the ``member`` mesh axis: each device holds K/d members and steps them together with
+``vmap``. Members share the batch (the seed's ensemble) or, with ``bagging``, each
+draws its own order of the data. The ensemble's prediction is the mean of the
+members' probabilities, a ``psum`` over the member axis (the seed's ``pmean``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdkit._errors import ConfigError, MeshError, fix
+from spmdkit._strategies._base import (
+    EvalFn,
+    LossFn,
+    Params,
+    Predictor,
+    StepFn,
+    TrainState,
+    as_sums,
+    masked_sums,
+    pad_batch,
+)
+
+
+def placement(members: int, devices: int) -> int:
+    """How many devices K members use: the largest divisor of K that is <= devices."""
+    return max(d for d in range(1, min(members, devices) + 1) if members % d == 0)
+
+
+class MembersMismatchError(ConfigError):
+    """A state's member count differs from the ensemble's."""
+
+
+class Ensemble:
+    """K models trained at once, K/d per device on a 1-D ``member`` mesh.
+
+    ``members`` may exceed the device count (K/d members per device, vectorised) or
+    be smaller (a sub-mesh of K devices). By default K members use the largest
+    number of devices that divides K; pass ``mesh`` to choose, in which case its
+    ``axis`` size must divide K.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, spmdkit
+        >>> ens = spmdkit.Ensemble(members=16)
+        >>> ens.describe()["members_per_device"] * ens.describe()["device_count"]
+        16
+        >>> state = ens.init_state(lambda k: {"w": jax.random.normal(k, ())}, optax.sgd(0.1), jax.random.key(0))
+        >>> state.params["w"].shape
+        (16,)
+    """
+
+    name = "ensemble"
+
+    def __init__(
+        self,
+        members: int,
+        *,
+        mesh: Mesh | None = None,
+        devices: Sequence[jax.Device] | None = None,
+        bagging: bool = False,
+        axis: str = "member",
+    ):
+        if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+            raise ConfigError(
+                fix(f"members={members!r}: an ensemble needs a whole number of members >= 1.", "e.g. --members 8.")
+            )
+        if mesh is None:
+            devs = list(jax.devices() if devices is None else devices)
+            used = placement(members, len(devs))
+            mesh = Mesh(np.array(devs[:used]), (axis,))
+        elif axis not in mesh.axis_names:
+            raise MeshError(
+                fix(f"the mesh has axes {list(mesh.axis_names)}, not the member axis {axis!r}.", "pass axis= one of them.")
+            )
+        d = mesh.shape[axis]
+        if members % d:
+            fits = [k for k in range(1, d + 1) if d % k == 0 or k % d == 0]
+            raise ConfigError(
+                fix(
+                    f"members={members} cannot be placed on the {d} devices of mesh axis {axis!r}: "
+                    f"{members} is not a multiple of {d}, so the devices would hold unequal numbers "
+                    "of members.",
+                    f"use a multiple of {d} members (e.g. {d}, {2 * d}), or a mesh whose {axis!r} "
+                    f"axis divides {members} (e.g. {placement(members, d)} devices); "
+                    "without a mesh spmdkit picks one itself.",
+                )
+            )
+        self.members = members
+        self.mesh = mesh
+        self.axis = axis
+        self.bagging = bagging
+        self.data_streams = members if bagging else 1
+        self._per_member = NamedSharding(mesh, P(axis))
+        self._replicated = NamedSharding(mesh, P())
+
+    @property
+    def batch_shards(self) -> int:
+        return 1  # every device sees the whole batch: members, not examples, are split
+
+    def describe(self) -> dict[str, Any]:
+        d = self.mesh.shape[self.axis]
+        return {
+            "strategy": self.name,
+            "impl": "shard_map+vmap",
+            "mesh": dict(self.mesh.shape),
+            "device_count": self.mesh.size,
+            "members": self.members,
+            "members_per_device": self.members // d,
+            "bagging": self.bagging,
+        }
+
+    # ---- placement ------------------------------------------------------------
+    def member_keys(self, rng: jax.Array) -> jax.Array:
+        """Member m is initialised with ``member_keys(rng)[m]``."""
+        return jax.random.split(rng, self.members)
+
+    def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+        def one(key):
+            params = init_fn(key)
+            return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+        return jax.jit(jax.vmap(one), out_shardings=self._per_member)(self.member_keys(rng))
+
+    def place_state(self, state: Any) -> TrainState:
+        """Put an existing (e.g. restored) state on the mesh, checking its member count."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            shape = np.shape(leaf)
+            if not shape or shape[0] != self.members:
+                where = "state" + jax.tree_util.keystr(path)
+                raise MembersMismatchError(
+                    fix(
+                        f"{where} has shape {shape}, so it holds "
+                        f"{shape[0] if shape else 'no'} member(s), but this ensemble has "
+                        f"members={self.members}.",
+                        f"use --members {shape[0] if shape else '?'} to continue that ensemble, or start "
+                        "a new one instead of restoring.",
+                    )
+                )
+        return jax.device_put(state, self._per_member)
+
+    def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
+        if self.bagging and not shared:
+            # [K, b, ...]: member m's own batch; padded along the example axis.
+            n = jax.tree_util.tree_leaves(batch)[0].shape[1]
+            target = max(n, size or n)
+            if n == target:
+                return jax.device_put(batch, self._per_member), None
+            pad = lambda x: np.concatenate([x, np.zeros((x.shape[0], target - n, *x.shape[2:]), x.dtype)], 1)  # noqa: E731
+            mask = np.broadcast_to(np.arange(target) < n, (self.members, target))
+            return jax.device_put(jax.tree.map(pad, batch), self._per_member), jax.device_put(mask, self._per_member)
+        n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        batch, mask = pad_batch(batch, max(n, size or n))
+        placed = jax.device_put(batch, self._replicated)
+        return placed, None if mask is None else jax.device_put(mask, self._replicated)
+
+    def host_params(self, state: TrainState) -> Params:
+        return jax.device_get(state.params)
+
+    def member_params(self, params: Params) -> list[Params]:
+        return [jax.tree.map(lambda x, m=m: x[m], params) for m in range(self.members)]
+
+    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"members": self.members}
+        if "member_accuracy" in eval_metrics:
+            members = eval_metrics["member_accuracy"]
+            out["member_accuracy"] = members
+            out["mean_member_accuracy"] = float(np.mean(members))
+        if "ensemble_accuracy" in eval_metrics:
+            out["ensemble_accuracy"] = eval_metrics["ensemble_accuracy"]
+            if "member_accuracy" in eval_metrics:
+                out["ensemble_gain"] = out["ensemble_accuracy"] - out["mean_member_accuracy"]
+        return out
+
+    # ---- compiled steps ---------------------------------------------------------
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
+        axis, shared = self.axis, not self.bagging
+        data_axis = None if shared else 0
+
+        def one(state: TrainState, batch, mask, key):
+            def objective(p):
+                s, a, c = masked_sums(loss_fn, p, batch, mask, key)
+                return s / c, (s, a, c)
+
+            grads, (s, a, c) = jax.grad(objective, has_aux=True)(state.params)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+            return new, {"loss": s / c, **{k: v / c for k, v in a.items()}}
+
+        def local(state, batch, mask, keys):
+            return jax.vmap(one, in_axes=(0, data_axis, data_axis, 0))(state, batch, mask, keys)
+
+        data = P() if shared else P(axis)
+        per_device = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(P(axis), data, data, P(axis)),
+            out_specs=(P(axis), P(axis)),
+            check_vma=False,
+        )
+
+        def step(state, batch, mask, rng):
+            new, per_member = per_device(state, batch, mask, jax.random.split(rng, self.members))
+            metrics = {k: jnp.mean(v) for k, v in per_member.items()}
+            metrics.update({f"member_{k}": v for k, v in per_member.items()})
+            return new, metrics
+
+        m, r = self._per_member, self._replicated
+        d = r if shared else m
+        return jax.jit(step, in_shardings=(m, d, d, r), out_shardings=(m, r))
+
+    def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
+        axis, k = self.axis, self.members
+
+        def local(params, batch, mask, keys):
+            sums = jax.vmap(lambda p, key: as_sums(*masked_sums(loss_fn, p, batch, mask, key)))(params, keys)
+            if predictor is None:
+                return sums, {}
+            probs = jax.vmap(predictor.predict, in_axes=(0, None))(params, batch)
+            mean_probs = jax.lax.psum(jnp.sum(probs, 0), axis) / k
+            scores = predictor.score(mean_probs, batch)
+            w = jnp.ones(mean_probs.shape[0]) if mask is None else mask.astype(mean_probs.dtype)
+            return sums, {f"ensemble_{name}": jnp.sum(v * w) for name, v in scores.items()}
+
+        per_device = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(P(axis), P(), P(), P(axis)),
+            out_specs=(P(axis), P()),
+            check_vma=False,
+        )
+
+        def evaluate(params, batch, mask, rng):
+            member, ensemble = per_device(params, batch, mask, jax.random.split(rng, k))
+            count = member.pop("count")[0]
+            out = {"count": count, **{name: jnp.mean(v) for name, v in member.items()}}
+            out.update({f"member_{name}": v for name, v in member.items()})
+            return {**out, **ensemble}
+
+        m, r = self._per_member, self._replicated
+        return jax.jit(evaluate, in_shardings=(m, r, r, r), out_shardings=r)
+
+    def predict_fn(self, predict: Callable[[Params, Any], jax.Array]) -> Callable[[Params, Any], jax.Array]:
+        """Compiled ``(stacked params, batch) -> mean of the members' probabilities``."""
+        axis, k = self.axis, self.members
+
+        def local(params, batch):
+            probs = jax.vmap(predict, in_axes=(0, None))(params, batch)
+            return jax.lax.psum(jnp.sum(probs, 0), axis) / k
+
+        per_device = jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P()), out_specs=P(), check_vma=False)
+        return jax.jit(per_device, in_shardings=(self._per_member, self._replicated), out_shardings=self._replicated)
+
+    def __repr__(self) -> str:
+        return f"Ensemble(members={self.members}, mesh={dict(self.mesh.shape)}, bagging={self.bagging})"
