@@ -127,3 +127,14 @@ def test_bench_data_quick_writes_json(tmp_path):
     assert [t["target"] for t in report["targets"]] == ["<= 1.02", "<= 1.0"]
     flops = report["single_device_flops"]
     assert flops["flops_per_step"] > 0 and 0 < flops["fraction_of_peak"] < 1.5
+
+
+def test_bench_ensemble_quick_writes_json(tmp_path):
+    path = tmp_path / "ensemble.json"
+    out = run_cli("bench", "--suite", "ensemble", "--quick", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(path.read_text())
+    impls = [r["impl"] for r in report["rows"]]
+    assert "sequential jit, 1 device" in impls and "spmdkit ensemble, 8 devices" in impls
+    assert all(r["members_per_s"] > 0 for r in report["rows"])
+    assert report["targets"][0]["target"] == "< 1.0"

@@ -91,6 +91,13 @@ class Strategy(Protocol):
         ...
 
 
+def init_train_state(init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, key: jax.Array) -> TrainState:
+    """One model's fresh state. Strategies jit it with ``init_fn`` and ``optimizer``
+    static, so the same task and optimizer compile once, whatever the key."""
+    params = init_fn(key)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
 def padded_size(size: int, shards: int) -> int:
     return -(-size // shards) * shards
 

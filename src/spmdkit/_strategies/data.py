@@ -35,6 +35,7 @@ from spmdkit._strategies._base import (
     TrainState,
     as_metrics,
     as_sums,
+    init_train_state,
     masked_sums,
     pad_batch,
     padded_size,
@@ -87,6 +88,7 @@ class DataParallel:
         self.impl = impl
         self._replicated = NamedSharding(mesh, P())
         self._split = NamedSharding(mesh, P(axis))
+        self._init = jax.jit(init_train_state, static_argnums=(0, 1), out_shardings=self._replicated)
 
     @property
     def batch_shards(self) -> int:
@@ -102,11 +104,7 @@ class DataParallel:
 
     # ---- placement ------------------------------------------------------------
     def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-        def init(key):
-            params = init_fn(key)
-            return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-
-        return jax.jit(init, out_shardings=self._replicated)(rng)
+        return self._init(init_fn, optimizer, rng)
 
     def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
         n = jax.tree_util.tree_leaves(batch)[0].shape[0]

@@ -1,8 +1,8 @@
 """Ensembles: K independently initialised models, members spread over a mesh axis.
 
 Every leaf of the train state carries a leading member axis of size K, sharded over
-the ``member`` mesh axis: each device holds K/d members and steps them together with
-``vmap``. Members share the batch (the seed's ensemble) or, with ``bagging``, each
+the ``member`` mesh axis: each device holds K/d members and steps them in one program
+(``member_loop``: unrolled, ``lax.map`` or ``vmap``). Members share the batch (the seed's ensemble) or, with ``bagging``, each
 draws its own order of the data. The ensemble's prediction is the mean of the
 members' probabilities, a ``psum`` over the member axis (the seed's ``pmean``).
 """
@@ -27,9 +27,41 @@ from spmdkit._strategies._base import (
     StepFn,
     TrainState,
     as_sums,
+    init_train_state,
     masked_sums,
     pad_batch,
 )
+
+
+MEMBER_LOOPS = ("unroll", "map", "vmap")
+
+
+def over_members(fn: Callable[..., Any], in_axes: tuple[int | None, ...], how: str) -> Callable[..., Any]:
+    """Apply ``fn`` to each member a device holds (args with in_axes 0 are per member).
+
+    ``vmap`` vectorises the members into one computation; ``map`` runs them one
+    after another in a ``lax.map`` loop; ``unroll`` writes them out as independent
+    computations that XLA may schedule side by side. Which is fastest depends on the
+    model: a vmapped CNN becomes a grouped convolution, slow on XLA:CPU (see
+    BENCHMARKS.md).
+    """
+    if how == "vmap":
+        return jax.vmap(fn, in_axes=in_axes)
+
+    def run(*args):
+        mapped = [a for a, ax in zip(args, in_axes) if ax == 0]
+
+        def call(sliced):
+            it = iter(sliced)
+            return fn(*[next(it) if ax == 0 else a for a, ax in zip(args, in_axes)])
+
+        if how == "map":
+            return jax.lax.map(call, mapped)
+        count = jax.tree.leaves(mapped)[0].shape[0]
+        outs = [call(jax.tree.map(lambda x, i=i: x[i], mapped)) for i in range(count)]
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+    return run
 
 
 def placement(members: int, devices: int) -> int:
@@ -69,6 +101,7 @@ class Ensemble:
         devices: Sequence[jax.Device] | None = None,
         bagging: bool = False,
         axis: str = "member",
+        member_loop: str = "unroll",
     ):
         if isinstance(members, bool) or not isinstance(members, int) or members < 1:
             raise ConfigError(
@@ -95,6 +128,11 @@ class Ensemble:
                     "without a mesh spmdkit picks one itself.",
                 )
             )
+        if member_loop not in MEMBER_LOOPS:
+            raise ConfigError(
+                fix(f"member_loop={member_loop!r} is not known.", f"choose one of {list(MEMBER_LOOPS)}.")
+            )
+        self.member_loop = member_loop
         self.members = members
         self.mesh = mesh
         self.axis = axis
@@ -102,6 +140,11 @@ class Ensemble:
         self.data_streams = members if bagging else 1
         self._per_member = NamedSharding(mesh, P(axis))
         self._replicated = NamedSharding(mesh, P())
+        self._init = jax.jit(
+            lambda init_fn, optimizer, keys: jax.vmap(lambda k: init_train_state(init_fn, optimizer, k))(keys),
+            static_argnums=(0, 1),
+            out_shardings=self._per_member,
+        )
 
     @property
     def batch_shards(self) -> int:
@@ -117,6 +160,7 @@ class Ensemble:
             "members": self.members,
             "members_per_device": self.members // d,
             "bagging": self.bagging,
+            "member_loop": self.member_loop,
         }
 
     # ---- placement ------------------------------------------------------------
@@ -125,11 +169,7 @@ class Ensemble:
         return jax.random.split(rng, self.members)
 
     def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-        def one(key):
-            params = init_fn(key)
-            return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-
-        return jax.jit(jax.vmap(one), out_shardings=self._per_member)(self.member_keys(rng))
+        return self._init(init_fn, optimizer, self.member_keys(rng))
 
     def place_state(self, state: Any) -> TrainState:
         """Put an existing (e.g. restored) state on the mesh, checking its member count."""
@@ -197,7 +237,7 @@ class Ensemble:
             return new, {"loss": s / c, **{k: v / c for k, v in a.items()}}
 
         def local(state, batch, mask, keys):
-            return jax.vmap(one, in_axes=(0, data_axis, data_axis, 0))(state, batch, mask, keys)
+            return over_members(one, (0, data_axis, data_axis, 0), self.member_loop)(state, batch, mask, keys)
 
         data = P() if shared else P(axis)
         per_device = jax.shard_map(
@@ -222,10 +262,12 @@ class Ensemble:
         axis, k = self.axis, self.members
 
         def local(params, batch, mask, keys):
-            sums = jax.vmap(lambda p, key: as_sums(*masked_sums(loss_fn, p, batch, mask, key)))(params, keys)
+            sums = over_members(
+                lambda p, key: as_sums(*masked_sums(loss_fn, p, batch, mask, key)), (0, 0), self.member_loop
+            )(params, keys)
             if predictor is None:
                 return sums, {}
-            probs = jax.vmap(predictor.predict, in_axes=(0, None))(params, batch)
+            probs = over_members(predictor.predict, (0, None), self.member_loop)(params, batch)
             mean_probs = jax.lax.psum(jnp.sum(probs, 0), axis) / k
             scores = predictor.score(mean_probs, batch)
             w = jnp.ones(mean_probs.shape[0]) if mask is None else mask.astype(mean_probs.dtype)
@@ -254,7 +296,7 @@ class Ensemble:
         axis, k = self.axis, self.members
 
         def local(params, batch):
-            probs = jax.vmap(predict, in_axes=(0, None))(params, batch)
+            probs = over_members(predict, (0, None), self.member_loop)(params, batch)
             return jax.lax.psum(jnp.sum(probs, 0), axis) / k
 
         per_device = jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P()), out_specs=P(), check_vma=False)

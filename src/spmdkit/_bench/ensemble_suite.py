@@ -1,0 +1,106 @@
+"""``spmdkit bench --suite ensemble``: K members at once vs one after another.
+
+For K = 8 digits CNNs (the seed's ensemble), one training step of every member:
+- ``spmdkit ensemble, 1 device``: all 8 members vectorised (vmap) on one device;
+- ``spmdkit ensemble, N devices``: members spread one per device;
+- ``sequential jit``: a plain jitted single-model step called 8 times, one per member,
+  on one device (what a user does without an ensemble strategy).
+Each call starts from the host batch and is synced. ``members_per_s`` = K / time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from spmdkit._bench._timing import interleaved, machine
+import inspect
+
+from spmdkit._strategies import Ensemble, Single
+from spmdkit._strategies.ensemble import MEMBER_LOOPS
+from spmdkit._tasks import digits
+
+MEMBERS = 8
+DEFAULT_LOOP = inspect.signature(Ensemble).parameters["member_loop"].default
+TARGET_ONE_DEVICE = 1.0  # ensemble time / sequential time on the same single device
+
+
+def _ensemble_case(ensemble: Ensemble, task, opt, host):
+    state = ensemble.init_state(task.init, opt, jax.random.key(0))
+    step = ensemble.train_step(task.loss_fn, opt)
+    rng = jax.random.key(1)
+
+    def call():
+        batch, mask = ensemble.put_batch(host)
+        return jax.block_until_ready(step(state, batch, mask, rng))
+
+    return call
+
+
+def _sequential_case(task, opt, host, members: int):
+    single = Single()
+    states = [single.init_state(task.init, opt, k) for k in jax.random.split(jax.random.key(0), members)]
+    sharding = NamedSharding(single.mesh, P())
+
+    def plain(state, batch):
+        (loss, _), grads = jax.value_and_grad(task.loss_fn, has_aux=True)(state.params, batch, None)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        return state._replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state), loss
+
+    step = jax.jit(plain, out_shardings=sharding)
+
+    def call():
+        batch = jax.device_put(host, sharding)
+        return jax.block_until_ready([step(s, batch) for s in states])
+
+    return call
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    task = digits.make()
+    opt = optax.sgd(0.05, momentum=0.9)
+    batch_size = 32 if quick else 64
+    host = jax.tree.map(lambda x: np.ascontiguousarray(x[:batch_size]), task.train_data)
+    n = jax.device_count()
+    one_device = jax.devices()[:1]
+    cases = {
+        f"spmdkit ensemble ({loop}), 1 device": _ensemble_case(
+            Ensemble(MEMBERS, devices=one_device, member_loop=loop), task, opt, host
+        )
+        for loop in MEMBER_LOOPS
+    }
+    cases[f"spmdkit ensemble, {min(n, MEMBERS)} devices"] = _ensemble_case(Ensemble(MEMBERS), task, opt, host)
+    cases["sequential jit, 1 device"] = _sequential_case(task, opt, host, MEMBERS)
+    times = interleaved(cases, rounds=5 if quick else 9)
+    base = times["sequential jit, 1 device"]["median"]
+    rows = [
+        {
+            "impl": name,
+            "members": MEMBERS,
+            "batch": batch_size,
+            "median_ms": t["median"] * 1e3,
+            "members_per_s": MEMBERS / t["median"],
+            "x_sequential": t["median"] / base,
+        }
+        for name, t in times.items()
+    ]
+    one = times[f"spmdkit ensemble ({DEFAULT_LOOP}), 1 device"]["median"] / base
+    return {
+        "suite": "ensemble",
+        "machine": machine(),
+        "columns": ["impl", "members", "batch", "median_ms", "members_per_s", "x_sequential"],
+        "rows": rows,
+        "targets": [
+            {
+                "name": f"ensemble of 8 on 1 device (default member_loop={DEFAULT_LOOP}) / "
+                "8 sequential jitted steps on 1 device (time)",
+                "value": one,
+                "target": f"< {TARGET_ONE_DEVICE}",
+                "met": one < TARGET_ONE_DEVICE,
+            }
+        ],
+    }

@@ -1,0 +1,157 @@
+"""Ensemble: members equal lone runs, placement, averaged probabilities, errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._strategies.ensemble import placement
+from spmdkit._tasks import digits, linreg
+from spmdkit._train import iterate_batches
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def task():
+    return digits.make()
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def train_both(task, ensemble: spmdkit.Ensemble, steps: int = 20):
+    """The ensemble, and each member trained alone on one device from the same key."""
+    opt = optax.sgd(0.05, momentum=0.9)
+    init_key = jax.random.key(7)
+    state = ensemble.init_state(task.init, opt, init_key)
+    step = ensemble.train_step(task.loss_fn, opt)
+    single = spmdkit.Single()
+    single_step = single.train_step(task.loss_fn, opt)
+    keys = ensemble.member_keys(init_key)
+    alone = [single.init_state(task.init, opt, keys[m]) for m in range(ensemble.members)]
+    batches = iterate_batches(task.train_data, 32, 0, False)
+    for i in range(steps):
+        _, host = next(batches)
+        rng = jax.random.key(100 + i)
+        state, _ = step(state, *ensemble.put_batch(host, size=32), rng)
+        member_rngs = jax.random.split(rng, ensemble.members)
+        batch, mask = single.put_batch(host, size=32)
+        alone = [single_step(s, batch, mask, member_rngs[m])[0] for m, s in enumerate(alone)]
+    return ensemble.host_params(state), [single.host_params(s) for s in alone]
+
+
+@pytest.mark.parametrize(
+    "members, devices, per_device",
+    [(8, 8, 1), (16, 8, 2), (8, 4, 2)],
+)
+def test_each_member_equals_the_same_member_trained_alone(task, members, devices, per_device):
+    ensemble = spmdkit.Ensemble(members=members, devices=jax.devices()[:devices])
+    assert ensemble.describe()["device_count"] == devices
+    assert ensemble.describe()["members_per_device"] == per_device
+    stacked, alone = train_both(task, ensemble)
+    members_params = ensemble.member_params(stacked)
+    for m in range(members):
+        assert max_diff(members_params[m], alone[m]) <= TOLERANCE, m
+    # and they are different models (different keys), not one model K times
+    assert max_diff(members_params[0], members_params[1]) > 1e-2
+
+
+def test_member_state_is_sharded_over_the_member_axis():
+    ens = spmdkit.Ensemble(members=16)
+    state = ens.init_state(lambda k: {"w": jax.random.normal(k, (3,))}, optax.adam(1e-3), jax.random.key(0))
+    w = state.params["w"]
+    assert w.shape == (16, 3) and w.sharding.spec == jax.P("member")
+    assert {s.data.shape for s in w.addressable_shards} == {(2, 3)}
+
+
+def test_ensemble_probability_is_the_mean_of_member_probabilities(task):
+    ens = spmdkit.Ensemble(members=8)
+    state = ens.init_state(task.init, optax.sgd(0.1), jax.random.key(3))
+    batch = jax.tree.map(lambda x: x[:20], task.eval_data)
+    got = np.asarray(ens.predict_fn(task.predictor.predict)(state.params, ens.put_batch(batch, shared=True)[0]))
+    host_params = ens.member_params(ens.host_params(state))
+    expected = np.mean([np.asarray(task.predictor.predict(p, batch)) for p in host_params], axis=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_short_run_ensemble_beats_mean_member_and_reports_it(task, tmp_path):
+    result = spmdkit.fit(task, spmdkit.Ensemble(members=8), optax.sgd(0.05, momentum=0.9),
+                         spmdkit.TrainConfig(steps=60, batch_size=64), out_dir=tmp_path, progress=False)
+    s = result.summary
+    assert len(s["member_accuracy"]) == 8 and s["members"] == 8
+    assert s["ensemble_accuracy"] >= s["mean_member_accuracy"]
+    assert s["ensemble_gain"] == pytest.approx(s["ensemble_accuracy"] - s["mean_member_accuracy"])
+    assert (tmp_path / "ensemble.png").read_bytes().startswith(b"\x89PNG")
+    train_rows = [r for r in result.history if r["split"] == "train"]
+    assert len(train_rows[0]["member_loss"]) == 8
+    assert train_rows[0]["loss"] == pytest.approx(np.mean(train_rows[0]["member_loss"]))
+
+
+def test_bagging_gives_each_member_its_own_order(task):
+    ens = spmdkit.Ensemble(members=4, bagging=True, devices=jax.devices()[:4])
+    assert ens.data_streams == 4
+    host = jax.tree.map(lambda *xs: np.stack(xs), *(
+        next(iterate_batches(task.train_data, 16, 0, False, stream=m))[1] for m in range(4)
+    ))
+    assert not np.array_equal(host["label"][0], host["label"][1])
+    placed, mask = ens.put_batch(jax.tree.map(lambda x: x[:, :13], host), size=16)
+    assert placed["image"].shape == (4, 16, 8, 8, 1) and mask.shape == (4, 16) and int(mask.sum()) == 52
+    result = spmdkit.fit(task, ens, optax.sgd(0.05, momentum=0.9),
+                         spmdkit.TrainConfig(steps=30, batch_size=16), progress=False)
+    assert result.summary["bagging"] is True and len(result.summary["member_accuracy"]) == 4
+
+
+def test_ensemble_of_a_task_without_predictor_reports_each_member():
+    result = spmdkit.fit(linreg.make(), spmdkit.Ensemble(members=4), optax.sgd(0.005),
+                         spmdkit.TrainConfig(steps=300, batch_size=128), progress=False)
+    reports = result.summary["member_reports"]
+    assert len(reports) == 4 and all(abs(r["w"] - 2) < 0.3 for r in reports)
+    assert "ensemble_accuracy" not in result.summary
+
+
+@pytest.mark.parametrize("members, devices, used", [(8, 8, 8), (16, 8, 8), (3, 8, 3), (12, 8, 6), (7, 4, 1), (1, 8, 1)])
+def test_placement(members, devices, used):
+    assert placement(members, devices) == used
+
+
+def test_errors():
+    with pytest.raises(spmdkit.ConfigError, match="members=0: an ensemble needs"):
+        spmdkit.Ensemble(members=0)
+    with pytest.raises(spmdkit.ConfigError) as e:
+        spmdkit.Ensemble(members=12, mesh=spmdkit.make_mesh(member=8))
+    msg = str(e.value)
+    assert "members=12 cannot be placed on the 8 devices" in msg and "12 is not a multiple of 8" in msg
+    assert "e.g. 8, 16" in msg
+    ens = spmdkit.Ensemble(members=8)
+    state = spmdkit.Ensemble(members=4).init_state(lambda k: {"w": jax.numpy.zeros(2)}, optax.sgd(0.1), jax.random.key(0))
+    with pytest.raises(spmdkit.MembersMismatchError) as e:
+        ens.place_state(jax.device_get(state))
+    assert "holds 4 member(s), but this ensemble has members=8" in str(e.value)
+    assert "--members 4" in str(e.value)
+    placed = spmdkit.Ensemble(members=4).place_state(jax.device_get(state))
+    assert placed.params["w"].sharding.spec == jax.P("member")
+
+
+@pytest.mark.parametrize("loop", ["map", "vmap"])
+def test_member_loops_agree_with_unroll(task, loop):
+    opt = optax.sgd(0.05, momentum=0.9)
+    host = jax.tree.map(lambda x: x[:16], task.train_data)
+    results = []
+    for how in ("unroll", loop):
+        ens = spmdkit.Ensemble(members=4, devices=jax.devices()[:2], member_loop=how)
+        state = ens.init_state(task.init, opt, jax.random.key(0))
+        state, metrics = ens.train_step(task.loss_fn, opt)(state, *ens.put_batch(host), jax.random.key(1))
+        results.append((ens.host_params(state), np.asarray(metrics["member_loss"])))
+    assert max_diff(results[0][0], results[1][0]) < 1e-5
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+
+
+def test_unknown_member_loop():
+    with pytest.raises(spmdkit.ConfigError, match="member_loop='scan' is not known"):
+        spmdkit.Ensemble(members=2, member_loop="scan")
