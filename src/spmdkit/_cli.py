@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=120, help="training steps (120)")
 
     _add_train_parser(sub, common)
+    _add_inspect_parser(sub, common)
 
     from spmdkit._bench import SUITES
 
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", metavar="FILE", help="also write the figures as Markdown to FILE")
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run)")
     return parser
+
+
+def _add_layout_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", metavar="AXES", help="mesh, e.g. data=2,model=4 (default: the rules' preset mesh)")
+    p.add_argument("--rules", metavar="RULES", help="sharded: dp, fsdp, tp, dp+tp, fsdp+tp, a TOML file, or batch=data,hidden=model")
+    p.add_argument("--replicate-unknown", action="store_true", help="sharded: replicate logical names with no rule")
 
 
 def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
@@ -105,6 +112,11 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--members", type=_positive_int, help="ensemble size (default: one per device)")
     p.add_argument("--bagging", action="store_true", help="ensemble: each member its own data order")
     p.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
+    _add_layout_options(p)
+    p.add_argument("--layers", type=_positive_int, help="mlp: number of DotReluDot layers (4)")
+    p.add_argument("--depth", type=_positive_int, help="mlp: hidden width (512)")
+    p.add_argument("--embed", type=_positive_int, help="mlp: input/output width (128)")
+    p.add_argument("--no-scan", dest="scan", action="store_false", help="mlp: a Python loop over layers, not nn.scan")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the task's)")
     p.add_argument("--epochs", type=_positive_int, help="passes over the training set, instead of --steps")
     p.add_argument("--batch-size", type=int, help="global batch size, all devices together")
@@ -121,9 +133,33 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
+def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
+    from spmdkit._tasks import TASKS
+
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="show a sharded layout and the compiled step's memory and flops, without running",
+        description="Derives every parameter's layout from the task's logical axis names and the "
+        "rules, validates it, and compiles (but does not run) one train step on 8 simulated devices "
+        "(or --host-devices N).",
+    )
+    p.add_argument("--task", choices=sorted(TASKS), default="mlp", help="the model (default mlp)")
+    _add_layout_options(p)
+    p.add_argument("--layers", type=_positive_int, help="mlp: number of layers")
+    p.add_argument("--depth", type=_positive_int, help="mlp: hidden width")
+    p.add_argument("--embed", type=_positive_int, help="mlp: input/output width")
+    p.add_argument("--no-scan", dest="scan", action="store_false", default=None, help="mlp: loop, not scan")
+    p.add_argument("--batch-size", type=_positive_int, help="global batch of the compiled step (the task's)")
+    p.add_argument("--optimizer", default=None, help="sgd, adam or adamw (the task's)")
+    p.add_argument("--data-dir", metavar="DIR", help="for --task mnist")
+    p.add_argument("--show", metavar="PATH", help="also draw how one parameter is split, e.g. \"['ScanDotReluDot_0']['W1']\"")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
 # Commands that run on 8 simulated devices unless told otherwise: they are about
 # showing or measuring many devices on a machine that has one CPU.
-_DEFAULT_DEVICES = {"demo": 8, "bench": 8}
+_DEFAULT_DEVICES = {"demo": 8, "bench": 8, "inspect": 8}
 
 
 def _setup_devices(args: argparse.Namespace) -> None:
@@ -202,7 +238,30 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return train_from_args(args, console)
 
 
+def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._config import OptimizerConfig
+    from spmdkit._inspect import array_layout, layout_report, print_array_layout, print_report
+    from spmdkit._strategies import get_strategy
+    from spmdkit._tasks import get_task, task_defaults
+
+    options = {k: getattr(args, k) for k in ("layers", "depth", "embed", "scan")}
+    task = get_task(args.task, data_dir=args.data_dir, **options)
+    strategy = get_strategy("sharded", mesh=args.mesh, rules=args.rules, replicate_unknown=args.replicate_unknown)
+    defaults = task_defaults(args.task)
+    optimizer = OptimizerConfig(name=args.optimizer or defaults.get("optimizer", "sgd"), lr=defaults.get("lr", 0.01)).build()
+    report = layout_report(task, strategy, optimizer, args.batch_size or defaults.get("batch_size", 32))
+    shown = array_layout(strategy, args.show) if args.show else None
+    if args.json:
+        print(json.dumps({**report, **({"show": shown} if shown else {})}, indent=2))
+        return 0
+    print_report(report, console)
+    if shown:
+        print_array_layout(shown, console)
+    return 0
+
+
 _COMMANDS = {
+    "inspect": _cmd_inspect,
     "devices": _cmd_devices,
     "demo": _cmd_demo,
     "bench": _cmd_bench,

@@ -104,7 +104,15 @@ class RunConfig:
     impl: str = "jit"
     members: int | None = None
     bagging: bool = False
+    mesh: str | None = None
+    rules: str | None = None
+    replicate_unknown: bool = False
     data_dir: str | None = None
+    # Task options (mlp): None means the task's own default.
+    layers: int | None = None
+    depth: int | None = None
+    embed: int | None = None
+    scan: bool | None = None
     host_devices: int | None = None
     out: str = "runs/latest"
     progress: bool = True
@@ -121,6 +129,13 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "members": (None, "members"),
     "bagging": (None, "bagging"),
     "data_dir": (None, "data_dir"),
+    "mesh": (None, "mesh"),
+    "rules": (None, "rules"),
+    "replicate_unknown": (None, "replicate_unknown"),
+    "layers": (None, "layers"),
+    "depth": (None, "depth"),
+    "embed": (None, "embed"),
+    "scan": (None, "scan"),
     "host_devices": (None, "host_devices"),
     "out": (None, "out"),
     "progress": (None, "progress"),
@@ -188,3 +203,20 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         return RunConfig(train=train, optimizer=optimizer, **sections[None])
     except TypeError as e:  # a wrongly typed value in a TOML file
         raise ConfigError(fix(f"invalid option value: {e}.", "check the types in the config file.")) from None
+
+
+def task_options(run: RunConfig) -> dict[str, Any]:
+    """The options of ``run`` that belong to the task (given ones only)."""
+    given = {"layers": run.layers, "depth": run.depth, "embed": run.embed, "scan": run.scan}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def strategy_options(run: RunConfig) -> dict[str, Any]:
+    """The options of ``run`` that belong to the strategy."""
+    return {
+        "members": run.members,
+        "bagging": run.bagging,
+        "mesh": run.mesh,
+        "rules": run.rules,
+        "replicate_unknown": run.replicate_unknown,
+    }

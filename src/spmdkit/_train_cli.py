@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from spmdkit._config import build_run_config, check_keys, load_toml
+from spmdkit._config import build_run_config, check_keys, load_toml, strategy_options, task_options
 from spmdkit._errors import NonFiniteLossError
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import get_task, task_defaults
@@ -37,8 +37,8 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in ("command",)}
     options = resolve_options(flags)
     run = build_run_config(options)
-    task = get_task(run.task, data_dir=run.data_dir)
-    strategy = get_strategy(run.strategy, run.impl, members=run.members, bagging=run.bagging)
+    task = get_task(run.task, data_dir=run.data_dir, **task_options(run))
+    strategy = get_strategy(run.strategy, run.impl, **strategy_options(run))
     info = strategy.describe()
     console.print(
         f"training [bold]{run.task}[/] with [bold]{info['strategy']}[/] ({info['impl']}) on "

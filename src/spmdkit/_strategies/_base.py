@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.core import meta
 
 Params = Any
 Batch = Any
@@ -92,10 +93,59 @@ class Strategy(Protocol):
 
 
 def init_train_state(init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, key: jax.Array) -> TrainState:
-    """One model's fresh state. Strategies jit it with ``init_fn`` and ``optimizer``
-    static, so the same task and optimizer compile once, whatever the key."""
-    params = init_fn(key)
+    """One model's fresh state, with Flax partitioning boxes removed.
+
+    Strategies jit it with ``init_fn`` and ``optimizer`` static, so the same task and
+    optimizer compile once, whatever the key. Layout metadata (``nn.with_partitioning``)
+    is read from the boxed abstract state (:func:`boxed_abstract_state`), not kept in
+    the arrays.
+    """
+    params = meta.unbox(init_fn(key))
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
+def boxed_abstract_state(init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> TrainState:
+    """Shapes of the train state with Flax's partitioning boxes kept (no memory used)."""
+
+    def boxed(key):
+        params = init_fn(key)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    return jax.eval_shape(boxed, jax.random.key(0))
+
+
+def update_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, grads_and_sums=None):
+    """The pure train step ``(state, batch, mask, rng) -> (state, metrics)``.
+
+    ``grads_and_sums(params, batch, mask, rng)`` defaults to the gradient of the
+    masked global mean; the shard_map implementation passes its own.
+    """
+
+    def global_mean(params, batch, mask, rng):
+        def objective(p):
+            s, a, c = masked_sums(loss_fn, p, batch, mask, rng)
+            return s / c, (s, a, c)
+
+        return jax.grad(objective, has_aux=True)(params)
+
+    grads_and_sums = grads_and_sums or global_mean
+
+    def step(state: TrainState, batch, mask, rng):
+        grads, sums = grads_and_sums(state.params, batch, mask, rng)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state), as_metrics(*sums)
+
+    return step
+
+
+def eval_sums(loss_fn: LossFn):
+    """The pure eval step ``(params, batch, mask, rng) -> sums`` over the real examples."""
+
+    def evaluate(params, batch, mask, rng):
+        return as_sums(*masked_sums(loss_fn, params, batch, mask, rng))
+
+    return evaluate
 
 
 def padded_size(size: int, shards: int) -> int:

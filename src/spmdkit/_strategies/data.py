@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -33,12 +32,12 @@ from spmdkit._strategies._base import (
     Predictor,
     StepFn,
     TrainState,
-    as_metrics,
-    as_sums,
+    eval_sums,
     init_train_state,
     masked_sums,
     pad_batch,
     padded_size,
+    update_step,
 )
 
 IMPLS = ("jit", "shard_map")
@@ -122,18 +121,8 @@ class DataParallel:
         return {}
 
     # ---- compiled steps ---------------------------------------------------------
-    def _grads_and_sums(self, loss_fn: LossFn) -> Callable[..., Any]:
-        """(params, batch, mask, rng) -> (grads of the global mean, (loss sum, aux sums, count))."""
-
-        def global_mean(params, batch, mask, rng):
-            def objective(p):
-                s, a, c = masked_sums(loss_fn, p, batch, mask, rng)
-                return s / c, (s, a, c)
-
-            return jax.grad(objective, has_aux=True)(params)
-
-        if self.impl == "jit":
-            return global_mean
+    def _shard_map_grads(self, loss_fn: LossFn) -> Callable[..., Any]:
+        """(params, batch, mask, rng) -> (grads of the global mean, sums), per device + psum."""
         axis = self.axis
 
         def per_device(params, batch, mask, rng):
@@ -153,31 +142,17 @@ class DataParallel:
         )
 
     def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
-        grads_and_sums = self._grads_and_sums(loss_fn)
-
-        def step(state: TrainState, batch, mask, rng):
-            grads, sums = grads_and_sums(state.params, batch, mask, rng)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            return TrainState(state.step + 1, params, opt_state), as_metrics(*sums)
-
+        grads = self._shard_map_grads(loss_fn) if self.impl == "shard_map" else None
         r, s = self._replicated, self._split
-        return jax.jit(step, in_shardings=(r, s, s, r), out_shardings=(r, r))
+        return jax.jit(update_step(loss_fn, optimizer, grads), in_shardings=(r, s, s, r), out_shardings=(r, r))
 
     def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
-        if self.impl == "jit":
-
-            def evaluate(params, batch, mask, rng):
-                return as_sums(*masked_sums(loss_fn, params, batch, mask, rng))
-
-        else:
+        evaluate = eval_sums(loss_fn)
+        if self.impl == "shard_map":
             axis = self.axis
-
-            def local(params, batch, mask, rng):
-                return jax.lax.psum(as_sums(*masked_sums(loss_fn, params, batch, mask, rng)), axis)
-
             evaluate = jax.shard_map(
-                local, mesh=self.mesh, in_specs=(P(), P(axis), P(axis), P()), out_specs=P(), check_vma=False
+                lambda *args: jax.lax.psum(eval_sums(loss_fn)(*args), axis),
+                mesh=self.mesh, in_specs=(P(), P(axis), P(axis), P()), out_specs=P(), check_vma=False,
             )
         r, s = self._replicated, self._split
         return jax.jit(evaluate, in_shardings=(r, s, s, r), out_shardings=r)

@@ -6,10 +6,12 @@ from types import ModuleType
 from typing import Any
 
 from spmdkit._errors import ConfigError, fix
-from spmdkit._tasks import digits, linreg, mnist
+import inspect
+
+from spmdkit._tasks import digits, linreg, mlp, mnist
 from spmdkit._tasks._base import Task
 
-TASKS: dict[str, ModuleType] = {"linreg": linreg, "digits": digits, "mnist": mnist}
+TASKS: dict[str, ModuleType] = {"linreg": linreg, "digits": digits, "mnist": mnist, "mlp": mlp}
 
 
 def _module(name: str) -> ModuleType:
@@ -18,9 +20,24 @@ def _module(name: str) -> ModuleType:
     return TASKS[name]
 
 
-def get_task(name: str, data_dir: str | None = None) -> Task:
-    """A built-in task by name; ``data_dir`` is where tasks with files (mnist) read them."""
-    return _module(name).make(data_dir=data_dir)
+def get_task(name: str, data_dir: str | None = None, **options: Any) -> Task:
+    """A built-in task by name; ``data_dir`` is where tasks with files (mnist) read them.
+
+    ``options`` are the task's own (``layers``, ``depth``... for mlp); one the task
+    does not take is an error, not silently ignored.
+    """
+    make = _module(name).make
+    accepted = set(inspect.signature(make).parameters) - {"data_dir"}
+    given = {k: v for k, v in options.items() if v is not None}
+    wrong = sorted(set(given) - accepted)
+    if wrong:
+        raise ConfigError(
+            fix(
+                f"task {name!r} does not take option(s) {wrong}.",
+                f"it takes {sorted(accepted) or 'no options'}; drop the others.",
+            )
+        )
+    return make(data_dir=data_dir, **given)
 
 
 def task_defaults(name: str) -> dict[str, Any]:

@@ -1,0 +1,130 @@
+"""``spmdkit inspect``: the sharded layout and the compiled step's cost, without running it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from rich.console import Console
+from rich.table import Table
+
+from spmdkit._errors import fix
+from spmdkit._rules import LayoutError
+from spmdkit._strategies.sharded import Sharded
+from spmdkit._tasks._base import Task
+
+
+def _analysis(obj: Any) -> Any:
+    return obj[0] if isinstance(obj, (list, tuple)) else obj
+
+
+def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransformation, batch_size: int) -> dict[str, Any]:
+    """Every parameter's layout and the compiled train step's per-device memory and flops.
+
+    The step is lowered and compiled from abstract values only: no array of the model
+    is allocated and no step runs.
+    """
+    layout = strategy.plan(task.init, optimizer)
+    params = [leaf for leaf in layout.leaves if leaf.path.startswith("state.params")]
+    others = [leaf for leaf in layout.leaves if not leaf.path.startswith("state.params")]
+    size = -(-batch_size // strategy.batch_shards) * strategy.batch_shards
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype, sharding=strategy._batch), task.train_data
+    )
+    step = strategy.train_step(task.loss_fn, optimizer)
+    compiled = step.lower(layout.abstract, batch, None, jax.random.key(0)).compile()
+    mem = _analysis(compiled.memory_analysis())
+    cost = _analysis(compiled.cost_analysis()) or {}
+    memory = {
+        name: int(getattr(mem, f"{name}_size_in_bytes", 0))
+        for name in ("argument", "output", "temp", "alias", "generated_code")
+    }
+    return {
+        "task": task.name,
+        **strategy.describe(),
+        "batch_size": size,
+        "params": [
+            {
+                "path": leaf.path.removeprefix("state.params"),
+                "shape": list(leaf.shape),
+                "dtype": leaf.dtype,
+                "logical": None if leaf.logical is None else list(leaf.logical),
+                "spec": str(leaf.spec),
+                "bytes": leaf.bytes,
+                "bytes_per_device": leaf.bytes_per_device,
+            }
+            for leaf in params
+        ],
+        "param_bytes": sum(leaf.bytes for leaf in params),
+        "param_bytes_per_device": sum(leaf.bytes_per_device for leaf in params),
+        "optimizer_bytes_per_device": sum(leaf.bytes_per_device for leaf in others),
+        "replicated_fraction": layout.replicated_fraction(),
+        "step_memory_per_device": memory,
+        "step_flops_per_device": float(cost.get("flops", 0.0)),
+        "step_bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)),
+    }
+
+
+def array_layout(strategy: Sharded, path: str) -> dict[str, Any]:
+    """Which block of one state array each device holds (for ``--show PATH``)."""
+    assert strategy.layout is not None
+    for leaf in strategy.layout.leaves:
+        if leaf.path.removeprefix("state.params") == path or leaf.path == path:
+            break
+    else:
+        known = [leaf.path.removeprefix("state.params") for leaf in strategy.layout.leaves if leaf.path.startswith("state.params")]
+        raise LayoutError(fix(f"--show {path!r}: no parameter has that path.", f"use one of {known}."))
+    sharding = jax.sharding.NamedSharding(strategy.mesh, leaf.spec)
+    blocks = sharding.devices_indices_map(leaf.shape)
+    cells = {}
+    for device, index in blocks.items():
+        cells[device.id] = "[" + ", ".join(
+            ":" if s.start is None and s.stop is None else f"{s.start or 0}:{s.stop if s.stop is not None else n}"
+            for s, n in zip(index, leaf.shape)
+        ) + "]"
+    grid = np.vectorize(lambda d: cells[d.id])(strategy.mesh.devices)
+    return {"path": path, "shape": list(leaf.shape), "spec": str(leaf.spec), "mesh": dict(strategy.mesh.shape),
+            "grid": grid.tolist(), "device_ids": np.vectorize(lambda d: d.id)(strategy.mesh.devices).tolist()}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"{report['task']}: rules {report['rules']!r} on mesh {report['mesh']}")
+    for col in ("parameter", "shape", "logical axes", "PartitionSpec", "per device"):
+        table.add_column(col, justify="right" if col == "per device" else "left")
+    for p in report["params"]:
+        table.add_row(p["path"], str(tuple(p["shape"])), str(p["logical"]), p["spec"], _mib(p["bytes_per_device"]))
+    console.print(table)
+    m = report["step_memory_per_device"]
+    console.print(
+        f"parameters: {_mib(report['param_bytes'])} in all, {_mib(report['param_bytes_per_device'])} per device; "
+        f"optimizer state {_mib(report['optimizer_bytes_per_device'])} per device; "
+        f"{report['replicated_fraction']:.0%} of the state replicated"
+    )
+    console.print(
+        f"compiled train step (batch {report['batch_size']}), per device: arguments {_mib(m['argument'])}, "
+        f"outputs {_mib(m['output'])}, temporaries {_mib(m['temp'])}; "
+        f"{report['step_flops_per_device'] / 1e9:.3f} GFLOP, {_mib(report['step_bytes_accessed_per_device'])} accessed"
+    )
+
+
+def print_array_layout(info: dict[str, Any], console: Console) -> None:
+    mesh_names = list(info["mesh"])
+    title = f"{info['path']} {tuple(info['shape'])} spec {info['spec']}: block held by each device"
+    table = Table(title=title)
+    grid, ids = info["grid"], info["device_ids"]
+    if len(mesh_names) == 1:
+        grid, ids = [grid], [ids]
+    cols = mesh_names[1] if len(mesh_names) > 1 else mesh_names[0]
+    table.add_column(f"{mesh_names[0]} \\ {cols}" if len(mesh_names) > 1 else "")
+    for j in range(len(grid[0])):
+        table.add_column(f"{cols}={j}")
+    for i, row in enumerate(grid):
+        label = f"{mesh_names[0]}={i}" if len(mesh_names) > 1 else ""
+        table.add_row(label, *(f"dev {d}: {cell}" for d, cell in zip(ids[i], row)))
+    console.print(table)

@@ -1,0 +1,214 @@
+"""Logical axis rules: the vocabulary that maps a model's axis names to mesh axes.
+
+A model names its array dimensions logically (``batch``, ``embed``, ``hidden``,
+``layer``); a rules table says which mesh axis, if any, shards each name. Rules are
+data: presets, a ``--rules`` string or a TOML file of ``logical = "mesh-axis"``
+pairs. Changing the layout never means touching the model. An unknown logical name
+is an error (never a silent replication) unless the caller opts into replication.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec as P
+
+from spmdkit._errors import SpmdkitError, fix
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+class LayoutError(SpmdkitError, ValueError):
+    """Rules, mesh and parameters do not fit together; the message names the leaf."""
+
+
+class ReplicationWarning(UserWarning):
+    """Most of the state's memory is fully replicated on every device."""
+
+
+def _norm(value: Any, where: str) -> MeshAxes:
+    if value is None or value == "" or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value) if len(value) != 1 else value[0]
+    raise LayoutError(
+        fix(f"{where}: {value!r} is not a mesh axis.", 'write a mesh axis name ("model"), a list of them, or "none".')
+    )
+
+
+@dataclass(frozen=True)
+class AxisRules:
+    """An ordered table ``logical name -> mesh axis (or axes, or None)``.
+
+    Example:
+        >>> rules = AxisRules.preset("dp+tp")
+        >>> rules.spec(("batch", "hidden"))
+        PartitionSpec('data', 'model')
+    """
+
+    table: tuple[tuple[str, MeshAxes], ...]
+    name: str = "custom"
+    replicate_unknown: bool = False
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any], name: str = "custom", replicate_unknown: bool = False) -> AxisRules:
+        return cls(tuple((str(k), _norm(v, f"rule {k!r}")) for k, v in mapping.items()), name, replicate_unknown)
+
+    @classmethod
+    def preset(cls, name: str) -> AxisRules:
+        if name not in PRESETS:
+            raise LayoutError(fix(f"rules preset {name!r} is not known.", f"choose one of {sorted(PRESETS)}, or pass a TOML file."))
+        return cls.from_mapping(PRESETS[name], name=name)
+
+    @classmethod
+    def load(cls, spec: str, replicate_unknown: bool = False) -> AxisRules:
+        """A preset name, a TOML file path, or inline ``batch=data,hidden=model``."""
+        if spec in PRESETS:
+            rules = cls.preset(spec)
+        elif spec.endswith(".toml") or Path(spec).is_file():
+            path = Path(spec)
+            if not path.is_file():
+                raise LayoutError(fix(f"rules file {spec!r} does not exist.", f"check the path, or use a preset: {sorted(PRESETS)}."))
+            try:
+                data = tomllib.loads(path.read_text())
+            except tomllib.TOMLDecodeError as e:
+                raise LayoutError(fix(f"rules file {spec!r} is not valid TOML: {e}.", 'write lines like hidden = "model".')) from None
+            rules = cls.from_mapping(data, name=path.name)
+        elif "=" in spec:
+            pairs = {}
+            for part in spec.split(","):
+                k, _, v = part.partition("=")
+                pairs[k.strip()] = v.strip()
+            rules = cls.from_mapping(pairs, name=spec)
+        else:
+            raise LayoutError(
+                fix(f"--rules {spec!r} is neither a preset, a TOML file nor name=axis pairs.",
+                    f"use one of {sorted(PRESETS)}, a file rules.toml, or batch=data,hidden=model.")
+            )
+        return AxisRules(rules.table, rules.name, replicate_unknown)
+
+    @property
+    def mapping(self) -> dict[str, MeshAxes]:
+        return dict(self.table)
+
+    def flax_rules(self) -> tuple[tuple[str, MeshAxes], ...]:
+        """The table in the form ``nn.logical_axis_rules`` takes."""
+        return self.table
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Every mesh axis a rule names exists in ``mesh``."""
+        names = set(mesh.axis_names)
+        for logical, axes in self.table:
+            for axis in _as_tuple(axes):
+                if axis not in names:
+                    raise LayoutError(
+                        fix(
+                            f"rule {logical!r} -> {axis!r} (rules {self.name!r}) names mesh axis {axis!r}, "
+                            f"but the mesh has axes {list(mesh.axis_names)} ({dict(mesh.shape)}).",
+                            f"add {axis}=N to --mesh, or map {logical!r} to one of {list(mesh.axis_names)} or none.",
+                        )
+                    )
+
+    def mesh_axes(self, logical: str, where: str) -> MeshAxes:
+        table = self.mapping
+        if logical not in table:
+            if self.replicate_unknown:
+                return None
+            raise LayoutError(
+                fix(
+                    f"{where} has logical axis {logical!r}, which rules {self.name!r} do not map "
+                    f"(they map {sorted(table)}). spmdkit does not silently replicate it.",
+                    f'add a rule for it (e.g. {logical} = "model", or {logical} = "none" to replicate), '
+                    "or pass --replicate-unknown.",
+                )
+            )
+        return table[logical]
+
+    def spec(self, logical: tuple[str | None, ...], where: str = "array") -> P:
+        """The mesh PartitionSpec of an array with these logical dimension names."""
+        return P(*(None if name is None else self.mesh_axes(name, where) for name in logical))
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, where: str, logical: tuple | None = None) -> None:
+    """A mesh axis at most once per spec, every sharded dimension divisible by its axes."""
+    seen: dict[str, int] = {}
+    names = list(mesh.axis_names)
+    if len(spec) > len(shape):
+        raise LayoutError(fix(f"{where}: spec {spec} has {len(spec)} entries for an array of shape {shape}.",
+                              "give one logical name per dimension."))
+    for dim, axes in enumerate(spec):
+        for axis in _as_tuple(axes):
+            if axis not in names:
+                raise LayoutError(
+                    fix(f"{where}: dimension {dim} is sharded over mesh axis {axis!r}, but the mesh has "
+                        f"axes {names}.", f"shard it over one of {names} or none.")
+                )
+            if axis in seen:
+                by = "" if logical is None else f" (logical {logical[seen[axis]]!r} and {logical[dim]!r})"
+                raise LayoutError(
+                    fix(
+                        f"{where}: mesh axis {axis!r} is used twice in spec {spec}, for dimensions "
+                        f"{seen[axis]} and {dim}{by}; an axis can split only one dimension.",
+                        "map one of those logical names to another mesh axis or to none.",
+                    )
+                )
+            seen[axis] = dim
+        size = 1
+        for axis in _as_tuple(axes):
+            size *= mesh.shape[axis]
+        if size > 1 and shape[dim] % size:
+            raise LayoutError(
+                fix(
+                    f"{where}: dimension {dim} has size {shape[dim]}, which mesh axes "
+                    f"{_as_tuple(axes)} (size {size}) cannot split evenly.",
+                    f"make that dimension a multiple of {size}, use a mesh axis whose size divides "
+                    f"{shape[dim]}, or map its logical name to none.",
+                )
+            )
+
+
+# Complete over the vocabulary of the built-in models (batch, embed, hidden, layer):
+# a name that is left unsharded is written as None, so nothing falls through.
+PRESETS: dict[str, dict[str, MeshAxes]] = {
+    "dp": {"batch": "data", "embed": None, "hidden": None, "layer": None},
+    "fsdp": {"batch": "data", "embed": "data", "hidden": None, "layer": None},
+    "tp": {"batch": None, "embed": None, "hidden": "model", "layer": None},
+    "dp+tp": {"batch": "data", "embed": None, "hidden": "model", "layer": None},
+    "fsdp+tp": {"batch": "data", "embed": "data", "hidden": "model", "layer": None},
+}
+
+# The mesh each preset runs on when --mesh is not given (-1: the rest of the devices).
+DEFAULT_MESH: dict[str, dict[str, int]] = {
+    "dp": {"data": -1},
+    "fsdp": {"data": -1},
+    "tp": {"model": -1},
+    "dp+tp": {"data": 2, "model": -1},
+    "fsdp+tp": {"data": 2, "model": -1},
+}
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``data=2,model=4`` -> ``{"data": 2, "model": 4}`` (order kept; one -1 allowed)."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        try:
+            out[name] = int(size)
+        except ValueError:
+            raise LayoutError(fix(f"--mesh {text!r}: {part!r} is not name=size.", "write e.g. --mesh data=2,model=4.")) from None
+        if not name.isidentifier():
+            raise LayoutError(fix(f"--mesh {text!r}: {name!r} is not an axis name.", "write e.g. --mesh data=2,model=4."))
+    return out

@@ -1,0 +1,245 @@
+"""Sharded (model-parallel) training: every leaf of the state laid out by logical rules.
+
+The layout is derived, not written by hand: ``jax.eval_shape`` of the task's init
+(with Flax's partitioning boxes) gives every parameter's shape and logical names;
+the rules table turns names into mesh axes; the optimizer state inherits its
+parameter's layout. The state is created directly sharded (jit with
+``out_shardings``: the whole model never exists on one device), and the steps are
+jitted with those shardings. Activations constrained with
+``nn.with_logical_constraint`` follow the same rules.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from flax.core import meta
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdkit._errors import fix
+from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec
+from spmdkit._strategies._base import (
+    EvalFn,
+    LossFn,
+    Params,
+    Predictor,
+    StepFn,
+    TrainState,
+    boxed_abstract_state,
+    eval_sums,
+    init_train_state,
+    pad_batch,
+    padded_size,
+    update_step,
+)
+
+
+class LeafLayout(NamedTuple):
+    """One array of the state: where it is and how it is split."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...] | None  # None: not annotated (or mesh names given directly)
+    spec: P
+    bytes: int
+    bytes_per_device: int
+
+
+class Layout(NamedTuple):
+    leaves: list[LeafLayout]
+    shardings: Any  # pytree of NamedSharding, shaped like the (unboxed) state
+    abstract: Any  # pytree of ShapeDtypeStruct with those shardings: a restore target
+
+    def replicated_fraction(self) -> float:
+        total = sum(leaf.bytes for leaf in self.leaves) or 1
+        return sum(leaf.bytes for leaf in self.leaves if not any(leaf.spec)) / total
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, meta.AxisMetadata)
+
+
+def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "state") -> Layout:
+    """Validate and derive the sharding of every leaf of a boxed abstract state."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(boxed_state, is_leaf=_is_box)
+    out, shardings, abstract = [], [], []
+    for path, leaf in leaves:
+        where = root + jax.tree_util.keystr(path)
+        logical = None
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            logical = tuple(leaf.names)
+            spec = rules.spec(logical, where)
+        elif isinstance(leaf, nn.Partitioned):
+            spec = P(*leaf.names)  # with_partitioning names mesh axes directly
+        else:
+            spec = P()
+        value = leaf.value if _is_box(leaf) else leaf
+        shape = tuple(value.shape)
+        check_spec(spec, shape, mesh, where, logical)
+        sharding = NamedSharding(mesh, spec)
+        nbytes = math.prod(shape) * np.dtype(value.dtype).itemsize
+        split = math.prod(mesh.shape[a] for axes in spec for a in ((axes,) if isinstance(axes, str) else (axes or ())))
+        out.append(LeafLayout(where, shape, str(np.dtype(value.dtype)), logical, spec, nbytes, nbytes // split))
+        shardings.append(sharding)
+        abstract.append(jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding))
+    unboxed_def = jax.tree_util.tree_structure(meta.unbox(boxed_state))
+    if unboxed_def.num_leaves != len(shardings):
+        raise LayoutError(f"internal: {unboxed_def.num_leaves} leaves after unboxing, {len(shardings)} planned")
+    return Layout(out, jax.tree_util.tree_unflatten(unboxed_def, shardings), jax.tree_util.tree_unflatten(unboxed_def, abstract))
+
+
+def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> None:
+    """Warn, naming the largest replicated arrays, when sharding was meant but did little."""
+    if mesh.size == 1:
+        return
+    params = [leaf for leaf in layout.leaves if leaf.path.startswith("state.params")]
+    wants_sharding = any(axes is not None for name, axes in rules.table if name != "batch")
+    fraction = layout.replicated_fraction()
+    if wants_sharding and fraction > 0.5:
+        largest = sorted((leaf for leaf in params if not any(leaf.spec)), key=lambda l: -l.bytes)[:5]
+        listing = ", ".join(f"{leaf.path} {leaf.shape} ({leaf.bytes / 2**20:.1f} MiB)" for leaf in largest)
+        warnings.warn(
+            f"{fraction:.0%} of the train state's memory is replicated on every device under rules "
+            f"{rules.name!r} on mesh {dict(mesh.shape)}; the largest replicated parameters: {listing}. "
+            "Annotate them with logical names (nn.with_logical_partitioning) or map their names to a "
+            "mesh axis.",
+            ReplicationWarning,
+            stacklevel=3,
+        )
+
+
+class Sharded:
+    """Parameters and optimizer state split over a mesh by logical axis rules.
+
+    Example:
+        >>> import spmdkit
+        >>> strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp")
+        >>> strategy.batch_shards
+        2
+    """
+
+    name = "sharded"
+    data_streams = 1
+
+    def __init__(self, mesh: Mesh, rules: AxisRules | str, *, batch_name: str = "batch"):
+        rules = AxisRules.load(rules) if isinstance(rules, str) else rules
+        rules.check_mesh(mesh)
+        self.mesh = mesh
+        self.rules = rules
+        batch_axes = rules.mesh_axes(batch_name, "the batch")
+        self._batch = NamedSharding(mesh, P(batch_axes))
+        self._replicated = NamedSharding(mesh, P())
+        self.layout: Layout | None = None
+        self._inits: dict[Any, Any] = {}  # (init_fn, optimizer) -> jitted sharded init
+
+    @property
+    def batch_shards(self) -> int:
+        spec = self._batch.spec[0]
+        return math.prod(self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else (spec or ())))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "impl": "jit",
+            "mesh": dict(self.mesh.shape),
+            "device_count": self.mesh.size,
+            "rules": self.rules.name,
+            "rules_table": {k: v for k, v in self.rules.table},
+        }
+
+    # ---- layout ---------------------------------------------------------------
+    def plan(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Layout:
+        """Every leaf's layout, validated, from an abstract init (nothing is allocated)."""
+        with self._tracing():  # the model's forward pass may constrain activations
+            boxed = boxed_abstract_state(init_fn, optimizer)
+        layout = plan_layout(boxed, self.rules, self.mesh)
+        warn_if_mostly_replicated(layout, self.rules, self.mesh)
+        self.layout = layout
+        return layout
+
+    def state_shardings(self, init_fn, optimizer) -> Any:
+        return self.plan(init_fn, optimizer).shardings
+
+    def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+        layout = self.plan(init_fn, optimizer)
+        key = (init_fn, optimizer)
+        if key not in self._inits:
+            self._inits[key] = jax.jit(init_train_state, static_argnums=(0, 1), out_shardings=layout.shardings)
+        init = self._inits[key]
+        with self._tracing():
+            return init(init_fn, optimizer, rng)
+
+    def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
+        n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        batch, mask = pad_batch(batch, padded_size(max(n, size or n), self.batch_shards))
+        placed = jax.device_put(batch, self._batch)
+        return placed, None if mask is None else jax.device_put(mask, self._batch)
+
+    def host_params(self, state: TrainState) -> Params:
+        return jax.device_get(state.params)
+
+    def member_params(self, params: Params) -> list[Params]:
+        return [params]
+
+    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    # ---- compiled steps ---------------------------------------------------------
+    def _tracing(self):
+        """Contexts for tracing: logical constraints resolve against this mesh and rules."""
+        return _TraceContext(self.mesh, self.rules)
+
+    def _state_shardings(self) -> Any:
+        if self.layout is None:
+            raise LayoutError(
+                fix("Sharded.train_step/eval_step were called before the layout is known.",
+                    "call strategy.init_state(...) (or strategy.plan(init_fn, optimizer)) first.")
+            )
+        return self.layout.shardings
+
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
+        state_sh, b, r = self._state_shardings(), self._batch, self._replicated
+        inner = update_step(loss_fn, optimizer)
+
+        def step(*args):
+            with self._tracing():
+                return inner(*args)
+
+        return jax.jit(step, in_shardings=(state_sh, b, b, r), out_shardings=(state_sh, r))
+
+    def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
+        params_sh = self._state_shardings().params
+        b, r = self._batch, self._replicated
+        inner = eval_sums(loss_fn)
+
+        def evaluate(*args):
+            with self._tracing():
+                return inner(*args)
+
+        return jax.jit(evaluate, in_shardings=(params_sh, b, b, r), out_shardings=r)
+
+    def __repr__(self) -> str:
+        return f"Sharded(mesh={dict(self.mesh.shape)}, rules={self.rules.name!r})"
+
+
+class _TraceContext:
+    """``use_abstract_mesh`` + ``nn.logical_axis_rules``: legal inside jit tracing."""
+
+    def __init__(self, mesh: Mesh, rules: AxisRules):
+        self._contexts = [jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules.flax_rules())]
+
+    def __enter__(self):
+        for c in self._contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self._contexts):
+            c.__exit__(*exc)
