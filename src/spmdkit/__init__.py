@@ -30,11 +30,13 @@ from spmdkit._strategies import (
     Ensemble,
     MembersMismatchError,
     Predictor,
+    Sharded,
     Single,
     Strategy,
     TrainState,
     get_strategy,
 )
+from spmdkit._rules import PRESETS, AxisRules, LayoutError, ReplicationWarning
 from spmdkit._tasks import Task, get_task
 from spmdkit._train import FitResult, fit, load_params, save_params
 
@@ -42,6 +44,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ENV_HOST_DEVICES",
+    "PRESETS",
+    "AxisRules",
+    "LayoutError",
+    "ReplicationWarning",
+    "Sharded",
     "AxisNameError",
     "BatchSizeError",
     "ConfigError",

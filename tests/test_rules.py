@@ -1,0 +1,112 @@
+"""Logical axis rules: presets, files, inline, and every validator error's message."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec, parse_mesh
+
+
+def test_presets_map_the_builtin_vocabulary():
+    assert AxisRules.preset("dp").spec(("batch", "embed")) == jax.P("data", None)
+    assert AxisRules.preset("fsdp").spec(("layer", "embed", "hidden")) == jax.P(None, "data", None)
+    assert AxisRules.preset("tp").spec(("embed", "hidden")) == jax.P(None, "model")
+    assert AxisRules.preset("fsdp+tp").spec(("hidden", "embed")) == jax.P("model", "data")
+
+
+def test_rules_from_a_toml_file_and_inline(tmp_path):
+    path = tmp_path / "rules.toml"
+    path.write_text('batch = "data"\nhidden = "model"\nembed = "none"\nlayer = ["data", "model"]\n')
+    rules = AxisRules.load(str(path))
+    assert rules.mapping == {"batch": "data", "hidden": "model", "embed": None, "layer": ("data", "model")}
+    assert AxisRules.load("batch=data,hidden=model").mapping == {"batch": "data", "hidden": "model"}
+    with pytest.raises(LayoutError, match="neither a preset"):
+        AxisRules.load("megatron")
+    with pytest.raises(LayoutError, match="does not exist"):
+        AxisRules.load(str(tmp_path / "missing.toml"))
+
+
+def test_parse_mesh():
+    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+    assert list(parse_mesh("model=-1,data=2")) == ["model", "data"]
+    with pytest.raises(LayoutError, match="is not name=size"):
+        parse_mesh("data:2")
+
+
+class Annotated(nn.Module):
+    names: tuple = ("embed", "hidden")
+    shape: tuple = (8, 16)
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.ones, self.names), self.shape)
+        return x @ w
+
+
+def plan(module, rules, mesh):
+    strategy = spmdkit.Sharded(mesh, rules)
+    return strategy.plan(lambda k: module.init(k, jnp.ones((2, module.shape[0])))["params"], optax.sgd(0.1))
+
+
+def test_error_logical_name_without_rule():
+    with pytest.raises(LayoutError) as e:
+        plan(Annotated(names=("embed", "heads")), AxisRules.load("batch=data,embed=none"), spmdkit.make_mesh(data=8))
+    msg = str(e.value)
+    assert "state.params['w'] has logical axis 'heads'" in msg
+    assert "(they map ['batch', 'embed'])" in msg and "--replicate-unknown" in msg
+
+
+def test_replicate_unknown_opt_in():
+    rules = AxisRules.load("batch=data,embed=none", replicate_unknown=True)
+    layout = plan(Annotated(names=("embed", "heads")), rules, spmdkit.make_mesh(data=8))
+    assert layout.leaves[1].spec == jax.P(None, None)
+
+
+def test_error_mesh_axis_used_twice():
+    with pytest.raises(LayoutError) as e:
+        plan(Annotated(), AxisRules.load("batch=data,embed=model,hidden=model"), spmdkit.make_mesh(data=2, model=4))
+    msg = str(e.value)
+    assert "state.params['w']: mesh axis 'model' is used twice" in msg
+    assert "logical 'embed' and 'hidden'" in msg
+
+
+def test_error_dimension_not_divisible():
+    with pytest.raises(LayoutError) as e:
+        plan(Annotated(shape=(8, 6)), AxisRules.preset("tp"), spmdkit.make_mesh(model=8))
+    msg = str(e.value)
+    assert "state.params['w']: dimension 1 has size 6" in msg and "(size 8) cannot split evenly" in msg
+
+
+def test_error_rule_names_a_missing_mesh_axis():
+    with pytest.raises(LayoutError) as e:
+        spmdkit.Sharded(spmdkit.make_mesh(data=8), "dp+tp")
+    msg = str(e.value)
+    assert "rule 'hidden' -> 'model'" in msg and "mesh has axes ['data']" in msg
+    assert "add model=N to --mesh" in msg
+
+
+def test_error_direct_spec_with_unknown_mesh_axis():
+    with pytest.raises(LayoutError, match="sharded over mesh axis 'tensor'"):
+        check_spec(jax.P("tensor"), (8,), spmdkit.make_mesh(data=8), "x")
+
+
+def test_warning_lists_the_largest_replicated_parameters():
+    class MostlyPlain(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            big = self.param("big", nn.initializers.ones, (256, 256))  # no logical names
+            small = self.param("small", nn.with_logical_partitioning(nn.initializers.ones, ("embed", "hidden")), (8, 16))
+            return x @ small + jnp.sum(big)
+
+    module = MostlyPlain()
+    with pytest.warns(ReplicationWarning) as record:
+        spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp").plan(
+            lambda k: module.init(k, jnp.ones((2, 8)))["params"], optax.sgd(0.1)
+        )
+    msg = str(record[0].message)
+    assert "state.params['big'] (256, 256)" in msg and "replicated on every device" in msg
