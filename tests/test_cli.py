@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from spmdkit._cli import main
@@ -138,3 +139,46 @@ def test_bench_ensemble_quick_writes_json(tmp_path):
     assert "sequential jit, 1 device" in impls and "spmdkit ensemble, 8 devices" in impls
     assert all(r["members_per_s"] > 0 for r in report["rows"])
     assert report["targets"][0]["target"] == "< 1.0"
+
+
+def test_bench_sharded_quick_writes_json(tmp_path):
+    path = tmp_path / "sharded.json"
+    out = run_cli("bench", "--suite", "sharded", "--quick", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(path.read_text())
+    assert [r["layout"] for r in report["rows"]] == ["dp", "fsdp", "tp", "dp+tp", "fsdp+tp"]
+    assert all(r["compile_s"] > 0 and r["args_mib"] > 0 for r in report["rows"])
+    assert [r["layers"] for r in report["compile_rows"]] == [4, 16]
+
+
+def test_inspect_json_and_show():
+    out = run_cli("inspect", "--task", "mlp", "--mesh", "data=2,model=4", "--rules", "dp+tp", "--layers", "2",
+                  "--json", "--show", "['ScanDotReluDot_0']['W2']")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["mesh"] == {"data": 2, "model": 4} and report["rules"] == "dp+tp"
+    assert report["params"][1]["spec"] == "P(None, 'model', None)"
+    assert report["show"]["grid"][0][1] == "[:, 128:256, :]"
+
+
+def test_inspect_names_the_rule_error():
+    out = run_cli("inspect", "--mesh", "data=8", "--rules", "dp+tp")
+    assert out.returncode == 2
+    assert "rule 'hidden' -> 'model'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_train_sharded_from_the_command_line(tmp_path):
+    out = run_cli("train", "--host-devices", "8", "--task", "mlp", "--strategy", "sharded", "--rules", "fsdp+tp", "--mesh", "data=2,model=4",
+                  "--layers", "2", "--depth", "64", "--embed", "32", "--no-scan", "--steps", "5", "--out", str(tmp_path),
+                  "--no-progress")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["strategy"] == "sharded" and summary["rules"] == "fsdp+tp"
+    assert summary["rules_table"]["hidden"] == "model" and summary["steps"] == 5
+    with np.load(tmp_path / "params.npz") as params:
+        assert "['DotReluDot_1']['W1']" in params.files
+
+
+def test_task_option_for_the_wrong_task_is_an_error():
+    out = run_cli("train", "--task", "digits", "--layers", "3", "--no-progress")
+    assert out.returncode == 2 and "task 'digits' does not take option(s) ['layers']" in out.stderr

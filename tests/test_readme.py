@@ -18,3 +18,4 @@ def test_readme_python_blocks_run():
     assert namespace["grads"].shape == (8, 3)
     assert int(namespace["mask"].sum()) == 13
     assert namespace["result"].summary["eval_loss"] < 0.05
+    assert str(namespace["layout"].leaves[1].spec) == "P(None, 'data', 'model')"

@@ -65,10 +65,16 @@ def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes: int) -> Me
             )
         axes = {k: (n // known if v == -1 else v) for k, v in axes.items()}
     elif known != n:
+        more = (
+            f" To simulate {known} CPU devices: --host-devices {known} on the command line, or "
+            f"spmdkit.use_host_devices({known}) before any JAX work."
+            if known > n
+            else ""
+        )
         raise MeshError(
             fix(
                 f"make_mesh({_format(axes)}) needs {known} devices but {n} are available.",
-                _suggest(axes, n),
+                _suggest(axes, n) + more,
             )
         )
     return jax.make_mesh(

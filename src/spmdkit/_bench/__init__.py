@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from spmdkit._bench import data_suite, ensemble_suite, pmap_suite
+from spmdkit._bench import data_suite, ensemble_suite, pmap_suite, sharded_suite
 
 # A suite takes its quick flag and returns a report: {"suite", "machine", "rows", "targets"}.
 SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "pmap": pmap_suite.run,
     "data": data_suite.run,
     "ensemble": ensemble_suite.run,
+    "sharded": sharded_suite.run,
 }
