@@ -155,3 +155,46 @@ def test_layout_report_without_running_a_step():
     assert report["step_memory_per_device"]["argument"] > 0 and report["step_flops_per_device"] > 0
     shown = array_layout(strategy, "['ScanDotReluDot_0']['W1']")
     assert shown["grid"][1][3] == "[:, 64:128, 384:512]" and shown["device_ids"][1][3] == 7
+
+
+# ---- NNX ---------------------------------------------------------------------------
+
+
+def nnx_task():
+    from flax import nnx
+
+    class NnxDotReluDot(nnx.Module):
+        def __init__(self, embed: int, depth: int, rngs: nnx.Rngs):
+            init = nnx.initializers.xavier_normal()
+            self.w1 = nnx.Param(nnx.with_partitioning(init, ("embed", "hidden"))(rngs.params(), (embed, depth)))
+            self.w2 = nnx.Param(init(rngs.params(), (depth, embed)), out_sharding=("hidden", "embed"))
+
+        def __call__(self, x):
+            return jax.nn.relu(x @ self.w1[...]) @ self.w2[...]
+
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: NnxDotReluDot(32, 64, nnx.Rngs(0))))
+
+    def init(rng):
+        with nnx.use_eager_sharding(False):
+            return nnx.state(NnxDotReluDot(32, 64, nnx.Rngs(rng)))
+
+    def loss_fn(params, batch, rng):
+        pred = nnx.merge(graphdef, params)(batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2), {}
+
+    data = mlp.teacher_data(256, 32, 64, seed=0)
+    return spmdkit.Task(name="nnx", init=init, loss_fn=loss_fn, train_data=data)
+
+
+def test_nnx_with_partitioning_is_laid_out_by_the_rules_and_trains_like_one_device():
+    task = nnx_task()
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp")
+    config = spmdkit.TrainConfig(steps=10, batch_size=32)
+    result = spmdkit.fit(task, strategy, optax.adam(1e-3), config, progress=False)
+    specs = {leaf.path: leaf.spec for leaf in strategy.layout.leaves}
+    assert specs["state.params['w1']"] == P(None, "model") and specs["state.params['w2']"] == P("model", None)
+    assert any("mu" in path and spec == P(None, "model") for path, spec in specs.items())
+    reference = spmdkit.fit(task, spmdkit.Single(), optax.adam(1e-3), config, progress=False)
+    for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(reference.params)):
+        assert float(np.max(np.abs(a - b))) <= TOLERANCE

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from flax.core import meta
 from flax import linen as nn
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import fix
@@ -64,7 +65,19 @@ class Layout(NamedTuple):
 
 
 def _is_box(x: Any) -> bool:
-    return isinstance(x, meta.AxisMetadata)
+    return isinstance(x, (meta.AxisMetadata, nnx.Variable))
+
+
+def _nnx_spec(names: tuple, rules: AxisRules, mesh: Mesh, where: str) -> P:
+    """NNX ``sharding``/``out_sharding`` names: a rule's name maps by the rule, a mesh
+    axis name stands for itself, anything else is an unknown logical name."""
+    out = []
+    for name in names:
+        if name is None or (name not in rules.mapping and name in mesh.axis_names):
+            out.append(name)
+        else:
+            out.append(rules.mesh_axes(name, where))
+    return P(*out)
 
 
 def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "state") -> Layout:
@@ -79,9 +92,17 @@ def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "sta
             spec = rules.spec(logical, where)
         elif isinstance(leaf, nn.Partitioned):
             spec = P(*leaf.names)  # with_partitioning names mesh axes directly
+        elif isinstance(leaf, nnx.Variable):
+            info = leaf.get_metadata()
+            names = info.get("out_sharding") or info.get("sharding") or info.get("sharding_names")
+            logical = None if not names else tuple(names)
+            spec = P() if not names else _nnx_spec(tuple(names), rules, mesh, where)
         else:
             spec = P()
-        value = leaf.value if _is_box(leaf) else leaf
+        if isinstance(leaf, nnx.Variable):
+            (value,) = jax.tree_util.tree_leaves(leaf)
+        else:
+            value = leaf.value if _is_box(leaf) else leaf
         shape = tuple(value.shape)
         check_spec(spec, shape, mesh, where, logical)
         sharding = NamedSharding(mesh, spec)
@@ -231,10 +252,18 @@ class Sharded:
 
 
 class _TraceContext:
-    """``use_abstract_mesh`` + ``nn.logical_axis_rules``: legal inside jit tracing."""
+    """``use_abstract_mesh`` + ``nn.logical_axis_rules``: legal inside jit tracing.
+
+    NNX's eager sharding is switched off: spmdkit places the variables itself (jit
+    ``out_shardings``), from the names NNX records as metadata.
+    """
 
     def __init__(self, mesh: Mesh, rules: AxisRules):
-        self._contexts = [jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules.flax_rules())]
+        self._contexts = [
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            nn.logical_axis_rules(rules.flax_rules()),
+            nnx.use_eager_sharding(False),
+        ]
 
     def __enter__(self):
         for c in self._contexts:
