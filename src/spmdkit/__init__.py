@@ -10,6 +10,7 @@ from spmdkit._devices import (
     suggest_mesh,
     use_host_devices,
 )
+from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
 from spmdkit._errors import (
     AxisNameError,
@@ -51,6 +52,9 @@ __all__ = [
     "Sharded",
     "AxisNameError",
     "BatchSizeError",
+    "CheckpointConfig",
+    "CheckpointError",
+    "Checkpointer",
     "ConfigError",
     "DataError",
     "DataParallel",

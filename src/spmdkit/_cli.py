@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train_parser(sub, common)
     _add_inspect_parser(sub, common)
+    p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
+    p.add_argument("directory", help="a --checkpoint-dir")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     from spmdkit._bench import SUITES
 
@@ -130,6 +133,10 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=_positive_int, help="steps per metrics line (default 1)")
     p.add_argument("--drop-remainder", action="store_true", help="skip each epoch's last partial batch")
     p.add_argument("--out", metavar="DIR", help="output directory (default runs/latest)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints (Orbax) in DIR")
+    p.add_argument("--checkpoint-every", type=_positive_int, help="steps between checkpoints (100)")
+    p.add_argument("--keep", type=_positive_int, help="checkpoints to keep (3)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -260,7 +267,33 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._checkpoint import describe_directory
+
+    rows = describe_directory(args.directory)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"checkpoints in {args.directory}")
+    for col in ("step", "size", "status", "task", "strategy", "mesh", "written", "config"):
+        table.add_column(col)
+    # The options that shape the run; paths and switches are left to --json.
+    shown = ("task", "strategy", "steps", "epochs", "batch_size", "optimizer", "lr", "members", "rules", "seed")
+    for r in rows:
+        config = r.get("config") or {}
+        table.add_row(
+            str(r["step"]), f"{r['bytes'] / 2**20:.2f} MiB", r["status"], str(r.get("task", "")),
+            str(r.get("strategy", "")), str(r.get("mesh", "")), str(r.get("written", ""))[:19],
+            " ".join(f"{k}={config[k]}" for k in shown if k in config and k not in ("task", "strategy")),
+        )
+    console.print(table)
+    if not rows:
+        console.print("no checkpoints")
+    return 0
+
+
 _COMMANDS = {
+    "checkpoints": _cmd_checkpoints,
     "inspect": _cmd_inspect,
     "devices": _cmd_devices,
     "demo": _cmd_demo,

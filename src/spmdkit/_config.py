@@ -11,6 +11,7 @@ from typing import Any
 
 import optax
 
+from spmdkit._checkpoint import CheckpointConfig
 from spmdkit._errors import ConfigError, fix
 
 
@@ -118,6 +119,7 @@ class RunConfig:
     progress: bool = True
     train: TrainConfig = field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig | None = None
 
 
 # Keys of the TOML file / CLI flags -> (config section, field). Flags and keys share
@@ -144,6 +146,10 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "lr": ("optimizer", "lr"),
     "momentum": ("optimizer", "momentum"),
     "weight_decay": ("optimizer", "weight_decay"),
+    "checkpoint_dir": ("checkpoint", "directory"),
+    "checkpoint_every": ("checkpoint", "every"),
+    "keep": ("checkpoint", "keep"),
+    "resume": ("checkpoint", "resume"),
 }
 CONFIG_KEYS = tuple(_KEYS)
 
@@ -193,14 +199,21 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def build_run_config(values: dict[str, Any]) -> RunConfig:
     """A RunConfig from flat, already-checked keys; each dataclass validates itself."""
-    sections: dict[str | None, dict[str, Any]] = {None: {}, "train": {}, "optimizer": {}}
+    sections: dict[str | None, dict[str, Any]] = {None: {}, "train": {}, "optimizer": {}, "checkpoint": {}}
     for key, value in check_keys(values, "options").items():
         section, name = _KEYS[key]
         sections[section][name] = value
     try:
         train = TrainConfig(**sections["train"])
         optimizer = OptimizerConfig(**sections["optimizer"])
-        return RunConfig(train=train, optimizer=optimizer, **sections[None])
+        ckpt = sections["checkpoint"]
+        if ckpt and "directory" not in ckpt:
+            raise ConfigError(
+                fix(f"{sorted('--' + k.replace('_', '-') for k in ckpt)} need --checkpoint-dir DIR.",
+                    "pass --checkpoint-dir (where checkpoints are written and resumed from).")
+            )
+        checkpoint = CheckpointConfig(**ckpt) if ckpt else None
+        return RunConfig(train=train, optimizer=optimizer, checkpoint=checkpoint, **sections[None])
     except TypeError as e:  # a wrongly typed value in a TOML file
         raise ConfigError(fix(f"invalid option value: {e}.", "check the types in the config file.")) from None
 

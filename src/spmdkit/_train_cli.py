@@ -53,6 +53,8 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
             out_dir=run.out,
             progress=run.progress,
             run_info=_jsonable_options(options),
+            checkpoint=run.checkpoint,
+            log=lambda message: console.print(message, highlight=False, markup=False),
         )
     except NonFiniteLossError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {e}", markup=True, highlight=False)

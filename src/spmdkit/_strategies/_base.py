@@ -65,6 +65,10 @@ class Strategy(Protocol):
         """The initial state, already placed where the steps expect it."""
         ...
 
+    def abstract_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Any:
+        """The state's shapes with this strategy's shardings: a checkpoint's restore target."""
+        ...
+
     def put_batch(self, batch: Batch, size: int | None = None, *, shared: bool = False) -> tuple[Batch, jax.Array | None]:
         """A host batch on the devices, padded to ``size`` (rounded up to ``batch_shards``).
 
@@ -146,6 +150,13 @@ def eval_sums(loss_fn: LossFn):
         return as_sums(*masked_sums(loss_fn, params, batch, mask, rng))
 
     return evaluate
+
+
+def with_sharding(shapes: Any, sharding: Any) -> Any:
+    """ShapeDtypeStructs of ``shapes`` placed by ``sharding`` (one, or a matching tree)."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
 
 
 def padded_size(size: int, shards: int) -> int:

@@ -38,6 +38,7 @@ from spmdkit._strategies._base import (
     pad_batch,
     padded_size,
     update_step,
+    with_sharding,
 )
 
 IMPLS = ("jit", "shard_map")
@@ -104,6 +105,10 @@ class DataParallel:
     # ---- placement ------------------------------------------------------------
     def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
         return self._init(init_fn, optimizer, rng)
+
+    def abstract_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Any:
+        shapes = jax.eval_shape(lambda k: init_train_state(init_fn, optimizer, k), jax.random.key(0))
+        return with_sharding(shapes, self._replicated)
 
     def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
         n = jax.tree_util.tree_leaves(batch)[0].shape[0]

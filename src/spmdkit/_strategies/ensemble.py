@@ -30,6 +30,7 @@ from spmdkit._strategies._base import (
     init_train_state,
     masked_sums,
     pad_batch,
+    with_sharding,
 )
 
 
@@ -170,6 +171,11 @@ class Ensemble:
 
     def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
         return self._init(init_fn, optimizer, self.member_keys(rng))
+
+    def abstract_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Any:
+        keys = self.member_keys(jax.random.key(0))
+        shapes = jax.eval_shape(lambda k: jax.vmap(lambda one: init_train_state(init_fn, optimizer, one))(k), keys)
+        return with_sharding(shapes, self._per_member)
 
     def place_state(self, state: Any) -> TrainState:
         """Put an existing (e.g. restored) state on the mesh, checking its member count."""

@@ -186,8 +186,8 @@ class Sharded:
         self.layout = layout
         return layout
 
-    def state_shardings(self, init_fn, optimizer) -> Any:
-        return self.plan(init_fn, optimizer).shardings
+    def abstract_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Any:
+        return self.plan(init_fn, optimizer).abstract
 
     def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
         layout = self.plan(init_fn, optimizer)

@@ -7,11 +7,12 @@ place state and batches and to compile the steps, and the task for data and loss
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 import optax
 
+from spmdkit._checkpoint import CheckpointConfig, Checkpointer
 from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._strategies._base import Strategy, TrainState
@@ -36,22 +38,24 @@ class FitResult(NamedTuple):
 
 
 def iterate_batches(
-    data: Any, batch_size: int, seed: int, drop_remainder: bool, stream: int | None = None
+    data: Any, batch_size: int, seed: int, drop_remainder: bool, stream: int | None = None, start_step: int = 0
 ) -> Iterator[tuple[int, Any]]:
     """``(epoch, host batch)`` forever; the order depends only on ``seed``, epoch and ``stream``.
 
-    ``stream`` numbers independent orders of the same data (bagged ensemble members).
+    ``stream`` numbers independent orders of the same data (bagged ensemble members);
+    ``start_step`` skips that many batches (a resumed run continues where it stopped).
     """
     n = num_examples(data)
     stop = n - n % batch_size if drop_remainder else n
-    epoch = 0
+    per_epoch = len(range(0, stop, batch_size))
+    epoch, skip = divmod(start_step, per_epoch)
     while True:
         entropy = [seed, epoch] if stream is None else [seed, epoch, stream]
         order = np.random.default_rng(entropy).permutation(n)
-        for start in range(0, stop, batch_size):
+        for start in range(skip * batch_size, stop, batch_size):
             idx = order[start : start + batch_size]
             yield epoch, jax.tree.map(lambda x: x[idx], data)
-        epoch += 1
+        epoch, skip = epoch + 1, 0
 
 
 def to_python(values: dict[str, Any]) -> dict[str, Any]:
@@ -99,15 +103,47 @@ class _StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _batches(data: Any, batch_size: int, config: TrainConfig, streams: int) -> Iterator[tuple[int, Any]]:
+def _batches(data: Any, batch_size: int, config: TrainConfig, streams: int, start: int) -> Iterator[tuple[int, Any]]:
     """One stream of batches, or ``streams`` independent ones stacked on a leading axis."""
     if streams == 1:
-        yield from iterate_batches(data, batch_size, config.seed, config.drop_remainder)
+        yield from iterate_batches(data, batch_size, config.seed, config.drop_remainder, start_step=start)
         return
-    its = [iterate_batches(data, batch_size, config.seed, config.drop_remainder, stream=m) for m in range(streams)]
+    its = [
+        iterate_batches(data, batch_size, config.seed, config.drop_remainder, stream=m, start_step=start)
+        for m in range(streams)
+    ]
     for parts in zip(*its):
         # Partial batches line up: every stream has the same epoch length.
         yield parts[0][0], jax.tree.map(lambda *xs: np.stack(xs), *(b for _, b in parts))
+
+
+def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str) -> None:
+    """A resumed run must see the same data order, or it is not the same run."""
+    for name, now in (("task", task), ("seed", config.seed), ("batch_size", config.batch_size),
+                      ("drop_remainder", config.drop_remainder)):
+        then = meta.get(name)
+        if then is not None and then != now:
+            raise ConfigError(
+                fix(
+                    f"the checkpoint at step {meta.get('step')} was written with {name}={then!r}, this run has "
+                    f"{name}={now!r}; resuming would not continue the same run.",
+                    f"resume with {name}={then!r}, or start a new run in another --checkpoint-dir.",
+                )
+            )
+
+
+def _previous_history(out: Path | None, upto: int) -> list[dict[str, Any]]:
+    if out is None or not (out / "metrics.jsonl").exists():
+        return []
+    rows = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break  # a line cut short by a crash
+        if row.get("step", 0) <= upto:
+            rows.append(row)
+    return rows
 
 
 def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
@@ -150,6 +186,8 @@ def fit(
     out_dir: str | Path | None = None,
     progress: bool = True,
     run_info: dict[str, Any] | None = None,
+    checkpoint: CheckpointConfig | None = None,
+    log: Callable[[str], None] = print,
 ) -> FitResult:
     """Train ``task`` with ``strategy`` and ``optimizer`` for ``config.steps`` (or epochs).
 
@@ -158,6 +196,9 @@ def fit(
     The loop waits for every step to finish before the next (XLA:CPU deadlocks
     when many collective steps are queued). With ``out_dir`` it writes
     ``metrics.jsonl`` (as it goes), ``summary.json``, ``params.npz`` and ``loss.png``.
+    With ``checkpoint`` it saves every ``checkpoint.every`` steps (asynchronously) and
+    at the end, and with ``checkpoint.resume`` continues from the newest intact step,
+    exactly as if it had never stopped.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, optax, spmdkit
@@ -192,16 +233,46 @@ def fit(
 
     key = jax.random.key(config.seed)
     init_key, step_key, eval_key = jax.random.split(key, 3)
-    state = strategy.init_state(task.init, optimizer, init_key)
+    ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log)
+    restored = None
+    if ckpt is not None and checkpoint.resume:
+        target = strategy.abstract_state(task.init, optimizer)
+        restored = ckpt.restore_latest(target, members=strategy.describe().get("members"))
+        if restored is None:
+            log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
+    if restored is not None:
+        state, meta = restored
+        _check_resumable(meta, config, task.name)
+        done = int(meta["step"])
+        log(f"checkpoints: resumed from step {done} in {ckpt.directory}")
+    else:
+        state = strategy.init_state(task.init, optimizer, init_key)
+        done = 0
     step_fn = strategy.train_step(task.loss_fn, optimizer)
     eval_fn = strategy.eval_step(task.loss_fn, task.predictor)
-    batches = _batches(task.train_data, bs, config, strategy.data_streams)
+    batches = _batches(task.train_data, bs, config, strategy.data_streams, start=done)
+    start_step = done
 
-    history: list[dict[str, Any]] = []
+    # A resumed run keeps the history up to its checkpoint and drops what came after.
+    history: list[dict[str, Any]] = _previous_history(out, done) if done else []
     writer = art.MetricsWriter(None if out is None else out / "metrics.jsonl")
+    for row in history:
+        writer.write(row)
     status, failure = "completed", None
     good = state
-    done = 0
+    saved_at = done
+
+    def position(epoch: int) -> dict[str, Any]:
+        return {
+            "task": task.name,
+            "seed": config.seed,
+            "batch_size": bs,
+            "drop_remainder": config.drop_remainder,
+            "epoch": epoch,
+            "strategy": strategy.describe(),
+            "config": run_info or {},
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
     last_train: dict[str, float] = {}
     window: dict[str, float] = {}
     window_steps, window_start = 0, time.perf_counter()
@@ -226,7 +297,9 @@ def fit(
     try:
         with _StopRequest() as stop, _progress(progress, total, title) as bar:
             bar_task = bar.add_task(title, total=total, loss="-", rate="-") if bar else None
-            for step in range(total):
+            if bar is not None:
+                bar.update(bar_task, completed=done)
+            for step in range(start_step, total):
                 epoch, host_batch = next(batches)
                 batch, mask = strategy.put_batch(host_batch, size=bs)
                 new_state, metrics = step_fn(state, batch, mask, jax.random.fold_in(step_key, step))
@@ -276,6 +349,9 @@ def fit(
                     bar.update(bar_task, completed=done)
                 if done % eval_every == 0 or done == total:
                     run_eval(state.params, done)
+                if ckpt is not None and done % checkpoint.every == 0:
+                    ckpt.save(done, state, position(epoch))
+                    saved_at = done
                 if stop.requested:
                     status = "interrupted"
                     break
@@ -286,6 +362,11 @@ def fit(
     if status == "interrupted" and done and history[-1]["split"] != "eval":
         run_eval(state.params, done)  # so an interrupted run still reports where it got
     writer.close()
+    if ckpt is not None:
+        # A diverged state is never saved: the last checkpoint stays the last good one.
+        if status != "diverged" and done > saved_at:
+            ckpt.save(done, state, position(done // steps_per_epoch))
+        ckpt.close()
     params = strategy.host_params(state)
     eval_row = next((r for r in reversed(history) if r["split"] == "eval"), None)
     summary: dict[str, Any] = {
@@ -308,6 +389,16 @@ def fit(
         "wall_time_s": elapsed,
         "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
         "params_digest": art.params_digest(params),
+        **(
+            {
+                "resumed_from_step": start_step,
+                "checkpoint_dir": str(ckpt.directory),
+                "checkpoint_steps": ckpt.steps(),
+                "checkpoint_blocked_s": ckpt.blocked,
+            }
+            if ckpt is not None
+            else {}
+        ),
         "param_count": art.param_count(params),
         **_task_report(task, strategy, params),
         **strategy.summarize(eval_row or {}),

@@ -1,0 +1,270 @@
+"""Checkpoints: exact resume, resharding, damage, mismatches, crash safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._tasks import digits, linreg, mlp
+
+
+@pytest.fixture(scope="module")
+def task():
+    return digits.make()
+
+
+def fit(task, strategy, steps, ckpt_dir=None, resume=False, every=5, out=None, opt=None):
+    checkpoint = None if ckpt_dir is None else spmdkit.CheckpointConfig(str(ckpt_dir), every=every, keep=3, resume=resume)
+    return spmdkit.fit(task, strategy, opt or optax.sgd(0.05, momentum=0.9),
+                       spmdkit.TrainConfig(steps=steps, batch_size=64, eval_every=1000),
+                       out_dir=out, progress=False, checkpoint=checkpoint, log=lambda m: None)
+
+
+def assert_bit_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("make", [lambda: spmdkit.DataParallel(), lambda: spmdkit.Ensemble(members=8)],
+                         ids=["data", "ensemble"])
+def test_resume_is_bit_for_bit(task, tmp_path, make):
+    straight = fit(task, make(), 30)
+    fit(task, make(), 15, tmp_path / "ck")
+    resumed = fit(task, make(), 30, tmp_path / "ck", resume=True)
+    assert resumed.summary["resumed_from_step"] == 15 and resumed.summary["steps"] == 30
+    assert_bit_equal(resumed.params, straight.params)
+    assert resumed.summary["checkpoint_steps"] == [20, 25, 30]  # keep=3
+
+
+def test_resume_keeps_the_history(task, tmp_path):
+    fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck", out=tmp_path / "out")
+    result = fit(task, spmdkit.DataParallel(), 20, tmp_path / "ck", resume=True, out=tmp_path / "out")
+    steps = [r["step"] for r in result.history if r["split"] == "train"]
+    assert steps == list(range(1, 21))
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if '"train"' in line] == steps
+
+
+def test_resharding_8_devices_dp_tp_to_4_devices_fsdp_and_to_1_device_in_a_fresh_process(tmp_path):
+    task = mlp.make(layers=2, depth=128, embed=64, num_train=256, num_eval=32)
+    opt = optax.adam(1e-3)
+    source = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp")
+    saved = fit(task, source, 10, tmp_path / "ck", every=10, opt=opt, out=tmp_path / "out").params
+
+    four = spmdkit.Sharded(spmdkit.make_mesh(data=4, devices=jax.devices()[:4]), "fsdp")
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    state, meta = ckpt.restore(10, four.abstract_state(task.init, opt))
+    w1 = state.params["ScanDotReluDot_0"]["W1"]
+    assert w1.sharding.spec == jax.P(None, "data", None) and len(w1.sharding.device_set) == 4
+    assert meta["strategy"]["mesh"] == {"data": 2, "model": 4}
+    assert_bit_equal(jax.device_get(state.params), saved)
+
+    script = f"""
+import spmdkit, numpy as np, optax, jax
+spmdkit.use_host_devices(1)
+from spmdkit._tasks import mlp
+task = mlp.make(layers=2, depth=128, embed=64, num_train=256, num_eval=32)
+strategy = spmdkit.DataParallel()
+ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig({str(tmp_path / 'ck')!r}), log=lambda m: None)
+state, _ = ckpt.restore(10, strategy.abstract_state(task.init, optax.adam(1e-3)))
+saved = spmdkit.load_params({str(tmp_path / 'out' / 'params.npz')!r}, like=jax.device_get(state.params))
+assert jax.device_count() == 1
+for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(a, b)
+print("restored on", jax.device_count(), "device")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "restored on 1 device" in out.stdout
+
+
+def test_data_parallel_checkpoint_resumes_sharded(tmp_path):
+    task = mlp.make(layers=2, depth=64, embed=32, num_train=256, num_eval=32)
+    opt = optax.adam(1e-3)
+    fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck", opt=opt)
+    result = fit(task, spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp"), 10, tmp_path / "ck",
+                 resume=True, opt=opt)
+    assert result.summary["resumed_from_step"] == 5 and result.summary["strategy"] == "sharded"
+
+
+def truncate_largest(ckpt_dir, step):
+    files = [p for p in (ckpt_dir / str(step)).rglob("*") if p.is_file()]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    return victim.relative_to(ckpt_dir)
+
+
+def test_truncated_file_is_named_and_resume_falls_back(task, tmp_path):
+    fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
+    victim = truncate_largest(tmp_path / "ck", 10)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
+    with pytest.raises(spmdkit.CheckpointError) as e:
+        ckpt.restore(10, target)
+    assert "checkpoint step 10 is damaged" in str(e.value) and str(victim) in str(e.value)
+    messages = []
+    resumed = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.05, momentum=0.9),
+                          spmdkit.TrainConfig(steps=12, batch_size=64), progress=False,
+                          checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=5, resume=True),
+                          log=messages.append)
+    assert resumed.summary["resumed_from_step"] == 5
+    assert any("step 10 is damaged" in m and "falling back" in m for m in messages)
+
+
+def test_damage_without_a_manifest_is_caught_by_the_restore(task, tmp_path):
+    fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
+    (tmp_path / "ck" / "manifests" / "10.json").unlink()
+    truncate_largest(tmp_path / "ck", 10)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
+    with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 could not be read"):
+        ckpt.restore(10, target)
+    state, meta = ckpt.restore_latest(target)
+    assert meta["step"] == 5
+
+
+def test_member_count_mismatch_names_the_leaf(task, tmp_path):
+    fit(task, spmdkit.Ensemble(members=8), 5, tmp_path / "ck")
+    with pytest.raises(spmdkit.CheckpointError) as e:
+        fit(task, spmdkit.Ensemble(members=4, devices=jax.devices()[:4]), 10, tmp_path / "ck", resume=True)
+    msg = str(e.value)
+    assert "leaf state.params['Conv_0']['bias']" in msg or "leaf state.step" in msg
+    assert "8 members, this run 4; use --members 8" in msg
+
+
+def test_optimizer_mismatch_says_so(task, tmp_path):
+    fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
+    with pytest.raises(spmdkit.CheckpointError, match="resume with the optimizer the checkpoint was written with"):
+        fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck", resume=True, opt=optax.adam(1e-3))
+
+
+def test_model_mismatch_names_the_leaf(tmp_path):
+    opt = optax.adam(1e-3)
+    fit(mlp.make(layers=2, depth=64, embed=32, num_train=128), spmdkit.DataParallel(), 5, tmp_path / "ck", opt=opt)
+    with pytest.raises(spmdkit.CheckpointError, match=r"has shape \(2, 32, 64\) in the checkpoint but \(2, 32, 128\)"):
+        fit(mlp.make(layers=2, depth=128, embed=32, num_train=128), spmdkit.DataParallel(), 10, tmp_path / "ck",
+            resume=True, opt=opt)
+
+
+def test_resume_with_another_batch_size_is_refused(task, tmp_path):
+    fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
+    with pytest.raises(spmdkit.ConfigError, match="written with batch_size=64, this run has batch_size=32"):
+        spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.05, momentum=0.9), spmdkit.TrainConfig(steps=10, batch_size=32),
+                    progress=False, checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), resume=True),
+                    log=lambda m: None)
+
+
+def test_divergence_leaves_the_last_good_checkpoint(tmp_path):
+    with pytest.raises(spmdkit.NonFiniteLossError) as e:
+        spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optax.sgd(40.0), spmdkit.TrainConfig(steps=100, batch_size=128),
+                    progress=False, checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=1, keep=2),
+                    log=lambda m: None)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    assert max(ckpt.steps()) < e.value.step
+    state, _ = ckpt.restore(max(ckpt.steps()), spmdkit.DataParallel().abstract_state(linreg.init, optax.sgd(40.0)))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+def test_restore_never_unpickles(task, tmp_path, monkeypatch):
+    fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint restore tried to unpickle")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    state, meta = ckpt.restore(5, spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9)))
+    assert int(state.step) == 5 and meta["task"] == "digits"
+
+
+def test_leftover_temporary_directory_is_removed(tmp_path):
+    (tmp_path / "ck").mkdir()
+    leftover = tmp_path / "ck" / "20.orbax-checkpoint-tmp-123"
+    (leftover / "state").mkdir(parents=True)
+    messages = []
+    spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=messages.append).close()
+    assert not leftover.exists() and "left by an interrupted save" in messages[0]
+
+
+def test_config_errors():
+    with pytest.raises(spmdkit.CheckpointError, match="every=0"):
+        spmdkit.CheckpointConfig("d", every=0)
+    from spmdkit._config import build_run_config
+
+    with pytest.raises(spmdkit.ConfigError, match="need --checkpoint-dir"):
+        build_run_config({"resume": True})
+
+
+# ---- the command line, and SIGKILL at random moments ----------------------------
+
+CLI = [sys.executable, "-m", "spmdkit._cli"]
+
+
+def train_args(ck, out):
+    return [*CLI, "train", "--task", "digits", "--host-devices", "8", "--steps", "150", "--checkpoint-dir", str(ck),
+            "--checkpoint-every", "3", "--keep", "2", "--out", str(out), "--no-progress"]
+
+
+def test_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
+    clean = subprocess.run(train_args(tmp_path / "ck0", tmp_path / "o0"), capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert clean.returncode == 0, clean.stderr
+    rng = random.Random(0)
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    kills, steps_seen = 0, []
+
+    def newest():
+        return max((int(p.name) for p in ck.iterdir() if p.name.isdigit()), default=0) if ck.exists() else 0
+
+    for attempt in range(4):
+        before = newest()
+        proc = subprocess.Popen(train_args(ck, out) + (["--resume"] if attempt else []),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        # Kill once this attempt has made progress, at a random moment after it: mid-step
+        # or mid-save (saves every 3 steps take a good part of each step's time).
+        deadline = time.time() + 120
+        while proc.poll() is None and newest() <= before and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
+        if proc.poll() is not None:
+            break  # it finished before the kill: nothing more to interrupt
+        proc.send_signal(signal.SIGKILL)  # no chance to clean up
+        proc.wait(timeout=60)
+        kills += 1
+        steps_seen.append(newest())
+    final = subprocess.run(train_args(ck, out) + ["--resume"], capture_output=True, text=True, timeout=300, env=env)
+    assert final.returncode == 0, final.stderr
+    assert kills >= 2, "the kills all missed the run"
+    assert steps_seen == sorted(steps_seen) and steps_seen[-1] > 0, steps_seen
+    assert "resumed from step" in final.stdout
+    with np.load(tmp_path / "o0" / "params.npz") as a, np.load(out / "params.npz") as b:
+        assert a.files == b.files
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_checkpoints_command_lists_steps(task, tmp_path):
+    fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
+    out = subprocess.run([*CLI, "checkpoints", str(tmp_path / "ck"), "--json"], capture_output=True, text=True,
+                         timeout=120)
+    rows = json.loads(out.stdout)
+    assert [r["step"] for r in rows] == [5, 10]
+    assert all(r["status"] == "complete, verified" and r["task"] == "digits" for r in rows)
+    truncate_largest(tmp_path / "ck", 10)
+    rows = json.loads(subprocess.run([*CLI, "checkpoints", str(tmp_path / "ck"), "--json"], capture_output=True,
+                                     text=True, timeout=120).stdout)
+    assert rows[1]["status"].startswith("damaged")
