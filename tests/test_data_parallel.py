@@ -155,5 +155,5 @@ def test_errors():
         spmdkit.DataParallel(spmdkit.make_mesh(x=8))
     with pytest.raises(spmdkit.ConfigError, match="impl='pmap'"):
         spmdkit.DataParallel(impl="pmap")
-    with pytest.raises(spmdkit.ConfigError, match=r"(?s)strategy='ring' is not known.*\['data', 'ensemble', 'single'\]"):
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)strategy='ring' is not known.*\['data', 'ensemble', 'sharded', 'single'\]"):
         spmdkit.get_strategy("ring")

@@ -49,7 +49,7 @@ class AxisRules:
     Example:
         >>> rules = AxisRules.preset("dp+tp")
         >>> rules.spec(("batch", "hidden"))
-        PartitionSpec('data', 'model')
+        P('data', 'model')
     """
 
     table: tuple[tuple[str, MeshAxes], ...]
