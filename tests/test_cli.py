@@ -182,3 +182,14 @@ def test_train_sharded_from_the_command_line(tmp_path):
 def test_task_option_for_the_wrong_task_is_an_error():
     out = run_cli("train", "--task", "digits", "--layers", "3", "--no-progress")
     assert out.returncode == 2 and "task 'digits' does not take option(s) ['layers']" in out.stderr
+
+
+def test_bench_checkpoint_quick_writes_json(tmp_path):
+    path = tmp_path / "ckpt.json"
+    out = run_cli("bench", "--suite", "checkpoint", "--quick", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(path.read_text())
+    ops = [r["operation"] for r in report["rows"]]
+    assert "raw sequential write" in ops and "spmdkit save (async, until committed)" in ops
+    assert all(r["GB_per_s"] > 0 for r in report["rows"])
+    assert report["targets"][0]["target"] == ">= 0.5"

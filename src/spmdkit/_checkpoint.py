@@ -1,6 +1,6 @@
 """Checkpoints on Orbax: asynchronous saves, verified restores onto any layout.
 
-Each step directory is Orbax's (``StandardSave`` of the train state, ``JsonSave`` of
+Each step directory is Orbax's (``PyTreeSave`` of the train state, ``JsonSave`` of
 the run's position and config); nothing is pickled. Beside them spmdkit keeps a
 manifest per step (``manifests/<step>.json``: every file and its size, written once
 Orbax has committed the step), so a truncated or missing file is found, and named,
@@ -41,6 +41,10 @@ class CheckpointConfig:
     every: int = 100
     keep: int = 3
     resume: bool = False
+    # Measured (BENCHMARKS.md): zstd compression saves ~8% on float weights and costs most of
+    # the save time on 2 cores; OCDBT packs files for multi-host scale at a further cost here.
+    compress: bool = False
+    ocdbt: bool = False
 
     def __post_init__(self) -> None:
         for name in ("every", "keep"):
@@ -88,6 +92,10 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=config.keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=True
             ),
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(use_compression=config.compress, use_ocdbt=config.ocdbt),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
         )
         self.blocked: list[float] = []  # seconds the caller waited per save
         self._pending: int | None = None
@@ -98,7 +106,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._finish_pending()
         meta = {**meta, "step": step, "leaves": leaf_table(state)}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)))
         self._pending = step
         self.blocked.append(time.perf_counter() - t0)
 
@@ -185,7 +193,13 @@ class Checkpointer:
                                       "resume from an earlier step (spmdkit does so with --resume)."))
         try:
             restored = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                    ),
+                    meta=ocp.args.JsonRestore(),
+                ),
             )
         except Exception as e:  # Orbax / TensorStore raise many kinds on damaged data
             raise CheckpointError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from spmdkit._bench import data_suite, ensemble_suite, pmap_suite, sharded_suite
+from spmdkit._bench import checkpoint_suite, data_suite, ensemble_suite, pmap_suite, sharded_suite
 
 # A suite takes its quick flag and returns a report: {"suite", "machine", "rows", "targets"}.
 SUITES: dict[str, Callable[..., dict[str, Any]]] = {
@@ -13,4 +13,5 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "data": data_suite.run,
     "ensemble": ensemble_suite.run,
     "sharded": sharded_suite.run,
+    "checkpoint": checkpoint_suite.run,
 }
