@@ -96,6 +96,14 @@ def _add_layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicate-unknown", action="store_true", help="sharded: replicate logical names with no rule")
 
 
+def _add_mlp_options(p: argparse.ArgumentParser, scan_default: object = argparse.SUPPRESS) -> None:
+    p.add_argument("--layers", type=_positive_int, help="mlp: number of DotReluDot layers (4)")
+    p.add_argument("--depth", type=_positive_int, help="mlp: hidden width (512)")
+    p.add_argument("--embed", type=_positive_int, help="mlp: input/output width (128)")
+    p.add_argument("--no-scan", dest="scan", action="store_false", default=scan_default,
+                   help="mlp: a Python loop over layers, not nn.scan")
+
+
 def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     from spmdkit._strategies import IMPLS, STRATEGIES
     from spmdkit._tasks import TASKS
@@ -116,10 +124,7 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--bagging", action="store_true", help="ensemble: each member its own data order")
     p.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
     _add_layout_options(p)
-    p.add_argument("--layers", type=_positive_int, help="mlp: number of DotReluDot layers (4)")
-    p.add_argument("--depth", type=_positive_int, help="mlp: hidden width (512)")
-    p.add_argument("--embed", type=_positive_int, help="mlp: input/output width (128)")
-    p.add_argument("--no-scan", dest="scan", action="store_false", help="mlp: a Python loop over layers, not nn.scan")
+    _add_mlp_options(p)
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the task's)")
     p.add_argument("--epochs", type=_positive_int, help="passes over the training set, instead of --steps")
     p.add_argument("--batch-size", type=int, help="global batch size, all devices together")
@@ -153,10 +158,7 @@ def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--task", choices=sorted(TASKS), default="mlp", help="the model (default mlp)")
     _add_layout_options(p)
-    p.add_argument("--layers", type=_positive_int, help="mlp: number of layers")
-    p.add_argument("--depth", type=_positive_int, help="mlp: hidden width")
-    p.add_argument("--embed", type=_positive_int, help="mlp: input/output width")
-    p.add_argument("--no-scan", dest="scan", action="store_false", default=None, help="mlp: loop, not scan")
+    _add_mlp_options(p, scan_default=None)
     p.add_argument("--batch-size", type=_positive_int, help="global batch of the compiled step (the task's)")
     p.add_argument("--optimizer", default=None, help="sgd, adam or adamw (the task's)")
     p.add_argument("--data-dir", metavar="DIR", help="for --task mnist")

@@ -159,6 +159,26 @@ def with_sharding(shapes: Any, sharding: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
 
 
+def place_batch(batch: Batch, size: int | None, shards: int, sharding: Any) -> tuple[Batch, jax.Array | None]:
+    """Pad a host batch to ``size`` rounded up to ``shards`` rows, then place it."""
+    n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    batch, mask = pad_batch(batch, padded_size(max(n, size or n), shards))
+    return jax.device_put(batch, sharding), None if mask is None else jax.device_put(mask, sharding)
+
+
+class OneModel:
+    """The Strategy methods of strategies that train a single model (data, sharded)."""
+
+    def host_params(self, state: TrainState) -> Params:
+        return jax.device_get(state.params)
+
+    def member_params(self, params: Params) -> list[Params]:
+        return [params]
+
+    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
 def padded_size(size: int, shards: int) -> int:
     return -(-size // shards) * shards
 

@@ -35,8 +35,8 @@ from spmdkit._strategies._base import (
     eval_sums,
     init_train_state,
     masked_sums,
-    pad_batch,
-    padded_size,
+    OneModel,
+    place_batch,
     update_step,
     with_sharding,
 )
@@ -44,7 +44,7 @@ from spmdkit._strategies._base import (
 IMPLS = ("jit", "shard_map")
 
 
-class DataParallel:
+class DataParallel(OneModel):
     """Replicated parameters, batch split over ``axis`` of ``mesh``.
 
     Example:
@@ -111,19 +111,7 @@ class DataParallel:
         return with_sharding(shapes, self._replicated)
 
     def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
-        n = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        batch, mask = pad_batch(batch, padded_size(max(n, size or n), self.batch_shards))
-        placed = jax.device_put(batch, self._split)
-        return placed, None if mask is None else jax.device_put(mask, self._split)
-
-    def host_params(self, state: TrainState) -> Params:
-        return jax.device_get(state.params)
-
-    def member_params(self, params: Params) -> list[Params]:
-        return [params]
-
-    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
-        return {}
+        return place_batch(batch, size, self.batch_shards, self._split)
 
     # ---- compiled steps ---------------------------------------------------------
     def _shard_map_grads(self, loss_fn: LossFn) -> Callable[..., Any]:

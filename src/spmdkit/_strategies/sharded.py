@@ -36,8 +36,8 @@ from spmdkit._strategies._base import (
     boxed_abstract_state,
     eval_sums,
     init_train_state,
-    pad_batch,
-    padded_size,
+    OneModel,
+    place_batch,
     update_step,
 )
 
@@ -137,7 +137,7 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
         )
 
 
-class Sharded:
+class Sharded(OneModel):
     """Parameters and optimizer state split over a mesh by logical axis rules.
 
     Example:
@@ -199,19 +199,7 @@ class Sharded:
             return init(init_fn, optimizer, rng)
 
     def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
-        n = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        batch, mask = pad_batch(batch, padded_size(max(n, size or n), self.batch_shards))
-        placed = jax.device_put(batch, self._batch)
-        return placed, None if mask is None else jax.device_put(mask, self._batch)
-
-    def host_params(self, state: TrainState) -> Params:
-        return jax.device_get(state.params)
-
-    def member_params(self, params: Params) -> list[Params]:
-        return [params]
-
-    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
-        return {}
+        return place_batch(batch, size, self.batch_shards, self._batch)
 
     # ---- compiled steps ---------------------------------------------------------
     def _tracing(self):
