@@ -76,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train_parser(sub, common)
     _add_inspect_parser(sub, common)
+    p = sub.add_parser(
+        "launch",
+        help="run a command in P local processes joined by jax.distributed",
+        description="Starts P copies of COMMAND with a coordinator on 127.0.0.1 and a free port; "
+        "output lines are prefixed with the process index; if one process fails, the others are "
+        "stopped (SIGKILL after a grace period) and launch exits with its code.",
+    )
+    p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
+    p.add_argument("--host-devices-per-process", type=_positive_int, metavar="D", help="simulated CPU devices each")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
     p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
     p.add_argument("directory", help="a --checkpoint-dir")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -178,8 +188,13 @@ def _setup_devices(args: argparse.Namespace) -> None:
 
         n = load_toml(args.config).get("host_devices")
     n = n or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
+    if args.command == "launch":
+        return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
         use_host_devices(n)
+    from spmdkit._launch import initialize_from_env
+
+    initialize_from_env()
 
 
 def _cmd_devices(args: argparse.Namespace, console: Console) -> int:
@@ -294,7 +309,15 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._launch import launch
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launch(cmd, args.processes, args.host_devices_per_process)
+
+
 _COMMANDS = {
+    "launch": _cmd_launch,
     "checkpoints": _cmd_checkpoints,
     "inspect": _cmd_inspect,
     "devices": _cmd_devices,

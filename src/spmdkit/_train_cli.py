@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import jax
 from rich.console import Console
 from rich.table import Table
 
@@ -59,7 +60,8 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
     except NonFiniteLossError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
         return EXIT_DIVERGED
-    _print_summary(result.summary, Path(run.out), console)
+    if jax.process_index() == 0:
+        _print_summary(result.summary, Path(run.out), console)
     return EXIT_INTERRUPTED if result.summary["status"] == "interrupted" else 0
 
 

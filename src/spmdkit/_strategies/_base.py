@@ -163,7 +163,18 @@ def place_batch(batch: Batch, size: int | None, shards: int, sharding: Any) -> t
     """Pad a host batch to ``size`` rounded up to ``shards`` rows, then place it."""
     n = jax.tree_util.tree_leaves(batch)[0].shape[0]
     batch, mask = pad_batch(batch, padded_size(max(n, size or n), shards))
-    return jax.device_put(batch, sharding), None if mask is None else jax.device_put(mask, sharding)
+    return put_global(batch, sharding), None if mask is None else put_global(mask, sharding)
+
+
+def put_global(tree: Any, sharding: Any) -> Any:
+    """Host arrays onto a sharding; with several processes each fills only its own shards.
+
+    Every process holds the same host batch (the data order is a function of the seed),
+    and supplies the slices of the global array that its devices hold.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree)
 
 
 class OneModel:

@@ -228,7 +228,10 @@ def fit(
     total = config.steps if config.steps is not None else config.epochs * steps_per_epoch
     eval_every = config.eval_every or steps_per_epoch
     out = None if out_dir is None else Path(out_dir)
-    if out is not None:
+    # With several processes (jax.distributed) every one trains; process 0 alone writes.
+    primary = jax.process_index() == 0
+    progress = progress and primary
+    if out is not None and primary:
         out.mkdir(parents=True, exist_ok=True)
 
     key = jax.random.key(config.seed)
@@ -255,7 +258,7 @@ def fit(
 
     # A resumed run keeps the history up to its checkpoint and drops what came after.
     history: list[dict[str, Any]] = _previous_history(out, done) if done else []
-    writer = art.MetricsWriter(None if out is None else out / "metrics.jsonl")
+    writer = art.MetricsWriter(None if out is None or not primary else out / "metrics.jsonl")
     for row in history:
         writer.write(row)
     status, failure = "completed", None
@@ -404,7 +407,7 @@ def fit(
         **strategy.summarize(eval_row or {}),
         **({"config": run_info} if run_info else {}),
     }
-    if out is not None:
+    if out is not None and primary:
         art.save_params(out / "params.npz", params)
         art.write_json(out / "summary.json", summary)
         if history:

@@ -1,0 +1,58 @@
+"""spmdkit launch: processes joined by jax.distributed give the single-process results."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+CLI = [sys.executable, "-m", "spmdkit._cli"]
+
+
+def env():
+    return {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+
+
+def run(args, timeout=300):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env())
+
+
+@pytest.mark.parametrize("task, steps", [("linreg", 50), ("digits", 20)])
+def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path, task, steps):
+    train = ["train", "--task", task, "--steps", str(steps), "--no-progress"]
+    multi = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "4", "--", *CLI, *train,
+                 "--out", str(tmp_path / "multi")])
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    assert "[0] " in multi.stdout and "[1] " in multi.stderr + multi.stdout
+    single = run([*CLI, "--host-devices", "8", *train, "--out", str(tmp_path / "single")])
+    assert single.returncode == 0, single.stderr
+    with np.load(tmp_path / "multi" / "params.npz") as a, np.load(tmp_path / "single" / "params.npz") as b:
+        assert a.files == b.files
+        for k in a.files:
+            np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_a_dead_process_stops_the_launch_within_60_s(tmp_path):
+    # Process 1 is SIGKILLed mid-run; process 0 then waits in a collective forever.
+    script = (f'if [ "$SPMDKIT_PROCESS_ID" = 1 ]; then (sleep 9; kill -9 $$) & fi; '
+              f'exec {sys.executable} -m spmdkit._cli train --task digits --steps 100000 --no-progress '
+              f'--out {tmp_path / "o"}')
+    t0 = time.time()
+    out = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "2", "--", "sh", "-c", script], timeout=120)
+    assert out.returncode != 0
+    assert time.time() - t0 < 60 + 15
+    assert "process 1 was killed by signal 9" in out.stderr
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "o")], capture_output=True, text=True).stdout.split()
+    assert left == [], "orphan processes remain"
+
+
+def test_a_failing_process_gives_its_exit_code():
+    code = "import os, sys, time; i = os.environ['SPMDKIT_PROCESS_ID']; sys.exit(3) if i == '1' else time.sleep(60)"
+    t0 = time.time()
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
+    assert out.returncode == 3 and time.time() - t0 < 30
+    assert "process 1 exited with code 3; stopped the other 1" in out.stderr
