@@ -56,3 +56,33 @@ def test_a_failing_process_gives_its_exit_code():
     out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
     assert out.returncode == 3 and time.time() - t0 < 30
     assert "process 1 exited with code 3; stopped the other 1" in out.stderr
+
+
+def test_explicit_flags_join_two_processes(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen([*CLI, "--host-devices", "2", "train", "--task", "linreg", "--steps", "20", "--no-progress",
+                          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                          "--out", str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env())
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:]
+    import json
+
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["device_count"] == 4
+
+
+def test_process_id_without_coordinator_is_an_error():
+    out = run([*CLI, "train", "--process-id", "1", "--no-progress"])
+    assert out.returncode == 2 and "--num-processes/--process-id need --coordinator" in out.stderr

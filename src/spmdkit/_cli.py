@@ -153,6 +153,12 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=_positive_int, help="checkpoints to keep (3)")
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g = p.add_argument_group("several processes (jax.distributed; spmdkit launch sets these for you)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
+    g.add_argument("--num-processes", type=_positive_int, help="processes in the job")
+    g.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
+    g.add_argument("--distributed-timeout", type=_positive_int, default=100, metavar="S",
+                   help="seconds before a silent process counts as dead and all exit (100)")
 
 
 def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
@@ -192,9 +198,14 @@ def _setup_devices(args: argparse.Namespace) -> None:
         return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
         use_host_devices(n)
-    from spmdkit._launch import initialize_from_env
+    from spmdkit._launch import initialize_distributed
 
-    initialize_from_env()
+    initialize_distributed(
+        getattr(args, "coordinator", None),
+        getattr(args, "num_processes", None),
+        getattr(args, "process_id", None),
+        getattr(args, "distributed_timeout", 100),
+    )
 
 
 def _cmd_devices(args: argparse.Namespace, console: Console) -> int:

@@ -33,22 +33,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def initialize_from_env(timeout_s: int = 120) -> bool:
-    """Join the process group the launcher (or a cluster) describes; False if none."""
-    address = os.environ.get(ENV_COORDINATOR)
-    if not address:
-        return False
-    try:
-        count, index = int(os.environ[ENV_NUM_PROCESSES]), int(os.environ[ENV_PROCESS_ID])
-    except (KeyError, ValueError):
-        raise DeviceSetupError(
-            fix(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} are missing or not numbers.",
-                "start the processes with spmdkit launch, or set all three variables.")
-        ) from None
-    jax.distributed.initialize(
-        coordinator_address=address, num_processes=count, process_id=index, initialization_timeout=timeout_s
-    )
-    return True
+def _cluster_detected() -> bool:
+    """A multi-task SLURM or Open MPI job, which jax.distributed can read by itself."""
+    for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        try:
+            if int(os.environ.get(name, "1")) > 1:
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    timeout_s: int = 100,
+) -> bool:
+    """Join a process group, if there is one; False when this is a single process.
+
+    Sources, first found wins: the arguments (``--coordinator`` ...), the variables
+    ``spmdkit launch`` sets, a SLURM / Open MPI job (auto-detected by JAX). A process
+    that stops answering is noticed by the others after ``timeout_s`` seconds (the
+    coordination service's heartbeat timeout), and they exit with an error.
+    """
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
+    if coordinator:
+        try:
+            count = num_processes if num_processes is not None else int(os.environ[ENV_NUM_PROCESSES])
+            index = process_id if process_id is not None else int(os.environ[ENV_PROCESS_ID])
+        except (KeyError, ValueError):
+            raise DeviceSetupError(
+                fix(f"a coordinator ({coordinator}) is given but the process count or id is missing.",
+                    "pass --num-processes and --process-id (or start the processes with spmdkit launch).")
+            ) from None
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
+                                   initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=timeout_s)
+        return True
+    if num_processes is not None or process_id is not None:
+        raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
+                                   "pass the address of process 0, e.g. --coordinator node0:1234."))
+    if _cluster_detected():
+        jax.distributed.initialize(heartbeat_timeout_seconds=timeout_s)
+        return True
+    return False
 
 
 def _pump(stream, prefix: str, sink) -> None:

@@ -35,7 +35,8 @@ def resolve_options(flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_from_args(args: argparse.Namespace, console: Console) -> int:
-    flags = {k: v for k, v in vars(args).items() if k not in ("command",)}
+    process_flags = ("coordinator", "num_processes", "process_id", "distributed_timeout")
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", *process_flags)}
     options = resolve_options(flags)
     run = build_run_config(options)
     task = get_task(run.task, data_dir=run.data_dir, **task_options(run))

@@ -174,7 +174,18 @@ def put_global(tree: Any, sharding: Any) -> Any:
     """
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
-    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree)
+    return jax.tree.map(lambda x: _process_local(x, sharding), tree)
+
+
+def _process_local(x: np.ndarray, sharding: Any) -> jax.Array:
+    """Hand JAX only the rows this process's devices hold (its slice of the batch)."""
+    blocks = sharding.addressable_devices_indices_map(x.shape).values()
+    starts = [b[0].start or 0 for b in blocks] if x.ndim else [0]
+    stops = [x.shape[0] if b[0].stop is None else b[0].stop for b in blocks] if x.ndim else [0]
+    lo, hi = min(starts), max(stops)
+    if x.ndim and sum(stop - start for start, stop in set(zip(starts, stops))) == hi - lo:
+        return jax.make_array_from_process_local_data(sharding, x[lo:hi], x.shape)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
 class OneModel:
