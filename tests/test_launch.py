@@ -86,3 +86,25 @@ def test_explicit_flags_join_two_processes(tmp_path):
 def test_process_id_without_coordinator_is_an_error():
     out = run([*CLI, "train", "--process-id", "1", "--no-progress"])
     assert out.returncode == 2 and "--num-processes/--process-id need --coordinator" in out.stderr
+
+
+@pytest.mark.parametrize("first_multi", [True, False], ids=["2-processes-then-1", "1-then-2-processes"])
+def test_checkpoints_move_between_two_processes_and_one(tmp_path, first_multi):
+    def train(multi, steps, resume):
+        args = [*CLI, "train", "--task", "linreg", "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ck"),
+                "--checkpoint-every", "10", "--out", str(tmp_path / "o"), "--no-progress"] + (["--resume"] if resume else [])
+        if multi:
+            return run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "4", "--", *args])
+        return run([args[0], *args[1:3], "--host-devices", "8", *args[3:]])
+
+    first = train(first_multi, 20, False)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = train(not first_multi, 40, True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from step 20" in second.stdout
+    straight = run([*CLI, "--host-devices", "8", "train", "--task", "linreg", "--steps", "40", "--no-progress",
+                    "--out", str(tmp_path / "straight")])
+    assert straight.returncode == 0
+    with np.load(tmp_path / "o" / "params.npz") as a, np.load(tmp_path / "straight" / "params.npz") as b:
+        for k in a.files:
+            np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6)
