@@ -147,6 +147,7 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batch-size", type=_positive_int, help="examples per eval batch (default 256)")
     p.add_argument("--log-every", type=_positive_int, help="steps per metrics line (default 1)")
     p.add_argument("--drop-remainder", action="store_true", help="skip each epoch's last partial batch")
+    p.add_argument("--grad-accum", type=_positive_int, help="micro-batches per optimizer step (1)")
     p.add_argument("--out", metavar="DIR", help="output directory (default runs/latest)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints (Orbax) in DIR")
     p.add_argument("--checkpoint-every", type=_positive_int, help="steps between checkpoints (100)")

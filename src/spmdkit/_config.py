@@ -32,6 +32,7 @@ class TrainConfig:
     eval_batch_size: int = 256
     log_every: int = 1
     drop_remainder: bool = False
+    grad_accum: int = 1  # micro-batches per optimizer step; batch_size is their total
 
     def __post_init__(self) -> None:
         if self.steps is None and self.epochs is None:
@@ -43,7 +44,7 @@ class TrainConfig:
                     "give one of them: --steps S or --epochs E.",
                 )
             )
-        for name in ("steps", "epochs", "batch_size", "eval_every", "eval_batch_size", "log_every"):
+        for name in ("steps", "epochs", "batch_size", "eval_every", "eval_batch_size", "log_every", "grad_accum"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(

@@ -77,7 +77,9 @@ class Strategy(Protocol):
         """
         ...
 
-    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
+        """The compiled step; ``accum`` micro-batches per optimizer step (the batch size
+        must be a multiple of ``accum * batch_shards``: the loop pads to it)."""
         ...
 
     def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
@@ -118,11 +120,49 @@ def boxed_abstract_state(init_fn: Callable[[jax.Array], Params], optimizer: opta
     return jax.eval_shape(boxed, jax.random.key(0))
 
 
-def update_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, grads_and_sums=None):
+def micro_batches(tree: Any, accum: int) -> Any:
+    """``[B, ...]`` -> ``[accum, B/accum, ...]``; micro-batch k takes rows k, k+accum, ...
+
+    Interleaved rather than in blocks so that, when B is split over devices in
+    contiguous blocks, every device holds an equal share of every micro-batch.
+    """
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1), tree)
+
+
+def accumulated_sum_grads(loss_fn: LossFn, accum: int):
+    """``(params, batch, mask, rng) -> (gradient of the loss SUM, (loss sum, aux sums, count))``
+    over ``accum`` micro-batches in a ``lax.scan``: the activations of one micro-batch at a
+    time, one gradient for the whole batch (and so one all-reduce per step)."""
+
+    def sum_grads(params, batch, mask, rng):
+        def objective(p):
+            s, a, c = masked_sums(loss_fn, p, batch, mask, rng)
+            return s, (s, a, c)
+
+        return jax.grad(objective, has_aux=True)(params)
+
+    def run(params, batch, mask, rng):
+        parts = (micro_batches(batch, accum), None if mask is None else micro_batches(mask, accum), jnp.arange(accum))
+        zero = jax.eval_shape(sum_grads, params, jax.tree.map(lambda x: x[0], parts[0]),
+                              None if mask is None else parts[1][0], rng)
+        init = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
+
+        def body(total, part):
+            b, m, i = part
+            out = sum_grads(params, b, m, jax.random.fold_in(rng, i))
+            return jax.tree.map(jnp.add, total, out), None
+
+        return jax.lax.scan(body, init, parts)[0]
+
+    return run
+
+
+def update_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, grads_and_sums=None, accum: int = 1):
     """The pure train step ``(state, batch, mask, rng) -> (state, metrics)``.
 
     ``grads_and_sums(params, batch, mask, rng)`` defaults to the gradient of the
-    masked global mean; the shard_map implementation passes its own.
+    masked global mean; the shard_map implementation passes its own. With ``accum > 1``
+    the batch is processed as that many micro-batches (gradient accumulation).
     """
 
     def global_mean(params, batch, mask, rng):
@@ -132,7 +172,11 @@ def update_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, grads_
 
         return jax.grad(objective, has_aux=True)(params)
 
-    grads_and_sums = grads_and_sums or global_mean
+    def accumulated_mean(params, batch, mask, rng):
+        grads, (s, a, c) = accumulated_sum_grads(loss_fn, accum)(params, batch, mask, rng)
+        return jax.tree.map(lambda g: g / c, grads), (s, a, c)
+
+    grads_and_sums = grads_and_sums or (accumulated_mean if accum > 1 else global_mean)
 
     def step(state: TrainState, batch, mask, rng):
         grads, sums = grads_and_sums(state.params, batch, mask, rng)

@@ -32,6 +32,7 @@ from spmdkit._strategies._base import (
     Predictor,
     StepFn,
     TrainState,
+    accumulated_sum_grads,
     eval_sums,
     init_train_state,
     masked_sums,
@@ -114,9 +115,14 @@ class DataParallel(OneModel):
         return place_batch(batch, size, self.batch_shards, self._split)
 
     # ---- compiled steps ---------------------------------------------------------
-    def _shard_map_grads(self, loss_fn: LossFn) -> Callable[..., Any]:
+    def _shard_map_grads(self, loss_fn: LossFn, accum: int = 1) -> Callable[..., Any]:
         """(params, batch, mask, rng) -> (grads of the global mean, sums), per device + psum."""
         axis = self.axis
+
+        def per_device_accumulated(params, batch, mask, rng):
+            # Local sums over the micro-batches, then a single psum for the step.
+            grads, (s, a, c) = jax.lax.psum(accumulated_sum_grads(loss_fn, accum)(params, batch, mask, rng), axis)
+            return jax.tree.map(lambda g: g / c, grads), (s, a, c)
 
         def per_device(params, batch, mask, rng):
             def objective(p):
@@ -127,17 +133,18 @@ class DataParallel(OneModel):
             return jax.lax.psum((grads, sums), axis)
 
         return jax.shard_map(
-            per_device,
+            per_device_accumulated if accum > 1 else per_device,
             mesh=self.mesh,
             in_specs=(P(), P(axis), P(axis), P()),
             out_specs=P(),
             check_vma=False,
         )
 
-    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
-        grads = self._shard_map_grads(loss_fn) if self.impl == "shard_map" else None
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
+        grads = self._shard_map_grads(loss_fn, accum) if self.impl == "shard_map" else None
         r, s = self._replicated, self._split
-        return jax.jit(update_step(loss_fn, optimizer, grads), in_shardings=(r, s, s, r), out_shardings=(r, r))
+        step = update_step(loss_fn, optimizer, grads, accum=accum)
+        return jax.jit(step, in_shardings=(r, s, s, r), out_shardings=(r, r))
 
     def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
         evaluate = eval_sums(loss_fn)

@@ -26,6 +26,7 @@ from spmdkit._strategies._base import (
     Predictor,
     StepFn,
     TrainState,
+    accumulated_sum_grads,
     as_sums,
     init_train_state,
     masked_sums,
@@ -228,7 +229,7 @@ class Ensemble:
         return out
 
     # ---- compiled steps ---------------------------------------------------------
-    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
         axis, shared = self.axis, not self.bagging
         data_axis = None if shared else 0
 
@@ -237,7 +238,11 @@ class Ensemble:
                 s, a, c = masked_sums(loss_fn, p, batch, mask, key)
                 return s / c, (s, a, c)
 
-            grads, (s, a, c) = jax.grad(objective, has_aux=True)(state.params)
+            if accum > 1:
+                grads, (s, a, c) = accumulated_sum_grads(loss_fn, accum)(state.params, batch, mask, key)
+                grads = jax.tree.map(lambda g: g / c, grads)
+            else:
+                grads, (s, a, c) = jax.grad(objective, has_aux=True)(state.params)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
             return new, {"loss": s / c, **{k: v / c for k, v in a.items()}}

@@ -214,9 +214,9 @@ class Sharded(OneModel):
             )
         return self.layout.shardings
 
-    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation) -> StepFn:
+    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
         state_sh, b, r = self._state_shardings(), self._batch, self._replicated
-        inner = update_step(loss_fn, optimizer)
+        inner = update_step(loss_fn, optimizer, accum=accum)
 
         def step(*args):
             with self._tracing():

@@ -23,7 +23,7 @@ import optax
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer
 from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
-from spmdkit._strategies._base import Strategy, TrainState
+from spmdkit._strategies._base import Strategy, TrainState, padded_size
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
 
@@ -251,7 +251,9 @@ def fit(
     else:
         state = strategy.init_state(task.init, optimizer, init_key)
         done = 0
-    step_fn = strategy.train_step(task.loss_fn, optimizer)
+    step_fn = strategy.train_step(task.loss_fn, optimizer, accum=config.grad_accum)
+    # Every batch has one shape (one compile): padded to split over the micro-batches and devices.
+    step_size = padded_size(bs, config.grad_accum * strategy.batch_shards)
     eval_fn = strategy.eval_step(task.loss_fn, task.predictor)
     batches = _batches(task.train_data, bs, config, strategy.data_streams, start=done)
     start_step = done
@@ -271,6 +273,7 @@ def fit(
             "seed": config.seed,
             "batch_size": bs,
             "drop_remainder": config.drop_remainder,
+            "grad_accum": config.grad_accum,
             "epoch": epoch,
             "strategy": strategy.describe(),
             "config": run_info or {},
@@ -304,7 +307,7 @@ def fit(
                 bar.update(bar_task, completed=done)
             for step in range(start_step, total):
                 epoch, host_batch = next(batches)
-                batch, mask = strategy.put_batch(host_batch, size=bs)
+                batch, mask = strategy.put_batch(host_batch, size=step_size)
                 new_state, metrics = step_fn(state, batch, mask, jax.random.fold_in(step_key, step))
                 # Block every step: queued collective steps deadlock XLA:CPU.
                 jax.block_until_ready(new_state)
