@@ -232,11 +232,25 @@ def _process_local(x: np.ndarray, sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
+def to_host(tree: Any) -> Any:
+    """Arrays as numpy on this host, also arrays spread over other processes' devices."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
 class OneModel:
     """The Strategy methods of strategies that train a single model (data, sharded)."""
 
     def host_params(self, state: TrainState) -> Params:
-        return jax.device_get(state.params)
+        return to_host(state.params)
 
     def member_params(self, params: Params) -> list[Params]:
         return [params]

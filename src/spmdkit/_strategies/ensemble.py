@@ -28,6 +28,9 @@ from spmdkit._strategies._base import (
     TrainState,
     accumulated_sum_grads,
     as_sums,
+    place_batch,
+    put_global,
+    to_host,
     init_train_state,
     masked_sums,
     pad_batch,
@@ -201,17 +204,14 @@ class Ensemble:
             n = jax.tree_util.tree_leaves(batch)[0].shape[1]
             target = max(n, size or n)
             if n == target:
-                return jax.device_put(batch, self._per_member), None
+                return put_global(batch, self._per_member), None
             pad = lambda x: np.concatenate([x, np.zeros((x.shape[0], target - n, *x.shape[2:]), x.dtype)], 1)  # noqa: E731
             mask = np.broadcast_to(np.arange(target) < n, (self.members, target))
-            return jax.device_put(jax.tree.map(pad, batch), self._per_member), jax.device_put(mask, self._per_member)
-        n = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        batch, mask = pad_batch(batch, max(n, size or n))
-        placed = jax.device_put(batch, self._replicated)
-        return placed, None if mask is None else jax.device_put(mask, self._replicated)
+            return put_global(jax.tree.map(pad, batch), self._per_member), put_global(np.asarray(mask), self._per_member)
+        return place_batch(batch, size, 1, self._replicated)
 
     def host_params(self, state: TrainState) -> Params:
-        return jax.device_get(state.params)
+        return to_host(state.params)
 
     def member_params(self, params: Params) -> list[Params]:
         return [jax.tree.map(lambda x, m=m: x[m], params) for m in range(self.members)]
