@@ -103,7 +103,7 @@ class RunConfig:
 
     task: str = "linreg"
     strategy: str = "data"
-    impl: str = "jit"
+    impl: str = "auto"
     members: int | None = None
     bagging: bool = False
     mesh: str | None = None

@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from spmdkit._bench import checkpoint_suite, data_suite, ensemble_suite, pmap_suite, sharded_suite
+from spmdkit._bench import (
+    checkpoint_suite,
+    data_suite,
+    ensemble_suite,
+    multiprocess_suite,
+    pmap_suite,
+    sharded_suite,
+)
 
 # A suite takes its quick flag and returns a report: {"suite", "machine", "rows", "targets"}.
 SUITES: dict[str, Callable[..., dict[str, Any]]] = {
@@ -14,4 +21,5 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "ensemble": ensemble_suite.run,
     "sharded": sharded_suite.run,
     "checkpoint": checkpoint_suite.run,
+    "multiprocess": multiprocess_suite.run,
 }

@@ -19,7 +19,7 @@ from spmdkit._strategies.single import Single
 class StrategyOptions:
     """What the command line can say about a strategy; each factory takes what it needs."""
 
-    impl: str = "jit"
+    impl: str = "auto"
     members: int | None = None  # ensemble size; None: one per device
     bagging: bool = False
     mesh: str | None = None  # "data=2,model=4"; None: the strategy's default
@@ -52,7 +52,7 @@ STRATEGIES: dict[str, Callable[[StrategyOptions], Strategy]] = {
 }
 
 
-def get_strategy(name: str, impl: str = "jit", **options) -> Strategy:
+def get_strategy(name: str, impl: str = "auto", **options) -> Strategy:
     """A strategy by name, as ``spmdkit train --strategy NAME`` builds it.
 
     ``options`` are the fields of :class:`StrategyOptions` (members, mesh, rules...).
