@@ -193,3 +193,13 @@ def test_bench_checkpoint_quick_writes_json(tmp_path):
     assert "raw sequential write" in ops and "spmdkit save (async, until committed)" in ops
     assert all(r["GB_per_s"] > 0 for r in report["rows"])
     assert report["targets"][0]["target"] == ">= 0.5"
+
+
+def test_bench_multiprocess_quick_writes_json(tmp_path):
+    path = tmp_path / "mp.json"
+    out = run_cli("bench", "--suite", "multiprocess", "--quick", "--json", str(path), timeout=900)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(path.read_text())
+    cases = {r["case"]: r["samples_per_s"] for r in report["rows"] if r["model"].startswith("MLP")}
+    assert cases["(a) spmdkit, 1 process"] > 0
+    assert cases["(b) default: shard_map, one packed all-reduce"] > 0  # two processes really ran
