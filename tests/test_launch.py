@@ -131,3 +131,16 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path, first_multi):
     with np.load(tmp_path / "o" / "params.npz") as a, np.load(tmp_path / "straight" / "params.npz") as b:
         for k in a.files:
             np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_a_hung_process_is_named_and_every_process_exits(tmp_path):
+    # SIGSTOP: process 1 stays alive but makes no progress (nor heartbeats) - a hang.
+    script = (f'if [ "$SPMDKIT_PROCESS_ID" = 1 ]; then (sleep 9; kill -STOP $$) & fi; '
+              f'exec {sys.executable} -m spmdkit._cli train --task digits --steps 100000 --no-progress '
+              f'--distributed-timeout 10 --out {tmp_path / "o"}')
+    t0 = time.time()
+    out = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "2", "--", "sh", "-c", script], timeout=120)
+    assert out.returncode != 0 and time.time() - t0 < 60
+    assert "no step finished for" in out.stderr and "behind: process 1 not answering" in out.stderr
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "o")], capture_output=True, text=True).stdout.split()
+    assert left == [], "orphan processes remain"

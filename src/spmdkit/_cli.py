@@ -159,7 +159,7 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     g.add_argument("--num-processes", type=_positive_int, help="processes in the job")
     g.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
     g.add_argument("--distributed-timeout", type=_positive_int, default=100, metavar="S",
-                   help="seconds before a silent process counts as dead and all exit (100)")
+                   help="seconds without a finished step (or a heartbeat) before a process counts as dead or hung and all exit (100)")
 
 
 def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:

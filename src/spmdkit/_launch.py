@@ -34,7 +34,10 @@ def free_port() -> int:
 
 
 def _cluster_detected() -> bool:
-    """A multi-task SLURM or Open MPI job, which jax.distributed can read by itself."""
+    """A multi-task SLURM or Open MPI job, or JAX's own ``JAX_COORDINATOR_ADDRESS``
+    (with ``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``): jax.distributed reads them by itself."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
     for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         try:
             if int(os.environ.get(name, "1")) > 1:
@@ -53,9 +56,10 @@ def initialize_distributed(
     """Join a process group, if there is one; False when this is a single process.
 
     Sources, first found wins: the arguments (``--coordinator`` ...), the variables
-    ``spmdkit launch`` sets, a SLURM / Open MPI job (auto-detected by JAX). A process
-    that stops answering is noticed by the others after ``timeout_s`` seconds (the
-    coordination service's heartbeat timeout), and they exit with an error.
+    ``spmdkit launch`` sets, JAX's ``JAX_COORDINATOR_ADDRESS`` variables, a SLURM /
+    Open MPI job (auto-detected by JAX). TPU pods are not auto-detected: pass the flags.
+    The training loop's step watchdog uses ``timeout_s``; the coordination service's
+    heartbeat timeout is set to ``2 * timeout_s + 10`` as the backstop.
     """
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     if coordinator:
@@ -67,14 +71,16 @@ def initialize_distributed(
                 fix(f"a coordinator ({coordinator}) is given but the process count or id is missing.",
                     "pass --num-processes and --process-id (or start the processes with spmdkit launch).")
             ) from None
+        # The heartbeat is the backstop; the step watchdog (which names the process that
+        # fell behind) gets to speak first.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
-                                   initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=timeout_s)
+                                   initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=2 * timeout_s + 10)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
                                    "pass the address of process 0, e.g. --coordinator node0:1234."))
     if _cluster_detected():
-        jax.distributed.initialize(heartbeat_timeout_seconds=timeout_s)
+        jax.distributed.initialize(heartbeat_timeout_seconds=2 * timeout_s + 10)
         return True
     return False
 

@@ -56,6 +56,7 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
             progress=run.progress,
             run_info=_jsonable_options(options),
             checkpoint=run.checkpoint,
+            step_timeout=getattr(args, "distributed_timeout", 100),
             log=lambda message: console.print(message, highlight=False, markup=False),
         )
     except NonFiniteLossError as e:

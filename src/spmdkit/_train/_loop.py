@@ -26,6 +26,7 @@ from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._strategies._base import Strategy, TrainState, padded_size
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
+from spmdkit._train._watchdog import StepWatchdog
 
 
 class FitResult(NamedTuple):
@@ -188,6 +189,7 @@ def fit(
     run_info: dict[str, Any] | None = None,
     checkpoint: CheckpointConfig | None = None,
     log: Callable[[str], None] = print,
+    step_timeout: float | None = 100.0,
 ) -> FitResult:
     """Train ``task`` with ``strategy`` and ``optimizer`` for ``config.steps`` (or epochs).
 
@@ -198,7 +200,9 @@ def fit(
     ``metrics.jsonl`` (as it goes), ``summary.json``, ``params.npz`` and ``loss.png``.
     With ``checkpoint`` it saves every ``checkpoint.every`` steps (asynchronously) and
     at the end, and with ``checkpoint.resume`` continues from the newest intact step,
-    exactly as if it had never stopped.
+    exactly as if it had never stopped. Across several processes, a step that does not
+    finish within ``step_timeout`` seconds (a dead or hung peer) ends every process with
+    an error naming the processes that fell behind.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, optax, spmdkit
@@ -301,13 +305,20 @@ def fit(
 
     title = f"{task.name} / {strategy.name}"
     try:
-        with _StopRequest() as stop, _progress(progress, total, title) as bar:
+        watch = (
+            StepWatchdog(step_timeout)
+            if step_timeout and jax.process_count() > 1
+            else contextlib.nullcontext(None)
+        )
+        with _StopRequest() as stop, _progress(progress, total, title) as bar, watch as dog:
             bar_task = bar.add_task(title, total=total, loss="-", rate="-") if bar else None
             if bar is not None:
                 bar.update(bar_task, completed=done)
             for step in range(start_step, total):
                 epoch, host_batch = next(batches)
                 batch, mask = strategy.put_batch(host_batch, size=step_size)
+                if dog is not None:
+                    dog.started(step + 1)
                 new_state, metrics = step_fn(state, batch, mask, jax.random.fold_in(step_key, step))
                 # Block every step: queued collective steps deadlock XLA:CPU.
                 jax.block_until_ready(new_state)
@@ -329,6 +340,8 @@ def fit(
                     state = good
                     break
                 good, state, done = state, new_state, step + 1
+                if dog is not None:
+                    dog.finished(done)
                 last_train = values
                 if t_first is None:
                     t_first = time.perf_counter()

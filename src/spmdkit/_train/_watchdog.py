@@ -1,0 +1,102 @@
+"""A step watchdog for multi-process runs: a dead or hung peer must not hang the rest.
+
+Each process publishes, in the coordination service's key-value store, the last step it
+started and a tick its watchdog thread advances every second. If no step finishes for
+``timeout`` seconds, the watchdog reads the others': a process whose tick stands still is
+dead or stopped; one that has not started the step the others are in is hung before it.
+It names them and ends this process with an error; every process runs one, so all exit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import jax
+
+EXIT_PEER_LOST = 4
+
+
+def _client():
+    from jax._src import distributed  # the coordination service JAX itself started
+
+    return distributed.global_state.client
+
+
+class StepWatchdog:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.index = jax.process_index()
+        self.count = jax.process_count()
+        self.step = 0
+        self.started_step = 0
+        self._tick = 0
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="spmdkit-watchdog")
+
+    def __enter__(self) -> StepWatchdog:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def started(self, step: int) -> None:
+        self.started_step = step
+        self._publish()
+
+    def finished(self, step: int) -> None:
+        self.step = step
+        self._last = time.monotonic()
+
+    def _publish(self) -> None:
+        try:
+            value = f"{self.started_step} {self._tick}"
+            _client().key_value_set(f"spmdkit/progress/{self.index}", value, allow_overwrite=True)
+        except Exception:  # publishing is best effort; the timeout still fires
+            pass
+
+    def _peers(self) -> dict[int, tuple[int, int] | None]:
+        out = {}
+        for i in range(self.count):
+            try:
+                started, tick = _client().blocking_key_value_get(f"spmdkit/progress/{i}", 200).split()
+                out[i] = (int(started), int(tick))
+            except Exception:
+                out[i] = None
+        return out
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            self._tick += 1
+            self._publish()
+            idle = time.monotonic() - self._last
+            if idle < self.timeout_s:
+                continue
+            before = self._peers()
+            time.sleep(3.0)  # a live watchdog ticks every second
+            after = self._peers()
+            reasons = {}
+            for i in range(self.count):
+                if i == self.index:
+                    continue
+                if after[i] is None or before[i] is None or after[i][1] == before[i][1]:
+                    reasons[i] = "not answering (dead or stopped)"
+            started = {i: v[0] for i, v in after.items() if v is not None}
+            top = max(started.values(), default=0)
+            for i, s in started.items():
+                if s < top and i not in reasons:
+                    reasons[i] = f"has not started step {top} (hung at step {s})"
+            who = (", ".join(f"process {i} {why}" for i, why in sorted(reasons.items()))
+                   if reasons else f"no process stands out (all in step {top})")
+            sys.stderr.write(
+                f"spmdkit: process {self.index}: no step finished for {idle:.0f} s (timeout {self.timeout_s:.0f} s); "
+                f"behind: {who}. A dead or hung process stops the collective; every process now exits. "
+                "Fix: see that process's log; raise --distributed-timeout if steps are just slow.\n"
+            )
+            sys.stderr.flush()
+            os._exit(EXIT_PEER_LOST)
