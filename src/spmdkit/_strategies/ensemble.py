@@ -33,7 +33,6 @@ from spmdkit._strategies._base import (
     to_host,
     init_train_state,
     masked_sums,
-    pad_batch,
     with_sharding,
 )
 
@@ -122,7 +121,6 @@ class Ensemble:
             )
         d = mesh.shape[axis]
         if members % d:
-            fits = [k for k in range(1, d + 1) if d % k == 0 or k % d == 0]
             raise ConfigError(
                 fix(
                     f"members={members} cannot be placed on the {d} devices of mesh axis {axis!r}: "
