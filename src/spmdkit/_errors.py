@@ -56,3 +56,19 @@ class NonFiniteLossError(SpmdkitError, FloatingPointError):
         super().__init__(message)
         self.step = step
         self.loss = loss
+
+
+class MappedAxisTypeError(MappedAxisError, TypeError):
+    """A parallel map got a value of the wrong type (``jax.pmap`` raises TypeError here)."""
+
+
+class MappedAxisIndexError(MappedAxisError, IndexError):
+    """A mapped axis is out of range for its argument (``jax.pmap`` raises IndexError here)."""
+
+
+class ReplicationError(MappedAxisError):
+    """An output declared replicated (``out_axes=None``) differs between devices."""
+
+
+class SignatureError(SpmdkitError, TypeError):
+    """A compiled function was called with arguments of another structure, shape or dtype."""

@@ -1,11 +1,15 @@
 """``jax.pmap`` semantics on ``jax.jit`` + ``jax.shard_map``.
 
-The mapped axis of every argument is split one slice per device over a 1-D mesh
-of the first ``n`` local devices (``n`` = the mapped size), the user's function
-runs once per device on its slice (the mapped axis squeezed away, as in pmap),
-and collectives name the mesh axis. Outputs stay on the devices, sharded along
-the mapped axis, so one parallel map can consume another's output without the
-data leaving the devices.
+The mapped axis of every argument is split one slice per device over a mesh of
+the first ``n`` devices (``n`` = the mapped size), the user's function runs once
+per device on its slice (the mapped axis squeezed away, as in pmap), and
+collectives name the mesh axis. Outputs stay on the devices, sharded along the
+mapped axis, so one parallel map can consume another's output without the data
+leaving the devices.
+
+A map called while another traces its function is nested (see ``_pmap_nest``):
+the outermost map lays the devices out as an N-D mesh, one axis per level, and
+each level is a ``shard_map`` manual over its own axis.
 
 Validation happens in Python before anything is traced, and again only when the
 call's structure changes: a call whose pytree structure and mapped size were seen
@@ -17,27 +21,31 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from spmdkit import _pmap_nest as nest
 from spmdkit._errors import (
     AxisNameError,
-    BatchSizeError,
     MappedAxisError,
+    MappedAxisIndexError,
+    MappedAxisTypeError,
+    ReplicationError,
+    SignatureError,
     SpmdkitError,
     fix,
 )
+from spmdkit._pmap_host import ShardedBatch, replicate, shard, unreplicate
+from spmdkit._pmap_lower import Lowered
 from spmdkit._tree import broadcast_prefix, keystr
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# The mesh axis used when the caller gives no axis_name: collectives cannot name
-# it, exactly as with jax.pmap(f) without axis_name.
-_ANONYMOUS_AXIS = "_spmdkit_pmap"
 _UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
 
 
@@ -51,7 +59,7 @@ def _check_axes_spec(name: str, spec: Any) -> None:
     for path, leaf in leaves:
         where = keystr(name, path)
         if not _is_axis(leaf):
-            raise MappedAxisError(
+            raise MappedAxisTypeError(
                 fix(
                     f"{where} is {leaf!r} (type {type(leaf).__name__}); spmdkit.pmap takes an int "
                     "or None at each leaf of in_axes/out_axes.",
@@ -78,29 +86,71 @@ class _Plan(NamedTuple):
     axes: tuple[int | None, ...]  # one per flat dynamic leaf
     paths: tuple[str, ...]  # printable path per flat leaf
     mapped: tuple[int, ...]  # indices of flat leaves with a mapped axis
-    by_size: dict[int, _Compiled]  # mapped size -> jitted shard_map
+    donated: tuple[int, ...]  # indices of flat leaves to donate
+    by_size: dict[Any, _Compiled]  # mapped size -> jitted shard_map (see _Compiled.nested)
 
 
 class _Compiled(NamedTuple):
-    run: Callable[..., Any]  # jit(shard_map(per-device f)) over flat leaves
-    shardings: tuple[NamedSharding, ...]  # where each flat leaf must live
+    jitted: Any  # jit(shard_map(per-device f)) over flat leaves
+    shardings: tuple[NamedSharding, ...]  # where each flat leaf is put when moved
+    checked: list[str] | None  # paths of out_axes=None outputs (filled while tracing), or None
+    mesh: Mesh
+    nested: bool = False  # nested maps: the mesh depends on the shapes inside, so
+    # by_size[n] only marks that; the code lives at by_size[(n, shapes and dtypes)]
+
+
+class _Call(NamedTuple):
+    plan: _Plan
+    flat: list[Any]
+    treedef: Any
+    static_vals: tuple[Any, ...]
+    n: int
 
 
 class _ParallelMap:
     """The callable returned by :func:`pmap`."""
 
-    def __init__(self, f, axis_name, in_axes, out_axes, static_broadcasted_argnums):
+    def __init__(self, f, axis_name, in_axes, out_axes, static, devices, backend, axis_size, donate):
         self._f = f
         self._axis_name = axis_name
-        self._mesh_axis = _ANONYMOUS_AXIS if axis_name is None else axis_name
         self._in_axes = in_axes
         self._out_axes = out_axes
-        self._static = static_broadcasted_argnums
+        self._static = static
+        self._devices = None if devices is None else tuple(devices)
+        self._backend = backend
+        self._axis_size = axis_size
+        self._donate = donate
         self._plans: dict[Any, _Plan] = {}
-        functools.update_wrapper(self, f)
+        # updated=(): wrapping another map must not copy its state (its __dict__) over ours.
+        functools.update_wrapper(self, f, updated=())
 
     # ---- per call -------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        frame = nest.top()
+        if frame is not None:
+            return self._call_nested(frame, args, kwargs)
+        call = self._prepare(args, kwargs)
+        compiled, flat = self._compiled(call), _to_global(call.flat, call, self)
+        return self._finish(compiled, self._run(call, compiled, flat))
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Trace and lower for these arguments, like ``jax.pmap(f).lower``."""
+        if nest.top() is not None:
+            raise MappedAxisError(
+                fix("spmdkit.pmap(...).lower was called inside another map's trace.",
+                    "lower the outermost map instead.")
+            )
+        call = self._prepare(args, kwargs)
+        compiled = self._compiled(call)
+        flat = _to_global(call.flat, call, self)
+        try:
+            lowered = compiled.jitted.lower(*flat)
+        except nest.NestingFound:
+            compiled = self._nested_for(call)
+            lowered = compiled.jitted.lower(*flat)
+        return Lowered(lowered, self, call, compiled)
+
+    def _prepare(self, args, kwargs) -> _Call:
         static_vals: tuple[Any, ...] = ()
         dyn_args = args
         if self._static:
@@ -128,14 +178,28 @@ class _ParallelMap:
                 )
             ) from None
         if plan is None:
-            plan = self._plan(args, dyn_args, kwargs)
-            self._plans[key] = plan
-        n = self._mapped_size(plan, flat)
-        compiled = plan.by_size.get(n)
+            plan = self._plans[key] = self._plan(args, dyn_args, kwargs)
+        return _Call(plan, flat, treedef, static_vals, self._mapped_size(plan, flat))
+
+    def _compiled(self, call: _Call) -> _Compiled:
+        compiled = call.plan.by_size.get(call.n)
         if compiled is None:
-            compiled = plan.by_size[n] = self._compile(plan, treedef, static_vals, n)
+            compiled = call.plan.by_size[call.n] = self._compile(call)
+        if compiled.nested:
+            key = (call.n, _signature(call.flat))
+            compiled = call.plan.by_size.get(key) or self._nested_for(call)
+        return compiled
+
+    def _nested_for(self, call: _Call) -> _Compiled:
+        compiled = call.plan.by_size[(call.n, _signature(call.flat))] = self._compile_nested(call)
+        call.plan.by_size[call.n] = compiled
+        return compiled
+
+    def _run(self, call: _Call, compiled: _Compiled, flat: list[Any]) -> Any:
         try:
-            return compiled.run(*flat)
+            return compiled.jitted(*flat)
+        except nest.NestingFound:
+            return self._run(call, self._nested_for(call), flat)
         except SpmdkitError:
             raise
         except Exception:
@@ -145,11 +209,29 @@ class _ParallelMap:
             moved = _move_misplaced(flat, compiled.shardings)
             if moved is None:
                 raise
-            return compiled.run(*moved)
+            return compiled.jitted(*moved)
+
+    def _finish(self, compiled: _Compiled, out: Any) -> Any:
+        if compiled.checked is None:
+            return out
+        out, same = out
+        if isinstance(same, jax.core.Tracer):
+            return out  # under an enclosing trace nothing can be read; see README
+        same = np.asarray(same.addressable_data(0))
+        bad = [p for p, ok in zip(compiled.checked, same) if not ok]
+        if bad:
+            raise ReplicationError(
+                fix(
+                    f"out_axes=None at {', '.join(bad)}, but that value differs between the "
+                    f"{compiled.mesh.size} devices, so there is no single copy to return.",
+                    "reduce it across devices first (jax.lax.pmean / psum over the axis name), "
+                    "or return it per device with out_axes=0 there.",
+                )
+            )
+        return out
 
     def _mapped_size(self, plan: _Plan, flat: list[Any]) -> int:
-        n = None
-        first = None
+        n = first = None
         for i in plan.mapped:
             x, ax = flat[i], plan.axes[i]
             shape = getattr(x, "shape", None)
@@ -159,7 +241,8 @@ class _ParallelMap:
                     if shape is None
                     else f"an array of shape {tuple(shape)}"
                 )
-                raise MappedAxisError(
+                error = MappedAxisError if not shape else MappedAxisIndexError
+                raise error(
                     fix(
                         f"{plan.paths[i]} is {what}, so it has no axis {ax} to map over "
                         f"(in_axes gives {ax} there).",
@@ -190,20 +273,51 @@ class _ParallelMap:
                     "map at least one argument (in_axes=0 for an array with a leading device axis).",
                 )
             )
-        available = jax.local_device_count()
-        if n > available or n < 1:
+        if self._axis_size is not None and n != self._axis_size:
             raise MappedAxisError(
                 fix(
-                    f"{plan.paths[first]} has size {n} along mapped axis {plan.axes[first]}, "
-                    f"but {available} local device(s) are available"
-                    + (" and a mapped axis of size 0 maps to no device." if n < 1 else "."),
-                    f"reshape it to [{available}, per_device, ...] with spmdkit.shard(x), or "
-                    f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
-                    f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
-                    f"SPMDKIT_HOST_DEVICES={max(n, 1)}).",
+                    f"axis_size={self._axis_size}, but {plan.paths[first]} has size {n} along "
+                    f"mapped axis {plan.axes[first]}.",
+                    f"pass arguments of size {self._axis_size} along the mapped axis, or drop "
+                    "axis_size.",
                 )
             )
+        if nest.top() is None:
+            self._check_fits(plan, first, n)
         return n
+
+    def _check_fits(self, plan: _Plan, first: int, n: int) -> None:
+        available = len(self._pool(local=True))
+        if 1 <= n <= available:
+            return
+        where = "device(s) were given with devices=" if self._devices else "local device(s) are available"
+        raise MappedAxisError(
+            fix(
+                f"{plan.paths[first]} has size {n} along mapped axis {plan.axes[first]}, "
+                f"but {available} {where}"
+                + (" and a mapped axis of size 0 maps to no device." if n < 1 else "."),
+                f"reshape it to [{available}, per_device, ...] with spmdkit.shard(x), or "
+                f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
+                f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
+                f"SPMDKIT_HOST_DEVICES={max(n, 1)}).",
+            )
+        )
+
+    def _pool(self, local: bool) -> list[Any]:
+        """Devices this map may use: devices=, or this process's (local) / every process's."""
+        if self._devices is not None:
+            return [d for d in self._devices if not local or d.process_index == jax.process_index()]
+        return list(jax.local_devices(backend=self._backend) if local else jax.devices(self._backend))
+
+    def _mesh_devices(self, count: int) -> np.ndarray:
+        """The first ``count`` devices of each process, process by process (pmap's order)."""
+        pool = self._pool(local=False)
+        if jax.process_count() == 1:
+            return np.array(pool[:count])
+        out = []
+        for p in sorted({d.process_index for d in pool}):
+            out += [d for d in pool if d.process_index == p][:count]
+        return np.array(out)
 
     # ---- once per call structure --------------------------------------------
     def _plan(self, args, dyn_args, kwargs) -> _Plan:
@@ -232,29 +346,35 @@ class _ParallelMap:
             keystr("kwargs", p) for p, _ in kw_pairs
         )
         mapped = tuple(i for i, ax in enumerate(axes) if ax is not None)
-        return _Plan(axes=axes, paths=paths, mapped=mapped, by_size={})
-
-    def _compile(self, plan: _Plan, treedef, static_vals, n: int) -> _Compiled:
-        axis = self._mesh_axis
-        mesh = Mesh(np.array(jax.local_devices()[:n]), (axis,))
-        in_specs = tuple(_spec(axis, ax) for ax in plan.axes)
-        out_specs = jax.tree.map(
-            functools.partial(_spec, axis), self._out_axes, is_leaf=lambda x: x is None
+        # Donated positions count every positional argument; static ones hold no buffer.
+        dyn_pos = [i for i in range(len(args)) if i not in self._static]
+        donated = tuple(
+            j
+            for j, ((path, _), _) in enumerate(zip(arg_pairs, axes))
+            if dyn_pos[path[0].idx] in self._donate
         )
-        f, static, axes, out_axes = self._f, self._static, plan.axes, self._out_axes
-        axis_name = self._axis_name
+        return _Plan(axes=axes, paths=paths, mapped=mapped, donated=donated, by_size={})
+
+    def _body(self, call: _Call, chain: list[nest.Level], depth: int, mode: str, checked):
+        """The per-device function over flat leaves (squeezed in, expanded out)."""
+        f, static, axes, out_axes = self._f, self._static, call.plan.axes, self._out_axes
+        treedef, static_vals = call.treedef, call.static_vals
+        names = [lv.mesh_name for lv in chain[: depth + 1]]
+        bound = nest.bound_names(chain, depth)
 
         def per_device(*flat):
-            leaves = [x if ax is None else jax.lax.squeeze(x, (ax,)) for x, ax in zip(flat, axes)]
-            dyn_args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            if mode != "discover":
+                flat = [x if ax is None else jax.lax.squeeze(x, (ax,)) for x, ax in zip(flat, axes)]
+            dyn_args, kwargs = jax.tree_util.tree_unflatten(treedef, list(flat))
             call_args = _merge_static(dyn_args, static, static_vals)
-            try:
-                out = f(*call_args, **kwargs)
-            except NameError as e:
-                m = _UNBOUND.search(str(e))
-                if m is None:
-                    raise
-                raise AxisNameError(_unbound_message(m.group(1), axis_name)) from None
+            with nest.pushed(nest.Frame(mode, depth, chain)):
+                try:
+                    out = f(*call_args, **kwargs)
+                except NameError as e:
+                    m = _UNBOUND.search(str(e))
+                    if m is None:
+                        raise
+                    raise AxisNameError(_unbound_message(m.group(1), bound)) from None
             pairs = broadcast_prefix(
                 out_axes,
                 out,
@@ -263,32 +383,180 @@ class _ParallelMap:
                 is_prefix_leaf=_is_axis,
                 example="e.g. out_axes=(0, None) for a function returning (per_device, replicated)",
             )
+            if mode == "discover":
+                return out
             out_leaves, out_def = jax.tree_util.tree_flatten(out)
-            out_leaves = [
-                x if ax is None else jax.lax.expand_dims(x, (ax,))
-                for x, (_, ax) in zip(out_leaves, pairs)
-            ]
-            return jax.tree_util.tree_unflatten(out_def, out_leaves)
+            result = jax.tree_util.tree_unflatten(
+                out_def,
+                [
+                    x if ax is None else jax.lax.expand_dims(x, (ax,))
+                    for x, (_, ax) in zip(out_leaves, pairs)
+                ],
+            )
+            if checked is None:
+                return result
+            checked[:] = [keystr("output", p) for p, ax in pairs if ax is None]
+            flags = [_same_everywhere(x, names) for x, (_, ax) in zip(out_leaves, pairs) if ax is None]
+            return result, jnp.stack(flags) if flags else jnp.ones((0,), bool)
 
+        return per_device
+
+    def _out_specs(self, name: Hashable, checked) -> Any:
+        specs = jax.tree.map(functools.partial(_spec, name), self._out_axes, is_leaf=lambda x: x is None)
+        return specs if checked is None else (specs, P())
+
+    def _has_none_out(self) -> bool:
+        leaves = jax.tree_util.tree_leaves(self._out_axes, is_leaf=lambda x: x is None)
+        return any(ax is None for ax in leaves)
+
+    def _compile(self, call: _Call) -> _Compiled:
+        """A 1-D mesh; an inner map met while tracing raises NestingFound (see _run)."""
+        level = nest.Level(self._axis_name, nest.mesh_name(self._axis_name, 0), call.n)
+        mesh = Mesh(self._mesh_devices(call.n), (level.mesh_name,))
+        checked = [] if self._has_none_out() else None
+        in_specs = tuple(_spec(level.mesh_name, ax) for ax in call.plan.axes)
         # check_vma=False keeps pmap's semantics: the gradient with respect to a
         # broadcast (in_axes=None) argument is per device, not already summed
-        # across devices (see shared/jax-facts.md on the N-times-too-large grads).
+        # across devices (see the README on N-times-too-large gradients).
         mapped = jax.shard_map(
-            per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            self._body(call, [level], 0, "probe", checked),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=self._out_specs(level.mesh_name, checked),
+            check_vma=False,
         )
         shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-        return _Compiled(jax.jit(mapped, in_shardings=shardings), shardings)
+        jitted = jax.jit(mapped, in_shardings=shardings, donate_argnums=call.plan.donated)
+        return _Compiled(jitted, shardings, checked, mesh)
+
+    def _compile_nested(self, call: _Call) -> _Compiled:
+        """An N-D mesh, one axis per nesting level, learnt by tracing with jax.vmap."""
+        chain = [nest.Level(self._axis_name, nest.mesh_name(self._axis_name, 0), call.n)]
+        discover = self._body(call, chain, 0, "discover", None)
+        jax.eval_shape(
+            jax.vmap(discover, in_axes=call.plan.axes, out_axes=self._out_axes,
+                     axis_name=chain[0].mesh_name, axis_size=call.n),
+            *call.flat,
+        )
+        if jax.process_count() > 1:
+            raise MappedAxisError(
+                fix(
+                    f"nested spmdkit.pmap calls ({nest.describe(chain)}) across "
+                    f"{jax.process_count()} processes are not supported.",
+                    "nest the maps in one process, or use one map over every process's devices "
+                    "with spmdkit.Sharded for 2-D layouts.",
+                )
+            )
+        sizes = [lv.size for lv in chain]
+        total = int(np.prod(sizes))
+        available = len(self._pool(local=True))
+        if total > available:
+            raise MappedAxisError(
+                fix(
+                    f"nested spmdkit.pmap calls need {nest.describe(chain)} = {total} devices, "
+                    f"but {available} are available.",
+                    f"make the mapped sizes multiply to at most {available}, or simulate more "
+                    f"devices: spmdkit.use_host_devices({total}) before any JAX work.",
+                )
+            )
+        names = tuple(lv.mesh_name for lv in chain)
+        mesh = Mesh(self._mesh_devices(total).reshape(-1, *sizes[1:]), names)
+        checked = [] if self._has_none_out() else None
+        in_specs = tuple(_spec(names[0], ax) for ax in call.plan.axes)
+        mapped = jax.shard_map(
+            self._body(call, chain, 0, "real", checked),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=self._out_specs(names[0], checked),
+            axis_names={names[0]},
+            check_vma=False,
+        )
+        # No in_shardings: an argument already sharded over the inner axes too (the
+        # output of the previous nested call) is consumed where it is.
+        jitted = jax.jit(mapped, donate_argnums=call.plan.donated)
+        shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
+        return _Compiled(jitted, shardings, checked, mesh, nested=True)
+
+    def _call_nested(self, frame: nest.Frame, args, kwargs) -> Any:
+        """Called while an outer map traces: map over the next axis of its mesh."""
+        if frame.mode == "probe":
+            raise nest.NestingFound()
+        if self._devices is not None:
+            raise MappedAxisError(
+                fix(
+                    "a nested spmdkit.pmap was created with devices=; the outermost map owns "
+                    "the devices.",
+                    "pass devices= to the outermost spmdkit.pmap only.",
+                )
+            )
+        call = self._prepare(args, kwargs)
+        depth = frame.depth + 1
+        level = nest.enter_level(frame.chain, depth, self._axis_name, call.n)
+        if frame.mode == "discover":
+            body = self._body(call, frame.chain, depth, "discover", None)
+            batched = jax.vmap(body, in_axes=call.plan.axes, out_axes=self._out_axes,
+                               axis_name=level.mesh_name, axis_size=call.n)
+            return batched(*call.flat)
+        in_specs = tuple(_spec(level.mesh_name, ax) for ax in call.plan.axes)
+        mapped = jax.shard_map(
+            self._body(call, frame.chain, depth, "real", None),
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=in_specs,
+            out_specs=self._out_specs(level.mesh_name, None),
+            axis_names={level.mesh_name},
+            check_vma=False,
+        )
+        return mapped(*call.flat)
 
     def __repr__(self) -> str:
         return f"spmdkit.pmap({getattr(self._f, '__name__', self._f)!r}, axis_name={self._axis_name!r})"
 
 
+def _signature(flat: list[Any]) -> tuple[Any, ...]:
+    return tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in flat)
+
+
+def _same_everywhere(x: jax.Array, names: list[Hashable]) -> jax.Array:
+    """True where ``x`` has the same bits on every device of the named axes."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if jnp.iscomplexobj(x):
+        x = jnp.stack([x.real, x.imag])
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    x = jax.lax.bitcast_convert_type(x, bits)
+    axes = tuple(names)
+    return jnp.all(jax.lax.pmax(x, axes) == jax.lax.pmin(x, axes))
+
+
+def _to_global(flat: list[Any], call: _Call, pm: _ParallelMap) -> list[Any]:
+    """Across processes: each process's local slices become one global array."""
+    if jax.process_count() == 1 or pm._devices is not None:
+        return flat
+    compiled = call.plan.by_size[call.n]
+    out = []
+    for x, sh, ax in zip(flat, compiled.shardings, call.plan.axes):
+        if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            out.append(x)
+            continue
+        local = np.asarray(x)
+        shape = local.shape
+        if ax is not None:
+            shape = (*shape[:ax], shape[ax] * jax.process_count(), *shape[ax + 1 :])
+        out.append(jax.make_array_from_process_local_data(sh, local, shape))
+    return out
+
+
 def _move_misplaced(flat: list[Any], shardings: tuple[NamedSharding, ...]) -> list[Any] | None:
-    """Leaves re-placed onto ``shardings`` where they sit elsewhere; None if none do."""
+    """Leaves re-placed onto ``shardings`` where they sit on other devices; None if none do."""
     moved, changed = [], False
     for x, sh in zip(flat, shardings):
-        if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(sh, x.ndim):
-            x, changed = jax.device_put(x, sh), True
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            if not x.sharding.is_equivalent_to(sh, x.ndim) and (
+                x.sharding.device_set != sh.device_set or len(sh.mesh.axis_names) == 1
+            ):
+                x, changed = jax.device_put(x, sh), True
         moved.append(x)
     return moved if changed else None
 
@@ -302,19 +570,34 @@ def _merge_static(dyn_args, static, static_vals):
     return tuple(out)
 
 
-def _unbound_message(name: str, bound: Hashable | None) -> str:
-    if bound is None:
+def _unbound_message(name: str, bound: tuple[Any, ...]) -> str:
+    if not bound:
         return fix(
             f"a collective in the mapped function names axis {name!r}, but this spmdkit.pmap was "
             "created without an axis_name, so no axis can be named.",
             f"create it with spmdkit.pmap(f, axis_name={name!r}).",
         )
+    shown = repr(bound[0]) if len(bound) == 1 else f"{bound!r} (nested maps)"
     return fix(
         f"a collective in the mapped function names axis {name!r}, but this spmdkit.pmap binds "
-        f"only axis_name={bound!r}.",
-        f"use {bound!r} in the collective (e.g. jax.lax.psum(x, {bound!r})), or create the map "
-        f"with axis_name={name!r}.",
+        f"only axis_name={shown}.",
+        f"use {bound[-1]!r} in the collective (e.g. jax.lax.psum(x, {bound[-1]!r})), or create "
+        f"the map with axis_name={name!r}.",
     )
+
+
+def _argnums(name: str, value: int | Iterable[int]) -> tuple[int, ...]:
+    if isinstance(value, int):
+        value = (value,)
+    out = tuple(sorted(set(value)))
+    if any(not isinstance(i, int) or i < 0 for i in out):
+        raise MappedAxisError(
+            fix(
+                f"{name}={value!r} must hold non-negative ints.",
+                f"list the positions of the arguments, e.g. {name}=(2,).",
+            )
+        )
+    return out
 
 
 def pmap(
@@ -323,15 +606,24 @@ def pmap(
     in_axes: Any = 0,
     out_axes: Any = 0,
     static_broadcasted_argnums: int | Iterable[int] = (),
+    *,
+    devices: Sequence[Any] | None = None,
+    backend: str | None = None,
+    axis_size: int | None = None,
+    donate_argnums: int | Iterable[int] = (),
 ) -> F:
     """Map ``f`` over devices with ``jax.pmap`` semantics, built on jit + shard_map.
 
     The mapped axis (``in_axes``, the leading one by default) is split one slice per
     device; ``f`` sees one slice with that axis removed. A mapped size below the
-    local device count uses that many devices; above it is an error. ``in_axes=None``
+    device count uses that many devices; above it is an error. ``in_axes=None``
     broadcasts an argument to every device. Collectives (``jax.lax.psum``, ``pmean``,
     ``all_gather``, ``axis_index``) name ``axis_name``. Compiled once per input
-    signature; outputs stay sharded on the devices.
+    signature; outputs stay sharded on the devices. ``out_axes=None`` returns one
+    copy of a value that must be the same on every device (checked). A map called
+    inside another map's function nests: the devices form one mesh, one axis per
+    level. ``devices``, ``backend``, ``axis_size`` and ``donate_argnums`` mean what
+    they mean for ``jax.pmap``; ``.lower(*args)`` gives a ``Lowered``.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdkit
@@ -341,34 +633,39 @@ def pmap(
         True
     """
     if not callable(f):
-        raise SpmdkitError(f"spmdkit.pmap: f must be callable, got {type(f).__name__}.")
+        raise SignatureError(
+            fix(f"spmdkit.pmap: f must be callable, got {type(f).__name__}.",
+                "pass the function to map: spmdkit.pmap(step, axis_name='batch').")
+        )
     try:
         hash(axis_name)
     except TypeError:
         raise AxisNameError(
             fix(f"axis_name={axis_name!r} is not hashable.", "use a string such as 'batch'.")
         ) from None
-    if isinstance(static_broadcasted_argnums, int):
-        static_broadcasted_argnums = (static_broadcasted_argnums,)
-    static = tuple(sorted(set(static_broadcasted_argnums)))
-    if any(not isinstance(i, int) or i < 0 for i in static):
+    static = _argnums("static_broadcasted_argnums", static_broadcasted_argnums)
+    donate = _argnums("donate_argnums", donate_argnums)
+    if set(static) & set(donate):
         raise MappedAxisError(
             fix(
-                f"static_broadcasted_argnums={static_broadcasted_argnums!r} must hold "
-                "non-negative ints.",
-                "list the positions of the static arguments, e.g. static_broadcasted_argnums=(2,).",
+                f"argument(s) {sorted(set(static) & set(donate))} are both static and donated.",
+                "a static argument holds no device buffer to donate: drop it from donate_argnums.",
             )
         )
+    if axis_size is not None and (not isinstance(axis_size, int) or axis_size < 1):
+        raise MappedAxisError(fix(f"axis_size={axis_size!r}.", "pass a positive int, or None."))
     _check_axes_spec("in_axes", in_axes)
     _check_axes_spec("out_axes", out_axes)
+    made_args = (f, axis_name, in_axes, out_axes, static, devices, backend, axis_size, donate)
     # The seeds write `pmap(f)(x)` inline, over and over; like jax.pmap, the same
     # (f, axes) must reuse its compiled code rather than build a new map each time.
     try:
-        key = (f, axis_name, _freeze(in_axes), _freeze(out_axes), static)
+        key = (f, axis_name, _freeze(in_axes), _freeze(out_axes), static,
+               None if devices is None else tuple(devices), backend, axis_size, donate)
         hash(key)
     except TypeError:
-        return _ParallelMap(f, axis_name, in_axes, out_axes, static)  # type: ignore[return-value]
-    made = _MAPS.pop(key, None) or _ParallelMap(f, axis_name, in_axes, out_axes, static)
+        return _ParallelMap(*made_args)  # type: ignore[return-value]
+    made = _MAPS.pop(key, None) or _ParallelMap(*made_args)
     _MAPS[key] = made  # re-inserted: the dict's order is least recently used first
     if len(_MAPS) > _MAX_MAPS:
         del _MAPS[next(iter(_MAPS))]
@@ -382,134 +679,6 @@ _MAX_MAPS = 256
 def _freeze(spec: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=lambda x: x is None)
     return treedef, tuple(leaves)
-
-
-# ---- host-side helpers ----------------------------------------------------------
-
-
-def _device_count(n_devices: int | None) -> int:
-    available = jax.local_device_count()
-    if n_devices is None:
-        return available
-    if not isinstance(n_devices, int) or not 1 <= n_devices <= available:
-        raise MappedAxisError(
-            fix(
-                f"n_devices={n_devices!r}, but {available} local device(s) are available.",
-                f"pass an int from 1 to {available}, or None for all of them.",
-            )
-        )
-    return n_devices
-
-
-def replicate(tree: Any, n_devices: int | None = None) -> Any:
-    """Stack a copy of every leaf on each device: leaf shape ``s`` -> ``[n, *s]``.
-
-    The result is sharded one copy per device, the layout ``pmap(f, in_axes=0)``
-    expects (the seed's ``flax.jax_utils.replicate``).
-
-    Example:
-        >>> import jax, numpy as np, spmdkit
-        >>> r = spmdkit.replicate({"w": np.ones(3)})
-        >>> r["w"].shape == (jax.local_device_count(), 3)
-        True
-    """
-    n = _device_count(n_devices)
-    devices = jax.local_devices()[:n]
-    sharding = NamedSharding(Mesh(np.array(devices), ("replica",)), P("replica"))
-
-    def put(x):
-        x = np.asarray(x) if not isinstance(x, jax.Array) else x
-        shards = [jax.device_put(x[None], d) for d in devices]
-        return jax.make_array_from_single_device_arrays((n, *x.shape), sharding, shards)
-
-    return jax.tree.map(put, tree)
-
-
-def unreplicate(tree: Any) -> Any:
-    """Take device 0's copy of every leaf: the inverse of :func:`replicate`.
-
-    Example:
-        >>> import numpy as np, spmdkit
-        >>> spmdkit.unreplicate(spmdkit.replicate({"w": np.ones(3)}))["w"].shape
-        (3,)
-    """
-    return jax.tree.map(lambda x: x[0], tree)
-
-
-class ShardedBatch(NamedTuple):
-    """A host batch reshaped to ``[n_devices, per_device, ...]``, with its mask.
-
-    ``mask[d, j]`` is True where row ``j`` of device ``d`` is a real example and
-    False where :func:`shard` padded; ``sum(loss * mask) / sum(mask)`` is the exact
-    mean over the real examples.
-    """
-
-    data: Any
-    mask: np.ndarray
-
-
-def shard(batch: Any, n_devices: int | None = None, *, pad: bool = True) -> ShardedBatch:
-    """Reshape every leaf of a host batch from ``[B, ...]`` to ``[n, ceil(B/n), ...]``.
-
-    When ``B`` is not divisible by ``n`` the batch is padded with zeros at the end
-    and the returned mask marks the real rows; with ``pad=False`` that is an error.
-
-    Example:
-        >>> import numpy as np, spmdkit
-        >>> data, mask = spmdkit.shard(np.arange(10.0), n_devices=4)
-        >>> data.shape, int(mask.sum())
-        ((4, 3), 10)
-    """
-    n = _device_count(n_devices)
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    if not leaves:
-        raise BatchSizeError(
-            fix("spmdkit.shard got a batch with no arrays.", "pass an array or a pytree of arrays.")
-        )
-    sizes = []
-    for path, x in leaves:
-        shape = np.shape(x)
-        if len(shape) == 0:
-            raise BatchSizeError(
-                fix(
-                    f"batch{jax.tree_util.keystr(path)} is a scalar; it has no batch axis to split.",
-                    "give every leaf a leading batch axis.",
-                )
-            )
-        sizes.append((path, shape[0]))
-    first_path, size = sizes[0]
-    for path, s in sizes[1:]:
-        if s != size:
-            raise BatchSizeError(
-                fix(
-                    "leaves of the batch have different leading sizes: "
-                    f"batch{jax.tree_util.keystr(first_path)} has {size}, "
-                    f"batch{jax.tree_util.keystr(path)} has {s}.",
-                    "give every leaf the same number of examples along axis 0.",
-                )
-            )
-    if size == 0:
-        raise BatchSizeError(fix("the batch has 0 examples.", "pass at least one example."))
-    per = -(-size // n)
-    padding = per * n - size
-    if padding and not pad:
-        raise BatchSizeError(
-            fix(
-                f"a batch of {size} examples does not split evenly over {n} devices "
-                f"({size} = {n} x {size // n} + {size % n}).",
-                f"use a batch size divisible by {n} (e.g. {size - size % n or n} or {per * n}), "
-                "or call shard(batch, pad=True) and weight the loss with the returned mask.",
-            )
-        )
-
-    def reshape(x):
-        x = np.asarray(x)
-        if padding:
-            x = np.concatenate([x, np.zeros((padding, *x.shape[1:]), x.dtype)])
-        return x.reshape(n, per, *x.shape[1:])
-
-    mask = (np.arange(per * n) < size).reshape(n, per)
-    return ShardedBatch(jax.tree.map(reshape, batch), mask)
 
 
 __all__ = ["pmap", "replicate", "unreplicate", "shard", "ShardedBatch"]
