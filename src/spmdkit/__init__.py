@@ -21,6 +21,8 @@ from spmdkit._errors import (
     MappedAxisError,
     MeshError,
     NonFiniteLossError,
+    ReplicationError,
+    SignatureError,
     SpmdkitError,
     TreeMismatchError,
 )
@@ -70,6 +72,8 @@ __all__ = [
     "RunConfig",
     "ShardedBatch",
     "Single",
+    "ReplicationError",
+    "SignatureError",
     "SpmdkitError",
     "Strategy",
     "Task",
