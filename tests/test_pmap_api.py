@@ -194,3 +194,18 @@ def test_errors_are_the_builtin_jax_pmap_raises(name):
         MISTAKES[name](spmdkit.pmap)
     assert isinstance(ours.value, builtin_class(theirs.value)), (ours.value, theirs.value)
     assert "Fix:" in str(ours.value)
+
+
+def test_out_axes_none_checked_under_jit_too():
+    bad = jax.jit(lambda x: spmdkit.pmap(lambda a: a * 2, out_axes=None)(x))
+    with pytest.raises(spmdkit.ReplicationError, match="out_axes=None at output"):
+        bad(np.arange(24.0).reshape(8, 3))
+    good = jax.jit(lambda x: spmdkit.pmap(lambda a: jax.lax.pmean(a, "i"), "i", out_axes=None)(x))
+    np.testing.assert_allclose(good(np.arange(24.0).reshape(8, 3)), np.arange(24.0).reshape(8, 3).mean(0))
+    grad_step = jax.jit(
+        lambda w, x: spmdkit.pmap(
+            lambda w, x: jax.grad(lambda q: jnp.sum(q * x))(w), "i", in_axes=(None, 0), out_axes=None
+        )(w, x)
+    )
+    with pytest.raises(spmdkit.ReplicationError):
+        grad_step(jnp.ones(3), np.ones((8, 3)))

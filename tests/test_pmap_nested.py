@@ -144,3 +144,12 @@ def test_error_devices_on_an_inner_map():
     inner = spmdkit.pmap(lambda v: v, axis_name="b", devices=jax.devices()[:4])
     with pytest.raises(spmdkit.MappedAxisError, match="outermost map owns the devices"):
         spmdkit.pmap(inner, axis_name="a")(np.ones((2, 4)))
+
+
+def test_inner_out_axes_none_is_checked():
+    inner_ok = spmdkit.pmap(lambda v: jax.lax.psum(v, "b"), "b", out_axes=None)
+    out = spmdkit.pmap(inner_ok, "a")(np.arange(8.0).reshape(2, 4))
+    np.testing.assert_array_equal(out, [6.0, 22.0])
+    inner_bad = spmdkit.pmap(lambda v: v * 2, "b", out_axes=None)
+    with pytest.raises(spmdkit.ReplicationError, match="axis_name='b'"):
+        spmdkit.pmap(inner_bad, "a")(np.arange(8.0).reshape(2, 4))

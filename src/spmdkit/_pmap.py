@@ -131,7 +131,7 @@ class _ParallelMap:
             return self._call_nested(frame, args, kwargs)
         call = self._prepare(args, kwargs)
         compiled, flat = self._compiled(call), _to_global(call.flat, call, self)
-        return self._finish(compiled, self._run(call, compiled, flat))
+        return self._finish(compiled, self._run(call, compiled, flat), call)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments, like ``jax.pmap(f).lower``."""
@@ -211,14 +211,17 @@ class _ParallelMap:
                 raise
             return compiled.jitted(*moved)
 
-    def _finish(self, compiled: _Compiled, out: Any) -> Any:
+    def _finish(self, compiled: _Compiled, out: Any, call: _Call) -> Any:
         if compiled.checked is None:
             return out
         out, same = out
         if isinstance(same, jax.core.Tracer):
-            return out  # under an enclosing trace nothing can be read; see README
-        same = np.asarray(same.addressable_data(0))
-        bad = [p for p, ok in zip(compiled.checked, same) if not ok]
+            # Under an enclosing trace no value can be read: check statically that
+            # no out_axes=None output depends on the device (jax.vmap's rule).
+            bad = [p for i, p in enumerate(compiled.checked) if self._varies(call, i)]
+        else:
+            same = np.asarray(same.addressable_data(0))
+            bad = [p for p, ok in zip(compiled.checked, same) if not ok]
         if bad:
             raise ReplicationError(
                 fix(
@@ -229,6 +232,27 @@ class _ParallelMap:
                 )
             )
         return out
+
+    def _varies(self, call: _Call, which: int) -> bool:
+        """Whether the ``which``-th out_axes=None output depends on the mapped axis."""
+        chain = [nest.Level(self._axis_name, nest.mesh_name(self._axis_name, 0), call.n)]
+        body = self._body(call, chain, 0, "discover", None)
+
+        def pick(*flat):
+            out = body(*flat)
+            pairs = broadcast_prefix(self._out_axes, out, prefix_name="out_axes",
+                                     tree_name="output", is_prefix_leaf=_is_axis, example="")
+            leaves = jax.tree_util.tree_leaves(out)
+            return [x for x, (_, ax) in zip(leaves, pairs) if ax is None][which]
+
+        try:
+            jax.eval_shape(jax.vmap(pick, in_axes=call.plan.axes, out_axes=None,
+                                    axis_name=chain[0].mesh_name, axis_size=call.n), *call.flat)
+        except ValueError as e:
+            if "out_axes" in str(e):
+                return True
+            raise
+        return False
 
     def _mapped_size(self, plan: _Plan, flat: list[Any]) -> int:
         n = first = None
@@ -496,7 +520,19 @@ class _ParallelMap:
             body = self._body(call, frame.chain, depth, "discover", None)
             batched = jax.vmap(body, in_axes=call.plan.axes, out_axes=self._out_axes,
                                axis_name=level.mesh_name, axis_size=call.n)
-            return batched(*call.flat)
+            try:
+                return batched(*call.flat)
+            except ValueError as e:
+                if "out_axes" not in str(e) or isinstance(e, SpmdkitError):
+                    raise
+                raise ReplicationError(
+                    fix(
+                        f"a nested spmdkit.pmap (axis_name={self._axis_name!r}) has out_axes=None "
+                        "on an output that differs between its devices.",
+                        "reduce it across the inner axis first (jax.lax.pmean / psum), or "
+                        "return it per device with out_axes=0 there.",
+                    )
+                ) from None
         in_specs = tuple(_spec(level.mesh_name, ax) for ax in call.plan.axes)
         mapped = jax.shard_map(
             self._body(call, frame.chain, depth, "real", None),

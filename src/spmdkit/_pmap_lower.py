@@ -114,4 +114,4 @@ class Compiled:
             if moved is None:
                 raise
             out = self._exe(*moved)
-        return pm._finish(self._compiled, out)
+        return pm._finish(self._compiled, out, call)
