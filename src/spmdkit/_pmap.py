@@ -276,6 +276,8 @@ class _ParallelMap:
                     )
                 )
             size = shape[ax]
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable:
+                size //= jax.process_count()  # a global array from a previous call: count local rows
             if n is None:
                 n, first = size, i
             elif size != n:
