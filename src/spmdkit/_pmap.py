@@ -34,7 +34,6 @@ from spmdkit._errors import (
     AxisNameError,
     MappedAxisError,
     MappedAxisIndexError,
-    MappedAxisTypeError,
     ReplicationError,
     SignatureError,
     SpmdkitError,
@@ -42,42 +41,23 @@ from spmdkit._errors import (
 )
 from spmdkit._pmap_host import ShardedBatch, replicate, shard, unreplicate
 from spmdkit._pmap_lower import Lowered
+from spmdkit._pmap_parts import (
+    _argnums,
+    _check_axes_spec,
+    _is_axis,
+    _merge_static,
+    _move_misplaced,
+    _same_everywhere,
+    _signature,
+    _spec,
+    _to_global,
+    _unbound_message,
+)
 from spmdkit._tree import broadcast_prefix, keystr
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
-
-
-def _is_axis(x: Any) -> bool:
-    return x is None or (isinstance(x, int) and not isinstance(x, bool))
-
-
-def _check_axes_spec(name: str, spec: Any) -> None:
-    """in_axes/out_axes: ints >= 0 or None at the leaves, checked at creation."""
-    leaves = jax.tree_util.tree_flatten_with_path(spec, is_leaf=lambda x: x is None)[0]
-    for path, leaf in leaves:
-        where = keystr(name, path)
-        if not _is_axis(leaf):
-            raise MappedAxisTypeError(
-                fix(
-                    f"{where} is {leaf!r} (type {type(leaf).__name__}); spmdkit.pmap takes an int "
-                    "or None at each leaf of in_axes/out_axes.",
-                    f"use an axis index (0 maps the leading axis) or None (broadcast) at {where}.",
-                )
-            )
-        if leaf is not None and leaf < 0:
-            raise MappedAxisError(
-                fix(
-                    f"{where} is {leaf}; like jax.pmap, spmdkit.pmap takes non-negative axes.",
-                    f"count the axis from the front (for an array of rank r, axis {leaf} is "
-                    f"r{leaf}).",
-                )
-            )
-
-
-def _spec(axis_name: Hashable, axis: int | None) -> P:
-    return P() if axis is None else P(*([None] * axis), axis_name)
 
 
 class _Plan(NamedTuple):
@@ -95,6 +75,7 @@ class _Compiled(NamedTuple):
     shardings: tuple[NamedSharding, ...]  # where each flat leaf is put when moved
     checked: list[str] | None  # paths of out_axes=None outputs (filled while tracing), or None
     mesh: Mesh
+    spans_processes: bool = False  # arguments are local slices of global arrays
     nested: bool = False  # nested maps: the mesh depends on the shapes inside, so
     # by_size[n] only marks that; the code lives at by_size[(n, shapes and dtypes)]
 
@@ -130,8 +111,8 @@ class _ParallelMap:
         if frame is not None:
             return self._call_nested(frame, args, kwargs)
         call = self._prepare(args, kwargs)
-        compiled, flat = self._compiled(call), _to_global(call.flat, call, self)
-        return self._finish(compiled, self._run(call, compiled, flat), call)
+        compiled = self._compiled(call)
+        return self._finish(compiled, self._run(call, compiled, self._placed(compiled, call.flat, call)), call)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments, like ``jax.pmap(f).lower``."""
@@ -142,7 +123,7 @@ class _ParallelMap:
             )
         call = self._prepare(args, kwargs)
         compiled = self._compiled(call)
-        flat = _to_global(call.flat, call, self)
+        flat = self._placed(compiled, call.flat, call)
         try:
             lowered = compiled.jitted.lower(*flat)
         except nest.NestingFound:
@@ -180,6 +161,11 @@ class _ParallelMap:
         if plan is None:
             plan = self._plans[key] = self._plan(args, dyn_args, kwargs)
         return _Call(plan, flat, treedef, static_vals, self._mapped_size(plan, flat))
+
+    def _placed(self, compiled: _Compiled, flat: list[Any], call: _Call) -> list[Any]:
+        if not compiled.spans_processes:
+            return flat
+        return _to_global(flat, call.plan.axes, compiled.shardings)
 
     def _compiled(self, call: _Call) -> _Compiled:
         compiled = call.plan.by_size.get(call.n)
@@ -453,7 +439,8 @@ class _ParallelMap:
         )
         shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         jitted = jax.jit(mapped, in_shardings=shardings, donate_argnums=call.plan.donated)
-        return _Compiled(jitted, shardings, checked, mesh)
+        spans = jax.process_count() > 1 and self._devices is None
+        return _Compiled(jitted, shardings, checked, mesh, spans_processes=spans)
 
     def _compile_nested(self, call: _Call) -> _Compiled:
         """An N-D mesh, one axis per nesting level, learnt by tracing with jax.vmap."""
@@ -548,94 +535,6 @@ class _ParallelMap:
 
     def __repr__(self) -> str:
         return f"spmdkit.pmap({getattr(self._f, '__name__', self._f)!r}, axis_name={self._axis_name!r})"
-
-
-def _signature(flat: list[Any]) -> tuple[Any, ...]:
-    return tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in flat)
-
-
-def _same_everywhere(x: jax.Array, names: list[Hashable]) -> jax.Array:
-    """True where ``x`` has the same bits on every device of the named axes."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if jnp.iscomplexobj(x):
-        x = jnp.stack([x.real, x.imag])
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    x = jax.lax.bitcast_convert_type(x, bits)
-    axes = tuple(names)
-    return jnp.all(jax.lax.pmax(x, axes) == jax.lax.pmin(x, axes))
-
-
-def _to_global(flat: list[Any], call: _Call, pm: _ParallelMap) -> list[Any]:
-    """Across processes: each process's local slices become one global array."""
-    if jax.process_count() == 1 or pm._devices is not None:
-        return flat
-    compiled = call.plan.by_size[call.n]
-    out = []
-    for x, sh, ax in zip(flat, compiled.shardings, call.plan.axes):
-        if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
-            out.append(x)
-            continue
-        local = np.asarray(x)
-        shape = local.shape
-        if ax is not None:
-            shape = (*shape[:ax], shape[ax] * jax.process_count(), *shape[ax + 1 :])
-        out.append(jax.make_array_from_process_local_data(sh, local, shape))
-    return out
-
-
-def _move_misplaced(flat: list[Any], shardings: tuple[NamedSharding, ...]) -> list[Any] | None:
-    """Leaves re-placed onto ``shardings`` where they sit on other devices; None if none do."""
-    moved, changed = [], False
-    for x, sh in zip(flat, shardings):
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            if not x.sharding.is_equivalent_to(sh, x.ndim) and (
-                x.sharding.device_set != sh.device_set or len(sh.mesh.axis_names) == 1
-            ):
-                x, changed = jax.device_put(x, sh), True
-        moved.append(x)
-    return moved if changed else None
-
-
-def _merge_static(dyn_args, static, static_vals):
-    if not static:
-        return dyn_args
-    out, dyn, st = [], iter(dyn_args), dict(zip(static, static_vals))
-    for i in range(len(dyn_args) + len(static)):
-        out.append(st[i] if i in st else next(dyn))
-    return tuple(out)
-
-
-def _unbound_message(name: str, bound: tuple[Any, ...]) -> str:
-    if not bound:
-        return fix(
-            f"a collective in the mapped function names axis {name!r}, but this spmdkit.pmap was "
-            "created without an axis_name, so no axis can be named.",
-            f"create it with spmdkit.pmap(f, axis_name={name!r}).",
-        )
-    shown = repr(bound[0]) if len(bound) == 1 else f"{bound!r} (nested maps)"
-    return fix(
-        f"a collective in the mapped function names axis {name!r}, but this spmdkit.pmap binds "
-        f"only axis_name={shown}.",
-        f"use {bound[-1]!r} in the collective (e.g. jax.lax.psum(x, {bound[-1]!r})), or create "
-        f"the map with axis_name={name!r}.",
-    )
-
-
-def _argnums(name: str, value: int | Iterable[int]) -> tuple[int, ...]:
-    if isinstance(value, int):
-        value = (value,)
-    out = tuple(sorted(set(value)))
-    if any(not isinstance(i, int) or i < 0 for i in out):
-        raise MappedAxisError(
-            fix(
-                f"{name}={value!r} must hold non-negative ints.",
-                f"list the positions of the arguments, e.g. {name}=(2,).",
-            )
-        )
-    return out
 
 
 def pmap(

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from spmdkit._errors import SignatureError, fix
+from spmdkit._pmap_parts import _move_misplaced
 
 
 def _aval(x: Any) -> tuple[tuple[int, ...], Any]:
@@ -69,8 +70,6 @@ class Compiled:
         return self._exe.memory_analysis()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from spmdkit._pmap import _move_misplaced, _to_global
-
         pm, call = self._pm, self._call
         dyn = args
         if pm._static:
@@ -106,7 +105,7 @@ class Compiled:
                         "the new one.",
                     )
                 )
-        flat = _to_global(flat, call, pm)
+        flat = pm._placed(self._compiled, flat, call)
         try:
             out = self._exe(*flat)
         except Exception:

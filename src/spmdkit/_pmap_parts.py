@@ -1,0 +1,130 @@
+"""Pieces of :func:`spmdkit.pmap` that need no map: axis specs, placement, checks, messages."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from spmdkit._errors import MappedAxisError, MappedAxisTypeError, fix
+from spmdkit._tree import keystr
+
+
+def _is_axis(x: Any) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _check_axes_spec(name: str, spec: Any) -> None:
+    """in_axes/out_axes: ints >= 0 or None at the leaves, checked at creation."""
+    leaves = jax.tree_util.tree_flatten_with_path(spec, is_leaf=lambda x: x is None)[0]
+    for path, leaf in leaves:
+        where = keystr(name, path)
+        if not _is_axis(leaf):
+            raise MappedAxisTypeError(
+                fix(
+                    f"{where} is {leaf!r} (type {type(leaf).__name__}); spmdkit.pmap takes an int "
+                    "or None at each leaf of in_axes/out_axes.",
+                    f"use an axis index (0 maps the leading axis) or None (broadcast) at {where}.",
+                )
+            )
+        if leaf is not None and leaf < 0:
+            raise MappedAxisError(
+                fix(
+                    f"{where} is {leaf}; like jax.pmap, spmdkit.pmap takes non-negative axes.",
+                    f"count the axis from the front (for an array of rank r, axis {leaf} is "
+                    f"r{leaf}).",
+                )
+            )
+
+
+def _spec(axis_name: Hashable, axis: int | None) -> P:
+    return P() if axis is None else P(*([None] * axis), axis_name)
+
+
+def _signature(flat: list[Any]) -> tuple[Any, ...]:
+    return tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in flat)
+
+
+def _same_everywhere(x: jax.Array, names: list[Hashable]) -> jax.Array:
+    """True where ``x`` has the same bits on every device of the named axes."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if jnp.iscomplexobj(x):
+        x = jnp.stack([x.real, x.imag])
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    x = jax.lax.bitcast_convert_type(x, bits)
+    axes = tuple(names)
+    return jnp.all(jax.lax.pmax(x, axes) == jax.lax.pmin(x, axes))
+
+
+def _to_global(flat: list[Any], axes: tuple[int | None, ...], shardings: tuple[NamedSharding, ...]) -> list[Any]:
+    """Across processes: each process's local slices become one global array."""
+    out = []
+    for x, sh, ax in zip(flat, shardings, axes):
+        if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            out.append(x)
+            continue
+        local = np.asarray(x)
+        shape = local.shape
+        if ax is not None:
+            shape = (*shape[:ax], shape[ax] * jax.process_count(), *shape[ax + 1 :])
+        out.append(jax.make_array_from_process_local_data(sh, local, shape))
+    return out
+
+
+def _move_misplaced(flat: list[Any], shardings: tuple[NamedSharding, ...]) -> list[Any] | None:
+    """Leaves re-placed onto ``shardings`` where they sit on other devices; None if none do."""
+    moved, changed = [], False
+    for x, sh in zip(flat, shardings):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            if not x.sharding.is_equivalent_to(sh, x.ndim) and (
+                x.sharding.device_set != sh.device_set or len(sh.mesh.axis_names) == 1
+            ):
+                x, changed = jax.device_put(x, sh), True
+        moved.append(x)
+    return moved if changed else None
+
+
+def _merge_static(dyn_args, static, static_vals):
+    if not static:
+        return dyn_args
+    out, dyn, st = [], iter(dyn_args), dict(zip(static, static_vals))
+    for i in range(len(dyn_args) + len(static)):
+        out.append(st[i] if i in st else next(dyn))
+    return tuple(out)
+
+
+def _unbound_message(name: str, bound: tuple[Any, ...]) -> str:
+    if not bound:
+        return fix(
+            f"a collective in the mapped function names axis {name!r}, but this spmdkit.pmap was "
+            "created without an axis_name, so no axis can be named.",
+            f"create it with spmdkit.pmap(f, axis_name={name!r}).",
+        )
+    shown = repr(bound[0]) if len(bound) == 1 else f"{bound!r} (nested maps)"
+    return fix(
+        f"a collective in the mapped function names axis {name!r}, but this spmdkit.pmap binds "
+        f"only axis_name={shown}.",
+        f"use {bound[-1]!r} in the collective (e.g. jax.lax.psum(x, {bound[-1]!r})), or create "
+        f"the map with axis_name={name!r}.",
+    )
+
+
+def _argnums(name: str, value: int | Iterable[int]) -> tuple[int, ...]:
+    if isinstance(value, int):
+        value = (value,)
+    out = tuple(sorted(set(value)))
+    if any(not isinstance(i, int) or i < 0 for i in out):
+        raise MappedAxisError(
+            fix(
+                f"{name}={value!r} must hold non-negative ints.",
+                f"list the positions of the arguments, e.g. {name}=(2,).",
+            )
+        )
+    return out
