@@ -439,7 +439,7 @@ class _ParallelMap:
         )
         shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         jitted = jax.jit(mapped, in_shardings=shardings, donate_argnums=call.plan.donated)
-        spans = jax.process_count() > 1 and self._devices is None
+        spans = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         return _Compiled(jitted, shardings, checked, mesh, spans_processes=spans)
 
     def _compile_nested(self, call: _Call) -> _Compiled:

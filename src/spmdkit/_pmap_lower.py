@@ -33,6 +33,10 @@ class Lowered:
         self._call = call
         self._compiled = compiled
 
+    def __getattr__(self, name: str) -> Any:
+        # Anything else jax's Lowered offers; it describes the flat argument list.
+        return getattr(self._lowered, name)
+
     def as_text(self, *args: Any, **kwargs: Any) -> str:
         return self._lowered.as_text(*args, **kwargs)
 
@@ -59,6 +63,10 @@ class Compiled:
         self._call = call
         self._compiled = compiled
         self._avals = [_aval(x) for x in call.flat]
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else jax's Compiled offers; it describes the flat argument list.
+        return getattr(self._exe, name)
 
     def as_text(self) -> str | None:
         return self._exe.as_text()
