@@ -73,5 +73,10 @@ except spmdkit.ReplicationError:
     results["spmdkit/replication error"] = np.array(1)
 first = spmdkit.pmap(lambda x: x * 2, "i")(X[rows])
 results["spmdkit/chained"] = local_rows(spmdkit.pmap(lambda x: jax.lax.psum(x, "i"), "i")(first))
+try:  # nested maps are refused across processes, clearly
+    spmdkit.pmap(spmdkit.pmap(lambda v: v, "b"), "a")(X[rows].reshape(2, per // 2, 3))
+    results["spmdkit/nested refused"] = np.array(int(nproc == 1))
+except spmdkit.MappedAxisError as e:
+    results["spmdkit/nested refused"] = np.array(int("not supported" in str(e)))
 np.savez(out_path, **results)
 print("done", pid, jax.device_count(), file=sys.stderr)
