@@ -153,3 +153,21 @@ def test_inner_out_axes_none_is_checked():
     inner_bad = spmdkit.pmap(lambda v: v * 2, "b", out_axes=None)
     with pytest.raises(spmdkit.ReplicationError, match="axis_name='b'"):
         spmdkit.pmap(inner_bad, "a")(np.arange(8.0).reshape(2, 4))
+
+
+def test_grad_and_vmap_around_nested_maps_and_out_axes():
+    x = jnp.arange(24.0).reshape(2, 4, 3)
+
+    def f(v):
+        return jnp.sin(v) * jax.lax.psum(v, ("a", "b"))
+
+    ours, ref = nested(f, "a", "b"), vmapped(f, "a", "b")
+    np.testing.assert_allclose(
+        jax.grad(lambda v: ours(v).sum())(x), jax.grad(lambda v: ref(v).sum())(x), rtol=1e-5
+    )
+    xs = jnp.stack([x, x + 1])
+    np.testing.assert_allclose(jax.vmap(ours)(xs), jax.vmap(ref)(xs), rtol=1e-5)
+    moved = spmdkit.pmap(spmdkit.pmap(f, "b", out_axes=1), "a", out_axes=1)(x)
+    ref_moved = jax.vmap(jax.vmap(f, axis_name="b", out_axes=1), axis_name="a", out_axes=1)(x)
+    np.testing.assert_allclose(moved, ref_moved, rtol=1e-5)
+    assert moved.sharding.spec == jax.P(None, "a", "b")
