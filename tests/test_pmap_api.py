@@ -134,6 +134,8 @@ def test_lower_and_compile():
     assert costs["flops"] > 0
     assert "all-reduce" in compiled.as_text()
     np.testing.assert_array_equal(compiled(a, b), f(a, b))
+    with_options = lowered.compile(compiler_options={"xla_cpu_enable_fast_math": False})
+    np.testing.assert_array_equal(with_options(a, b), f(a, b))
 
 
 def test_compiled_rejects_another_signature():
