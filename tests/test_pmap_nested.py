@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import spmdkit
 
@@ -171,3 +173,35 @@ def test_grad_and_vmap_around_nested_maps_and_out_axes():
     ref_moved = jax.vmap(jax.vmap(f, axis_name="b", out_axes=1), axis_name="a", out_axes=1)(x)
     np.testing.assert_allclose(moved, ref_moved, rtol=1e-5)
     assert moved.sharding.spec == jax.P(None, "a", "b")
+
+INNER = {
+    "psum ab - x": lambda x, y: jax.lax.psum(x, ("a", "b")) - x + y,
+    "pmean b * y": lambda x, y: jax.lax.pmean(x, "b") * y,
+    "all_gather a": lambda x, y: jax.lax.all_gather(x, "a").sum(0) + y,
+    "axis_index": lambda x, y: x * jax.lax.axis_index("b") + jax.lax.axis_index("a") + y,
+}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=st.sampled_from([(2, 4), (4, 2), (2, 2), (2, 3), (1, 8)]),
+    x_axis=st.integers(0, 1),
+    y_mapped=st.booleans(),
+    out_axis=st.integers(0, 1),
+    name=st.sampled_from(sorted(INNER)),
+)
+def test_property_nested_equals_vmap_of_vmap(shape, x_axis, y_mapped, out_axis, name):
+    """Inner in_axes/out_axes vary; the outer maps the leading axis."""
+    a, b = shape
+    rng = np.random.default_rng(a * 10 + b)
+    inner_x = [2, 2]
+    inner_x.insert(x_axis, b)  # x per outer slice: b at x_axis
+    x = rng.standard_normal((a, *inner_x)).astype(np.float32)
+    y = rng.standard_normal((a, b, 2, 2) if y_mapped else (a, 2, 2)).astype(np.float32)
+    in_axes = (x_axis, 0 if y_mapped else None)
+    f = INNER[name]
+    ours = spmdkit.pmap(
+        spmdkit.pmap(f, "b", in_axes=in_axes, out_axes=out_axis), "a"
+    )(x, y)
+    ref = jax.vmap(jax.vmap(f, in_axes=in_axes, out_axes=out_axis, axis_name="b"), axis_name="a")(x, y)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
