@@ -7,6 +7,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -36,12 +37,12 @@ def processes():
 
 
 def finish(procs):
-    logs = []
+    logs, deadline = [], time.monotonic() + TIMEOUT_S
     for p in procs:
         try:
-            _, err = p.communicate(timeout=TIMEOUT_S)
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"a worker did not finish within {TIMEOUT_S} s")
+            pytest.fail(f"the workers did not finish within {TIMEOUT_S} s")
         logs.append(err)
         assert p.returncode == 0, err[-3000:]
     return logs
