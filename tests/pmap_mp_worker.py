@@ -9,25 +9,10 @@ from __future__ import annotations
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-out_path, nproc, pid, port, per = sys.argv[1], *map(int, sys.argv[2:])
-jax.config.update("jax_num_cpu_devices", per)
-if nproc > 1:
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-        initialization_timeout=60,
-    )
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import spmdkit  # noqa: E402
-
-N = nproc * per
-rng = np.random.default_rng(0)
-X = rng.standard_normal((N, 3)).astype(np.float32)
-W = rng.standard_normal(3).astype(np.float32)
-rows = slice(pid * per, (pid + 1) * per)
+import spmdkit
 
 
 def local_rows(out):
@@ -41,42 +26,60 @@ def step(w, x):
     return w - 0.1 * jax.lax.pmean(g, "i"), jax.lax.psum(x, "i")
 
 
-CASES = {
-    "psum": (lambda x: jax.lax.psum(x, "i"), (X,), {}),
-    "all_gather": (lambda x: jax.lax.all_gather(x, "i").sum(0) * x, (X,), {}),
-    "axis_index": (lambda x: x * jax.lax.axis_index("i"), (X,), {}),
-    "ppermute": (
-        lambda x: jax.lax.ppermute(x, "i", [(j, (j + 1) % N) for j in range(N)]), (X,), {}
-    ),
-    "grad step": (step, (W, X), {"in_axes": (None, 0)}),
-}
+def main() -> None:
+    out_path, nproc, pid, port, per = sys.argv[1], *map(int, sys.argv[2:])
+    jax.config.update("jax_num_cpu_devices", per)
+    if nproc > 1:
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+            initialization_timeout=60,
+        )
 
-results = {}
-for name, (f, args, kw) in CASES.items():
-    local = tuple(a if kw.get("in_axes", (0,))[i] is None else a[rows] for i, a in enumerate(args))
-    for impl_name, impl in (("spmdkit", spmdkit.pmap), ("jax", jax.pmap)):
-        try:
-            out = impl(f, "i", **kw)(*local)
-        except Exception as e:  # recorded: jax.pmap may not support a case across processes
-            print(f"{impl_name} {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-            continue
-        for j, leaf in enumerate(jax.tree.leaves(out)):
-            results[f"{impl_name}/{name}/{j}"] = local_rows(leaf)
+    n = nproc * per
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((n, 3)).astype(np.float32)
+    W = rng.standard_normal(3).astype(np.float32)
+    rows = slice(pid * per, (pid + 1) * per)
+    cases = {
+        "psum": (lambda x: jax.lax.psum(x, "i"), (X,), {}),
+        "all_gather": (lambda x: jax.lax.all_gather(x, "i").sum(0) * x, (X,), {}),
+        "axis_index": (lambda x: x * jax.lax.axis_index("i"), (X,), {}),
+        "ppermute": (
+            lambda x: jax.lax.ppermute(x, "i", [(j, (j + 1) % n) for j in range(n)]), (X,), {}
+        ),
+        "grad step": (step, (W, X), {"in_axes": (None, 0)}),
+    }
 
-# out_axes=None across processes, checked; a chained call consumes the global output.
-total = spmdkit.pmap(lambda x: jax.lax.psum(x, "i"), "i", out_axes=None)(X[rows])
-results["spmdkit/out_axes None"] = np.asarray(total.addressable_data(0))
-try:
-    spmdkit.pmap(lambda x: x, "i", out_axes=None)(X[rows])
-    results["spmdkit/replication error"] = np.array(0)
-except spmdkit.ReplicationError:
-    results["spmdkit/replication error"] = np.array(1)
-first = spmdkit.pmap(lambda x: x * 2, "i")(X[rows])
-results["spmdkit/chained"] = local_rows(spmdkit.pmap(lambda x: jax.lax.psum(x, "i"), "i")(first))
-try:  # nested maps are refused across processes, clearly
-    spmdkit.pmap(spmdkit.pmap(lambda v: v, "b"), "a")(X[rows].reshape(2, per // 2, 3))
-    results["spmdkit/nested refused"] = np.array(int(nproc == 1))
-except spmdkit.MappedAxisError as e:
-    results["spmdkit/nested refused"] = np.array(int("not supported" in str(e)))
-np.savez(out_path, **results)
-print("done", pid, jax.device_count(), file=sys.stderr)
+    results = {}
+    for name, (f, args, kw) in cases.items():
+        local = tuple(a if kw.get("in_axes", (0,))[i] is None else a[rows] for i, a in enumerate(args))
+        for impl_name, impl in (("spmdkit", spmdkit.pmap), ("jax", jax.pmap)):
+            try:
+                out = impl(f, "i", **kw)(*local)
+            except Exception as e:  # recorded: jax.pmap may not support a case across processes
+                print(f"{impl_name} {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                continue
+            for j, leaf in enumerate(jax.tree.leaves(out)):
+                results[f"{impl_name}/{name}/{j}"] = local_rows(leaf)
+
+    # out_axes=None across processes, checked; a chained call consumes the global output.
+    total = spmdkit.pmap(lambda x: jax.lax.psum(x, "i"), "i", out_axes=None)(X[rows])
+    results["spmdkit/out_axes None"] = np.asarray(total.addressable_data(0))
+    try:
+        spmdkit.pmap(lambda x: x, "i", out_axes=None)(X[rows])
+        results["spmdkit/replication error"] = np.array(0)
+    except spmdkit.ReplicationError:
+        results["spmdkit/replication error"] = np.array(1)
+    first = spmdkit.pmap(lambda x: x * 2, "i")(X[rows])
+    results["spmdkit/chained"] = local_rows(spmdkit.pmap(lambda x: jax.lax.psum(x, "i"), "i")(first))
+    try:  # nested maps are refused across processes, clearly
+        spmdkit.pmap(spmdkit.pmap(lambda v: v, "b"), "a")(X[rows].reshape(2, per // 2, 3))
+        results["spmdkit/nested refused"] = np.array(int(nproc == 1))
+    except spmdkit.MappedAxisError as e:
+        results["spmdkit/nested refused"] = np.array(int("not supported" in str(e)))
+    np.savez(out_path, **results)
+    print("done", pid, jax.device_count(), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
