@@ -205,3 +205,13 @@ def test_property_nested_equals_vmap_of_vmap(shape, x_axis, y_mapped, out_axis, 
     )(x, y)
     ref = jax.vmap(jax.vmap(f, in_axes=in_axes, out_axes=out_axis, axis_name="b"), axis_name="a")(x, y)
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_outer_out_axes_none_is_checked_on_the_first_call():
+    x = np.arange(8.0).reshape(2, 4)
+    bad = spmdkit.pmap(spmdkit.pmap(lambda v: v, "b"), "a", out_axes=None)
+    for _ in range(2):  # the first call discovers the nesting; both must check
+        with pytest.raises(spmdkit.ReplicationError, match="out_axes=None at output"):
+            bad(x)
+    good = spmdkit.pmap(spmdkit.pmap(lambda v: jax.lax.psum(v, "a"), "b"), "a", out_axes=None)
+    np.testing.assert_array_equal(good(x), x.sum(0))

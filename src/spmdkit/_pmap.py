@@ -112,7 +112,8 @@ class _ParallelMap:
             return self._call_nested(frame, args, kwargs)
         call = self._prepare(args, kwargs)
         compiled = self._compiled(call)
-        return self._finish(compiled, self._run(call, compiled, self._placed(compiled, call.flat, call)), call)
+        out, compiled = self._run(call, compiled, self._placed(compiled, call.flat, call))
+        return self._finish(compiled, out, call)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments, like ``jax.pmap(f).lower``."""
@@ -181,9 +182,10 @@ class _ParallelMap:
         call.plan.by_size[call.n] = compiled
         return compiled
 
-    def _run(self, call: _Call, compiled: _Compiled, flat: list[Any]) -> Any:
+    def _run(self, call: _Call, compiled: _Compiled, flat: list[Any]) -> tuple[Any, _Compiled]:
+        """The outputs, and the code that made them (nested if an inner map showed up)."""
         try:
-            return compiled.jitted(*flat)
+            return compiled.jitted(*flat), compiled
         except nest.NestingFound:
             return self._run(call, self._nested_for(call), flat)
         except SpmdkitError:
@@ -195,7 +197,7 @@ class _ParallelMap:
             moved = _move_misplaced(flat, compiled.shardings)
             if moved is None:
                 raise
-            return compiled.jitted(*moved)
+            return compiled.jitted(*moved), compiled
 
     def _finish(self, compiled: _Compiled, out: Any, call: _Call) -> Any:
         if compiled.checked is None:
@@ -447,7 +449,8 @@ class _ParallelMap:
         chain = [nest.Level(self._axis_name, nest.mesh_name(self._axis_name, 0), call.n)]
         discover = self._body(call, chain, 0, "discover", None)
         jax.eval_shape(
-            jax.vmap(discover, in_axes=call.plan.axes, out_axes=self._out_axes,
+            # out_axes=0: this trace only learns the levels; out_axes=None is checked later.
+            jax.vmap(discover, in_axes=call.plan.axes, out_axes=0,
                      axis_name=chain[0].mesh_name, axis_size=call.n),
             *call.flat,
         )
