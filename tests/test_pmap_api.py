@@ -211,3 +211,12 @@ def test_out_axes_none_checked_under_jit_too():
     )
     with pytest.raises(spmdkit.ReplicationError):
         grad_step(jnp.ones(3), np.ones((8, 3)))
+
+
+def test_lower_with_static_arguments_and_keywords():
+    f = spmdkit.pmap(lambda x, k, *, y: x * k + y, static_broadcasted_argnums=1)
+    x = np.ones((N, 2), np.float32)
+    compiled = f.lower(x, 3, y=x).compile()
+    np.testing.assert_array_equal(compiled(x, 3, y=x), np.full((N, 2), 4.0))
+    with pytest.raises(spmdkit.SignatureError, match="static arguments"):
+        compiled(x, 4, y=x)
