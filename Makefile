@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
-	$(BIN)/spmdkit bench --suite pmap --json bench-pmap.json
+	$(BIN)/spmdkit bench --all --json bench/ --markdown bench/
 
 # Re-pin constraints.txt to what the current .venv holds (after a tested upgrade).
 lock: $(STAMP)

@@ -235,3 +235,22 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     assert rates["(b) spmdkit, 2 processes, default"] > 0  # two processes really ran
     assert mp["errors"] == {}
     assert "rounds" in mp["timings"]["MLP 784-1024-1024-10"]["flags"]  # quick: a smoke run, and it says so
+
+
+def test_bench_compare_two_runs_target_by_target(tmp_path, capsys):
+    from spmdkit._cli import main
+
+    def write(d, values):
+        d.mkdir()
+        for suite, value in values.items():
+            (d / f"{suite}.json").write_text(json.dumps(
+                {"suite": suite, "targets": [{"name": f"{suite} ratio [best case]", "value": value}]}))
+
+    write(tmp_path / "one", {"data": 1.00, "multiprocess": 0.80})
+    write(tmp_path / "two", {"data": 1.05, "multiprocess": 0.80})
+    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "two")]) == 0
+    assert "data ratio" in capsys.readouterr().out
+    write(tmp_path / "three", {"data": 1.30, "multiprocess": 0.80})
+    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "three")]) == 1
+    assert "NO" in capsys.readouterr().out
+    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "missing")]) == 2

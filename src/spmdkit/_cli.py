@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--suite", choices=sorted(SUITES), help="which suite")
     which.add_argument("--all", action="store_true", help="every suite, one after another (--json/--markdown name directories)")
+    which.add_argument("--compare", nargs=2, metavar="DIR", help="compare the targets of two --all --json directories (agree within 10%%?)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH (with --all: a directory, one SUITE.json each)")
     p.add_argument("--markdown", metavar="PATH", help="also write the figures as Markdown to PATH (with --all: a directory, one SUITE.md each)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run, not figures)")
@@ -267,12 +268,39 @@ def _run_suite(name: str, args: argparse.Namespace) -> dict:
     return fn(**{k: v for k, v in options.items() if k in accepted and (k == "quick" or v is not None)})
 
 
+def _compare_bench(dirs: list[str], console: Console) -> int:
+    """Exit 0 when two runs agree on every target they share, 1 when one differs, 2 on bad input."""
+    import glob
+    import os
+
+    from spmdkit._bench.report import AGREEMENT, compare
+
+    runs = []
+    for d in dirs:
+        files = sorted(glob.glob(os.path.join(d, "*.json")))
+        if not files:
+            console.print(f"[red]error:[/] no SUITE.json files in {d!r}: write them with spmdkit bench --all --json {d}")
+            return 2
+        runs.append({os.path.basename(f)[:-5]: json.load(open(f)) for f in files})
+    rows = compare(*runs)
+    table = Table(title=f"targets of {dirs[0]} vs {dirs[1]} (agree: within {AGREEMENT:.0%})")
+    for col in ("suite", "target", "first", "second", "diff", "agree"):
+        table.add_column(col, justify="left" if col in ("suite", "target") else "right")
+    for r in rows:
+        table.add_row(r["suite"], Text(r["target"]), f"{r['first']:.3f}", f"{r['second']:.3f}", f"{r['diff']:.1%}",
+                      "yes" if r["agree"] else "[red]NO[/]")
+    console.print(table)
+    return 0 if rows and all(r["agree"] for r in rows) else 1
+
+
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     import os
 
     from spmdkit._bench import SUITES
     from spmdkit._bench.report import print_report, to_markdown
 
+    if args.compare:
+        return _compare_bench(args.compare, console)
     if args.levers and args.suite not in (None, "multiprocess"):
         console.print("[red]error:[/] --levers is an option of --suite multiprocess (or --all)")
         return 2

@@ -109,3 +109,36 @@ def collect(report: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str
         if t.get("flags"):
             warnings.append(f"target {t['name']!r} is flagged ({', '.join(t['flags'])}): do not read it as a figure")
     return report
+
+
+AGREEMENT = 0.10  # two runs agree when a target ratio differs by at most this share of their mean
+
+
+def _target_key(name: str) -> str:
+    # Names may carry the winning case in brackets ("best (b) [(b) ...]"), which can change between runs.
+    return name.split(" [")[0]
+
+
+def compare(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every target of two runs side by side: ``{suite, target, first, second, diff, agree}``.
+
+    ``first``/``second`` map a suite name to its JSON report. ``diff`` is |a - b| over their
+    mean; runs agree on a target when it is at most :data:`AGREEMENT`.
+
+    Example:
+        >>> run = lambda v: {"data": {"targets": [{"name": "x [best]", "value": v}]}}
+        >>> [(r["target"], round(r["diff"], 3), r["agree"]) for r in compare(run(1.0), run(1.05))]
+        [('x', 0.049, True)]
+    """
+    rows = []
+    for suite in sorted(set(first) & set(second)):
+        theirs = {_target_key(t["name"]): t for t in second[suite].get("targets", [])}
+        for t in first[suite].get("targets", []):
+            other = theirs.get(_target_key(t["name"]))
+            if other is None:
+                continue
+            a, b = t["value"], other["value"]
+            diff = abs(a - b) / ((a + b) / 2) if a + b else float("inf")
+            rows.append({"suite": suite, "target": _target_key(t["name"]), "first": a, "second": b,
+                         "diff": diff, "agree": diff <= AGREEMENT})
+    return rows
