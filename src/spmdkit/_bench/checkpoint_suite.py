@@ -2,9 +2,11 @@
 
 A sharded state of >= 1 GiB (quick: 128 MiB) on 8 devices is saved through
 :class:`spmdkit.Checkpointer` and restored onto a target layout; the same number of
-bytes is written and read sequentially with plain file I/O in the same directory, in
-the same run. Also: how long the caller is blocked by one asynchronous save (the copy
-off the devices), which is what a training loop pays per checkpoint.
+bytes is written and read sequentially with plain file I/O in the same directory. The
+five operations (raw write, raw write + fsync, save, raw read, resharded restore) are
+the cases of interleaved rounds, so each ratio pairs a save with a raw write of the same
+round. Also: how long the caller is blocked by one asynchronous save (the copy off the
+devices), which is what a training loop pays per checkpoint.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from a host (numpy) batch, as in a training loop, and is synced before the next.
 - ``seed-002 pmap``: ``jax.pmap`` + ``lax.pmean`` of the gradients, parameters and
   optimizer state stacked per device, the batch reshaped to ``[n, B/n, ...]``.
 
-Also the single-device digits step's achieved FLOP/s (``cost_analysis``) against an
-f32 GEMM measured in the same run.
+Also the achieved FLOP/s (``cost_analysis``) of two single-device steps, the MLP
+784-1024-1024-10 (the multiprocess suite's model; target >= 0.8 of the GEMM rate) and the
+digits CNN, against an f32 GEMM timed in the same interleaved rounds.
 """
 
 from __future__ import annotations
