@@ -189,7 +189,7 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     from spmdkit._bench import SUITES
 
     out = run_cli("bench", "--all", "--quick", "--json", str(tmp_path / "json"), "--markdown", str(tmp_path / "md"),
-                  timeout=1500)
+                  timeout=2400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "json")) == sorted(f"{s}.json" for s in SUITES)
     assert sorted(os.listdir(tmp_path / "md")) == sorted(f"{s}.md" for s in SUITES)
@@ -199,7 +199,7 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
         assert "target" in (tmp_path / "md" / f"{name}.md").read_text() or not report.get("targets")
 
     # Every suite that uses the method records rounds, per-round times and the load.
-    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess"):
+    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup"):
         report = reports[name]
         assert report["load"]["before"]["loadavg"] and report["load"]["after"]["loadavg"]
         for run in report["timings"].values():

@@ -182,6 +182,16 @@ def measure(
     return _record(times, counts, order, {"before": before, "during": during, "after": after})
 
 
+def record(times: dict[str, list[float | None]], order: list[list[str]], load: dict[str, Any]) -> dict[str, Any]:
+    """The record of :func:`measure` for rounds a suite ran itself (cases that depend on each
+    other within a round, e.g. a second start that needs the first start's cache).
+
+    ``times`` holds one time per round for every case, ``order`` what ran in each round,
+    ``load`` the ``before``/``during``/``after`` snapshots (:func:`idle_load`, :class:`LoadMeter`).
+    """
+    return _record(times, {name: 1 for name in times}, order, load)
+
+
 def _load_flag(load: dict[str, Any]) -> str | None:
     cores = os.cpu_count() or 1
     others = [snap["other_cpu"] for snap in load.values() if snap.get("other_cpu") is not None]
