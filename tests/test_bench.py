@@ -110,8 +110,8 @@ def test_multiprocess_cases_without_torch_are_spmdkit_only():
     assert "(c) PyTorch, 1 process, torch.compile" in with_torch and "(d) PyTorch DDP, default threads" in with_torch
     assert "(b) lever: packed all-reduce in bf16" in with_torch
     with pytest.raises(ValueError, match="unknown lever"):
-        multiprocess_suite._levers("allreduce,warp")
-    assert multiprocess_suite._levers("all") == list(multiprocess_suite.LEVERS)
+        multiprocess_suite.check_levers("allreduce,warp")
+    assert multiprocess_suite.check_levers("all") == list(multiprocess_suite.LEVERS)
 
 
 def test_targets_compare_against_the_fastest_pytorch_case():
@@ -183,6 +183,8 @@ def test_hand_written_levers_compute_the_single_device_step(args):
 def test_bench_levers_only_for_multiprocess():
     out = run_cli("bench", "--suite", "pmap", "--quick", "--levers", "bf16", timeout=120)
     assert out.returncode == 2 and "--levers is an option of --suite multiprocess" in out.stdout
+    out = run_cli("bench", "--suite", "multiprocess", "--levers", "bf16,warp", timeout=120)
+    assert out.returncode == 2 and "unknown lever(s) ['warp']" in out.stdout and "Traceback" not in out.stderr
 
 
 def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):

@@ -117,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", metavar="PATH", help="also write the figures as Markdown to PATH (with --all: a directory, one SUITE.md each)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run, not figures)")
     p.add_argument("--rounds", type=_positive_int, metavar="R", help="interleaved timing rounds per case (figures need >= 5)")
+    from spmdkit._bench.multiprocess_suite import LEVERS
+
     p.add_argument("--levers", metavar="LIST", help="multiprocess: also sweep these levers, comma-separated, or 'all' "
-                   "(see BENCHMARKS.md: allreduce, bf16, accum, threads, torch)")
+                   f"({', '.join(LEVERS)}; see BENCHMARKS.md)")
     return parser
 
 
@@ -341,6 +343,14 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.levers and args.suite not in (None, "multiprocess"):
         console.print("[red]error:[/] --levers is an option of --suite multiprocess (or --all)")
         return 2
+    if args.levers:
+        from spmdkit._bench.multiprocess_suite import check_levers
+
+        try:
+            check_levers(args.levers)
+        except ValueError as e:
+            console.print(f"[red]error:[/] {e}")
+            return 2
     names = sorted(SUITES) if args.all else [args.suite]
     failed = []
     for name in names:

@@ -106,7 +106,8 @@ def _have_torch() -> bool:
     return True
 
 
-def _levers(levers: str | None) -> list[str]:
+def check_levers(levers: str | None) -> list[str]:
+    """The lever names of a ``--levers`` value ('all' or a comma-separated list); ValueError names an unknown one."""
     if not levers:
         return []
     names = list(LEVERS) if levers == "all" else [n.strip() for n in levers.split(",") if n.strip()]
@@ -139,7 +140,7 @@ def run(quick: bool = False, rounds: int | None = None, levers: str | None = Non
     steps = 5 if quick else 40
     rounds = rounds or (2 if quick else 5)
     torch = _have_torch()
-    chosen = _levers(levers)
+    chosen = check_levers(levers)
     models = ["mlp"] if quick else list(MODELS)
     rows, targets, runs, errors = [], [], {}, {}
     for model in models:
