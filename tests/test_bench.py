@@ -236,6 +236,8 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     assert rates["(a) spmdkit, 1 process"] > 0
     assert rates["(b) spmdkit, 2 processes, default"] > 0  # two processes really ran
     assert mp["errors"] == {}
+    launches = mp["launch_step_times"]["mlp: (b) spmdkit, 2 processes, default"]
+    assert len(launches) == mp["timings"]["MLP 784-1024-1024-10"]["rounds"] and all(len(t) == 5 for t in launches)
     assert "rounds" in mp["timings"]["MLP 784-1024-1024-10"]["flags"]  # quick: a smoke run, and it says so
 
 

@@ -79,8 +79,11 @@ def _cases(quick: bool, torch: bool, levers: list[str]) -> dict[str, tuple[list[
     return cases
 
 
-def _launcher(cmd: list[str], errors: dict[str, str], label: str):
-    """A self-timed case: one launch, its mean step time, or None (stderr kept in ``errors``)."""
+def _launcher(cmd: list[str], errors: dict[str, str], label: str, steps: dict[str, list[list[float]]]):
+    """A self-timed case: one launch, its mean step time, or None (stderr kept in ``errors``).
+
+    Every launch's own per-step times go to ``steps[label]``, to see the spread inside a process.
+    """
 
     def case() -> float | None:
         try:
@@ -91,7 +94,9 @@ def _launcher(cmd: list[str], errors: dict[str, str], label: str):
         for line in out.stdout.splitlines():
             line = line.removeprefix("[0] ")
             if line.startswith("{"):
-                return float(json.loads(line)["step_s"])
+                result = json.loads(line)
+                steps.setdefault(label, []).append(result["step_times"])
+                return float(result["step_s"])
         errors[label] = out.stderr[-2000:]
         return None
 
@@ -142,14 +147,18 @@ def run(quick: bool = False, rounds: int | None = None, levers: str | None = Non
     torch = _have_torch()
     chosen = check_levers(levers)
     models = ["mlp"] if quick else list(MODELS)
-    rows, targets, runs, errors = [], [], {}, {}
+    rows, targets, runs, errors, step_times = [], [], {}, {}, {}
     for model in models:
         base = ["--model", model, "--steps", str(steps), "--batch", str(BATCH)]
         # A case's prefix is WORKER (one process) or LAUNCH (two): LAUNCH runs WORKER under it.
-        cases = {label: _launcher((LAUNCH if prefix is LAUNCH else []) + WORKER + args + base, errors, f"{model}: {label}")
+        cases = {label: _launcher((LAUNCH if prefix is LAUNCH else []) + WORKER + args + base, errors,
+                                  f"{model}: {label}", step_times)
                  for label, (prefix, args) in _cases(quick, torch, chosen).items()}
         if not quick:
-            next(iter(cases.values()))()  # one untimed launch: the OS's file caches
+            first = next(iter(cases))
+            cases[first]()  # one untimed launch: the OS's file caches
+            step_times.pop(f"{model}: {first}", None)
+            errors.pop(f"{model}: {first}", None)
         run = measure(cases, rounds=rounds, warmup=0, self_timed=True)
         runs[MODELS[model]] = run
         for label, c in run["cases"].items():
@@ -179,6 +188,7 @@ def run(quick: bool = False, rounds: int | None = None, levers: str | None = Non
         "targets": targets,
         "levers": chosen,
         "errors": errors,
+        "launch_step_times": step_times,
         "notes": notes,
     }
     report = collect(report, runs)
