@@ -46,7 +46,7 @@ test-oldest: $(STAMP_OLDEST)
 	$(VENV_OLDEST)/bin/pytest -q $(FAST_TESTS)
 
 bench: $(STAMP)
-	$(VENV)/bin/spmdkit bench --suite pmap --json bench-pmap.json
+	$(VENV)/bin/spmdkit bench --all --json bench/ --markdown bench/
 
 # Re-pin a constraints file to what its environment holds (after a tested upgrade).
 lock: $(STAMP)

@@ -109,10 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     from spmdkit._bench import SUITES
 
     p = sub.add_parser("bench", parents=[common], help="run a benchmark suite (8 devices by default)")
-    p.add_argument("--suite", choices=sorted(SUITES), required=True, help="which suite")
-    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
-    p.add_argument("--markdown", metavar="FILE", help="also write the figures as Markdown to FILE")
-    p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--suite", choices=sorted(SUITES), help="which suite")
+    which.add_argument("--all", action="store_true", help="every suite, one after another (--json/--markdown name directories)")
+    which.add_argument("--compare", nargs=2, metavar="DIR", help="compare the targets of two --all --json directories (agree within 10%%?)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH (with --all: a directory, one SUITE.json each)")
+    p.add_argument("--markdown", metavar="PATH", help="also write the figures as Markdown to PATH (with --all: a directory, one SUITE.md each)")
+    p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run, not figures)")
+    p.add_argument("--rounds", type=_positive_int, metavar="R", help="interleaved timing rounds per case (figures need >= 5)")
+    from spmdkit._bench.multiprocess_suite import LEVERS
+
+    p.add_argument("--levers", metavar="LIST", help="multiprocess: also sweep these levers, comma-separated, or 'all' "
+                   f"({', '.join(LEVERS)}; see BENCHMARKS.md)")
     return parser
 
 
@@ -288,21 +296,86 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     return 0 if run_demo(console, out=args.out, steps=args.steps)["ok"] else 1
 
 
+def _run_suite(name: str, args: argparse.Namespace) -> dict:
+    import inspect
+
+    from spmdkit._bench import SUITES
+
+    fn = SUITES[name]
+    options = {"quick": args.quick, "rounds": args.rounds, "levers": args.levers}
+    accepted = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in options.items() if k in accepted and (k == "quick" or v is not None)})
+
+
+def _compare_bench(dirs: list[str], console: Console) -> int:
+    """Exit 0 when two runs agree on every target they share, 1 when one differs, 2 on bad input."""
+    import glob
+    import os
+
+    from spmdkit._bench.report import AGREEMENT, compare
+
+    runs = []
+    for d in dirs:
+        files = sorted(glob.glob(os.path.join(d, "*.json")))
+        if not files:
+            console.print(f"[red]error:[/] no SUITE.json files in {d!r}: write them with spmdkit bench --all --json {d}")
+            return 2
+        runs.append({os.path.basename(f)[:-5]: json.load(open(f)) for f in files})
+    rows = compare(*runs)
+    table = Table(title=f"targets of {dirs[0]} vs {dirs[1]} (agree: within {AGREEMENT:.0%})")
+    for col in ("suite", "target", "first", "second", "diff", "agree"):
+        table.add_column(col, justify="left" if col in ("suite", "target") else "right")
+    for r in rows:
+        table.add_row(r["suite"], Text(r["target"]), f"{r['first']:.3f}", f"{r['second']:.3f}", f"{r['diff']:.1%}",
+                      "yes" if r["agree"] else "[red]NO[/]")
+    console.print(table)
+    return 0 if rows and all(r["agree"] for r in rows) else 1
+
+
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    import os
+
     from spmdkit._bench import SUITES
     from spmdkit._bench.report import print_report, to_markdown
 
-    report = SUITES[args.suite](quick=args.quick)
-    print_report(report, console)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
-        console.print(f"wrote {args.json}")
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(to_markdown(report))
-        console.print(f"wrote {args.markdown}")
-    return 0
+    if args.compare:
+        return _compare_bench(args.compare, console)
+    if args.levers and args.suite not in (None, "multiprocess"):
+        console.print("[red]error:[/] --levers is an option of --suite multiprocess (or --all)")
+        return 2
+    if args.levers:
+        from spmdkit._bench.multiprocess_suite import check_levers
+
+        try:
+            check_levers(args.levers)
+        except ValueError as e:
+            console.print(f"[red]error:[/] {e}")
+            return 2
+    names = sorted(SUITES) if args.all else [args.suite]
+    failed = []
+    for name in names:
+        try:
+            report = _run_suite(name, args)
+        except Exception as exc:  # one broken suite must not lose the figures of the others
+            if not args.all:
+                raise
+            console.print(f"[red]suite {name} failed:[/] {type(exc).__name__}: {exc}")
+            failed.append(name)
+            continue
+        print_report(report, console)
+        outputs = ((args.json, "json", lambda r: json.dumps(r, indent=2)), (args.markdown, "md", to_markdown))
+        for path, ext, render in outputs:
+            if not path:
+                continue
+            if args.all:
+                os.makedirs(path, exist_ok=True)
+                path = os.path.join(path, f"{name}.{ext}")
+            with open(path, "w") as fh:
+                fh.write(render(report))
+            console.print(f"wrote {path}")
+    if failed:
+        console.print(f"[red]failed suites: {', '.join(failed)}[/]")
+    return 1 if failed else 0
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:

@@ -9,13 +9,13 @@ from a host (numpy) batch, as in a training loop, and is synced before the next.
 - ``seed-002 pmap``: ``jax.pmap`` + ``lax.pmean`` of the gradients, parameters and
   optimizer state stacked per device, the batch reshaped to ``[n, B/n, ...]``.
 
-Also the single-device digits step's achieved FLOP/s (``cost_analysis``) against an
-f32 GEMM measured in the same run.
+Also the achieved FLOP/s (``cost_analysis``) of two single-device steps, the MLP
+784-1024-1024-10 (the multiprocess suite's model; target >= 0.8 of the GEMM rate) and the
+digits CNN, against an f32 GEMM timed in the same interleaved rounds.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -23,13 +23,15 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdkit._bench._timing import interleaved, machine
+from spmdkit._bench._timing import case_row, geomean, machine, measure, ratio, target
+from spmdkit._bench.report import collect
 from spmdkit._strategies import DataParallel, Single
 from spmdkit._strategies._base import TrainState
 from spmdkit._tasks import digits, linreg
 
 TARGET_HAND = 1.02
 TARGET_PMAP = 1.0
+TARGET_FLOPS = 0.8  # the MLP step's FLOP/s over the f32 GEMM rate of the same rounds
 
 
 def _hand_jit(task, opt, mesh, state):
@@ -82,44 +84,87 @@ def _flops(compiled) -> float:
     return float(cost.get("flops", 0.0))
 
 
-def gemm_peak(size: int = 2048, repeats: int = 7) -> float:
-    """f32 GEMM FLOP/s on one device: the ceiling a step is measured against."""
+def _gemm(size: int):
+    """A zero-argument f32 GEMM on one device and its FLOP count: the ceiling a step is measured against."""
     a = jax.device_put(np.random.default_rng(0).standard_normal((size, size), dtype=np.float32), jax.devices()[0])
     mm = jax.jit(lambda x: x @ x)
-    mm(a).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mm(a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * size**3 / float(np.median(times))
+    return (lambda: mm(a).block_until_ready()), 2 * size**3
 
 
-def _single_device_flops(quick: bool) -> dict[str, Any]:
+def _mlp_step(batch_size: int):
+    """One SGD step of the MLP 784-1024-1024-10 (the multiprocess suite's model) on one device."""
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(1024)(x))
+            x = nn.relu(nn.Dense(1024)(x))
+            return nn.Dense(10)(x)
+
+    net, opt = MLP(), optax.sgd(0.01)
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.standard_normal((batch_size, 784)).astype(np.float32), jax.devices()[0])
+    y = jax.device_put(rng.integers(0, 10, batch_size).astype(np.int32), jax.devices()[0])
+    params = net.init(jax.random.key(0), x[:1])["params"]
+    opt_state = opt.init(params)
+
+    def step(params, opt_state, x, y):
+        loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, x), y).mean()  # noqa: E731
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    compiled = jax.jit(step).lower(params, opt_state, x, y).compile()
+    return (lambda: jax.block_until_ready(compiled(params, opt_state, x, y))), _flops(compiled)
+
+
+def _digits_step(batch_size: int):
     task = digits.make()
-    batch_size = 64 if quick else 256
     opt = optax.sgd(0.05, momentum=0.9)
     strategy = Single()
     state = strategy.init_state(task.init, opt, jax.random.key(0))
-    host = jax.tree.map(lambda x: x[:batch_size], task.train_data)
-    batch, mask = strategy.put_batch(host)
-    step = strategy.train_step(task.loss_fn, opt)
+    batch, mask = strategy.put_batch(jax.tree.map(lambda x: x[:batch_size], task.train_data))
     rng = jax.random.key(1)
-    flops = _flops(step.lower(state, batch, mask, rng).compile())
-    t = interleaved({"step": lambda: jax.block_until_ready(step(state, batch, mask, rng))}, rounds=5)["step"]["median"]
-    peak = gemm_peak(1024 if quick else 2048)
-    return {
-        "batch_size": batch_size,
-        "flops_per_step": flops,
-        "step_s": t,
-        "achieved_gflops": flops / t / 1e9,
-        "gemm_peak_gflops": peak / 1e9,
-        "fraction_of_peak": flops / t / peak,
+    compiled = strategy.train_step(task.loss_fn, opt).lower(state, batch, mask, rng).compile()
+    return (lambda: jax.block_until_ready(compiled(state, batch, mask, rng))), _flops(compiled)
+
+
+def _single_device_flops(quick: bool, rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each step's FLOP/s over the GEMM rate, all timed in the same interleaved rounds.
+
+    fraction = (flops / t_step) / (gemm_flops / t_gemm), per round, so a slow round slows both.
+    """
+    sizes = {"mlp": 128 if quick else 512, "digits": 64 if quick else 256}
+    steps = {
+        f"MLP 784-1024-1024-10 step, batch {sizes['mlp']}": _mlp_step(sizes["mlp"]),
+        f"digits CNN step, batch {sizes['digits']}": _digits_step(sizes["digits"]),
     }
+    gemm, gemm_flops = _gemm(1024 if quick else 2048)
+    cases = {name: fn for name, (fn, _) in steps.items()}
+    cases["f32 GEMM"] = gemm
+    run = measure(cases, rounds=rounds)
+    g = run["cases"]["f32 GEMM"]["median"]
+    out = {"gemm_gflops": gemm_flops / g / 1e9}
+    for name, (_, flops) in steps.items():
+        r = ratio(run, "f32 GEMM", name)
+        scale = flops / gemm_flops
+        t = run["cases"][name]["median"]
+        out[name] = {
+            "flops_per_step": flops,
+            "step_s": t,
+            "achieved_gflops": flops / t / 1e9,
+            "fraction_of_gemm": r["median"] * scale,
+            "fraction_of_gemm_iqr": [r["q1"] * scale, r["q3"] * scale],
+            "flags": r["flags"],
+        }
+    return out, run
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    rounds = rounds or (5 if quick else 9)
     n = jax.local_device_count()
+    runs: dict[str, dict[str, Any]] = {}
     rows = []
     workloads = {
         "digits CNN": (digits.make(), optax.sgd(0.05, momentum=0.9), 64 if quick else 256),
@@ -140,53 +185,59 @@ def run(quick: bool = False) -> dict[str, Any]:
         # Same update from the same state and batch, whoever computes it.
         losses = {k: float(np.ravel(jax.device_get(f(host)[1]))[0]) for k, f in cases.items()}
         spread = max(losses.values()) - min(losses.values())
-        times = interleaved(
+        times = measure(
             {k: (lambda f=f: jax.block_until_ready(f(host))) for k, f in cases.items()},
-            rounds=5 if quick else 9,
+            rounds=rounds,
         )
-        hand, pm = times["hand jit"]["median"], times["seed-002 pmap"]["median"]
-        for impl, t in times.items():
+        runs[name] = times
+        for impl in cases:
+            rh, rp = ratio(times, impl, "hand jit"), ratio(times, impl, "seed-002 pmap")
+            c = case_row(times, impl)
             rows.append(
                 {
                     "workload": name,
                     "batch": batch_size,
                     "impl": impl,
-                    "median_ms": t["median"] * 1e3,
-                    "min_ms": t["min"] * 1e3,
-                    "x_hand_jit": t["median"] / hand,
-                    "x_seed_pmap": t["median"] / pm,
+                    "median_ms": c["median"],
+                    "iqr_pct": c["iqr_pct"],
+                    "min_ms": c["min"],
+                    "max_ms": c["max"],
+                    "x_hand_jit": rh["median"],
+                    "x_seed_pmap": rp["median"],
+                    "flag": ",".join(sorted(set(c["flag"].split(",") + rh["flags"]) - {""})),
                     "loss_spread": spread,
                 }
             )
-        best = min(("spmdkit jit", "spmdkit shard_map"), key=lambda k: times[k]["median"])
-        ratios_hand.append(times["spmdkit jit"]["median"] / hand)
-        ratios_pmap.append(times["spmdkit jit"]["median"] / pm)
+        best = min(("spmdkit jit", "spmdkit shard_map"), key=lambda k: times["cases"][k]["median"])
+        ratios_hand.append(ratio(times, "spmdkit jit", "hand jit"))
+        ratios_pmap.append(ratio(times, "spmdkit jit", "seed-002 pmap"))
         rows[-4]["faster_impl"] = best  # noted on the first row of the workload
-    geo = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
-    flops = _single_device_flops(quick)
-    return {
+    flops, flops_run = _single_device_flops(quick, rounds)
+    runs["single-device step vs GEMM"] = flops_run
+    report = {
         "suite": "data",
         "machine": machine(),
-        "columns": ["workload", "batch", "impl", "median_ms", "min_ms", "x_hand_jit", "x_seed_pmap"],
+        "columns": ["workload", "batch", "impl", "median_ms", "iqr_pct", "min_ms", "max_ms", "x_hand_jit",
+                    "x_seed_pmap", "flag"],
         "rows": rows,
         "single_device_flops": flops,
         "targets": [
-            {
-                "name": "spmdkit (default impl jit) / hand-written jit, geometric mean",
-                "value": geo(ratios_hand),
-                "target": f"<= {TARGET_HAND}",
-                "met": geo(ratios_hand) <= TARGET_HAND,
-            },
-            {
-                "name": "spmdkit (default impl jit) / seed-002 jax.pmap + pmean, geometric mean",
-                "value": geo(ratios_pmap),
-                "target": f"<= {TARGET_PMAP}",
-                "met": geo(ratios_pmap) <= TARGET_PMAP,
-            },
+            target("spmdkit (default impl jit) / hand-written jit, geometric mean of paired ratios",
+                   geomean(ratios_hand), "<=", TARGET_HAND),
+            target("spmdkit (default impl jit) / seed-002 jax.pmap + pmean, geometric mean of paired ratios",
+                   geomean(ratios_pmap), "<=", TARGET_PMAP),
+        ]
+        + [
+            target(f"{name} FLOP/s / f32 GEMM FLOP/s (same rounds, one device)",
+                   {"median": f["fraction_of_gemm"], "q1": f["fraction_of_gemm_iqr"][0],
+                    "q3": f["fraction_of_gemm_iqr"][1], "flags": f["flags"]}, ">=", TARGET_FLOPS)
+            for name, f in flops.items() if name.startswith("MLP")
         ],
         "notes": [
-            f"single-device digits step (batch {flops['batch_size']}): "
-            f"{flops['achieved_gflops']:.2f} GFLOP/s achieved vs {flops['gemm_peak_gflops']:.1f} GFLOP/s "
-            f"f32 GEMM peak measured in this run ({flops['fraction_of_peak']:.1%} of peak)"
+            f"{name}: {f['achieved_gflops']:.2f} GFLOP/s vs {flops['gemm_gflops']:.1f} GFLOP/s f32 GEMM "
+            f"in the same rounds ({f['fraction_of_gemm']:.1%} of it)"
+            for name, f in flops.items() if name != "gemm_gflops"
         ],
     }
+    return collect(report, runs)
+

@@ -17,8 +17,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdkit._bench._timing import interleaved, machine
 import inspect
+
+from spmdkit._bench._timing import case_row, machine, measure, ratio, target
+from spmdkit._bench.report import collect
 
 from spmdkit._strategies import Ensemble, Single
 from spmdkit._strategies.ensemble import MEMBER_LOOPS
@@ -60,7 +62,7 @@ def _sequential_case(task, opt, host, members: int):
     return call
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     task = digits.make()
     opt = optax.sgd(0.05, momentum=0.9)
     batch_size = 32 if quick else 64
@@ -75,32 +77,35 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
     cases[f"spmdkit ensemble, {min(n, MEMBERS)} devices"] = _ensemble_case(Ensemble(MEMBERS), task, opt, host)
     cases["sequential jit, 1 device"] = _sequential_case(task, opt, host, MEMBERS)
-    times = interleaved(cases, rounds=5 if quick else 9)
-    base = times["sequential jit, 1 device"]["median"]
-    rows = [
-        {
-            "impl": name,
-            "members": MEMBERS,
-            "batch": batch_size,
-            "median_ms": t["median"] * 1e3,
-            "members_per_s": MEMBERS / t["median"],
-            "x_sequential": t["median"] / base,
-        }
-        for name, t in times.items()
-    ]
-    one = times[f"spmdkit ensemble ({DEFAULT_LOOP}), 1 device"]["median"] / base
-    return {
+    times = measure(cases, rounds=rounds or (5 if quick else 9))
+    base = "sequential jit, 1 device"
+    rows = []
+    for name in cases:
+        c, r = case_row(times, name), ratio(times, name, base)
+        rows.append(
+            {
+                "impl": name,
+                "members": MEMBERS,
+                "batch": batch_size,
+                "median_ms": c["median"],
+                "iqr_pct": c["iqr_pct"],
+                "min_ms": c["min"],
+                "max_ms": c["max"],
+                "members_per_s": MEMBERS / times["cases"][name]["median"],
+                "x_sequential": r["median"],
+                "flag": ",".join(sorted(set(c["flag"].split(",") + r["flags"]) - {""})),
+            }
+        )
+    one = ratio(times, f"spmdkit ensemble ({DEFAULT_LOOP}), 1 device", base)
+    report = {
         "suite": "ensemble",
         "machine": machine(),
-        "columns": ["impl", "members", "batch", "median_ms", "members_per_s", "x_sequential"],
+        "columns": ["impl", "members", "batch", "median_ms", "iqr_pct", "min_ms", "max_ms", "members_per_s",
+                    "x_sequential", "flag"],
         "rows": rows,
         "targets": [
-            {
-                "name": f"ensemble of 8 on 1 device (default member_loop={DEFAULT_LOOP}) / "
-                "8 sequential jitted steps on 1 device (time)",
-                "value": one,
-                "target": f"< {TARGET_ONE_DEVICE}",
-                "met": one < TARGET_ONE_DEVICE,
-            }
+            target(f"ensemble of 8 on 1 device (default member_loop={DEFAULT_LOOP}) / "
+                   "8 sequential jitted steps on 1 device (time, paired per round)", one, "<", TARGET_ONE_DEVICE)
         ],
     }
+    return collect(report, {"ensemble": times})

@@ -1,34 +1,106 @@
 """``spmdkit bench --suite multiprocess``: two processes on two cores, against PyTorch.
 
-Same model, global batch (512) and steps for every case; samples/s of process 0:
-(a) spmdkit, 1 process using both cores; (b) spmdkit, 2 processes x 1 device via
-``spmdkit launch`` (jax.distributed, gloo), with the levers one by one; (c) PyTorch,
-1 process, 2 threads; (d) PyTorch DistributedDataParallel, gloo, 2 processes.
+Same model, global batch (512) and steps for every case; each case is one launch of
+:mod:`spmdkit._bench.mp_worker` (or two under ``spmdkit launch``), which reports its mean
+step time after warm-up steps. Launches are interleaved like every other suite's cases:
+R rounds, every case once per round, in a rotating order.
+
+(a) spmdkit, 1 process using every core; (b) spmdkit, 2 processes x 1 device
+(jax.distributed, gloo): the strategy's default, ``impl="jit"``, and a hand-written
+shard_map step with one all-reduce per leaf; (c) PyTorch, 1 process; (d) PyTorch
+DistributedDataParallel, gloo, 2 processes. PyTorch runs with its best settings (threads
+= cores / processes, or its default; ``torch.compile``): the targets compare against the
+fastest PyTorch case of the same run. ``levers=`` adds the levers of :data:`LEVERS`.
 PyTorch is an optional extra (``pip install -e '.[bench]'``, torch 2.13.0 CPU); without
-it the suite reports the spmdkit cases only.
+it the suite reports the spmdkit cases only, and says so.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
 
-from spmdkit._bench._timing import machine
+from spmdkit._bench._timing import inverse, machine, measure, ratio, target
+from spmdkit._bench.report import collect
 
 WORKER = [sys.executable, "-m", "spmdkit._bench.mp_worker"]
 LAUNCH = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
+MODELS = {"mlp": "MLP 784-1024-1024-10", "cnn": "digits CNN"}
+BATCH = 512
+
+# name -> extra cases: (label, command prefix, worker arguments)
+LEVERS: dict[str, list[tuple[str, list[str], list[str]]]] = {
+    "allreduce": [
+        ("(b) lever: hand shard_map, one packed all-reduce", LAUNCH, ["--allreduce", "packed"]),
+        ("(b) lever: hand shard_map, 4 bucketed all-reduces", LAUNCH, ["--allreduce", "bucketed", "--buckets", "4"]),
+        ("(b) lever: hand shard_map, 8 bucketed all-reduces", LAUNCH, ["--allreduce", "bucketed", "--buckets", "8"]),
+    ],
+    "bf16": [
+        ("(b) lever: packed all-reduce in bf16", LAUNCH, ["--allreduce", "packed", "--grad-dtype", "bf16"]),
+        ("(b) lever: 4 buckets in bf16", LAUNCH, ["--allreduce", "bucketed", "--grad-dtype", "bf16"]),
+    ],
+    "accum": [
+        ("(b) lever: strategy default + grad-accum 2", LAUNCH, ["--accum", "2"]),
+        ("(b) lever: hand packed + grad-accum 2 (unrolled)", LAUNCH, ["--allreduce", "packed", "--accum", "2"]),
+    ],
+    "threads": [
+        ("(a) lever: 1 process pinned to 1 core", WORKER, ["--threads", "1"]),
+        ("(b) lever: default, each process pinned to its own core", LAUNCH, ["--threads", "1"]),
+    ],
+    "xla": [
+        ("(b) lever: default, --xla_cpu_multi_thread_eigen=false", LAUNCH,
+         ["--xla-flags=--xla_cpu_multi_thread_eigen=false"]),
+    ],
+}
 
 
-def _rate(cmd: list[str]) -> float | None:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    for line in out.stdout.splitlines():
-        line = line.removeprefix("[0] ")
-        if line.startswith("{"):
-            return float(json.loads(line)["samples_per_s"])
-    sys.stderr.write(out.stderr[-2000:])
-    return None
+def _cases(quick: bool, torch: bool, levers: list[str]) -> dict[str, tuple[list[str], list[str]]]:
+    """label -> (command prefix, worker arguments), for one model."""
+    cases = {
+        "(a) spmdkit, 1 process": (WORKER, ["--framework", "jax"]),
+        "(b) spmdkit, 2 processes, default": (LAUNCH, ["--framework", "jax"]),
+    }
+    if not quick:
+        cases["(b) spmdkit, 2 processes, impl jit"] = (LAUNCH, ["--framework", "jax", "--impl", "jit"])
+        cases["(b) hand shard_map, one all-reduce per leaf"] = (LAUNCH, ["--framework", "jax", "--allreduce", "leaf"])
+    if torch:
+        cases["(c) PyTorch, 1 process"] = (WORKER, ["--framework", "torch"])
+        cases["(d) PyTorch DDP, 2 processes, cores/processes threads"] = (LAUNCH, ["--framework", "torch"])
+        if not quick:
+            cases["(c) PyTorch, 1 process, torch.compile"] = (WORKER, ["--framework", "torch", "--compile"])
+            cases["(d) PyTorch DDP, default threads"] = (LAUNCH, ["--framework", "torch", "--torch-threads", "0"])
+            cases["(d) PyTorch DDP, torch.compile"] = (LAUNCH, ["--framework", "torch", "--compile"])
+    for lever in levers:
+        for label, prefix, extra in LEVERS[lever]:
+            cases[label] = (prefix, ["--framework", "jax", *extra])
+    return cases
+
+
+def _launcher(cmd: list[str], errors: dict[str, str], label: str, steps: dict[str, list[list[float]]]):
+    """A self-timed case: one launch, its mean step time, or None (stderr kept in ``errors``).
+
+    Every launch's own per-step times go to ``steps[label]``, to see the spread inside a process.
+    """
+
+    def case() -> float | None:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            errors[label] = "timed out after 900 s"
+            return None
+        for line in out.stdout.splitlines():
+            line = line.removeprefix("[0] ")
+            if line.startswith("{"):
+                result = json.loads(line)
+                steps.setdefault(label, []).append(result["step_times"])
+                return float(result["step_s"])
+        errors[label] = out.stderr[-2000:]
+        return None
+
+    return case
 
 
 def _have_torch() -> bool:
@@ -39,40 +111,87 @@ def _have_torch() -> bool:
     return True
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    steps = "10" if quick else "40"
+def check_levers(levers: str | None) -> list[str]:
+    """The lever names of a ``--levers`` value ('all' or a comma-separated list); ValueError names an unknown one."""
+    if not levers:
+        return []
+    names = list(LEVERS) if levers == "all" else [n.strip() for n in levers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown:
+        raise ValueError(f"unknown lever(s) {unknown} for --levers: choose from {list(LEVERS)} or 'all'")
+    return names
+
+
+def _best(run: dict[str, Any], prefix: str) -> str | None:
+    """The fastest case (lowest median step time) whose label starts with ``prefix``."""
+    ok = [k for k, c in run["cases"].items() if k.startswith(prefix) and c["median"] == c["median"]]
+    return min(ok, key=lambda k: run["cases"][k]["median"]) if ok else None
+
+
+def _model_targets(model: str, run: dict[str, Any]) -> list[dict[str, Any]]:
+    c, d, b_best = _best(run, "(c)"), _best(run, "(d)"), _best(run, "(b)")
+    pairs = [("(b) default / best (d)", "(b) spmdkit, 2 processes, default", d),
+             (f"best (b) [{b_best}] / best (d)", b_best, d),
+             ("(a) / best (c)", "(a) spmdkit, 1 process", c)]
+    out = []
+    for label, ours, theirs in pairs:
+        if ours and theirs:
+            # Throughput ratio, paired per round: their step time / ours.
+            out.append(target(f"{model}: {label} [{theirs}] (samples/s)", inverse(ratio(run, ours, theirs)), ">=", 1.0))
+    return out
+
+
+def run(quick: bool = False, rounds: int | None = None, levers: str | None = None) -> dict[str, Any]:
+    steps = 5 if quick else 40
+    rounds = rounds or (2 if quick else 5)
     torch = _have_torch()
-    rows, targets = [], []
-    for model in ("mlp", "cnn"):
-        base = ["--model", model, "--steps", steps]
-        cases = {
-            "(a) spmdkit, 1 process": WORKER + ["--framework", "jax", *base],
-            "(b) spmdkit, 2 processes, impl jit": LAUNCH + WORKER + ["--framework", "jax", *base, "--impl", "jit"],
-            "(b) default: shard_map, one packed all-reduce": LAUNCH + WORKER + ["--framework", "jax", *base],
-            "(b) + shard_map + grad-accum 2": LAUNCH + WORKER + ["--framework", "jax", *base, "--impl", "shard_map", "--accum", "2"],
-        }
-        if torch:
-            cases["(c) PyTorch, 1 process, 2 threads"] = WORKER + ["--framework", "torch", *base]
-            cases["(d) PyTorch DDP, 2 processes"] = LAUNCH + WORKER + ["--framework", "torch", *base]
-        rates = {name: _rate(cmd) for name, cmd in cases.items()}
-        for name, rate in rates.items():
-            rows.append({"model": "MLP 784-1024-1024-10" if model == "mlp" else "digits CNN", "case": name,
-                         "samples_per_s": rate if rate is not None else float("nan")})
-        if torch:
-            best_b = max(v for k, v in rates.items() if k.startswith("(b)") and v)
-            for label, ours, theirs in (
-                ("(b) default / (d)", rates["(b) default: shard_map, one packed all-reduce"], rates["(d) PyTorch DDP, 2 processes"]),
-                ("(b) best lever / (d)", best_b, rates["(d) PyTorch DDP, 2 processes"]),
-                ("(a) / (c)", rates["(a) spmdkit, 1 process"], rates["(c) PyTorch, 1 process, 2 threads"]),
-            ):
-                value = (ours or 0.0) / (theirs or float("inf"))
-                targets.append({"name": f"{model}: {label}", "value": value, "target": ">= 1.0", "met": value >= 1.0})
-    return {
+    chosen = check_levers(levers)
+    models = ["mlp"] if quick else list(MODELS)
+    rows, targets, runs, errors, step_times = [], [], {}, {}, {}
+    for model in models:
+        base = ["--model", model, "--steps", str(steps), "--batch", str(BATCH)]
+        # A case's prefix is WORKER (one process) or LAUNCH (two): LAUNCH runs WORKER under it.
+        cases = {label: _launcher((LAUNCH if prefix is LAUNCH else []) + WORKER + args + base, errors,
+                                  f"{model}: {label}", step_times)
+                 for label, (prefix, args) in _cases(quick, torch, chosen).items()}
+        if not quick:
+            first = next(iter(cases))
+            cases[first]()  # one untimed launch: the OS's file caches
+            step_times.pop(f"{model}: {first}", None)
+            errors.pop(f"{model}: {first}", None)
+        run = measure(cases, rounds=rounds, warmup=0, self_timed=True)
+        runs[MODELS[model]] = run
+        for label, c in run["cases"].items():
+            ok = c["median"] == c["median"]
+            rows.append({
+                "model": MODELS[model],
+                "case": label,
+                "samples_per_s": BATCH / c["median"] if ok else float("nan"),
+                "iqr_pct": 100 * c["iqr_rel"] if ok else float("nan"),
+                "min_per_s": BATCH / c["max"] if ok else float("nan"),
+                "max_per_s": BATCH / c["min"] if ok else float("nan"),
+                "flag": ",".join(c["flags"]),
+            })
+        targets += _model_targets(model, run)
+    notes = [f"global batch {BATCH}, SGD, {steps} timed steps after 5 warm-up steps in each launch, every step synced; "
+             f"{os.cpu_count()} cores; each round launches every case once, in a rotating order"]
+    if not torch:
+        notes.append("PyTorch is not installed: spmdkit cases only, no targets "
+                     "(pip install -e '.[bench]' for cases (c) and (d))")
+    if quick:
+        notes.append("quick: MLP only, fewer cases and rounds; a smoke run, not figures")
+    report = {
         "suite": "multiprocess",
         "machine": machine(),
-        "columns": ["model", "case", "samples_per_s"],
+        "columns": ["model", "case", "samples_per_s", "iqr_pct", "min_per_s", "max_per_s", "flag"],
         "rows": rows,
         "targets": targets,
-        "notes": [f"global batch 512, SGD, {steps} timed steps after 5 warm-up steps, every step synced"]
-        + ([] if torch else ["PyTorch is not installed: pip install -e '.[bench]' for cases (c) and (d)"]),
+        "levers": chosen,
+        "errors": errors,
+        "launch_step_times": step_times,
+        "notes": notes,
     }
+    report = collect(report, runs)
+    report["warnings"] += [f"{label} failed: {err.strip().splitlines()[-1] if err.strip() else '?'}"
+                           for label, err in errors.items()]
+    return report

@@ -3,7 +3,9 @@
 Time from process start to the end of the first training step (``first_step_s`` in
 summary.json: interpreter start-up, imports, data, init and compilation included), for a
 first start with an empty cache and a second start that finds the first one's programs.
-Each round uses a fresh cache directory; the workloads take turns in a rotating order.
+Each round uses a fresh cache directory; the workloads take turns in a rotating order
+(BENCHMARKS.md "Method"; a first and a second start stay together in a round, since the
+second needs the first one's cache), and each ratio pairs the two starts of one round.
 The floor is the time to start Python and import spmdkit, which no cache can save.
 """
 
@@ -11,14 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from spmdkit._bench._timing import machine
+from spmdkit._bench._timing import LoadMeter, idle_load, machine, ratio, record, rotations, target
+from spmdkit._bench.report import collect
 
 CLI = [sys.executable, "-m", "spmdkit._cli"]
 WORKLOADS = {
@@ -44,57 +46,57 @@ def _import_floor_s() -> float:
     return time.perf_counter() - t0
 
 
-def _spread(xs: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
-    return {"median": statistics.median(xs), "iqr": q[2] - q[0], "min": min(xs), "max": max(xs)}
-
-
-def run(quick: bool = False) -> dict[str, Any]:
-    rounds = 2 if quick else 5
-    load_before = os.getloadavg()
-    samples: dict[str, dict[str, list[float]]] = {w: {"cold": [], "warm": [], "ratio": []} for w in WORKLOADS}
-    floor: list[float] = []
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    rounds = rounds or (2 if quick else 5)
     names = list(WORKLOADS)
+    times: dict[str, list[float | None]] = {"import floor": []}
+    for name in names:
+        times[f"{name}: first start"], times[f"{name}: second start"] = [], []
+    order = []
+    before = idle_load()
+    meter = LoadMeter()
     with tempfile.TemporaryDirectory(prefix="spmdkit-bench-startup-") as tmp:
-        for r in range(rounds):
-            floor.append(_import_floor_s())
-            for i, name in enumerate(names[r % len(names):] + names[: r % len(names)]):
-                cache, out = os.path.join(tmp, f"cache-{r}-{i}"), os.path.join(tmp, f"out-{r}-{i}")
-                cold = _first_step_s(WORKLOADS[name], cache, out)
-                warm = _first_step_s(WORKLOADS[name], cache, out)
-                s = samples[name]
-                s["cold"].append(cold)
-                s["warm"].append(warm)
-                s["ratio"].append(warm / cold)
-    load_after = os.getloadavg()
+        # A second start needs the first start's cache: the pair stays together within a
+        # round, and the workloads (and the floor) take turns in a rotating order.
+        for turn in rotations(["import floor", *names], rounds):
+            order.append([])
+            for i, name in enumerate(turn):
+                if name == "import floor":
+                    times[name].append(_import_floor_s())
+                    order[-1].append(name)
+                    continue
+                cache, out = os.path.join(tmp, f"cache-{len(order)}-{i}"), os.path.join(tmp, f"out-{len(order)}-{i}")
+                times[f"{name}: first start"].append(_first_step_s(WORKLOADS[name], cache, out))
+                times[f"{name}: second start"].append(_first_step_s(WORKLOADS[name], cache, out))
+                order[-1] += [f"{name}: first start", f"{name}: second start"]
+    run_record = record(times, order, {"before": before, "during": meter.stop(), "after": idle_load()})
     rows, targets = [], []
-    floor_s = _spread(floor)
-    for name, s in samples.items():
-        cold, warm, ratio = _spread(s["cold"]), _spread(s["warm"]), _spread(s["ratio"])
+    floor = run_record["cases"]["import floor"]
+    for name in names:
+        first, second = f"{name}: first start", f"{name}: second start"
+        r = ratio(run_record, second, first)
         rows.append({
             "workload": name,
-            "first start (s)": cold["median"],
-            "second start (s)": warm["median"],
-            "second / first": ratio["median"],
-            "ratio min-max": f"{ratio['min']:.2f}-{ratio['max']:.2f}",
-            "import floor (s)": floor_s["median"],
+            "first start (s)": run_record["cases"][first]["median"],
+            "second start (s)": run_record["cases"][second]["median"],
+            "second / first": r["median"],
+            "ratio IQR": f"{r['q1']:.2f}-{r['q3']:.2f}",
+            "import floor (s)": floor["median"],
+            "flag": ",".join(sorted(set(r["flags"]) | set(run_record["cases"][second]["flags"]))),
         })
-        targets.append({"name": f"second start / first start, {name}", "value": ratio["median"],
-                        "target": f"<= {TARGET}", "met": ratio["median"] <= TARGET})
+        targets.append(target(f"second start / first start, {name} (paired per round)", r, "<=", TARGET))
     notes = [
         f"{rounds} rounds, each with a fresh cache directory, workloads in rotating order; medians, "
-        "per-round ratios (min-max shown).",
-        f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}"
-        + (": the machine was busy, figures are doubtful" if max(load_before[0], load_after[0]) > 1.0 else "."),
+        "ratios paired per round (IQR shown).",
         "time from process start to the end of step 1 (summary.json first_step_s); the import floor is "
         "`python -c 'import spmdkit._cli'`, which a cache cannot shorten.",
     ]
-    return {
+    report = {
         "suite": "startup",
         "machine": machine(),
         "columns": list(rows[0]),
         "rows": rows,
         "targets": targets,
         "notes": notes,
-        "raw": samples,
     }
+    return collect(report, {"startup": run_record})

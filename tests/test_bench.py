@@ -1,0 +1,260 @@
+"""Benchmarks: the timing method, the multiprocess levers' steps, and `spmdkit bench` smoke runs.
+
+No test asserts a speed: the machine running the tests is shared. The smoke runs check
+that every suite runs, interleaves its cases and writes its figures with their spread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from spmdkit._bench import _timing, multiprocess_suite, mp_worker
+
+SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
+
+
+def run_cli(*args: str, timeout: int = 300):
+    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
+    return subprocess.run([SPMDKIT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def scripted(values):
+    """A self-timed case that returns the given seconds, one per call."""
+    it = iter(values)
+    return lambda: next(it)
+
+
+# ---- the timing method -------------------------------------------------------------
+
+def test_rounds_rotate_the_order_and_every_case_runs_once_per_round():
+    calls = []
+    cases = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    run = _timing.measure(cases, rounds=5, warmup=1, round_seconds=0, idle_seconds=0)
+    assert run["order"][:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    # Warm-up and one calibration call each (how many calls fill a round), then the rounds.
+    assert calls[:6] == ["a", "a", "b", "b", "c", "c"]
+    assert calls[6:] == [n for order in run["order"] for n in order]
+    assert all(len(c["times"]) == 5 for c in run["cases"].values())
+    assert set(run["load"]) == {"before", "during", "after"}
+
+
+def test_median_quartiles_and_paired_ratio():
+    run = _timing.measure(
+        {"a": scripted([2.0, 4.0, 2.2, 1.8, 2.0]), "b": scripted([1.0, 2.0, 1.1, 0.9, 1.0])},
+        rounds=5, warmup=0, self_timed=True, idle_seconds=0,
+    )
+    a = run["cases"]["a"]
+    assert a["median"] == 2.0 and (a["min"], a["max"]) == (1.8, 4.0)
+    assert a["q1"] == 2.0 and a["q3"] == 2.2
+    # Every round is twice as slow for a as for b, the outlier round included: the
+    # paired ratio has no spread, while a's own times do.
+    r = _timing.ratio(run, "a", "b")
+    assert r["median"] == pytest.approx(2.0) and r["q3"] - r["q1"] == pytest.approx(0.0)
+    assert r["of_medians"] == pytest.approx(2.0)
+    flipped = _timing.inverse(r)
+    assert flipped["median"] == pytest.approx(0.5)
+
+
+def test_spread_over_ten_percent_is_flagged_and_warned(monkeypatch):
+    monkeypatch.setattr(_timing, "_load_flag", lambda load: None)
+    run = _timing.measure(
+        {"steady": scripted([1.0] * 5), "noisy": scripted([1.0, 1.5, 0.7, 1.3, 1.0])},
+        rounds=5, warmup=0, self_timed=True, idle_seconds=0,
+    )
+    assert run["cases"]["steady"]["flags"] == []
+    assert run["cases"]["noisy"]["flags"] == ["spread"]
+    assert any("noisy: spread" in w for w in run["warnings"])
+    assert "spread" in _timing.ratio(run, "noisy", "steady")["flags"]
+
+
+def test_a_busy_machine_flags_every_figure(monkeypatch):
+    busy = {"loadavg": [3.0, 3.0, 3.0], "other_cpu": 0.6}
+    monkeypatch.setattr(_timing, "idle_load", lambda seconds: busy)
+    run = _timing.measure({"a": scripted([1.0] * 5)}, rounds=5, warmup=0, self_timed=True)
+    assert "load" in run["flags"] and "load" in run["cases"]["a"]["flags"]
+    assert any("machine busy: other processes used 60%" in w for w in run["warnings"])
+
+
+def test_fewer_than_five_rounds_is_a_smoke_run_and_a_failed_case_is_named(monkeypatch):
+    monkeypatch.setattr(_timing, "_load_flag", lambda load: None)
+    run = _timing.measure({"ok": scripted([1.0, 1.0]), "broken": scripted([None, 2.0])},
+                          rounds=2, warmup=0, self_timed=True, idle_seconds=0)
+    assert run["flags"] == ["rounds"]
+    assert run["cases"]["broken"]["times"] == [None, 2.0] and "failed" in run["cases"]["broken"]["flags"]
+    assert any("broken: failed in 1 of 2 rounds" in w for w in run["warnings"])
+
+
+def test_load_meter_reads_the_machine():
+    snap = _timing.idle_load(0.05)
+    assert len(snap["loadavg"]) == 3
+    assert snap["other_cpu"] is None or 0.0 <= snap["other_cpu"] <= 1.0
+
+
+# ---- the multiprocess suite's cases and levers -------------------------------------
+
+def test_multiprocess_cases_without_torch_are_spmdkit_only():
+    cases = multiprocess_suite._cases(quick=False, torch=False, levers=[])
+    assert all(label.startswith(("(a)", "(b)")) for label in cases)
+    assert "(b) hand shard_map, one all-reduce per leaf" in cases
+    with_torch = multiprocess_suite._cases(quick=False, torch=True, levers=["allreduce", "bf16"])
+    assert "(c) PyTorch, 1 process, torch.compile" in with_torch and "(d) PyTorch DDP, default threads" in with_torch
+    assert "(b) lever: packed all-reduce in bf16" in with_torch
+    with pytest.raises(ValueError, match="unknown lever"):
+        multiprocess_suite.check_levers("allreduce,warp")
+    assert multiprocess_suite.check_levers("all") == list(multiprocess_suite.LEVERS)
+
+
+def test_targets_compare_against_the_fastest_pytorch_case():
+    def case(times):
+        return {"times": times, "median": float(np.median(times)), "flags": []}
+
+    run = {"cases": {
+        "(a) spmdkit, 1 process": case([1.0, 1.0]),
+        "(b) spmdkit, 2 processes, default": case([2.0, 2.0]),
+        "(c) PyTorch, 1 process": case([4.0, 4.0]),
+        "(c) PyTorch, 1 process, torch.compile": case([0.5, 0.5]),
+        "(d) PyTorch DDP, 2 processes, cores/processes threads": case([1.0, 1.0]),
+    }}
+    targets = {t["name"].split(" [")[0]: t for t in multiprocess_suite._model_targets("mlp", run)}
+    assert targets["mlp: (a) / best (c)"]["value"] == pytest.approx(0.5)  # vs torch.compile, not eager
+    assert targets["mlp: (b) default / best (d)"]["value"] == pytest.approx(0.5)
+    assert not targets["mlp: (a) / best (c)"]["met"]
+
+
+def test_buckets_cover_every_leaf_once_in_backward_order():
+    leaves = [np.zeros(n) for n in (10, 1, 30, 2, 50, 3)]
+    groups = mp_worker._buckets(leaves, 3)
+    assert len(groups) == 3
+    assert [i for g in groups for i in g] == [5, 4, 3, 2, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--allreduce", "leaf"],
+        ["--allreduce", "packed"],
+        ["--allreduce", "bucketed", "--buckets", "3"],
+        ["--allreduce", "packed", "--accum", "2"],
+        ["--allreduce", "bucketed", "--grad-dtype", "bf16"],
+    ],
+)
+def test_hand_written_levers_compute_the_single_device_step(args):
+    """Every lever's step, on 8 devices, gives the plain one-device SGD step's parameters."""
+    import flax.linen as nn
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from spmdkit._mesh import make_mesh
+
+    a = mp_worker.parser().parse_args(["--framework", "jax", "--model", "mlp", *args])
+    net = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(10)])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 12)).astype(np.float32)
+    y = rng.integers(0, 10, 32).astype(np.int32)
+    params = net.init(jax.random.key(0), x[:1])["params"]
+    opt = optax.sgd(0.5)
+
+    def loss(p):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, x), y).mean()
+
+    expected = optax.apply_updates(params, jax.tree.map(lambda g: -0.5 * g, jax.grad(loss)(params)))
+    mesh = make_mesh(data=8)
+    repl, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    step = mp_worker._hand_step(net, opt, mesh, a)
+    placed = jax.device_put(params, repl)
+    new, _ = step(placed, jax.device_put(opt.init(params), repl), jax.device_put(x, split), jax.device_put(y, split))
+    tol = 2e-2 if a.grad_dtype == "bf16" else 1e-5  # bf16 keeps 8 bits of mantissa
+    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * 1e-1)
+    assert jnp.all(jnp.isfinite(jax.tree.leaves(new)[0]))
+
+
+# ---- `spmdkit bench` smoke runs (--quick: small shapes, never figures) ----------------
+
+def test_bench_levers_only_for_multiprocess():
+    out = run_cli("bench", "--suite", "pmap", "--quick", "--levers", "bf16", timeout=120)
+    assert out.returncode == 2 and "--levers is an option of --suite multiprocess" in out.stdout
+    out = run_cli("bench", "--suite", "multiprocess", "--levers", "bf16,warp", timeout=120)
+    assert out.returncode == 2 and "unknown lever(s) ['warp']" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
+    from spmdkit._bench import SUITES
+
+    out = run_cli("bench", "--all", "--quick", "--json", str(tmp_path / "json"), "--markdown", str(tmp_path / "md"),
+                  timeout=2400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "json")) == sorted(f"{s}.json" for s in SUITES)
+    assert sorted(os.listdir(tmp_path / "md")) == sorted(f"{s}.md" for s in SUITES)
+    reports = {s: json.loads((tmp_path / "json" / f"{s}.json").read_text()) for s in SUITES}
+    for name, report in reports.items():
+        assert report["suite"] == name and report["machine"]["devices"] == 8
+        assert "target" in (tmp_path / "md" / f"{name}.md").read_text() or not report.get("targets")
+
+    # Every suite that uses the method records rounds, per-round times and the load.
+    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup"):
+        report = reports[name]
+        assert report["load"]["before"]["loadavg"] and report["load"]["after"]["loadavg"]
+        for run in report["timings"].values():
+            assert all(len(c["times"]) == run["rounds"] for c in run["cases"].values())
+            if len(run["cases"]) > 1 and run["rounds"] > 1:
+                assert run["order"][0] != run["order"][1]  # rotated
+        for t in report["targets"]:
+            assert isinstance(t["met"], bool) and "flags" in t
+
+    data = reports["data"]
+    assert {r["impl"] for r in data["rows"]} == {"spmdkit jit", "spmdkit shard_map", "hand jit", "seed-002 pmap"}
+    assert all(r["loss_spread"] < 1e-4 for r in data["rows"])  # same loss from the same state and batch
+    assert [t["target"] for t in data["targets"]] == ["<= 1.02", "<= 1.0", ">= 0.8"]
+    assert all(r["iqr_pct"] >= 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in data["rows"])
+
+    impls = [r["impl"] for r in reports["ensemble"]["rows"]]
+    assert "sequential jit, 1 device" in impls and "spmdkit ensemble, 8 devices" in impls
+
+    sharded = reports["sharded"]
+    assert [r["layout"] for r in sharded["rows"]] == ["dp", "fsdp", "tp", "dp+tp", "fsdp+tp"]
+    assert all(r["compile_s"] > 0 and r["args_mib"] > 0 for r in sharded["rows"])
+    assert [r["layers"] for r in sharded["compile_rows"]] == [4, 16]
+
+    ckpt = reports["checkpoint"]
+    ops = [r["operation"] for r in ckpt["rows"]]
+    assert "raw sequential write" in ops and "spmdkit restore (resharded)" in ops
+    assert all(r["GB_per_s"] > 0 for r in ckpt["rows"])
+    assert [t["target"] for t in ckpt["targets"]] == [">= 0.5", ">= 0.5"]
+
+    mp = reports["multiprocess"]
+    rates = {r["case"]: r["samples_per_s"] for r in mp["rows"]}
+    assert rates["(a) spmdkit, 1 process"] > 0
+    assert rates["(b) spmdkit, 2 processes, default"] > 0  # two processes really ran
+    assert mp["errors"] == {}
+    launches = mp["launch_step_times"]["mlp: (b) spmdkit, 2 processes, default"]
+    assert len(launches) == mp["timings"]["MLP 784-1024-1024-10"]["rounds"] and all(len(t) == 5 for t in launches)
+    assert "rounds" in mp["timings"]["MLP 784-1024-1024-10"]["flags"]  # quick: a smoke run, and it says so
+
+
+def test_bench_compare_two_runs_target_by_target(tmp_path, capsys):
+    from spmdkit._cli import main
+
+    def write(d, values):
+        d.mkdir()
+        for suite, value in values.items():
+            (d / f"{suite}.json").write_text(json.dumps(
+                {"suite": suite, "targets": [{"name": f"{suite} ratio [best case]", "value": value}]}))
+
+    write(tmp_path / "one", {"data": 1.00, "multiprocess": 0.80})
+    write(tmp_path / "two", {"data": 1.05, "multiprocess": 0.80})
+    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "two")]) == 0
+    assert "data ratio" in capsys.readouterr().out
+    write(tmp_path / "three", {"data": 1.30, "multiprocess": 0.80})
+    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "three")]) == 1
+    assert "NO" in capsys.readouterr().out
+    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "missing")]) == 2
