@@ -20,7 +20,6 @@ from typing import Any
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdkit._bench._timing import interleaved, machine
+from spmdkit._bench._timing import LoadMeter, case_row, geomean, machine, measure, ratio, record, rotations, target
+from spmdkit._bench.report import collect
 from spmdkit._demo import convolve
 from spmdkit._pmap import pmap as spmd_pmap
 
@@ -93,9 +93,28 @@ def _all_workloads(n: int, quick: bool):
         yield from _nested_workloads(n).items()
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    n = jax.local_device_count()
+def _rows(times: dict[str, Any], name: str, inputs: str) -> list[dict[str, Any]]:
     rows = []
+    for impl in times["cases"]:
+        c = case_row(times, impl, scale=1e6)
+        rp = ratio(times, impl, "jax.pmap")
+        # The multi-process case has no one-device baseline.
+        rv = ratio(times, impl, "jit(vmap)") if "jit(vmap)" in times["cases"] else {"median": float("nan")}
+        rows.append({
+            "workload": name, "inputs": inputs, "impl": impl, "median_us": c["median"],
+            "iqr_pct": c["iqr_pct"], "min_us": c["min"], "max_us": c["max"],
+            "x_jax_pmap": rp["median"], "x_jit_vmap": rv["median"],
+            "flag": ",".join(sorted(set(c["flag"].split(",") + rp["flags"]) - {""})),
+        })
+    return rows
+
+
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    rounds = rounds or (5 if quick else 9)
+    n = jax.local_device_count()
+    rows: list[dict[str, Any]] = []
+    runs: dict[str, dict[str, Any]] = {}
+    ours: list[dict[str, Any]] = []  # spmdkit.pmap / jax.pmap per workload and inputs
     for name, impls in _all_workloads(n, quick):
         ref_fn, ref_args = impls["jit(vmap)"]
         reference = np.asarray(ref_fn(*ref_args))
@@ -114,53 +133,38 @@ def run(quick: bool = False) -> dict[str, Any]:
                     else host_args
                 )
                 cases[impl] = (lambda fn=fn, args=args: jax.block_until_ready(fn(*args)))
-            times = interleaved(cases, rounds=5 if quick else 9)
-            base = times["jax.pmap"]["median"]
-            vmap_t = times["jit(vmap)"]["median"]
-            for impl, t in times.items():
-                rows.append(
-                    {
-                        "workload": name,
-                        "inputs": inputs,
-                        "impl": impl,
-                        "median_us": t["median"] * 1e6,
-                        "min_us": t["min"] * 1e6,
-                        "x_jax_pmap": t["median"] / base,
-                        "x_jit_vmap": t["median"] / vmap_t,
-                    }
-                )
+            times = measure(cases, rounds=rounds)
+            runs[f"{name}, {inputs} inputs"] = times
+            rows += _rows(times, name, inputs)
+            ours.append(ratio(times, "spmdkit.pmap", "jax.pmap"))
     notes = []
-    mp_rows = _multiprocess(quick)
-    if mp_rows:
-        rows += mp_rows
+    mp = _multiprocess(quick, rounds)
+    if mp:
+        rows += mp["rows"]
+        ours.append(mp["ratio"])
     else:
         notes.append("multi-process case did not run (see stderr)")
-    ours = [r["x_jax_pmap"] for r in rows if r["impl"] == "spmdkit.pmap"]
-    geo = float(np.exp(np.mean(np.log(ours))))
-    return {
+    geo = geomean(ours)
+    report = {
         "suite": "pmap",
         "machine": machine(),
-        "columns": ["workload", "inputs", "impl", "median_us", "min_us", "x_jax_pmap", "x_jit_vmap"],
+        "columns": ["workload", "inputs", "impl", "median_us", "iqr_pct", "min_us", "max_us", "x_jax_pmap",
+                    "x_jit_vmap", "flag"],
         "rows": rows,
-        "targets": [
-            {
-                "name": "spmdkit.pmap / jax.pmap (geometric mean over workloads and inputs)",
-                "value": geo,
-                "target": f"<= {TARGET}",
-                "met": geo <= TARGET,
-            }
-        ],
+        "targets": [target("spmdkit.pmap / jax.pmap (geometric mean over workloads and inputs of paired ratios)",
+                           geo, "<=", TARGET)],
         "notes": notes,
     }
+    return collect(report, runs)
 
 
 MP_LAUNCH = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
 
 
-def _multiprocess(quick: bool) -> list[dict[str, Any]]:
-    """2 processes x 1 device: x / psum(x) across processes; process 0's rows."""
+def _multiprocess(quick: bool, rounds: int) -> dict[str, Any] | None:
+    """2 processes x 1 device: x / psum(x) across processes; process 0's rows and ratio."""
     cmd = MP_LAUNCH + [sys.executable, "-W", "ignore::RuntimeWarning", "-m",
-                       "spmdkit._bench.pmap_suite", "--worker"] + (["--quick"] if quick else [])
+                       "spmdkit._bench.pmap_suite", "--worker", "--rounds", str(rounds)] + (["--quick"] if quick else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMDKIT_", "JAX_", "XLA_"))}
     # Its own session: on a timeout the launcher and both workers die together (SIGKILL:
     # JAX catches SIGTERM once jax.distributed is up).
@@ -172,16 +176,16 @@ def _multiprocess(quick: bool) -> list[dict[str, Any]]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         sys.stderr.write("pmap bench: the multi-process case timed out\n")
-        return []
+        return None
     for line in stdout.splitlines():
         line = line.removeprefix("[0] ")
-        if line.startswith("[{"):
+        if line.startswith('{"rows"'):
             return json.loads(line)
     sys.stderr.write(stderr[-2000:])
-    return []
+    return None
 
 
-def _worker(quick: bool) -> None:
+def _worker(quick: bool, rounds: int) -> None:
     from spmdkit._launch import initialize_distributed
 
     initialize_distributed()
@@ -194,27 +198,26 @@ def _worker(quick: bool) -> None:
         outs["spmdkit.pmap"].addressable_data(0), outs["jax.pmap"].addressable_data(0), rtol=1e-6
     )
     # Fixed call counts: every process must make the same calls, or a collective
-    # waits forever for its peer (interleaved() sizes rounds by each process's clock).
-    calls, rounds = (5, 3) if quick else (50, 9)
-    samples: dict[str, list[float]] = {k: [] for k in impls}
-    for r in range(rounds):
-        for k in list(impls)[r % 2 :] + list(impls)[: r % 2]:
+    # waits forever for its peer (measure() sizes rounds by each process's clock).
+    calls = 5 if quick else 50
+    samples: dict[str, list[float | None]] = {k: [] for k in impls}
+    order = rotations(list(impls), rounds)
+    meter = LoadMeter()
+    for round_order in order:
+        for k in round_order:
             t0 = time.perf_counter()
             for _ in range(calls):
                 jax.block_until_ready(impls[k](local))
             samples[k].append((time.perf_counter() - t0) / calls)
-    times = {k: {"median": statistics.median(v), "min": min(v)} for k, v in samples.items()}
-    base = times["jax.pmap"]["median"]
+    during = meter.stop()
+    times = record(samples, order, {"before": during, "during": during, "after": during})
     name = f"2 processes x 1 device: x / psum(x), [{size}] per device"
-    rows = [
-        {"workload": name, "inputs": "host", "impl": k, "median_us": t["median"] * 1e6,
-         "min_us": t["min"] * 1e6, "x_jax_pmap": t["median"] / base, "x_jit_vmap": float("nan")}
-        for k, t in times.items()
-    ]
     if jax.process_index() == 0:
-        print(json.dumps(rows), flush=True)
+        r = ratio(times, "spmdkit.pmap", "jax.pmap")
+        rows = _rows(times, name, "host")
+        print(json.dumps({"rows": rows, "ratio": r}), flush=True)
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        _worker("--quick" in sys.argv)
+        _worker("--quick" in sys.argv, int(sys.argv[sys.argv.index("--rounds") + 1]))
