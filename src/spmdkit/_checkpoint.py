@@ -48,6 +48,8 @@ class CheckpointError(SpmdkitError, RuntimeError):
 class CheckpointSaveError(CheckpointError, OSError):
     """A save failed (disk full, read-only, removed directory); earlier steps are intact."""
 
+    exit_code = 5  # the CLI's code for an I/O failure
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
