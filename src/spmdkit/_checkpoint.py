@@ -132,11 +132,12 @@ def read_manifest(root: Path, step: int) -> tuple[dict[str, Any] | None, str | N
     """``(manifest, None)``, ``(None, None)`` if there is none, or ``(None, what is wrong)``."""
     path = root / MANIFESTS / f"{step}.json"
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None, None
     except OSError as e:
         return None, f"manifest {MANIFESTS}/{step}.json cannot be read ({e.strerror})"
+    text = raw.decode("utf-8", errors="replace")
     try:
         data = json.loads(text)
         files = data["files"]

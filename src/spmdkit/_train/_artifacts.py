@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -12,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit._errors import DataError, SpmdkitError, fix
+from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
 
 
 class ArtifactError(SpmdkitError, OSError):
@@ -21,8 +22,11 @@ class ArtifactError(SpmdkitError, OSError):
     exit_code = 5
 
 
-def _cannot_write(path: Path, e: OSError) -> ArtifactError:
+def _cannot_write(path: Path, e: OSError) -> SpmdkitError:
     cause = e.strerror or str(e)
+    if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):  # a wrong path: bad input, exit code 2
+        return ConfigError(fix(f"cannot write {path}: {cause} (a file stands where a directory is needed).",
+                               "pass an --out directory whose parents are directories."))
     return ArtifactError(fix(f"cannot write {path}: {cause} (errno {e.errno}).",
                              "pass an --out directory that is writable and has free space."))
 
@@ -30,7 +34,7 @@ def _cannot_write(path: Path, e: OSError) -> ArtifactError:
 def prepare_out_dir(out: Path) -> None:
     """Create the output directory, or say why it cannot be one (before any training)."""
     if out.exists() and not out.is_dir():
-        raise ArtifactError(fix(f"--out {out} is a file, not a directory.", "pass a directory path to --out."))
+        raise ConfigError(fix(f"--out {out} is a file, not a directory.", "pass a directory path to --out."))
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".spmdkit-write-test-{os.getpid()}"
