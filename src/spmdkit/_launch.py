@@ -33,6 +33,7 @@ class LaunchError(SpmdkitError, OSError):
 ENV_COORDINATOR = "SPMDKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "SPMDKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "SPMDKIT_PROCESS_ID"
+ENV_RESUME = "SPMDKIT_RESUME"  # set on a restart: spmdkit train then resumes from its --checkpoint-dir
 
 
 def free_port() -> int:
@@ -139,7 +140,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 class _Group:
     """One start of P processes: started together, watched, stopped together."""
 
-    def __init__(self, command: Sequence[str], processes: int, devices_per_process: int | None):
+    def __init__(self, command: Sequence[str], processes: int, devices_per_process: int | None, restart: bool = False):
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
@@ -148,6 +149,8 @@ class _Group:
                    ENV_PROCESS_ID: str(i)}
             if devices_per_process is not None:
                 env["SPMDKIT_HOST_DEVICES"] = str(devices_per_process)
+            if restart:
+                env[ENV_RESUME] = "1"
             try:
                 proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, bufsize=1, start_new_session=True,
@@ -196,22 +199,13 @@ class _Group:
             t.join(timeout=5)
 
 
-def restart_command(command: Sequence[str]) -> list[str]:
-    """The command a restart runs: ``spmdkit train ... --checkpoint-dir D`` gains ``--resume``."""
-    cmd = list(command)
-    has_dir = any(a == "--checkpoint-dir" or a.startswith("--checkpoint-dir=") for a in cmd)
-    if has_dir and "--resume" not in cmd:
-        cmd.append("--resume")
-    return cmd
-
-
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0,
            max_restarts: int = 0, backoff_s: float = 1.0) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail, else 0.
 
     When one fails and ``max_restarts`` allows, every process is stopped and the group is
     started again after a back-off (1 s, 2 s, 4 s ... at most 30 s), resuming from the last good
-    checkpoint (``--resume`` is added to a command with ``--checkpoint-dir``). Exit code 2 (bad
+    checkpoint (``SPMDKIT_RESUME=1`` makes ``spmdkit train --checkpoint-dir D`` resume). Exit code 2 (bad
     input) is never retried. SIGTERM/SIGINT to the launcher go to every process; the launcher
     then exits with 143/130 once they have ended.
     """
@@ -229,10 +223,10 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
-        cmd, attempt = list(command), 0
+        attempt = 0
         while True:
             t_start = time.time()
-            group = _Group(cmd, processes, devices_per_process)
+            group = _Group(command, processes, devices_per_process, restart=attempt > 0)
             failed = group.wait(stop)
             if failed == (-1, 0):
                 # Forwarded: the children may save (SIGTERM is a preemption notice to spmdkit train).
@@ -253,7 +247,6 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
                 return code if code > 0 else 1
             attempt += 1
             wait = min(backoff_s * 2 ** (attempt - 1), 30.0)
-            cmd = restart_command(command)
             sys.stderr.write(f"spmdkit launch: restart {attempt}/{max_restarts} of all {processes} processes in "
                              f"{wait:.0f} s, from the last good checkpoint ({time.time() - t_start:.1f} s after start)\n")
             sys.stderr.flush()
