@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
     p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
     p.add_argument("directory", help="a --checkpoint-dir")
-    p.add_argument("--verify", action="store_true", help="compare every file's SHA-256 with the step's manifest "
+    p.add_argument("--verify", action="store_true", help="compare every file's CRC-32 with the step's manifest "
                    f"(exit {EXIT_DAMAGED} if a step is damaged)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -40,8 +40,9 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
     process_flags = ("coordinator", "num_processes", "process_id", "distributed_timeout")
     flags = {k: v for k, v in vars(args).items() if k not in ("command", *process_flags)}
     options = resolve_options(flags)
-    if os.environ.get(ENV_RESUME) == "1" and options.get("checkpoint_dir") and not options.get("overwrite_checkpoints"):
-        options["resume"] = True  # restarted by spmdkit launch --max-restarts: continue, never start over
+    if os.environ.get(ENV_RESUME) == "1" and options.get("checkpoint_dir"):
+        # Restarted by spmdkit launch --max-restarts: continue the run, never start it over.
+        options["resume"], options["overwrite_checkpoints"] = True, False
     run = build_run_config(options)
     task = get_task(run.task, data_dir=run.data_dir, **task_options(run))
     strategy = get_strategy(run.strategy, run.impl, **strategy_options(run))
