@@ -23,6 +23,7 @@ import optax
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
+from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, padded_size
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
@@ -292,6 +293,7 @@ def fit(
     window_steps, window_start = 0, time.perf_counter()
     t0 = time.perf_counter()
     t_first = None  # end of the first step: excludes compilation from steps/s
+    first_step_s = None  # process start to the end of the first step (start-up cost)
     eval_seconds = 0.0  # excluded from steps/s as well
 
     def record(row: dict[str, Any]) -> None:
@@ -358,6 +360,7 @@ def fit(
                 last_train = values
                 if t_first is None:
                     t_first = time.perf_counter()
+                    first_step_s = process_age_s()
                 for k, v in values.items():
                     window[k] = window.get(k, 0.0) + np.asarray(v)
                 window_steps += 1
@@ -426,6 +429,7 @@ def fit(
             else {}
         ),
         "wall_time_s": elapsed,
+        "first_step_s": first_step_s,
         "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
         "params_digest": art.params_digest(params),
         **(
