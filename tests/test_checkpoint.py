@@ -260,8 +260,8 @@ def test_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path):
 
 def test_checkpoints_command_lists_steps(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
-    out = subprocess.run([*CLI, "checkpoints", str(tmp_path / "ck"), "--json"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([*CLI, "checkpoints", str(tmp_path / "ck"), "--json", "--verify"], capture_output=True,
+                         text=True, timeout=120)
     rows = json.loads(out.stdout)
     assert [r["step"] for r in rows] == [5, 10]
     assert all(r["status"] == "complete, verified" and r["task"] == "digits" for r in rows)
