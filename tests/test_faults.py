@@ -455,3 +455,22 @@ def test_a_local_coordinator_listens_on_loopback_only(tmp_path, procs):
     binds = [row.split()[3] for row in listening.splitlines() if row.split()[3].endswith(f":{port}")]
     assert binds and all(b.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for b in binds), binds
     launcher.wait(timeout=60)
+
+
+@pytest.mark.parametrize("how", ["read-only", "full"])
+def test_out_on_a_read_only_or_full_disk_is_an_io_error(tmp_path, small_fs, monkeypatch, capsys, how):
+    out = (small_fs or tmp_path) / "out"
+    if small_fs is not None and how == "full":
+        fill(small_fs)
+    elif small_fs is not None:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True, timeout=10)
+    else:  # no tmpfs here: the same failure, injected
+        code = errno.EROFS if how == "read-only" else errno.ENOSPC
+
+        def refuse(self, *a, **k):
+            raise OSError(code, os.strerror(code), str(self))
+
+        monkeypatch.setattr(Path, "write_text", refuse)
+    assert cli_main(["train", "--task", "linreg", "--steps", "2", "--no-progress", "--out", str(out)]) == 5
+    err = " ".join(capsys.readouterr().err.split())
+    assert "cannot write" in err and ("Read-only" in err or "No space left" in err) and "Traceback" not in err

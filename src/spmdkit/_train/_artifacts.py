@@ -38,7 +38,7 @@ def prepare_out_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".spmdkit-write-test-{os.getpid()}"
-        probe.write_text("")
+        probe.write_text("ok")  # a byte, not an empty file: a full disk shows here, before training
         probe.unlink()
     except OSError as e:
         raise _cannot_write(out, e) from None
@@ -60,6 +60,11 @@ class MetricsWriter:
                 self._fh.write(json.dumps(record) + "\n")
                 self._fh.flush()
             except OSError as e:
+                fh, self._fh = self._fh, None
+                try:
+                    fh.close()
+                except OSError:
+                    pass  # the same failure again, flushing what is buffered
                 raise _cannot_write(self.path, e) from None
 
     def close(self) -> None:
