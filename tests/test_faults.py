@@ -474,3 +474,20 @@ def test_out_on_a_read_only_or_full_disk_is_an_io_error(tmp_path, small_fs, monk
     assert cli_main(["train", "--task", "linreg", "--steps", "2", "--no-progress", "--out", str(out)]) == 5
     err = " ".join(capsys.readouterr().err.split())
     assert "cannot write" in err and ("Read-only" in err or "No space left" in err) and "Traceback" not in err
+
+
+def test_sigterm_to_the_launcher_is_a_preemption_notice_for_every_process(tmp_path, procs):
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train",
+                             "--task", "linreg", "--steps", "100000", "--checkpoint-dir", str(ck),
+                             "--checkpoint-every", "100", "--out", str(out), "--no-progress"])
+    deadline = time.time() + 180
+    while newest(ck) < 100 and launcher.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    # JAX's preemption service agreed on one step: both processes saved it together.
+    assert summary["status"] == "preempted" and newest(ck) == summary["steps"] > 100
+    assert reader(ck).problems(summary["steps"]) == []
