@@ -400,9 +400,19 @@ class Checkpointer:
 
     def _retain(self) -> None:
         """Keep the newest ``keep`` steps this run wrote; nothing else is ever deleted."""
-        mine = [s for s in self.steps() if (read_manifest(self.directory, s)[0] or {}).get("run_id") == self.run_id]
+        mine = [s for s in self.steps() if self._writer(s) == self.run_id]
         for step in mine[: -self.config.keep]:
             self._remove_step(step)
+
+    def _writer(self, step: int) -> str | None:
+        """The run that wrote ``step``: its manifest says, else (killed before the manifest) its metadata."""
+        manifest = read_manifest(self.directory, step)[0]
+        if manifest is not None:
+            return manifest.get("run_id")
+        try:
+            return self.meta(step).get("run_id")
+        except CheckpointError:
+            return None
 
     def close(self) -> None:
         """Wait for the last save to finish (call before the process exits); then unlock."""
