@@ -43,6 +43,9 @@ from spmdkit._strategies import (
 from spmdkit._rules import PRESETS, AxisRules, LayoutError, ReplicationWarning
 from spmdkit._tasks import Task, get_task
 from spmdkit._train import FitResult, fit, load_params, save_params
+from spmdkit._checkpoint import CheckpointSaveError
+from spmdkit._train._artifacts import ArtifactError
+from spmdkit._train._validate import TaskError, validate_task
 
 __version__ = "0.1.0"
 
@@ -57,6 +60,10 @@ __all__ = [
     "BatchSizeError",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointSaveError",
+    "ArtifactError",
+    "TaskError",
+    "validate_task",
     "Checkpointer",
     "ConfigError",
     "DataError",

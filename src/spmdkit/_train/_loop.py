@@ -20,13 +20,16 @@ import jax
 import numpy as np
 import optax
 
-from spmdkit._checkpoint import CheckpointConfig, Checkpointer
+from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, padded_size
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
+from spmdkit._train._guards import KnownGood, state_is_finite
+from spmdkit._train._preempt import Preemption
+from spmdkit._train._validate import validate_task
 from spmdkit._train._watchdog import StepWatchdog
 
 
@@ -236,12 +239,13 @@ def fit(
     # With several processes (jax.distributed) every one trains; process 0 alone writes.
     primary = jax.process_index() == 0
     progress = progress and primary
+    validate_task(task, config.batch_size)
     if out is not None and primary:
-        out.mkdir(parents=True, exist_ok=True)
+        art.prepare_out_dir(out)
 
     key = jax.random.key(config.seed)
     init_key, step_key, eval_key = jax.random.split(key, 3)
-    ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log)
+    ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
     restored = None
     if ckpt is not None and checkpoint.resume:
         target = strategy.abstract_state(task.init, optimizer)
@@ -269,7 +273,7 @@ def fit(
     for row in history:
         writer.write(row)
     status, failure = "completed", None
-    good = state
+    known = KnownGood(state, done)  # checkpoints wait until their state's loss is seen finite
     saved_at = done
 
     def position(epoch: int) -> dict[str, Any]:
@@ -312,7 +316,7 @@ def fit(
             if step_timeout and jax.process_count() > 1
             else contextlib.nullcontext(None)
         )
-        with _StopRequest() as stop, _progress(progress, total, title) as bar, watch as dog:
+        with _StopRequest() as stop, Preemption() as preempt, _progress(progress, total, title) as bar, watch as dog:
             bar_task = bar.add_task(title, total=total, loss="-", rate="-") if bar else None
             if bar is not None:
                 bar.update(bar_task, completed=done)
@@ -339,9 +343,18 @@ def fit(
                         step=step + 1,
                         loss=values["loss"],
                     )
-                    state = good
+                    state, done = known.state, known.step
+                    known.drop()
                     break
-                good, state, done = state, new_state, step + 1
+                due = known.confirm(state, done)
+                if due is not None and ckpt is not None:
+                    try:
+                        ckpt.save(*due)
+                        saved_at = due[0]
+                    except CheckpointSaveError as e:
+                        status, failure = "failed", e
+                        break
+                state, done = new_state, step + 1
                 if dog is not None:
                     dog.finished(done)
                 last_train = values
@@ -372,10 +385,12 @@ def fit(
                 if done % eval_every == 0 or done == total:
                     run_eval(state.params, done)
                 if ckpt is not None and done % checkpoint.every == 0:
-                    ckpt.save(done, state, position(epoch))
-                    saved_at = done
+                    known.hold(done, state, position(epoch))
                 if stop.requested:
                     status = "interrupted"
+                    break
+                if preempt.reached(done):
+                    status = "preempted"
                     break
     except KeyboardInterrupt:
         status = "interrupted"
@@ -386,14 +401,19 @@ def fit(
     writer.close()
     if ckpt is not None:
         # A diverged state is never saved: the last checkpoint stays the last good one.
-        if status != "diverged" and done > saved_at:
-            ckpt.save(done, state, position(done // steps_per_epoch))
-        ckpt.close()
+        try:
+            if status not in ("diverged", "failed") and done > saved_at and state_is_finite(state):
+                ckpt.save(done, state, position(done // steps_per_epoch))
+            ckpt.close()
+        except CheckpointSaveError as e:
+            status, failure = "failed", failure or e
+            ckpt.abandon()
     params = strategy.host_params(state)
     eval_row = next((r for r in reversed(history) if r["split"] == "eval"), None)
     summary: dict[str, Any] = {
         "task": task.name,
         "status": status,
+        **({"error": str(failure).splitlines()[0]} if failure is not None else {}),
         **strategy.describe(),
         "steps": done,
         "steps_planned": total,
