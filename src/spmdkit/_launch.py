@@ -69,6 +69,20 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def heartbeat_timeout(timeout_s: int) -> int:
+    """JAX's heartbeat timeout for a run whose step watchdog waits ``timeout_s`` seconds.
+
+    The watchdog starts with the training loop, after start-up (data, init, the first
+    compile) that can take many seconds on a busy machine; a peer that stops during
+    another's start-up must still be named by the watchdog, not end the job through
+    JAX's abort.
+
+    >>> heartbeat_timeout(100)
+    330
+    """
+    return 3 * timeout_s + 30
+
+
 def initialize_distributed(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -81,7 +95,7 @@ def initialize_distributed(
     ``spmdkit launch`` sets, JAX's ``JAX_COORDINATOR_ADDRESS`` variables, a SLURM /
     Open MPI job (auto-detected by JAX). TPU pods are not auto-detected: pass the flags.
     The training loop's step watchdog uses ``timeout_s``; the coordination service's
-    heartbeat timeout is set to ``2 * timeout_s + 10`` as the backstop.
+    heartbeat timeout, the backstop, is :func:`heartbeat_timeout` of it.
     """
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     if coordinator:
@@ -103,14 +117,14 @@ def initialize_distributed(
         # The heartbeat is the backstop; the step watchdog (which names the process that
         # fell behind) gets to speak first.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
-                                   initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=2 * timeout_s + 10,
+                                   initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=heartbeat_timeout(timeout_s),
                                    **bind)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
                                    "pass the address of process 0, e.g. --coordinator node0:1234."))
     if _cluster_detected():
-        jax.distributed.initialize(heartbeat_timeout_seconds=2 * timeout_s + 10)
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout(timeout_s))
         return True
     return False
 
