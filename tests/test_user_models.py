@@ -1,0 +1,151 @@
+"""Users' own models (tests/_user_models.py) through ``strategy.step`` / ``strategy.apply``.
+
+Each model is first trained with plain ``jax.jit`` on one device: the reference. Every
+strategy must then give the reference's state, aux and predictions on 1, 2, 4 and 8
+devices. Tolerances: SGD steps agree to float rounding (all-reduce order), 1e-5 here;
+Adam divides by a running RMS, which turns rounding-level differences of near-zero
+gradient components into updates of up to ~lr, so Adam models get 1e-4 (atol in the zoo).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import spmdkit
+
+sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
+from _user_models import ZOO, UserModel, reference_context, reference_run
+
+STEPS, BATCH = 3, 8
+
+_REFS: dict[str, tuple] = {}
+
+
+def host(tree):
+    """numpy copies of every leaf; typed PRNG keys as their raw key data."""
+    def one(x):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+    return jax.tree.map(one, tree)
+
+
+def reference(name: str):
+    """The one-device run of a zoo model, computed once per test session."""
+    if name not in _REFS:
+        _REFS[name] = host(reference_run(ZOO[name], STEPS, BATCH))
+    return _REFS[name]
+
+
+def assert_trees_close(got, want, atol, what):
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(host(got))
+    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(host(want))
+    assert got_def == want_def, f"{what}: tree structure differs:\n{got_def}\n{want_def}"
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        assert g.shape == w.shape, f"{what}{jax.tree_util.keystr(path)}: shape {g.shape} != {w.shape}"
+        np.testing.assert_allclose(g, w, atol=atol, rtol=atol, err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+# ---- the reference itself: every model really trains on one device -------------------
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_reference_trains_on_one_device(name):
+    model = ZOO[name]
+    state, auxes, out = reference(name)
+    with reference_context(model):
+        initial = host(jax.jit(model.make_state)(jax.random.key(0)))
+    assert all(np.isfinite(float(a["loss"])) for a in auxes)
+    assert out.shape[0] == BATCH
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(state))]
+    assert sum(changed) >= len(changed) // 2, f"{name}: most of the state did not change in {STEPS} steps"
+    if name == "batchnorm_cnn":  # the running statistics are trained, not frozen
+        assert not np.allclose(initial.batch_stats["BatchNorm_0"]["mean"], state.batch_stats["BatchNorm_0"]["mean"])
+    if name == "dropout_mlp":  # predictions run without dropout: deterministic
+        again = jax.jit(model.predict)(state, model.batch(999, BATCH))
+        np.testing.assert_array_equal(np.asarray(again), out)
+
+
+# ---- every strategy equals the reference ---------------------------------------------
+
+HAS_STEP = hasattr(spmdkit.Single(), "step")
+needs_step = pytest.mark.skipif(not HAS_STEP, reason="strategy.step/apply are not on this branch yet")
+
+
+def strategy_for(kind: str, n: int, model: UserModel):
+    devices = jax.devices()[:n]
+    if kind == "single":
+        return spmdkit.Single()
+    if kind == "data":
+        return spmdkit.DataParallel(spmdkit.make_mesh(data=n, devices=devices))
+    if kind == "sharded":
+        model_axis = 4 if n == 8 else n  # 8 devices: the 2x4 mesh; fewer: all model-parallel
+        mesh = spmdkit.make_mesh(data=n // model_axis, model=model_axis, devices=devices)
+        return spmdkit.Sharded(mesh, model.rules)
+    raise AssertionError(kind)
+
+
+# Device counts per strategy: every count appears, and the largest model is kept to the
+# cases that matter (CI time).
+CASES = [(name, kind, n) for name in ZOO for kind, counts in
+         [("single", [1]), ("data", [2, 8] if name != "transformer_lm" else [8]),
+          ("sharded", [8] if name in ("transformer_lm", "pjit_mlp") else [2, 8])]
+         for n in counts] + [(name, "data", 4) for name in ("batchnorm_cnn", "nnx_dropout_batchnorm")]
+
+
+def run_strategy(strategy, model: UserModel):
+    state = strategy.init(model.make_state, jax.random.key(0))
+    step = strategy.step(model.train_step)
+    auxes = []
+    for i in range(STEPS):
+        state, aux = step(state, model.batch(100 + i, BATCH))
+        auxes.append(jax.block_until_ready(aux))  # CPU collectives: block every step
+    out = strategy.apply(model.predict)(state, model.batch(999, BATCH))
+    return state, auxes, out
+
+
+@needs_step
+@pytest.mark.parametrize("name,kind,n", CASES, ids=[f"{a}-{b}-{c}dev" for a, b, c in CASES])
+def test_step_equals_one_device(name, kind, n):
+    model = ZOO[name]
+    want_state, want_auxes, want_out = reference(name)
+    state, auxes, out = run_strategy(strategy_for(kind, n, model), model)
+    assert_trees_close(state, want_state, model.atol, f"{name} on {kind}({n}): state")
+    assert_trees_close(auxes, want_auxes, model.atol, f"{name} on {kind}({n}): aux")
+    assert_trees_close(out, want_out, model.atol, f"{name} on {kind}({n}): apply")
+
+
+@needs_step
+@pytest.mark.parametrize("name", ["batchnorm_cnn", "dropout_mlp", "nnx_dropout_batchnorm", "pjit_logical_mlp"])
+def test_ensemble_members_equal_one_device_runs(name):
+    """Ensemble(2) on 2 devices: member m is the one-device run from key m of a split."""
+    model = ZOO[name]
+    strategy = spmdkit.Ensemble(2, devices=jax.devices()[:2])
+    state, auxes, out = run_strategy(strategy, model)
+    for m, key in enumerate(jax.random.split(jax.random.key(0), 2)):
+        want_state, want_auxes, want_out = host(
+            reference_run(model._replace(make_state=lambda _, k=key: model.make_state(k)), STEPS, BATCH))
+        member = jax.tree.map(lambda x: x[m], state)
+        assert_trees_close(member, want_state, model.atol, f"{name} member {m}: state")
+        assert_trees_close(jax.tree.map(lambda x: x[m], auxes), want_auxes, model.atol, f"{name} member {m}: aux")
+        assert_trees_close(out[m], want_out, model.atol, f"{name} member {m}: apply")
+
+
+@needs_step
+@pytest.mark.parametrize("name,kind,n", [("batchnorm_cnn", "data", 4), ("transformer_lm", "sharded", 8),
+                                         ("pjit_mlp", "data", 2)])
+def test_apply_takes_any_batch_size(name, kind, n):
+    """5 rows on a mesh that splits the batch 2 or 4 ways: exactly the 5 one-device rows."""
+    model = ZOO[name]
+    strategy = strategy_for(kind, n, model)
+    state = strategy.init(model.make_state, jax.random.key(0))
+    batch = model.batch(7, 5)
+    out = strategy.apply(model.predict)(state, batch)
+    ref = reference_run(model._replace(batch=lambda s, b: batch), 0, 5)[2]
+    assert out.shape[0] == 5
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=model.atol)
