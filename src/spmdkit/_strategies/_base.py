@@ -16,10 +16,8 @@ import numpy as np
 import optax
 from flax.core import meta
 
-Params = Any
-Batch = Any
-# loss_fn(params, batch, rng) -> (mean loss over the batch, {name: mean metric})
-LossFn = Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+from spmdkit._types import Batch, LossFn, Params, Predictor  # noqa: F401 (re-exported)
+
 # step(state, batch, mask or None, rng) -> (new state, {name: scalar})
 StepFn = Callable[..., tuple["TrainState", dict[str, jax.Array]]]
 # eval(params, batch, mask or None, rng) -> {"count": n, "loss": sum, name: sum, ...}
@@ -32,17 +30,6 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Params
     opt_state: optax.OptState
-
-
-class Predictor(NamedTuple):
-    """How to combine models' outputs (ensembles): class probabilities and their scores.
-
-    ``predict(params, batch) -> probabilities [B, C]``;
-    ``score(probabilities, batch) -> {metric: per-example values [B]}``.
-    """
-
-    predict: Callable[[Params, Batch], jax.Array]
-    score: Callable[[jax.Array, Batch], dict[str, jax.Array]]
 
 
 class Strategy(Protocol):

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from spmdkit._errors import DataError, fix
-from spmdkit._strategies._base import LossFn, Params, Predictor
+from spmdkit._types import LossFn, Params, Predictor
 
 
 @dataclass(frozen=True)
