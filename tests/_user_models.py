@@ -99,12 +99,14 @@ class DropoutTrainState(train_state.TrainState):
     key: jax.Array
 
 
+dropout_tx = optax.sgd(0.1, momentum=0.9)
+
+
 def dropout_make_state(rng):
     params_key, dropout_key = jax.random.split(rng)
     model = DropoutMLP()
     params = model.init(params_key, jnp.ones((1, 16)), train=False)["params"]
-    return DropoutTrainState.create(apply_fn=model.apply, params=params, key=dropout_key,
-                                    tx=optax.sgd(0.1, momentum=0.9))
+    return DropoutTrainState.create(apply_fn=model.apply, params=params, key=dropout_key, tx=dropout_tx)
 
 
 def dropout_train_step(state, batch):
@@ -280,11 +282,11 @@ PJIT_RULES = (("batch", "data"), ("hidden", "model"), ("embed", None), ("layer",
 
 def _pjit_model(logical: bool):
     model = MLP(num_layers=2, depth=32, use_scan=True, logical=logical)
+    optimizer = optax.adam(learning_rate=0.001)
 
     def make_state(rng):
         variables = model.init(rng, jnp.ones((8, 16)))
-        return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
-                                             tx=optax.adam(learning_rate=0.001))
+        return train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optimizer)
 
     def train_step(state, batch):
         def loss_unrolled(params):  # the guide's stand-in loss

@@ -43,9 +43,11 @@ def reference(name: str):
 
 
 def assert_trees_close(got, want, atol, what):
-    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(host(got))
-    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(host(want))
-    assert got_def == want_def, f"{what}: tree structure differs:\n{got_def}\n{want_def}"
+    # Paths, not treedefs: a TrainState's static fields (tx, apply_fn) are new objects per make_state.
+    got_leaves = jax.tree_util.tree_flatten_with_path(host(got))[0]
+    want_leaves = jax.tree_util.tree_flatten_with_path(host(want))[0]
+    got_paths = [jax.tree_util.keystr(p) for p, _ in got_leaves]
+    assert got_paths == [jax.tree_util.keystr(p) for p, _ in want_leaves], f"{what}: leaves differ: {got_paths}"
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
         assert g.shape == w.shape, f"{what}{jax.tree_util.keystr(path)}: shape {g.shape} != {w.shape}"
         np.testing.assert_allclose(g, w, atol=atol, rtol=atol, err_msg=f"{what}{jax.tree_util.keystr(path)}")
@@ -75,6 +77,17 @@ def test_reference_trains_on_one_device(name):
 
 HAS_STEP = hasattr(spmdkit.Single(), "step")
 needs_step = pytest.mark.skipif(not HAS_STEP, reason="strategy.step/apply are not on this branch yet")
+
+
+# Known defects of the step API on this branch, reported in the findings file; strict, so
+# each flips to a failure (and is removed) once fixed.
+TRAIN_STATE_INIT = "init rejects TrainState.create(...) inside make_state (static fields differ per call)"
+KNOWN: dict[str, str] = {name: TRAIN_STATE_INIT for name in
+                         ("batchnorm_cnn", "dropout_mlp", "pjit_mlp", "pjit_logical_mlp", "transformer_lm")}
+
+
+def known(name: str):
+    return [pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else []
 
 
 def strategy_for(kind: str, n: int, model: UserModel):
@@ -110,7 +123,8 @@ def run_strategy(strategy, model: UserModel):
 
 
 @needs_step
-@pytest.mark.parametrize("name,kind,n", CASES, ids=[f"{a}-{b}-{c}dev" for a, b, c in CASES])
+@pytest.mark.parametrize("name,kind,n", [pytest.param(*c, marks=known(c[0]), id=f"{c[0]}-{c[1]}-{c[2]}dev")
+                                         for c in CASES])
 def test_step_equals_one_device(name, kind, n):
     model = ZOO[name]
     want_state, want_auxes, want_out = reference(name)
@@ -121,7 +135,8 @@ def test_step_equals_one_device(name, kind, n):
 
 
 @needs_step
-@pytest.mark.parametrize("name", ["batchnorm_cnn", "dropout_mlp", "nnx_dropout_batchnorm", "pjit_logical_mlp"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=known(n)) for n in
+                                  ["batchnorm_cnn", "dropout_mlp", "nnx_dropout_batchnorm", "pjit_logical_mlp"]])
 def test_ensemble_members_equal_one_device_runs(name):
     """Ensemble(2) on 2 devices: member m is the one-device run from key m of a split."""
     model = ZOO[name]
@@ -137,8 +152,9 @@ def test_ensemble_members_equal_one_device_runs(name):
 
 
 @needs_step
-@pytest.mark.parametrize("name,kind,n", [("batchnorm_cnn", "data", 4), ("transformer_lm", "sharded", 8),
-                                         ("pjit_mlp", "data", 2)])
+@pytest.mark.parametrize("name,kind,n", [pytest.param(*c, marks=known(c[0])) for c in
+                                         [("batchnorm_cnn", "data", 4), ("transformer_lm", "sharded", 8),
+                                          ("pjit_mlp", "data", 2), ("nnx_dropout_batchnorm", "sharded", 8)]])
 def test_apply_takes_any_batch_size(name, kind, n):
     """5 rows on a mesh that splits the batch 2 or 4 ways: exactly the 5 one-device rows."""
     model = ZOO[name]
