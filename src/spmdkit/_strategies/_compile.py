@@ -246,7 +246,7 @@ class Placement:
 
         def build():
             cache = self.__dict__.setdefault("_init_cache", {})
-            key = (make_state, getattr(self, "_extra_axes", ()), jax.tree.structure(shardings))
+            key = (make_state, getattr(self, "_extra_axes", ()), tuple(jax.tree.leaves(shardings)))
             if key in cache:  # one compile per make_state, whatever the key
                 jitted, treedef = cache[key]
                 return jax.tree.unflatten(treedef[-1], jitted(rng))
