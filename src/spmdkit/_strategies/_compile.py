@@ -245,13 +245,25 @@ class Placement:
         shardings = self.shardings(self._abstract_boxed(make, rng))
 
         def build():
-            context = self._context()
+            cache = self.__dict__.setdefault("_init_cache", {})
+            key = (make_state, getattr(self, "_extra_axes", ()), tuple(jax.tree.leaves(shardings)))
+            if key in cache:  # one compile per make_state, whatever the key
+                jitted, treedef = cache[key]
+                return jax.tree.unflatten(treedef[-1], jitted(rng))
+            context, treedef = self._context(), []
 
+            # Leaves, not the tree, leave jit: a state's static fields (a Flax TrainState's
+            # ``tx`` built inside make_state) differ between traces, so trees would not match.
             def traced(key):
                 with context:
-                    return unbox(make(key))
+                    leaves, structure = jax.tree.flatten(unbox(make(key)))
+                treedef.append(structure)
+                return leaves
 
-            return jax.jit(traced, out_shardings=shardings)(rng)
+            jitted = jax.jit(traced, out_shardings=jax.tree.leaves(shardings))
+            leaves = jitted(rng)
+            cache[key] = (jitted, treedef)
+            return jax.tree.unflatten(treedef[-1], leaves)
 
         return self._after_init(self._traced(build))
 
