@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -301,120 +303,10 @@ def _pjit_model(logical: bool):
     return make_state, train_step, predict
 
 
-# ---- (f) a byte-level decoder-only transformer LM, every axis named logically -----------
+# ---- (f) a byte-level decoder-only transformer LM: examples/transformer_lm.py -----------
 
-
-class LMConfig(NamedTuple):
-    vocab: int = 256
-    embed: int = 32
-    heads: int = 4
-    kv: int = 8
-    mlp: int = 64
-    layers: int = 2
-    length: int = 16
-
-
-def _param(init, names):
-    return nn.with_logical_partitioning(init, names)
-
-
-class RMSNorm(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", _param(nn.initializers.ones, ("embed",)), (x.shape[-1],))
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-        return x * scale
-
-
-class Block(nn.Module):
-    cfg: LMConfig
-
-    @nn.compact
-    def __call__(self, x, _):
-        cfg = self.cfg
-        dense = nn.initializers.normal(0.02)
-        h = RMSNorm(name="attn_norm")(x)
-        q = nn.DenseGeneral((cfg.heads, cfg.kv), kernel_init=_param(dense, ("embed", "heads", "kv")),
-                            use_bias=False, name="query")(h)
-        k = nn.DenseGeneral((cfg.heads, cfg.kv), kernel_init=_param(dense, ("embed", "heads", "kv")),
-                            use_bias=False, name="key")(h)
-        v = nn.DenseGeneral((cfg.heads, cfg.kv), kernel_init=_param(dense, ("embed", "heads", "kv")),
-                            use_bias=False, name="value")(h)
-        q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "heads", "kv")) for t in (q, k, v))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(cfg.kv)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        attn = nn.with_logical_constraint(attn, ("batch", "length", "heads", "kv"))
-        out = nn.DenseGeneral(cfg.embed, axis=(-2, -1), kernel_init=_param(dense, ("heads", "kv", "embed")),
-                              use_bias=False, name="out")(attn)
-        x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
-        h = RMSNorm(name="mlp_norm")(x)
-        h = nn.Dense(cfg.mlp, kernel_init=_param(dense, ("embed", "mlp")), use_bias=False, name="wi")(h)
-        h = nn.with_logical_constraint(jax.nn.gelu(h), ("batch", "length", "mlp"))
-        h = nn.Dense(cfg.embed, kernel_init=_param(dense, ("mlp", "embed")), use_bias=False, name="wo")(h)
-        return nn.with_logical_constraint(x + h, ("batch", "length", "embed")), None
-
-
-class TransformerLM(nn.Module):
-    cfg: LMConfig
-
-    @nn.compact
-    def __call__(self, tokens):
-        cfg = self.cfg
-        embed = nn.Embed(cfg.vocab, cfg.embed, embedding_init=_param(nn.initializers.normal(cfg.embed ** -0.5), ("vocab", "embed")))
-        x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
-        x, _ = nn.scan(Block, length=cfg.layers, variable_axes={"params": 0}, split_rngs={"params": True},
-                       metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")(x, None)
-        x = RMSNorm(name="final_norm")(x)
-        logits = embed.attend(x)  # tied input/output embedding
-        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
-
-
-# batch over data; the other names split parameters FSDP-style (embed over data) and
-# tensor-parallel (heads, mlp, vocab over model). Flax skips a mesh axis already taken,
-# so an activation ("batch", "length", "embed") is split by batch only.
-LM_RULES = (("batch", "data"), ("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model"),
-            ("kv", None), ("length", None), ("layers", None))
-
-LM_TEXT = (b"spmdkit runs a step written for one device on many devices; "
-           b"the numbers do not change with the device count. ") * 4
-
-
-def lm_batch(seed: int, size: int, cfg: LMConfig = LMConfig()) -> dict[str, np.ndarray]:
-    """Windows of bytes; ``weights`` zeroes a random tail of each row (ragged documents)."""
-    r = np.random.default_rng(seed)
-    data = np.frombuffer(LM_TEXT, np.uint8).astype(np.int32)
-    starts = r.integers(0, len(data) - cfg.length - 1, size=size)
-    window = np.stack([data[s:s + cfg.length + 1] for s in starts])
-    lengths = r.integers(cfg.length // 2, cfg.length + 1, size=size)
-    weights = (np.arange(cfg.length)[None, :] < lengths[:, None]).astype(np.float32)
-    return {"inputs": window[:, :-1], "targets": window[:, 1:], "weights": weights}
-
-
-def lm_functions(cfg: LMConfig = LMConfig(), tx: optax.GradientTransformation | None = None):
-    model = TransformerLM(cfg)
-    tx = tx or optax.adamw(3e-3, weight_decay=0.01)
-
-    def make_state(rng):
-        params = model.init(rng, jnp.zeros((1, cfg.length), jnp.int32))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-    def train_step(state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch["inputs"])
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-            # A token-weighted mean: normalised by a count taken from the batch itself.
-            return jnp.sum(losses * batch["weights"]) / jnp.sum(batch["weights"])
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    def predict(state, batch):
-        logits = state.apply_fn({"params": state.params}, batch["inputs"])
-        return jnp.argmax(logits, -1)
-
-    return make_state, train_step, predict
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from transformer_lm import LM_RULES, lm_batch, lm_functions  # noqa: E402
 
 
 # ---- the registry the tests iterate over -------------------------------------------------
