@@ -68,6 +68,7 @@ def probabilities(state, batch):
     return jax.nn.softmax(state.apply_fn({"params": state.params}, batch["image"]))
 
 
+@functools.lru_cache(maxsize=1)
 def get_datasets(num_test: int = 360):
     from sklearn.datasets import load_digits
 
