@@ -14,7 +14,6 @@ every strategy, which must give the same numbers.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -319,7 +318,6 @@ class UserModel(NamedTuple):
     predict: Callable[[Any, Any], Any]
     batch: Callable[[int, int], dict]  # (seed, size) -> a global batch of numpy arrays
     rules: tuple  # Flax-format logical rules for Sharded
-    mesh_axes: tuple[str, ...] = ("data", "model")  # the mesh Sharded needs
     needs_mesh: bool = False  # its code names mesh axes, so even the reference runs under a mesh
     # Adam divides by a running RMS, turning rounding-level gradient differences of
     # near-zero components into updates of up to ~lr; SGD agrees to float rounding.
@@ -339,9 +337,9 @@ ZOO: dict[str, UserModel] = {m.name: m for m in [
               rules=(("batch", "data"),), atol=1e-4),  # Adam on the encoder, see above
     UserModel("nnx_dropout_batchnorm", nnx_make_state, nnx_train_step, nnx_predict, _vectors,
               rules=(("batch", "data"), ("embed", None), ("hidden", "model"))),
-    UserModel("pjit_mlp", *_pjit_direct, functools.partial(_vectors, features=16),
+    UserModel("pjit_mlp", *_pjit_direct, _vectors,
               rules=PJIT_RULES, needs_mesh=True, atol=1e-4),
-    UserModel("pjit_logical_mlp", *_pjit_logical, functools.partial(_vectors, features=16),
+    UserModel("pjit_logical_mlp", *_pjit_logical, _vectors,
               rules=PJIT_RULES, atol=1e-4),
     UserModel("transformer_lm", *_lm, lm_batch, rules=LM_RULES, atol=1e-4),
 ]}
