@@ -26,6 +26,22 @@ ApplyFn = Callable[[State, Batch], Any]
 LossFn = Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 
+class TrainState(NamedTuple):
+    """The state ``fit`` trains: everything carried from one step to the next.
+
+    ``model_state`` holds a model's mutable variables (BatchNorm statistics; None when it
+    has none); ``rng`` the raw bits (``jax.random.key_data``) of the key the per-step
+    randomness is drawn from (step s uses ``fold_in(key, s)``), so a resumed run draws
+    what an uninterrupted one would.
+    """
+
+    step: jax.Array
+    params: Params
+    opt_state: Any
+    model_state: Any = None
+    rng: Any = None
+
+
 class Predictor(NamedTuple):
     """How to combine models' outputs (ensembles): class probabilities and their scores.
 

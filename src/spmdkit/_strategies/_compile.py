@@ -113,7 +113,7 @@ def pad_rows(batch: Batch, size: int) -> Batch:
     return jax.tree.map(pad, batch)
 
 
-def unbox(tree: Any) -> Any:
+def unbox_tree(tree: Any) -> Any:
     """Flax partitioning boxes removed; layout metadata is read from the abstract state."""
     return meta.unbox(tree)
 
@@ -206,6 +206,9 @@ class Placement:
     def _after_init(self, state: State) -> State:
         return state
 
+    def _batch_sharding_for(self, kind: str, even: bool) -> Any:
+        return self._batch_sharding(even)
+
     # ---- shared machinery -------------------------------------------------------
     def _context(self) -> TraceContext:
         return TraceContext(self.mesh, self._rules(), getattr(self, "_extra_axes", ()))
@@ -219,8 +222,16 @@ class Placement:
             except ValueError as e:
                 axis = missing_axis(e)
                 extra = getattr(self, "_extra_axes", ())
-                if not self._extend_axes or axis is None or axis in extra or axis in self.mesh.axis_names:
+                if axis is None or axis in extra or axis in self.mesh.axis_names:
                     raise
+                if not self._extend_axes:
+                    raise MeshError(
+                        fix(f"the model constrains an array over mesh axis {axis!r} "
+                            f"(with_sharding_constraint / nn.with_partitioning), but {type(self).__name__} runs it "
+                            f"on the axes {list(self.mesh.axis_names)} only ({e}).",
+                            "use logical names (nn.with_logical_partitioning, nn.with_logical_constraint: without "
+                            "rules they constrain nothing), or train this model with Sharded/DataParallel.")
+                    ) from None
                 self._extra_axes = extra + (axis,)
 
     def _abstract_boxed(self, make: Callable[[jax.Array], State], rng: jax.Array) -> State:
@@ -232,21 +243,25 @@ class Placement:
 
         return self._traced(run)
 
-    def init(self, make_state: MakeState, rng: Any) -> State:
+    def init(self, make_state: MakeState, rng: Any, *, unbox: bool = False) -> State:
         """The initial state from ``make_state(rng)`` (written for one device), created
         directly where this strategy keeps it.
 
         ``make_state`` may return any pytree: a dict, a Flax ``TrainState`` (subclass),
-        the state of ``nnx.split``, several optimizers' states.
+        the state of ``nnx.split``, several optimizers' states. The state is what
+        ``jax.jit(make_state)`` returns, Flax partitioning boxes (``nn.Partitioned``)
+        included; ``unbox=True`` removes them (``flax.core.meta.unbox``), their layout
+        still applied.
         """
         check_callable(make_state, "make_state", "rng -> state")
         rng = self._init_key(as_key(rng))
         make = self._make(make_state)
         shardings = self.shardings(self._abstract_boxed(make, rng))
+        strip = unbox_tree if unbox else (lambda tree: tree)
 
         def build():
             cache = self.__dict__.setdefault("_init_cache", {})
-            key = (make_state, getattr(self, "_extra_axes", ()), tuple(jax.tree.leaves(shardings)))
+            key = (make_state, unbox, getattr(self, "_extra_axes", ()), tuple(jax.tree.leaves(shardings)))
             if key in cache:  # one compile per make_state, whatever the key
                 jitted, treedef = cache[key]
                 return jax.tree.unflatten(treedef[-1], jitted(rng))
@@ -254,9 +269,10 @@ class Placement:
 
             # Leaves, not the tree, leave jit: a state's static fields (a Flax TrainState's
             # ``tx`` built inside make_state) differ between traces, so trees would not match.
+            # A box holds its array as its one leaf, so boxed and unboxed leaves line up.
             def traced(key):
                 with context:
-                    leaves, structure = jax.tree.flatten(unbox(make(key)))
+                    leaves, structure = jax.tree.flatten(strip(make(key)))
                 treedef.append(structure)
                 return leaves
 
@@ -267,13 +283,16 @@ class Placement:
 
         return self._after_init(self._traced(build))
 
-    def abstract(self, make_state: MakeState, rng: Any = 0) -> State:
+    def abstract(self, make_state: MakeState, rng: Any = 0, *, unbox: bool = False) -> State:
         """The state's shapes and dtypes with this strategy's shardings, allocating nothing:
-        the target a checkpoint restores into."""
+        the target a checkpoint restores into (the structure ``init`` returns)."""
         check_callable(make_state, "make_state", "rng -> state")
         boxed = self._abstract_boxed(self._make(make_state), self._init_key(as_key(rng)))
-        shardings = self.shardings(boxed)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), unbox(boxed), shardings)
+        shardings = jax.tree.leaves(self.shardings(boxed))
+        tree = unbox_tree(boxed) if unbox else boxed
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                                            for x, sh in zip(leaves, shardings)])
 
     def step(self, train_step: TrainStepFn, *, donate: bool = False) -> Callable[[State, Batch], tuple[State, Any]]:
         """``train_step(state, batch) -> (state, aux)``, written for one device, compiled
@@ -285,6 +304,13 @@ class Placement:
         """
         check_callable(train_step, "train_step", "(state, batch) -> (state, aux)")
         return CompiledStep(self, train_step, "step", donate)
+
+    def evaluate(self, fn: Callable[[State, Batch], Any]) -> Callable[[State, Batch], Any]:
+        """``fn(state, batch) -> values`` (metrics of any shape), compiled like ``step``:
+        the program ``jax.jit(fn)`` runs on one device, on the exact global batch
+        (nothing padded), without returning a state. Ensembles: one value per member."""
+        check_callable(fn, "fn", "(state, batch) -> values")
+        return CompiledStep(self, fn, "eval", False)
 
     def apply(self, fn: ApplyFn) -> Callable[[State, Batch], Any]:
         """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B:
@@ -307,7 +333,7 @@ class CompiledStep:
     def _build(self, state: State, even: bool):
         s = self.strategy
         state_sh = s._state_shardings(state)
-        batch_sh = s._batch_sharding(even)
+        batch_sh = s._batch_sharding_for(self.kind, even)
         lifted = s._lift(_checked(self.fn, self.kind), self.kind)
         context = s._context()
 
@@ -329,7 +355,7 @@ class CompiledStep:
         even = size % s.batch_shards == 0
         # An uneven global batch is placed whole on every device: the program is the
         # same single-device program, so the result is exact (only less parallel).
-        placed = place(batch, s._batch_sharding(even))
+        placed = place(batch, s._batch_sharding_for(self.kind, even))
         key = (jax.tree.structure(state), even, getattr(s, "_extra_axes", ()))
 
         def run():

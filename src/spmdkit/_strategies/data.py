@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, MeshError, fix
 from spmdkit._mesh import make_mesh
-from spmdkit._strategies._compile import Placement, auto_mesh, unbox
+from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
 from spmdkit._strategies._base import (
     EvalFn,
     LossFn,
@@ -133,7 +133,7 @@ class DataParallel(OneModel, Placement):
     # ---- placement of the user's state and batches (see Placement) --------------
     def shardings(self, abstract_state: Any) -> Any:
         """Every leaf replicated on every device of the mesh."""
-        return jax.tree.map(lambda _: self._replicated, unbox(abstract_state))
+        return jax.tree.map(lambda _: self._replicated, unbox_tree(abstract_state))
 
     def _state_shardings(self, state: Any) -> Any:
         return self._replicated

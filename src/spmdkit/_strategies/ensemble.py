@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, MeshError, fix
-from spmdkit._strategies._compile import Placement, auto_mesh, unbox
+from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
 from spmdkit._strategies._base import (
     EvalFn,
     LossFn,
@@ -216,7 +216,7 @@ class Ensemble(Placement):
 
     def shardings(self, abstract_state: Any) -> Any:
         """Every leaf split over the member axis (its leading axis is the member)."""
-        state = unbox(abstract_state)
+        state = unbox_tree(abstract_state)
         self._check_members(state)
         return jax.tree.map(lambda _: self._per_member, state)
 
@@ -239,11 +239,16 @@ class Ensemble(Placement):
     def _aux_sharding(self) -> NamedSharding:
         return self._replicated
 
+    def _batch_sharding_for(self, kind: str, even: bool) -> NamedSharding:
+        # Bagging: a step's batch is [K, b, ...], member m's own rows.
+        return self._per_member if kind == "step" and self.bagging else self._replicated
+
     def _lift(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
-        axis = self.axis
-        local = over_members(fn, (0, None), self.member_loop)
+        axis, own = self.axis, kind == "step" and self.bagging
+        local = over_members(fn, (0, 0 if own else None), self.member_loop)
         out = (P(axis), P(axis)) if kind == "step" else P(axis)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P()), out_specs=out, check_vma=False)
+        in_specs = (P(axis), P(axis) if own else P())
+        return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
 
     def _with_hyperparams(self, state: Any) -> Any:
         """Member m's value of each named hyperparameter written into the optimizer state."""
@@ -362,7 +367,7 @@ class Ensemble(Placement):
             else:
                 grads, (s, a, c) = jax.grad(objective, has_aux=True)(state.params)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+            new = state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
             return new, {"loss": s / c, **{k: v / c for k, v in a.items()}}
 
         def local(state, batch, mask, keys):
