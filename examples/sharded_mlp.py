@@ -108,8 +108,8 @@ def main(batch: int = 8, layers: int = 4, depth: int = 256, steps: int = 3, work
 if __name__ == "__main__":
     spmdkit.use_host_devices(8)
     out = main()
-    w1 = out["state"].params["ScanDotReluDot_0"]["W1"]
+    w1 = out["state"].params["ScanDotReluDot_0"]["W1"].value  # a Flax Partitioned box, as make_state returned it
     print("W1", w1.shape, "split as", w1.sharding.spec, "- one device holds", w1.addressable_shards[0].data.shape)
-    w1 = out["restored"].params["ScanDotReluDot_0"]["W1"]
+    w1 = out["restored"].params["ScanDotReluDot_0"]["W1"].value
     print("restored on", dict(w1.sharding.mesh.shape), "as", w1.sharding.spec)
     print("outputs agree after the restore:", np.allclose(out["y"], out["y_restored"]))

@@ -159,7 +159,7 @@ def main(steps: int = 200, strategy: spmdkit.Strategy | None = None, batch_size:
 if __name__ == "__main__":
     spmdkit.use_host_devices(8)
     out = main(log_every=50)
-    wte = out["state"].params["embed"]["embedding"]
+    wte = out["state"].params["embed"]["embedding"].value  # inside its LogicallyPartitioned box
     print("embedding", wte.shape, "split as", wte.sharding.spec)
     for row, guess in zip(out["prompt"]["inputs"], out["next_bytes"]):
         print(repr(bytes(row.astype(np.uint8))), "->", repr(bytes(guess.astype(np.uint8))))

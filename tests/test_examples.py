@@ -96,7 +96,7 @@ def test_ensemble_members_equal_single_models():
 
 def test_sharded_mlp_trains_like_one_device_and_restores_on_another_mesh(tmp_path):
     out = sharded_mlp.main(layers=2, depth=64, steps=2, workdir=str(tmp_path))
-    w1 = out["state"].params["ScanDotReluDot_0"]["W1"]
+    w1 = out["state"].params["ScanDotReluDot_0"]["W1"].value
     assert w1.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
     assert w1.addressable_shards[0].data.shape == (2, 64, 16)  # depth 64 over model=4
     # The one-device run: plain jit; the model names mesh axes, so it runs under a 1x1 mesh.
@@ -108,7 +108,7 @@ def test_sharded_mlp_trains_like_one_device_and_restores_on_another_mesh(tmp_pat
         y = jax.jit(sharded_mlp.apply_fn)(state, out["x"])
     close(out["state"].params, state.params, ADAM_TOL, "sharded params")
     close(out["y"], y, ADAM_TOL, "sharded inference")
-    restored = out["restored"].params["ScanDotReluDot_0"]["W1"]
+    restored = out["restored"].params["ScanDotReluDot_0"]["W1"].value
     assert dict(restored.sharding.mesh.shape) == {"data": 1, "model": 4}
     close(out["restored"], out["state"], 0, "restored state")  # bit for bit
     close(out["y_restored"], out["y"], 1e-6, "inference after restore")
@@ -117,7 +117,7 @@ def test_sharded_mlp_trains_like_one_device_and_restores_on_another_mesh(tmp_pat
 def test_transformer_lm_fsdp_tp_equals_one_device():
     steps, cfg = 3, transformer_lm.LMConfig(embed=16, heads=4, kv=4, mlp=32, layers=2, length=8)
     sharded = transformer_lm.main(steps=steps, batch_size=8, cfg=cfg)
-    emb = sharded["state"].params["embed"]["embedding"]
+    emb = sharded["state"].params["embed"]["embedding"].value
     assert emb.sharding.spec == jax.sharding.PartitionSpec("model", "data")  # vocab x embed
     assert dict(emb.sharding.mesh.shape) == {"data": 2, "model": 4}
     one = transformer_lm.main(steps=steps, batch_size=8, cfg=cfg, strategy=spmdkit.Single())

@@ -16,8 +16,6 @@ import jax
 import numpy as np
 import pytest
 
-from flax.core import meta
-
 import spmdkit
 
 sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
@@ -29,13 +27,13 @@ _REFS: dict[str, tuple] = {}
 
 
 def host(tree):
-    """numpy copies of every leaf; typed PRNG keys as their raw key data; Flax boxes removed
-    (strategies return the state unboxed, plain jit keeps Partitioned boxes)."""
+    """numpy copies of every leaf; typed PRNG keys as their raw key data. Flax boxes stay:
+    a strategy's state has the structure jax.jit gives (Partitioned boxes included)."""
     def one(x):
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
         return np.asarray(x)
-    return jax.tree.map(one, meta.unbox(tree))
+    return jax.tree.map(one, tree)
 
 
 def reference(name: str):
