@@ -149,6 +149,10 @@ def two_opt_make_state(rng):
     }
 
 
+# Plain arrays carry no names: the user gives them, shaped like the params.
+TWO_OPT_AXES = {"encoder": {"w": ("embed", "hidden"), "b": ("hidden",)}, "head": {"w": ("hidden", None), "b": (None,)}}
+
+
 def _two_opt_forward(params, x):
     h = jnp.tanh(x @ params["encoder"]["w"] + params["encoder"]["b"])
     return h @ params["head"]["w"] + params["head"]["b"]
@@ -319,6 +323,7 @@ class UserModel(NamedTuple):
     batch: Callable[[int, int], dict]  # (seed, size) -> a global batch of numpy arrays
     rules: tuple  # Flax-format logical rules for Sharded
     needs_mesh: bool = False  # its code names mesh axes, so even the reference runs under a mesh
+    state_axes: Any = None  # logical names of plain arrays, for Sharded (params-shaped)
     # Adam divides by a running RMS, turning rounding-level gradient differences of
     # near-zero components into updates of up to ~lr; SGD agrees to float rounding.
     atol: float = 1e-5
@@ -334,7 +339,8 @@ ZOO: dict[str, UserModel] = {m.name: m for m in [
     UserModel("dropout_mlp", dropout_make_state, dropout_train_step, dropout_predict, _vectors,
               rules=(("batch", "data"),)),
     UserModel("two_optimizers", two_opt_make_state, two_opt_train_step, two_opt_predict, _vectors,
-              rules=(("batch", "data"),), atol=1e-4),  # Adam on the encoder, see above
+              rules=(("batch", "data"), ("embed", None), ("hidden", "model")), state_axes=TWO_OPT_AXES,
+              atol=1e-4),  # Adam on the encoder, see above
     UserModel("nnx_dropout_batchnorm", nnx_make_state, nnx_train_step, nnx_predict, _vectors,
               rules=(("batch", "data"), ("embed", None), ("hidden", "model"))),
     UserModel("pjit_mlp", *_pjit_direct, _vectors,
