@@ -205,3 +205,14 @@ def test_sharded_state_is_never_whole_on_one_device_and_shardings_are_public():
     assert shardings["w"].spec == P("data", "model")
     target = strategy.abstract(lambda r: {"w": jnp.ones((8, 4))})
     assert target["w"].sharding == shardings["w"] and target["w"].shape == (8, 4)
+
+
+def test_unknown_logical_name_error_speaks_python_and_replicate_unknown_is_an_argument():
+    make_state = lambda rng: {"w": nn.LogicallyPartitioned(jnp.ones((8, 4)), ("layers", "hidden"))}  # noqa: E731
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    with pytest.raises(spmdkit.LayoutError) as e:
+        spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model"))).init(make_state, 0)
+    assert "logical axis 'layers'" in str(e.value) and 'add a rule for it (e.g. ("layers", "model")' in str(e.value)
+    assert "replicate_unknown=True to Sharded" in str(e.value)
+    state = spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model")), replicate_unknown=True).init(make_state, 0)
+    assert state["w"].value.sharding.spec == P(None, "model")

@@ -1,7 +1,8 @@
 """Data parallelism: parameters replicated, the batch split over a mesh axis.
 
-Two implementations of the same step, chosen by ``impl`` (``"auto"``: ``"jit"`` in one
-process, ``"shard_map"`` across processes, the faster in each case as measured):
+``step(train_step)`` (and so ``fit``) always compiles the user's step with ``jax.jit``:
+the single-device program on the global batch. The older loss-based ``train_step``
+(benchmarks) has two implementations, chosen by ``impl`` (``"auto"`` is ``"jit"``):
 
 - ``"jit"`` (default): the user's loss runs on the *global* batch inside ``jax.jit``
   with ``NamedSharding``; XLA splits the work and inserts the gradient all-reduce.
@@ -105,9 +106,10 @@ class DataParallel(OneModel, Placement):
                 fix(f"impl={impl!r} is not a data-parallel implementation.", f"choose one of {list(IMPLS)}.")
             )
         if impl == "auto":
-            # Measured (BENCHMARKS.md): one process, jit is faster; across processes the
-            # packed shard_map all-reduce is 1.5x faster than XLA's per-leaf ones.
-            impl = "shard_map" if jax.process_count() > 1 else "jit"
+            # A user's step can only be compiled whole (jit): the optimizer update is inside
+            # it, so no packed all-reduce of the gradients can be inserted. The loss-based
+            # train_step keeps impl="shard_map" (1.5x faster across processes, BENCHMARKS.md).
+            impl = "jit"
         mesh = make_mesh(**{axis: -1}) if mesh is None else auto_mesh(mesh)
         if axis not in mesh.axis_names:
             raise MeshError(

@@ -148,6 +148,9 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
 class Sharded(OneModel, Placement):
     """Parameters and optimizer state split over a mesh by logical axis rules.
 
+    ``replicate_unknown=True`` replicates arrays whose logical names no rule maps (by
+    default that is an error naming the array).
+
     ``rules``: a preset (``"fsdp+tp"``), an :class:`AxisRules`, Flax's own rules format
     (``(("batch", "data"), ("hidden", "model"))``; the first rule of a name wins) or a
     dict. ``init(make_state, rng)`` lays the state out from ``jax.eval_shape(make_state,
@@ -170,9 +173,12 @@ class Sharded(OneModel, Placement):
     name = "sharded"
     data_streams = 1
 
-    def __init__(self, mesh: Mesh, rules: Any, *, batch_name: str = "batch", state_axes: Any = None):
+    def __init__(self, mesh: Mesh, rules: Any, *, batch_name: str = "batch", state_axes: Any = None,
+                 replicate_unknown: bool | None = None):
         mesh = auto_mesh(mesh)
         rules = as_rules(rules)
+        if replicate_unknown is not None:
+            rules = AxisRules(rules.table, rules.name, replicate_unknown)
         rules.check_mesh(mesh)
         self.state_axes = state_axes
         self.mesh = mesh
