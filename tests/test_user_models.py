@@ -186,3 +186,22 @@ def test_state_axes_lay_out_every_copy_of_the_params():
     assert state["head_opt"][0].trace["w"].sharding.spec == P("model", None)
     assert state["encoder_opt"][0].mu["w"].sharding.spec == w
     assert state["encoder_opt"][0].nu["w"].sharding.spec == w
+
+
+@needs_step
+@pytest.mark.parametrize("name", ["batchnorm_cnn", "transformer_lm"])
+def test_uneven_global_batch_is_exact_or_refused(name):
+    """6 rows on data=4: batch statistics (BatchNorm) and a count-normalised loss (the LM's
+    sum(w * l) / sum(w)) must give the one-device step on those 6 rows, or a clear refusal."""
+    model = ZOO[name]
+    strategy = strategy_for("data", 4, model)
+    batch = model.batch(3, 6)
+    try:
+        state, aux = strategy.step(model.train_step)(strategy.init(model.make_state, jax.random.key(0)), batch)
+    except spmdkit.BatchSizeError as e:  # refused: the message names the sizes
+        assert "6" in str(e) and "4" in str(e)
+        return
+    want_state, want_aux = jax.jit(model.train_step)(jax.jit(model.make_state)(jax.random.key(0)), batch)
+    assert np.isfinite(float(aux["loss"]))
+    assert_trees_close(state, want_state, model.atol, f"{name}, 6 rows on 4 devices: state")
+    assert_trees_close(aux, want_aux, model.atol, f"{name}, 6 rows on 4 devices: aux")
