@@ -14,6 +14,7 @@ every strategy, which must give the same numbers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -309,7 +310,9 @@ def _pjit_model(logical: bool):
 # ---- (f) a byte-level decoder-only transformer LM: examples/transformer_lm.py -----------
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from transformer_lm import LM_RULES, lm_batch, lm_functions  # noqa: E402
+from transformer_lm import LM_RULES, LMConfig, lm_batch, lm_functions  # noqa: E402
+
+LM_CONFIG = LMConfig(embed=16, heads=4, kv=4, mlp=32, layers=2, length=8)  # tiny: compile time
 
 
 # ---- the registry the tests iterate over -------------------------------------------------
@@ -331,7 +334,7 @@ class UserModel(NamedTuple):
 
 _pjit_direct = _pjit_model(logical=False)
 _pjit_logical = _pjit_model(logical=True)
-_lm = lm_functions()
+_lm = lm_functions(LM_CONFIG)
 
 ZOO: dict[str, UserModel] = {m.name: m for m in [
     UserModel("batchnorm_cnn", bn_make_state, bn_train_step, bn_predict, _images,
@@ -347,7 +350,7 @@ ZOO: dict[str, UserModel] = {m.name: m for m in [
               rules=PJIT_RULES, needs_mesh=True, atol=1e-4),
     UserModel("pjit_logical_mlp", *_pjit_logical, _vectors,
               rules=PJIT_RULES, atol=1e-4),
-    UserModel("transformer_lm", *_lm, lm_batch, rules=LM_RULES, atol=1e-4),
+    UserModel("transformer_lm", *_lm, functools.partial(lm_batch, cfg=LM_CONFIG), rules=LM_RULES, atol=1e-4),
 ]}
 
 
@@ -361,10 +364,11 @@ def reference_context(model: UserModel):
     return jax.set_mesh(one_device_mesh()) if model.needs_mesh else contextlib.nullcontext()
 
 
-def reference_run(model: UserModel, steps: int, batch_size: int, seed: int = 0):
-    """Plain ``jax.jit`` on one device: init, ``steps`` train steps, then predict."""
+def reference_run(model: UserModel, steps: int, batch_size: int, key: jax.Array | None = None):
+    """Plain ``jax.jit`` on one device: init from ``key`` (default key 0), ``steps`` train
+    steps, then predict. jit's cache is per function, so repeated runs compile once."""
     with reference_context(model):
-        state = jax.jit(model.make_state)(jax.random.key(seed))
+        state = jax.jit(model.make_state)(jax.random.key(0) if key is None else key)
         step = jax.jit(model.train_step)
         auxes = []
         for i in range(steps):

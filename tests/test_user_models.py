@@ -151,8 +151,7 @@ def test_ensemble_members_equal_one_device_runs(name):
     strategy = spmdkit.Ensemble(2, devices=jax.devices()[:2])
     state, auxes, out = run_strategy(strategy, model)
     for m, key in enumerate(jax.random.split(jax.random.key(0), 2)):
-        want_state, want_auxes, want_out = host(
-            reference_run(model._replace(make_state=lambda _, k=key: model.make_state(k)), STEPS, BATCH))
+        want_state, want_auxes, want_out = host(reference_run(model, STEPS, BATCH, key=key))
         member = jax.tree.map(lambda x: x[m], state)
         assert_trees_close(member, want_state, model.atol, f"{name} member {m}: state")
         assert_trees_close(jax.tree.map(lambda x: x[m], auxes), want_auxes, model.atol, f"{name} member {m}: aux")
