@@ -1,29 +1,59 @@
-# Two entry points, both safe on a fresh machine: they build .venv when needed.
-PY ?= python3
+# Two entry points, both safe on a fresh machine: they build their environment when needed.
+#   default environment: the newest tested Python >= 3.12 found here, current JAX (constraints.txt), in .venv
+#   oldest supported:    Python 3.11 + jax 0.10.2 (constraints-oldest.txt), in .venv-oldest
+PY ?= $(shell ./tools/find-python)
+PY_OLDEST ?= $(shell ./tools/find-python 3.11)
 VENV := .venv
-BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+VENV_OLDEST := .venv-oldest
+# The stamp names the interpreter's version, so a machine that gains a newer Python rebuilds.
+PYVER := $(shell $(PY) -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null)
+STAMP := $(VENV)/.installed-$(PYVER)
+STAMP_OLDEST := $(VENV_OLDEST)/.installed
+# The oldest environment runs the fast part of the suite: no subprocess-heavy modules.
+FAST_TESTS := tests/test_pmap.py tests/test_devices.py tests/test_mesh.py tests/test_rules.py \
+	tests/test_config.py tests/test_tasks.py tests/test_data_parallel.py tests/test_sharded.py \
+	tests/test_ensemble.py tests/test_grad_accum.py tests/test_train.py tests/test_cache.py src/spmdkit
 
-.PHONY: demo test bench lock clean
+.PHONY: demo test test-oldest bench lock lock-oldest clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@test -n "$(PYVER)" || { ./tools/find-python; exit 1; }
+	@echo "spmdkit: building $(VENV) with $(PY) (Python $(PYVER))"
+	rm -rf $(VENV)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+$(STAMP_OLDEST): pyproject.toml constraints-oldest.txt
+	@test -n "$(PY_OLDEST)" || { ./tools/find-python 3.11; exit 1; }
+	@echo "spmdkit: building $(VENV_OLDEST) with $(PY_OLDEST) (the oldest supported Python and JAX)"
+	rm -rf $(VENV_OLDEST)
+	$(PY_OLDEST) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/pip install --quiet --upgrade pip
+	$(VENV_OLDEST)/bin/pip install --quiet -c constraints-oldest.txt -e '.[test]'
+	touch $(STAMP_OLDEST)
+
 demo: $(STAMP)
-	$(BIN)/spmdkit demo
+	@echo "spmdkit: Python $(PYVER) in $(VENV)"
+	$(VENV)/bin/spmdkit demo
 
 test: $(STAMP)
-	$(BIN)/pytest -q
+	@echo "spmdkit: Python $(PYVER) in $(VENV)"
+	$(VENV)/bin/pytest -q
+
+test-oldest: $(STAMP_OLDEST)
+	$(VENV_OLDEST)/bin/pytest -q $(FAST_TESTS)
 
 bench: $(STAMP)
-	$(BIN)/spmdkit bench --suite pmap --json bench-pmap.json
+	$(VENV)/bin/spmdkit bench --suite pmap --json bench-pmap.json
 
-# Re-pin constraints.txt to what the current .venv holds (after a tested upgrade).
+# Re-pin a constraints file to what its environment holds (after a tested upgrade).
 lock: $(STAMP)
-	$(BIN)/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
+	$(VENV)/bin/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
+
+lock-oldest: $(STAMP_OLDEST)
+	$(VENV_OLDEST)/bin/pip freeze --exclude-editable | grep -v '^-e' > constraints-oldest.txt
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_OLDEST)

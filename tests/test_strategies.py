@@ -129,6 +129,8 @@ def test_uneven_batch_is_exact_and_compiles_once_per_shape():
         np.testing.assert_allclose(aux["loss"], ref_aux["loss"], rtol=1e-6)
         np.testing.assert_allclose(state["w"], ref_state["w"], rtol=1e-6, atol=1e-7)
     assert traces == [(16, 8), (13, 8)]
+    strategy.step(counted)(state, batch_of(16))  # written inline: the same compiled step
+    assert traces == [(16, 8), (13, 8)]
 
 
 def test_step_takes_device_batches_and_apply_any_size():

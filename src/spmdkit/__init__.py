@@ -10,6 +10,7 @@ from spmdkit._devices import (
     suggest_mesh,
     use_host_devices,
 )
+from spmdkit._cache import disable_compile_cache, enable_compile_cache
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
 from spmdkit._errors import (
@@ -97,6 +98,8 @@ __all__ = [
     "TrainState",
     "TreeMismatchError",
     "device_table",
+    "disable_compile_cache",
+    "enable_compile_cache",
     "fit",
     "get_strategy",
     "get_task",

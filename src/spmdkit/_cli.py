@@ -25,6 +25,7 @@ from spmdkit._devices import (
     suggest_mesh,
     use_host_devices,
 )
+from spmdkit._cache import ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_dir, enable_compile_cache
 from spmdkit._errors import SpmdkitError
 
 
@@ -46,6 +47,21 @@ def _device_options(default: object) -> argparse.ArgumentParser:
         metavar="N",
         default=default,
         help=f"simulate N CPU devices (default: ${ENV_HOST_DEVICES}, else what JAX finds)",
+    )
+    common.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        default=default,
+        help=f"keep compiled programs in DIR for the next start (default: ${ENV_COMPILE_CACHE}, else "
+        f"{default_cache_dir()}; on for train, demo and inspect, off for bench unless given)",
+    )
+    common.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_const",
+        const=False,
+        default=default,
+        help="compile everything afresh and write nothing to the compile cache",
     )
     return common
 
@@ -186,6 +202,26 @@ def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
 # Commands that run on 8 simulated devices unless told otherwise: they are about
 # showing or measuring many devices on a machine that has one CPU.
 _DEFAULT_DEVICES = {"demo": 8, "bench": 8, "inspect": 8}
+# Commands that keep compiled programs for the next start unless told otherwise (bench
+# does not: it measures compilation too).
+_CACHED_COMMANDS = {"train", "demo", "inspect"}
+
+
+def _setup_compile_cache(args: argparse.Namespace) -> None:
+    choice = getattr(args, "compile_cache", None)  # a DIR, False (--no-compile-cache) or None
+    asked = choice is not None
+    if choice is None:
+        choice = cache_dir_from_env()
+        asked = choice is not None
+    if choice is False or (not asked and args.command not in _CACHED_COMMANDS):
+        return
+    try:
+        enable_compile_cache(choice or None)
+    except SpmdkitError as e:
+        if asked:
+            raise
+        # The default directory is a convenience: without it, everything still runs.
+        Console(stderr=True).print(f"warning: running without the compile cache: {e}", markup=False)
 
 
 def _setup_devices(args: argparse.Namespace) -> None:
@@ -199,6 +235,7 @@ def _setup_devices(args: argparse.Namespace) -> None:
         return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
         use_host_devices(n)
+    _setup_compile_cache(args)
     from spmdkit._launch import initialize_distributed
 
     initialize_distributed(

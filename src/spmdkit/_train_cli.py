@@ -35,7 +35,8 @@ def resolve_options(flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_from_args(args: argparse.Namespace, console: Console) -> int:
-    process_flags = ("coordinator", "num_processes", "process_id", "distributed_timeout")
+    # Flags of the process, not of the run: a resume on another machine may differ in them.
+    process_flags = ("coordinator", "num_processes", "process_id", "distributed_timeout", "compile_cache")
     flags = {k: v for k, v in vars(args).items() if k not in ("command", *process_flags)}
     options = resolve_options(flags)
     run = build_run_config(options)

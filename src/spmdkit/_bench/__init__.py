@@ -12,6 +12,7 @@ from spmdkit._bench import (
     multiprocess_suite,
     pmap_suite,
     sharded_suite,
+    startup_suite,
 )
 
 # A suite takes its quick flag and returns a report: {"suite", "machine", "rows", "targets"}.
@@ -22,4 +23,5 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "sharded": sharded_suite.run,
     "checkpoint": checkpoint_suite.run,
     "multiprocess": multiprocess_suite.run,
+    "startup": startup_suite.run,
 }

@@ -303,20 +303,29 @@ class Placement:
         must not be used afterwards).
         """
         check_callable(train_step, "train_step", "(state, batch) -> (state, aux)")
-        return CompiledStep(self, train_step, "step", donate)
+        return self._compiled(train_step, "step", donate)
+
+    def _compiled(self, fn: Callable[..., Any], kind: str, donate: bool) -> CompiledStep:
+        """One CompiledStep per function: ``strategy.step(f)(...)`` written inline in a loop
+        compiles once."""
+        cache = self.__dict__.setdefault("_compiled_fns", {})
+        key = (fn, kind, donate)
+        if key not in cache:
+            cache[key] = CompiledStep(self, fn, kind, donate)
+        return cache[key]
 
     def evaluate(self, fn: Callable[[State, Batch], Any]) -> Callable[[State, Batch], Any]:
         """``fn(state, batch) -> values`` (metrics of any shape), compiled like ``step``:
         the program ``jax.jit(fn)`` runs on one device, on the exact global batch
         (nothing padded), without returning a state. Ensembles: one value per member."""
         check_callable(fn, "fn", "(state, batch) -> values")
-        return CompiledStep(self, fn, "eval", False)
+        return self._compiled(fn, "eval", False)
 
     def apply(self, fn: ApplyFn) -> Callable[[State, Batch], Any]:
         """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B:
         the batch is padded to split over the devices and exactly B rows come back."""
         check_callable(fn, "fn", "(state, batch) -> outputs [B, ...]")
-        return CompiledStep(self, fn, "apply", False)
+        return self._compiled(fn, "apply", False)
 
 
 class CompiledStep:

@@ -25,6 +25,7 @@ import optax
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer
 from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
+from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
@@ -306,7 +307,7 @@ def fit(
                           + (f" in {out / 'params.npz'}." if out else "."))
     status, failure, info = "completed", None, None
     batches = _batches(task.train_data, plan.batch_size, config, getattr(strategy, "data_streams", 1), start=done)
-    t0, t_first = time.perf_counter(), None
+    t0, t_first, first_step_s = time.perf_counter(), None, None
     watch = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else contextlib.nullcontext(None)
     try:
         with _StopRequest() as stop, (bar or contextlib.nullcontext()), watch as dog:
@@ -325,7 +326,8 @@ def fit(
                 state, done, info = new_state, i + 1, candidate
                 if dog is not None:
                     dog.finished(done)
-                t_first = t_first or time.perf_counter()
+                if t_first is None:  # excludes compilation from steps/s
+                    t_first, first_step_s = time.perf_counter(), process_age_s()  # start-up cost
                 metrics.add(info)
                 run_hooks(hooks + ([bar] if bar else []), info)
                 if done == plan.total:  # the last step always logs and evaluates
@@ -349,6 +351,7 @@ def fit(
     params = to_host(state.params)
     summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
                        params, elapsed, train_seconds, ckpt, run_info)
+    summary["first_step_s"] = first_step_s
     if out is not None and primary:
         saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
         _write_artifacts(out, saved, summary, history, task)

@@ -13,16 +13,36 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 import jax
 
 EXIT_PEER_LOST = 4
+_CLIENT_METHODS = ("key_value_set", "blocking_key_value_get")
+
+
+def coordination_client():
+    """The client of the coordination service that ``jax.distributed`` started, or None.
+
+    JAX has no public key-value API; its own checkpointing reaches the client through
+    this private module too. Where a JAX version moves it, this returns None and the
+    watchdog still ends a run that stopped making progress, but cannot name who is behind.
+    """
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    client = getattr(getattr(distributed, "global_state", None), "client", None)
+    if client is None or not all(callable(getattr(client, m, None)) for m in _CLIENT_METHODS):
+        return None
+    return client
 
 
 def _client():
-    from jax._src import distributed  # the coordination service JAX itself started
-
-    return distributed.global_state.client
+    client = coordination_client()
+    if client is None:
+        raise RuntimeError("no coordination client")
+    return client
 
 
 class StepWatchdog:
@@ -38,6 +58,14 @@ class StepWatchdog:
         self._thread = threading.Thread(target=self._watch, daemon=True, name="spmdkit-watchdog")
 
     def __enter__(self) -> StepWatchdog:
+        if self.count > 1 and coordination_client() is None:
+            warnings.warn(
+                f"spmdkit: JAX {jax.__version__} does not expose its coordination client where "
+                "spmdkit looks for it; a run whose steps stop for --distributed-timeout seconds still "
+                "ends on every process, but the message cannot name the process that fell behind.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._publish()
         self._thread.start()
         return self
@@ -93,6 +121,8 @@ class StepWatchdog:
                     reasons[i] = f"has not started step {top} (hung at step {s})"
             who = (", ".join(f"process {i} {why}" for i, why in sorted(reasons.items()))
                    if reasons else f"no process stands out (all in step {top})")
+            if coordination_client() is None:
+                who = "unknown (this JAX version does not let spmdkit read the other processes' progress)"
             sys.stderr.write(
                 f"spmdkit: process {self.index}: no step finished for {idle:.0f} s (timeout {self.timeout_s:.0f} s); "
                 f"behind: {who}. A dead or hung process stops the collective; every process now exits. "

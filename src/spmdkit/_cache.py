@@ -1,0 +1,92 @@
+"""JAX's persistent compilation cache, with thresholds that keep small steps.
+
+JAX writes a compiled program to its disk cache only when compiling it took at least
+``jax_persistent_cache_min_compile_time_secs`` (1 s by default): most training steps of
+small and medium models compile faster than that and would be compiled again on every
+start. spmdkit turns the cache on with no time or size threshold, so a second start of
+the same run loads every program it compiled the first time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from spmdkit._errors import ConfigError, fix
+
+ENV_COMPILE_CACHE = "SPMDKIT_COMPILE_CACHE"
+# Past this size JAX evicts the least recently used programs.
+DEFAULT_MAX_BYTES = 2 * 2**30
+_OFF = {"0", "off", "no", "false", "none", ""}
+
+
+def default_cache_dir() -> Path:
+    """Where the cache lives unless told otherwise: ``$XDG_CACHE_HOME/spmdkit/jax-compile``
+    (``~/.cache/spmdkit/jax-compile`` without ``XDG_CACHE_HOME``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "spmdkit" / "jax-compile"
+
+
+def cache_dir_from_env() -> Path | None | bool:
+    """``$SPMDKIT_COMPILE_CACHE``: a directory, ``off`` (False), or unset (None)."""
+    value = os.environ.get(ENV_COMPILE_CACHE)
+    if value is None:
+        return None
+    if value.strip().lower() in _OFF:
+        return False
+    return Path(value)
+
+
+def enable_compile_cache(directory: str | os.PathLike | None = None, *,
+                         max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """Turn on JAX's persistent compilation cache in ``directory`` and return it.
+
+    Every program compiled from then on is written there (no minimum compile time or
+    size), and a later process that compiles the same program on the same devices loads
+    it instead. ``directory`` defaults to ``$SPMDKIT_COMPILE_CACHE`` or
+    :func:`default_cache_dir`. The cache runs code it reads: keep it in a directory only
+    you can write (it is created with mode 0o700).
+
+    >>> import tempfile, spmdkit
+    >>> path = spmdkit.enable_compile_cache(tempfile.mkdtemp())
+    >>> path.is_dir()
+    True
+    >>> spmdkit.disable_compile_cache()
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if directory is None:
+        env = cache_dir_from_env()
+        directory = env if isinstance(env, Path) else default_cache_dir()
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise ConfigError(fix(
+            f"compile cache directory {str(path)!r} cannot be created: {e.strerror or e}.",
+            "pass another directory (Python: enable_compile_cache(dir); CLI: --compile-cache DIR), "
+            "or run without the cache (CLI: --no-compile-cache, env: SPMDKIT_COMPILE_CACHE=off).",
+        )) from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(fix(
+            f"compile cache directory {str(path)!r} is not a writable directory.",
+            "pass another directory (Python: enable_compile_cache(dir); CLI: --compile-cache DIR), "
+            "or run without the cache (CLI: --no-compile-cache, env: SPMDKIT_COMPILE_CACHE=off).",
+        ))
+    # A cache that JAX already opened keeps its old directory unless it is reset.
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
+    return path
+
+
+def disable_compile_cache() -> None:
+    """Stop reading and writing the persistent compilation cache in this process."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", None)

@@ -1,0 +1,100 @@
+"""The persistent compilation cache: written for small steps, read by the next start."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import spmdkit
+from spmdkit._cache import ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_dir
+
+CLI = [sys.executable, "-m", "spmdkit._cli"]
+
+
+def _entries(path):
+    return sorted(p for p in os.listdir(path) if not p.startswith("."))
+
+
+def _train(tmp_path, *extra, env=None):
+    out = subprocess.run(
+        [*CLI, "--host-devices", "2", "train", "--task", "linreg", "--steps", "3", "--no-progress",
+         "--out", str(tmp_path / "out"), *extra],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})},
+    )
+    return out
+
+
+def test_enable_writes_a_program_that_compiles_in_milliseconds(tmp_path):
+    path = spmdkit.enable_compile_cache(tmp_path / "cache")
+    try:
+        assert _entries(path) == []
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).block_until_ready()
+        # JAX's default 1 s threshold would skip this program; spmdkit's keeps it.
+        assert len(_entries(path)) >= 1
+    finally:
+        spmdkit.disable_compile_cache()
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_second_start_reads_what_the_first_wrote(tmp_path):
+    cache = tmp_path / "cache"
+    first = _train(tmp_path, "--compile-cache", str(cache))
+    assert first.returncode == 0, first.stderr
+    written = _entries(cache)
+    assert written, "the first run wrote no compiled program"
+    second = _train(tmp_path, "--compile-cache", str(cache))
+    assert second.returncode == 0, second.stderr
+    # Every program the second start needed was already there: nothing new was written.
+    assert _entries(cache) == written
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["first_step_s"] > 0
+
+
+def test_no_compile_cache_writes_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    out = _train(tmp_path, "--no-compile-cache", env={ENV_COMPILE_CACHE: str(cache)})
+    assert out.returncode == 0, out.stderr
+    assert not cache.exists()
+
+
+def test_environment_names_the_directory_or_turns_it_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_COMPILE_CACHE, str(tmp_path / "c"))
+    assert cache_dir_from_env() == tmp_path / "c"
+    monkeypatch.setenv(ENV_COMPILE_CACHE, "off")
+    assert cache_dir_from_env() is False
+    monkeypatch.delenv(ENV_COMPILE_CACHE)
+    assert cache_dir_from_env() is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "spmdkit" / "jax-compile"
+
+
+def test_a_directory_that_cannot_be_made_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(spmdkit.ConfigError, match="--no-compile-cache") as e:
+        spmdkit.enable_compile_cache(blocker / "cache")
+    assert str(blocker / "cache") in str(e.value)
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_cli_asked_directory_fails_but_default_only_warns(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    asked = _train(tmp_path, "--compile-cache", str(blocker / "c"))
+    assert asked.returncode == 2
+    assert "--no-compile-cache" in asked.stderr
+    # The default directory is a convenience: a home without room for it still trains.
+    env = {"XDG_CACHE_HOME": str(blocker)}
+    env.pop(ENV_COMPILE_CACHE, None)
+    defaulted = subprocess.run(
+        [*CLI, "--host-devices", "2", "train", "--task", "linreg", "--steps", "2", "--no-progress",
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=180,
+        env={k: v for k, v in {**os.environ, **env}.items() if k != ENV_COMPILE_CACHE},
+    )
+    assert defaulted.returncode == 0, defaulted.stderr
+    assert "running without the compile cache" in defaulted.stderr
