@@ -109,5 +109,5 @@ def main(members: int | None = None, steps: int = 300) -> dict[str, object]:
 if __name__ == "__main__":
     spmdkit.use_host_devices(8)
     out = main()
-    print("test accuracy of each member:", np.round(out["member_accuracy"], 3))
+    print("test accuracy of each member:", np.round(out["member_accuracy"].astype(float), 3))
     print(f"test accuracy of the ensemble (mean of probabilities): {out['ensemble_accuracy']:.3f}")
