@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, fix
-from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
+from spmdkit._strategies._compile import Placement, auto_mesh
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec
 from spmdkit._strategies._base import (
     EvalFn,
