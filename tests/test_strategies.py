@@ -218,3 +218,18 @@ def test_unknown_logical_name_error_speaks_python_and_replicate_unknown_is_an_ar
     assert "replicate_unknown=True to Sharded" in str(e.value)
     state = spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model")), replicate_unknown=True).init(make_state, 0)
     assert state["w"].value.sharding.spec == P(None, "model")
+
+
+def test_state_axes_parts_name_the_moments_of_an_optimizer_over_part_of_the_params():
+    adam, sgd = optax.adam(1e-3), optax.sgd(0.1, momentum=0.9)
+
+    def make_state(rng):
+        params = {"encoder": {"w": jnp.ones((8, 16)), "b": jnp.ones((16,))}, "head": {"w": jnp.ones((16, 4))}}
+        return {"params": params, "enc_opt": adam.init(params["encoder"]), "head_opt": sgd.init(params["head"])}
+
+    axes = {"encoder": {"w": ("embed", "hidden"), "b": ("hidden",)}, "head": {"w": ("hidden", None)}}
+    state = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp", state_axes=axes).init(make_state, 0)
+    assert state["params"]["encoder"]["w"].sharding.spec == P(None, "model")
+    assert state["enc_opt"][0].mu["w"].sharding.spec == P(None, "model")
+    assert state["enc_opt"][0].nu["b"].sharding.spec == P("model")
+    assert state["head_opt"][0].trace["w"].sharding.spec == P("model", None)

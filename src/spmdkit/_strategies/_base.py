@@ -10,7 +10,7 @@ benchmarks and ``spmdkit inspect`` still call; ``fit`` does not.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp

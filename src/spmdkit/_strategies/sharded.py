@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, fix
-from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
+from spmdkit._strategies._compile import Placement, auto_mesh
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec
 from spmdkit._strategies._base import (
     EvalFn,
@@ -326,32 +326,56 @@ def _is_names(x: Any) -> bool:
     return x is None or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
 
 
+def _subtrees(tree: Any) -> list[Any]:
+    """``tree`` and every container inside it (not the name tuples), largest first."""
+    out = [tree]
+    children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) and not _is_names(tree) else ()
+    for child in children:
+        if not _is_names(child):
+            out.extend(_subtrees(child))
+    return out
+
+
 def _with_state_axes(state: Any, axes: Any) -> Any:
     """Plain leaves boxed with the user's logical names (``state_axes``); boxed leaves kept.
 
-    ``axes`` is matched against the whole state first, then against every subtree of the
-    same structure (so a params-shaped tree also names the optimizer's moments).
+    ``axes`` and each part of it (``axes["encoder"]``) are matched against the whole state
+    and every subtree of the same structure whose arrays have one name per dimension: a
+    params-shaped tree also names the optimizer's moments, also of an optimizer that
+    covers only a part of the params.
     """
     if axes is None:
         return state
-    axes_def = jax.tree.structure(axes, is_leaf=_is_names)
+    candidates = []
+    for sub in _subtrees(axes):
+        treedef = jax.tree.structure(sub, is_leaf=_is_names)
+        if treedef.num_leaves:
+            candidates.append((treedef, jax.tree.leaves(sub, is_leaf=_is_names)))
     matched = []
 
-    def box(sub):
+    def match(x):
+        if _is_box(x):
+            return None
+        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
+        for want, names in candidates:
+            if treedef == want and all(_is_box(leaf) or n is None or len(n) == len(leaf.shape)
+                                       for leaf, n in zip(leaves, names)):
+                return names
+        return None
+
+    def box(x):
+        names = match(x)
         matched.append(True)
-        names = jax.tree.leaves(axes, is_leaf=_is_names)
-        leaves, sub_def = jax.tree.flatten(sub, is_leaf=_is_box)
+        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
         out = [leaf if _is_box(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for leaf, n in zip(leaves, names)]
-        return jax.tree.unflatten(sub_def, out)
+        return jax.tree.unflatten(treedef, out)
 
-    def same(x):
-        return not _is_box(x) and jax.tree.structure(x, is_leaf=_is_box) == axes_def
-
-    state = box(state) if same(state) else jax.tree.map(lambda x: box(x) if same(x) else x, state, is_leaf=same)
+    state = box(state) if match(state) is not None else jax.tree.map(
+        lambda x: box(x) if match(x) is not None else x, state, is_leaf=lambda x: match(x) is not None)
     if not matched:
         raise LayoutError(
-            fix(f"state_axes (structure {axes_def}) matches neither the state nor any part of it "
-                f"(state structure {jax.tree.structure(state, is_leaf=_is_box)}).",
+            fix(f"state_axes (structure {jax.tree.structure(axes, is_leaf=_is_names)}) matches neither the state "
+                f"nor any part of it (state structure {jax.tree.structure(state, is_leaf=_is_box)}).",
                 "give state_axes the structure of the state, or of its params (a tuple of logical "
                 "names per array, None to replicate).")
         )

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax.core import meta
 
 from spmdkit._strategies._base import micro_batches, run_key
 from spmdkit._tasks._base import Task
@@ -96,7 +95,3 @@ def task_eval_step(task: Task, rng: jax.Array):
         return {"loss": loss, **aux}
 
     return eval_step
-
-
-def unboxed(tree: Any) -> Any:
-    return meta.unbox(tree)
