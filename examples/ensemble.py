@@ -39,7 +39,9 @@ class CNN(nn.Module):
 def create_train_state(rng, learning_rate, momentum):
     cnn = CNN()
     params = cnn.init(rng, jnp.ones([1, 8, 8, 1]))["params"]
-    tx = optax.sgd(learning_rate, momentum)
+    # inject_hyperparams keeps the learning rate in the optimizer state, where an ensemble
+    # can give each member its own (see `main(learning_rates=...)`); the updates are sgd's.
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=learning_rate, momentum=momentum)
     return train_state.TrainState.create(apply_fn=cnn.apply, params=params, tx=tx)
 
 
@@ -94,9 +96,11 @@ def train(strategy, rng, steps: int, batch_size: int = 64, learning_rate: float 
     return state, metrics
 
 
-def main(members: int | None = None, steps: int = 300) -> dict[str, object]:
-    members = members or jax.device_count()
-    ensemble = spmdkit.Ensemble(members)
+def main(members: int | None = None, steps: int = 300, learning_rates: list[float] | None = None) -> dict[str, object]:
+    """An ensemble; with ``learning_rates``, a population: member m trains with rate m."""
+    members = len(learning_rates) if learning_rates else members or jax.device_count()
+    hyperparams = {"learning_rate": list(learning_rates)} if learning_rates else None
+    ensemble = spmdkit.Ensemble(members, hyperparams=hyperparams)
     state, metrics = train(ensemble, jax.random.key(0), steps)
     _, test_ds = get_datasets()
     probs = ensemble.apply(probabilities)(state, test_ds)  # [members, N, 10]
@@ -111,3 +115,7 @@ if __name__ == "__main__":
     out = main()
     print("test accuracy of each member:", np.round(out["member_accuracy"].astype(float), 3))
     print(f"test accuracy of the ensemble (mean of probabilities): {out['ensemble_accuracy']:.3f}")
+    rates = [0.3, 0.1, 0.03, 0.01]
+    out = main(steps=100, learning_rates=rates)  # four learning rates trained at once
+    for rate, accuracy in zip(rates, out["member_accuracy"]):
+        print(f"learning rate {rate}: test accuracy after 100 steps {accuracy:.3f}")

@@ -77,15 +77,16 @@ def test_data_parallel_regression_equals_one_device():
 
 
 def test_ensemble_members_equal_single_models():
-    steps, members = 4, 2
-    out = ensemble.main(members=members, steps=steps)
+    """A population of two learning rates: member m equals one model trained alone at rate m."""
+    steps, members, rates = 4, 2, [0.1, 0.02]
+    out = ensemble.main(steps=steps, learning_rates=rates)
     assert out["probs"].shape == (members, 360, 10)
     # Each member against the same model trained alone with plain jit (compiled once for both).
-    init = jax.jit(lambda key: ensemble.create_train_state(key, 0.1, 0.9))
+    init = jax.jit(lambda key, rate: ensemble.create_train_state(key, rate, 0.9))
     step = jax.jit(ensemble.train_step)
     train_ds, _ = ensemble.get_datasets()
     for m, key in enumerate(jax.random.split(jax.random.key(0), members)):
-        single = init(key)
+        single = init(key, rates[m])
         for i in range(steps):  # the example's data order
             rows = np.random.default_rng(i).permutation(len(train_ds["label"]))[:64]
             single, _ = step(single, {k: v[rows] for k, v in train_ds.items()})
