@@ -103,17 +103,17 @@ def main(members: int | None = None, steps: int = 300, learning_rates: list[floa
     ensemble = spmdkit.Ensemble(members, hyperparams=hyperparams)
     state, metrics = train(ensemble, jax.random.key(0), steps)
     _, test_ds = get_datasets()
-    probs = ensemble.apply(probabilities)(state, test_ds)  # [members, N, 10]
+    probs = np.asarray(ensemble.apply(probabilities)(state, test_ds), np.float64)  # [members, N, 10]
     member_accuracy = np.mean(np.argmax(probs, -1) == test_ds["label"], axis=-1)
     ensemble_accuracy = np.mean(np.argmax(probs.mean(axis=0), -1) == test_ds["label"])
-    return {"state": state, "probs": np.asarray(probs), "member_accuracy": member_accuracy,
+    return {"state": state, "probs": probs, "member_accuracy": member_accuracy,
             "ensemble_accuracy": float(ensemble_accuracy), "train_loss": np.asarray(metrics["loss"])}
 
 
 if __name__ == "__main__":
     spmdkit.use_host_devices(8)
     out = main()
-    print("test accuracy of each member:", np.round(out["member_accuracy"].astype(float), 3))
+    print("test accuracy of each member:", np.round(out["member_accuracy"], 3))
     print(f"test accuracy of the ensemble (mean of probabilities): {out['ensemble_accuracy']:.3f}")
     rates = [0.3, 0.1, 0.03, 0.01]
     out = main(steps=100, learning_rates=rates)  # four learning rates trained at once
