@@ -217,6 +217,7 @@ class Sharded(OneModel, Placement):
         layout = plan_layout(boxed, self.rules, self.mesh)
         warn_if_mostly_replicated(layout, self.rules, self.mesh)
         self._known[jax.tree.structure(layout.shardings)] = layout.shardings
+        self.layout = layout  # the last layout planned, for inspection
         return layout
 
     def _rules(self) -> Any:
