@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import spmdkit
+from spmdkit._checkpoint import parse_step, step_name
 from spmdkit._tasks import digits, linreg, mlp
 
 
@@ -100,7 +101,7 @@ def test_data_parallel_checkpoint_resumes_sharded(tmp_path):
 
 
 def truncate_largest(ckpt_dir, step):
-    files = [p for p in (ckpt_dir / str(step)).rglob("*") if p.is_file()]
+    files = [p for p in (ckpt_dir / step_name(step)).rglob("*") if p.is_file()]
     victim = max(files, key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     return victim.relative_to(ckpt_dir)
@@ -192,10 +193,10 @@ def test_restore_never_unpickles(task, tmp_path, monkeypatch):
 
 def test_leftover_temporary_directory_is_removed(tmp_path):
     (tmp_path / "ck").mkdir()
-    leftover = tmp_path / "ck" / "20.orbax-checkpoint-tmp-123"
+    leftover = tmp_path / "ck" / "spmdkit_20.orbax-checkpoint-tmp-123"
     (leftover / "state").mkdir(parents=True)
     messages = []
-    spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=messages.append).close()
+    spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=messages.append).claim().close()
     assert not leftover.exists() and "left by an interrupted save" in messages[0]
 
 
@@ -228,7 +229,7 @@ def test_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path):
     kills, steps_seen = 0, []
 
     def newest():
-        return max((int(p.name) for p in ck.iterdir() if p.name.isdigit()), default=0) if ck.exists() else 0
+        return max((parse_step(p.name) or 0 for p in ck.iterdir()), default=0) if ck.exists() else 0
 
     for attempt in range(4):
         before = newest()
@@ -259,8 +260,8 @@ def test_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path):
 
 def test_checkpoints_command_lists_steps(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
-    out = subprocess.run([*CLI, "checkpoints", str(tmp_path / "ck"), "--json"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([*CLI, "checkpoints", str(tmp_path / "ck"), "--json", "--verify"], capture_output=True,
+                         text=True, timeout=120)
     rows = json.loads(out.stdout)
     assert [r["step"] for r in rows] == [5, 10]
     assert all(r["status"] == "complete, verified" and r["task"] == "digits" for r in rows)

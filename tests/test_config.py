@@ -97,3 +97,34 @@ def test_precedence_task_defaults_then_file_then_flags(tmp_path):
 def test_wrongly_typed_value():
     with pytest.raises(spmdkit.ConfigError):
         build_run_config({"batch_size": "big"})
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('resume = "false"\ncheckpoint-dir = "ck"\n', "resume = 'false' (str) must be true or false"),
+        ('bagging = "no"\n', "bagging = 'no' (str) must be true or false"),
+        ("host-devices = 0\n", "host-devices = 0 (int) must be a whole number >= 1"),
+        ("mesh = 5\n", "mesh = 5 (int) must be a string"),
+        ("steps = 2.5\n", "steps = 2.5 (float) must be a whole number >= 1"),
+        ("lr = true\n", "lr = True (bool) must be a number"),
+        ("batch-size = 8\nbatch_size = 16\n", "'batch-size' and 'batch_size' are the same option, given twice"),
+    ],
+)
+def test_config_values_are_typed_strictly(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(spmdkit.ConfigError) as e:
+        load_toml(str(path))
+    assert message in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_checkpoint_flags_without_a_directory_name_real_flags():
+    with pytest.raises(spmdkit.ConfigError) as e:
+        build_run_config({"checkpoint_every": 5, "resume": True})
+    assert "'--checkpoint-every', '--resume'" in str(e.value) and "--every'" not in str(e.value)
+
+
+def test_overwrite_and_resume_together_are_refused():
+    with pytest.raises(spmdkit.CheckpointError, match="resume and overwrite were both asked for"):
+        build_run_config({"checkpoint_dir": "ck", "resume": True, "overwrite_checkpoints": True})

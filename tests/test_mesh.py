@@ -74,3 +74,11 @@ def test_error_fill_not_divisible():
 def test_error_bad_axes(axes, match):
     with pytest.raises(spmdkit.MeshError, match=match):
         spmdkit.make_mesh(**axes)
+
+
+def test_a_device_twice_is_an_error():
+    d = jax.devices()
+    with pytest.raises(spmdkit.MeshError, match=r"devices\[0\] and devices\[1\] are the same device"):
+        spmdkit.make_mesh(data=8, devices=[d[0]] * 8)
+    with pytest.raises(spmdkit.MeshError, match=r"devices\[1\] is a int, not a jax.Device"):
+        spmdkit.make_mesh(data=2, devices=[d[0], 3])

@@ -110,3 +110,13 @@ def test_warning_lists_the_largest_replicated_parameters():
         )
     msg = str(record[0].message)
     assert "state.params['big'] (256, 256)" in msg and "replicated on every device" in msg
+
+
+def test_duplicate_mesh_axes_and_bare_rule_names_are_errors():
+    with pytest.raises(LayoutError, match="axis 'data' is given twice"):
+        parse_mesh("data=8,data=2,model=4")
+    with pytest.raises(LayoutError, match="'hidden' is not logical=axis") as e:
+        AxisRules.load("batch=data,hidden")
+    assert "hidden=none to replicate" in str(e.value)
+    with pytest.raises(LayoutError, match="'batch' is given twice"):
+        AxisRules.load("batch=data,batch=model")

@@ -37,7 +37,7 @@ def test_count_normalised_loss_on_a_partial_batch_is_exact_not_nan():
     task = spmdkit.Task(
         name="weighted",
         init=lambda rng: {"w": jnp.zeros((4,))},
-        loss_fn=lambda p, b, rng: jnp.sum(b["w"] * (b["x"] @ p["w"] - 1.0) ** 2) / jnp.sum(b["w"]),  # a bare scalar
+        loss_fn=lambda p, b, rng: (jnp.sum(b["w"] * (b["x"] @ p["w"] - 1.0) ** 2) / jnp.sum(b["w"]), {}),
         train_data={"x": x, "w": w},
         eval_data={"x": x, "w": w},
     )

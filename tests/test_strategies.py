@@ -224,10 +224,11 @@ def test_state_axes_parts_name_the_moments_of_an_optimizer_over_part_of_the_para
     adam, sgd = optax.adam(1e-3), optax.sgd(0.1, momentum=0.9)
 
     def make_state(rng):
-        params = {"encoder": {"w": jnp.ones((8, 16)), "b": jnp.ones((16,))}, "head": {"w": jnp.ones((16, 4))}}
+        params = {"encoder": {"w": jnp.ones((8, 16)), "b": jnp.ones((16,))}, "head": {"w": jnp.ones((16, 4)), "b": jnp.ones((4,))}}
         return {"params": params, "enc_opt": adam.init(params["encoder"]), "head_opt": sgd.init(params["head"])}
 
-    axes = {"encoder": {"w": ("embed", "hidden"), "b": ("hidden",)}, "head": {"w": ("hidden", None)}}
+    # encoder and head have the same structure: the shapes where the params sit tell them apart.
+    axes = {"encoder": {"w": ("embed", "hidden"), "b": ("hidden",)}, "head": {"w": ("hidden", None), "b": (None,)}}
     state = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp", state_axes=axes).init(make_state, 0)
     assert state["params"]["encoder"]["w"].sharding.spec == P(None, "model")
     assert state["enc_opt"][0].mu["w"].sharding.spec == P(None, "model")

@@ -99,7 +99,9 @@ def test_divergence_stops_with_the_step_and_keeps_the_last_good_state(tmp_path):
     assert 1 < err.step < 200 and not np.isfinite(err.loss)
     assert f"at step {err.step}" in str(err) and "--lr" in str(err)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "diverged" and summary["steps"] == err.step - 1
+    # The loss of step k comes from the state after k - 1 updates; the kept state is the one
+    # before the bad one, and summary.json reports its step (as params.npz holds it).
+    assert summary["status"] == "diverged" and summary["steps"] == err.step - 2
     saved = spmdkit.load_params(tmp_path / "params.npz")
     assert all(np.isfinite(v).all() for v in saved.values())
 

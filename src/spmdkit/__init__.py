@@ -54,6 +54,9 @@ from spmdkit._train import (
     run_hooks,
     save_params,
 )
+from spmdkit._checkpoint import CheckpointSaveError
+from spmdkit._train._artifacts import ArtifactError
+from spmdkit._train._validate import TaskError, validate_task
 
 __version__ = "0.1.0"
 
@@ -75,6 +78,10 @@ __all__ = [
     "BatchSizeError",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointSaveError",
+    "ArtifactError",
+    "TaskError",
+    "validate_task",
     "Checkpointer",
     "ConfigError",
     "DataError",

@@ -28,6 +28,8 @@ from spmdkit._devices import (
 from spmdkit._cache import ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_dir, enable_compile_cache
 from spmdkit._errors import SpmdkitError
 
+EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged step
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -101,9 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
     p.add_argument("--host-devices-per-process", type=_positive_int, metavar="D", help="simulated CPU devices each")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a process fails, restart all from the last good checkpoint up to N times (0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
     p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
     p.add_argument("directory", help="a --checkpoint-dir")
+    p.add_argument("--verify", action="store_true", help="compare every file's CRC-32 with the step's manifest "
+                   f"(exit {EXIT_DAMAGED} if a step is damaged)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     from spmdkit._bench import SUITES
@@ -169,6 +175,8 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=_positive_int, help="steps between checkpoints (100)")
     p.add_argument("--keep", type=_positive_int, help="checkpoints to keep (3)")
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    p.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="a fresh run may replace the checkpoints another run left in --checkpoint-dir")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g = p.add_argument_group("several processes (jax.distributed; spmdkit launch sets these for you)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
@@ -336,10 +344,11 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
 def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._checkpoint import describe_directory
 
-    rows = describe_directory(args.directory)
+    rows = describe_directory(args.directory, verify=args.verify)
+    damaged = args.verify and any(r["status"].startswith("damaged") for r in rows)
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return EXIT_DAMAGED if damaged else 0
     table = Table(title=f"checkpoints in {args.directory}")
     for col in ("step", "size", "status", "task", "strategy", "mesh", "written", "config"):
         table.add_column(col)
@@ -355,14 +364,14 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     if not rows:
         console.print("no checkpoints")
-    return 0
+    return EXIT_DAMAGED if damaged else 0
 
 
 def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._launch import launch
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    return launch(cmd, args.processes, args.host_devices_per_process)
+    return launch(cmd, args.processes, args.host_devices_per_process, max_restarts=max(args.max_restarts, 0))
 
 
 _COMMANDS = {
@@ -386,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command](args, console)
     except SpmdkitError as e:
         Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(e)))
-        return 2
+        return getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
 
 
 if __name__ == "__main__":

@@ -151,8 +151,49 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "checkpoint_every": ("checkpoint", "every"),
     "keep": ("checkpoint", "keep"),
     "resume": ("checkpoint", "resume"),
+    "overwrite_checkpoints": ("checkpoint", "overwrite"),
 }
 CONFIG_KEYS = tuple(_KEYS)
+
+# The type of every key: a TOML value of another type is an error, never a guess
+# (the string "false" is not False; 5 is not a mesh).
+_BOOLS = {"bagging", "replicate_unknown", "scan", "progress", "drop_remainder", "resume", "overwrite_checkpoints"}
+_POSITIVE = {"members", "layers", "depth", "embed", "host_devices", "steps", "epochs", "batch_size", "eval_every",
+             "eval_batch_size", "log_every", "grad_accum", "checkpoint_every", "keep"}
+_FLOATS = {"lr", "momentum", "weight_decay"}
+_STRINGS = {"task", "strategy", "impl", "data_dir", "mesh", "rules", "out", "optimizer", "checkpoint_dir"}
+_EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', "data_dir": '"data/mnist"',
+             "checkpoint_dir": '"ck"'}
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def check_value(key: str, value: Any, source: str) -> None:
+    """``value`` has the type of ``key`` (and is in range); a ConfigError naming both otherwise."""
+    if value is None:
+        return
+    if key in _BOOLS:
+        ok, want, example = isinstance(value, bool), "true or false", f"{key.replace('_', '-')} = true"
+    elif key in _POSITIVE:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        want, example = "a whole number >= 1", f"{key.replace('_', '-')} = 8"
+    elif key == "seed":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        want, example = "a whole number >= 0", "seed = 0"
+    elif key in _FLOATS:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        want, example = "a number", f"{key.replace('_', '-')} = 0.01"
+    elif key in _STRINGS:
+        ok, want = isinstance(value, str), "a string"
+        example = f"{key.replace('_', '-')} = {_EXAMPLES.get(key, chr(34) + 'name' + chr(34))}"
+    else:
+        return
+    if not ok:
+        raise ConfigError(fix(
+            f"{source}: {key.replace('_', '-')} = {value!r} ({type(value).__name__}) must be {want}.",
+            f"write e.g. {example} in a config file, or {_flag(key)} on the command line."))
 
 
 def _normalise(key: str) -> str:
@@ -160,10 +201,15 @@ def _normalise(key: str) -> str:
 
 
 def check_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
-    """Normalise ``batch-size`` to ``batch_size``; an unknown key is a ConfigError."""
-    out = {}
+    """Normalise ``batch-size`` to ``batch_size``; an unknown, duplicate or mistyped key is a ConfigError."""
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in values.items():
         k = _normalise(key)
+        if k in spelled:
+            raise ConfigError(fix(f"{source}: {spelled[k]!r} and {key!r} are the same option, given twice.",
+                                  f"keep one of them ({k.replace('_', '-')} = ...)."))
+        spelled[k] = key
         if k not in _KEYS:
             close = difflib.get_close_matches(k, CONFIG_KEYS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -173,6 +219,7 @@ def check_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
                     f"{hint}known keys: {', '.join(CONFIG_KEYS)}.",
                 )
             )
+        check_value(k, value, source)
         out[k] = value
     return out
 
@@ -210,13 +257,16 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         ckpt = sections["checkpoint"]
         if ckpt and "directory" not in ckpt:
             raise ConfigError(
-                fix(f"{sorted('--' + k.replace('_', '-') for k in ckpt)} need --checkpoint-dir DIR.",
+                fix(f"{sorted(_flag(_FLAG_OF[('checkpoint', k)]) for k in ckpt)} need --checkpoint-dir DIR.",
                     "pass --checkpoint-dir (where checkpoints are written and resumed from).")
             )
         checkpoint = CheckpointConfig(**ckpt) if ckpt else None
         return RunConfig(train=train, optimizer=optimizer, checkpoint=checkpoint, **sections[None])
     except TypeError as e:  # a wrongly typed value in a TOML file
         raise ConfigError(fix(f"invalid option value: {e}.", "check the types in the config file.")) from None
+
+
+_FLAG_OF = {where: key for key, where in _KEYS.items()}
 
 
 def task_options(run: RunConfig) -> dict[str, Any]:

@@ -4,11 +4,15 @@
 machine, tells each its place through the environment (coordinator address on
 127.0.0.1 and a free port, process count, process id, devices per process),
 prefixes their output with the process index, and ends them all (SIGKILL after a
-grace period: JAX catches SIGTERM) as soon as one fails.
+grace period: JAX catches SIGTERM) as soon as one fails. The children die with the
+launcher: each runs in its own process group, which the launcher signals, and asks
+the kernel for SIGKILL should the launcher die without a word (``kill -9``). With
+``max_restarts`` a failed group is restarted from its last good checkpoint.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -20,11 +24,16 @@ from collections.abc import Sequence
 
 import jax
 
-from spmdkit._errors import DeviceSetupError, fix
+from spmdkit._errors import DeviceSetupError, SpmdkitError, fix
+
+
+class LaunchError(SpmdkitError, OSError):
+    """The processes of a launch cannot be started as asked."""
 
 ENV_COORDINATOR = "SPMDKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "SPMDKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "SPMDKIT_PROCESS_ID"
+ENV_RESUME = "SPMDKIT_RESUME"  # set on a restart: spmdkit train then resumes from its --checkpoint-dir
 
 
 def free_port() -> int:
@@ -47,6 +56,19 @@ def _cluster_detected() -> bool:
     return False
 
 
+def check_coordinator(address: str) -> str:
+    """``HOST:PORT`` with a port in 1..65535; returns the host."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DeviceSetupError(fix(f"--coordinator {address!r} is not HOST:PORT.",
+                                   "pass e.g. --coordinator node0:1234 (process 0's host and a free port)."))
+    return host.strip("[]")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def initialize_distributed(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -63,6 +85,7 @@ def initialize_distributed(
     """
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     if coordinator:
+        host = check_coordinator(coordinator)
         try:
             count = num_processes if num_processes is not None else int(os.environ[ENV_NUM_PROCESSES])
             index = process_id if process_id is not None else int(os.environ[ENV_PROCESS_ID])
@@ -71,10 +94,17 @@ def initialize_distributed(
                 fix(f"a coordinator ({coordinator}) is given but the process count or id is missing.",
                     "pass --num-processes and --process-id (or start the processes with spmdkit launch).")
             ) from None
+        if not 0 <= index < count:
+            raise DeviceSetupError(fix(f"--process-id {index} with --num-processes {count}: ids run from 0 to {count - 1}.",
+                                       f"give each process its own id in 0..{count - 1}."))
+        # A loopback coordinator serves this machine only: bind it there, not on every
+        # interface (JAX's default). Elsewhere JAX binds where JAX_COORDINATOR_BIND_ADDRESS says.
+        bind = {"coordinator_bind_address": coordinator} if _is_loopback(host) else {}
         # The heartbeat is the backstop; the step watchdog (which names the process that
         # fell behind) gets to speak first.
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
-                                   initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=2 * timeout_s + 10)
+                                   initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=2 * timeout_s + 10,
+                                   **bind)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
@@ -91,58 +121,137 @@ def _pump(stream, prefix: str, sink) -> None:
         sink.flush()
 
 
-def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0) -> int:
-    """Run ``command`` in ``processes`` local processes; the exit code of the first to fail, else 0."""
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launcher dies, however it dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the process group and the forwarded signals still end the children
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Group:
+    """One start of P processes: started together, watched, stopped together."""
+
+    def __init__(self, command: Sequence[str], processes: int, devices_per_process: int | None, restart: bool = False):
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        for i in range(processes):
+            env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
+                   ENV_PROCESS_ID: str(i)}
+            if devices_per_process is not None:
+                env["SPMDKIT_HOST_DEVICES"] = str(devices_per_process)
+            if restart:
+                env[ENV_RESUME] = "1"
+            try:
+                proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, bufsize=1, start_new_session=True,
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            except OSError as e:
+                self.stop(0.0)
+                raise LaunchError(fix(f"cannot start {command[0]!r}: {e.strerror or e}.",
+                                      "check the command after -- (a path or a program on PATH).")) from None
+            self.procs.append(proc)
+        # Threads only once every child is forked: preexec_fn and threads do not mix.
+        for i, proc in enumerate(self.procs):
+            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink), daemon=True)
+                t.start()
+                self.pumps.append(t)
+
+    def wait(self, stop: threading.Event) -> tuple[int, int] | None:
+        """None when all exited 0; else ``(index, code)`` of the first to fail (-1 if stopped)."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                return bad[0]
+            if all(c == 0 for c in codes):
+                return None
+            if stop.is_set():
+                return (-1, 0)
+            stop.wait(0.1)
+
+    def signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, sig)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM to every group, SIGKILL after ``grace_s`` (JAX may catch SIGTERM)."""
+        self.signal(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while time.time() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.1)
+        for p in self.procs:
+            _signal_group(p, signal.SIGKILL)  # also what a child left behind in its group
+        for p in self.procs:
+            p.wait()
+        for t in self.pumps:
+            t.join(timeout=5)
+
+
+def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0,
+           max_restarts: int = 0, backoff_s: float = 1.0) -> int:
+    """Run ``command`` in ``processes`` local processes; the exit code of the first to fail, else 0.
+
+    When one fails and ``max_restarts`` allows, every process is stopped and the group is
+    started again after a back-off (1 s, 2 s, 4 s ... at most 30 s), resuming from the last good
+    checkpoint (``SPMDKIT_RESUME=1`` makes ``spmdkit train --checkpoint-dir D`` resume). Exit code 2 (bad
+    input) is never retried. SIGTERM/SIGINT to the launcher go to every process; the launcher
+    then exits with 143/130 once they have ended.
+    """
     if processes < 1:
         raise DeviceSetupError(fix(f"-n {processes}: need at least one process.", "pass -n 2."))
     if not command:
         raise DeviceSetupError(fix("no command to launch.", "write it after --, e.g. spmdkit launch -n 2 -- spmdkit train"))
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-    pumps = []
-    for i in range(processes):
-        env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
-               ENV_PROCESS_ID: str(i)}
-        if devices_per_process is not None:
-            env["SPMDKIT_HOST_DEVICES"] = str(devices_per_process)
-        proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                bufsize=1)
-        procs.append(proc)
-        for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink), daemon=True)
-            t.start()
-            pumps.append(t)
-    failed: tuple[int, int] | None = None
+    stop = threading.Event()
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        stop.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
+        attempt = 0
         while True:
-            codes = [p.poll() for p in procs]
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        failed = (-1, 130)
-    if failed is not None:
-        deadline = time.time() + grace_s
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        while time.time() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.1)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()  # JAX catches SIGTERM once jax.distributed is up
-        for p in procs:
-            p.wait()
-    for t in pumps:
-        t.join(timeout=5)
-    if failed is None:
-        return 0
-    index, code = failed
-    if index >= 0:
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
-    return code if code > 0 else 1
+            t_start = time.time()
+            group = _Group(command, processes, devices_per_process, restart=attempt > 0)
+            failed = group.wait(stop)
+            if failed == (-1, 0):
+                # Forwarded: the children may save (SIGTERM is a preemption notice to spmdkit train).
+                group.signal(received[0])
+                deadline = time.time() + max(grace_s, 60.0 if received[0] == signal.SIGTERM else grace_s)
+                while time.time() < deadline and any(p.poll() is None for p in group.procs):
+                    time.sleep(0.1)
+                group.stop(grace_s)
+                return 128 + received[0]
+            if failed is None:
+                group.stop(0.0)
+                return 0
+            group.stop(grace_s)
+            index, code = failed
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
+            if attempt >= max_restarts or code == 2:
+                return code if code > 0 else 1
+            attempt += 1
+            wait = min(backoff_s * 2 ** (attempt - 1), 30.0)
+            sys.stderr.write(f"spmdkit launch: restart {attempt}/{max_restarts} of all {processes} processes in "
+                             f"{wait:.0f} s, from the last good checkpoint ({time.time() - t_start:.1f} s after start)\n")
+            sys.stderr.flush()
+            if stop.wait(wait):
+                return 128 + received[0]
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

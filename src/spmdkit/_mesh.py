@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -30,6 +31,16 @@ def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes: int) -> Me
     """
     devs = list(jax.devices() if devices is None else devices)
     n = len(devs)
+    seen: dict[Any, int] = {}
+    for i, d in enumerate(devs):
+        if not isinstance(d, jax.Device):
+            raise MeshError(fix(f"make_mesh: devices[{i}] is a {type(d).__name__}, not a jax.Device.",
+                                "pass devices from jax.devices(), e.g. devices=jax.devices()[:4]."))
+        if d in seen:
+            raise MeshError(fix(f"make_mesh: devices[{seen[d]}] and devices[{i}] are the same device ({d}); "
+                                "a mesh holds each device once.",
+                                "pass distinct devices, e.g. devices=jax.devices()[:k]."))
+        seen[d] = i
     if not axes:
         raise MeshError(
             fix("make_mesh() got no axes.", f"name at least one axis, e.g. make_mesh(data={n}).")

@@ -83,7 +83,14 @@ class AxisRules:
         elif "=" in spec:
             pairs = {}
             for part in spec.split(","):
-                k, _, v = part.partition("=")
+                k, eq, v = part.partition("=")
+                if not eq or not k.strip():
+                    raise LayoutError(fix(
+                        f"--rules {spec!r}: {part.strip()!r} is not logical=axis; a bare name would silently "
+                        "mean nothing.", f"write {part.strip() or 'hidden'}=model to shard it, or "
+                        f"{part.strip() or 'hidden'}=none to replicate it."))
+                if k.strip() in pairs:
+                    raise LayoutError(fix(f"--rules {spec!r}: {k.strip()!r} is given twice.", "give each logical name once."))
                 pairs[k.strip()] = v.strip()
             rules = cls.from_mapping(pairs, name=spec)
         else:
@@ -204,13 +211,19 @@ DEFAULT_MESH: dict[str, dict[str, int]] = {
 def parse_mesh(text: str) -> dict[str, int]:
     """``data=2,model=4`` -> ``{"data": 2, "model": 4}`` (order kept; one -1 allowed)."""
     out: dict[str, int] = {}
+    seen: set[str] = set()
     for part in text.split(","):
         name, _, size = part.partition("=")
         name = name.strip()
         try:
-            out[name] = int(size)
+            value = int(size)
         except ValueError:
             raise LayoutError(fix(f"--mesh {text!r}: {part!r} is not name=size.", "write e.g. --mesh data=2,model=4.")) from None
         if not name.isidentifier():
             raise LayoutError(fix(f"--mesh {text!r}: {name!r} is not an axis name.", "write e.g. --mesh data=2,model=4."))
+        if name in seen:
+            raise LayoutError(fix(f"--mesh {text!r}: axis {name!r} is given twice.",
+                                  "name each axis once, e.g. --mesh data=2,model=4."))
+        seen.add(name)
+        out[name] = value
     return out

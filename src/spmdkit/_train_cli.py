@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from rich.table import Table
 
 from spmdkit._config import build_run_config, check_keys, load_toml, strategy_options, task_options
 from spmdkit._errors import NonFiniteLossError
+from spmdkit._launch import ENV_RESUME
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import get_task, task_defaults
 from spmdkit._train import fit
@@ -39,6 +41,9 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
     process_flags = ("coordinator", "num_processes", "process_id", "distributed_timeout", "compile_cache")
     flags = {k: v for k, v in vars(args).items() if k not in ("command", *process_flags)}
     options = resolve_options(flags)
+    if os.environ.get(ENV_RESUME) == "1" and options.get("checkpoint_dir"):
+        # Restarted by spmdkit launch --max-restarts: continue the run, never start it over.
+        options["resume"], options["overwrite_checkpoints"] = True, False
     run = build_run_config(options)
     task = get_task(run.task, data_dir=run.data_dir, **task_options(run))
     strategy = get_strategy(run.strategy, run.impl, **strategy_options(run))

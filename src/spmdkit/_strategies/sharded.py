@@ -217,6 +217,7 @@ class Sharded(OneModel, Placement):
         layout = plan_layout(boxed, self.rules, self.mesh)
         warn_if_mostly_replicated(layout, self.rules, self.mesh)
         self._known[jax.tree.structure(layout.shardings)] = layout.shardings
+        self.layout = layout  # the last layout planned, for inspection
         return layout
 
     def _rules(self) -> Any:
@@ -326,14 +327,29 @@ def _is_names(x: Any) -> bool:
     return x is None or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
 
 
-def _subtrees(tree: Any) -> list[Any]:
-    """``tree`` and every container inside it (not the name tuples), largest first."""
-    out = [tree]
-    children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) and not _is_names(tree) else ()
-    for child in children:
+def _subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """``(path, part)`` for ``tree`` and every container inside it (not the name tuples)."""
+    out = [(path, tree)]
+    if isinstance(tree, dict):
+        items = list(tree.items())
+    elif isinstance(tree, (list, tuple)) and not _is_names(tree):
+        items = list(enumerate(tree))
+    else:
+        items = []
+    for key, child in items:
         if not _is_names(child):
-            out.extend(_subtrees(child))
+            out.extend(_subtrees(child, path + (key,)))
     return out
+
+
+def _at(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _shapes(tree: Any) -> list[tuple]:
+    return [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(tree, is_leaf=_is_box)]
 
 
 def _with_state_axes(state: Any, axes: Any) -> Any:
@@ -342,26 +358,42 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     ``axes`` and each part of it (``axes["encoder"]``) are matched against the whole state
     and every subtree of the same structure whose arrays have one name per dimension: a
     params-shaped tree also names the optimizer's moments, also of an optimizer that
-    covers only a part of the params.
+    covers only a part of the params. Where the whole tree matches (the params), each part
+    also learns its arrays' shapes, and a part then matches only subtrees of those shapes;
+    two parts that still both fit one subtree are an error.
     """
     if axes is None:
         return state
-    candidates = []
-    for sub in _subtrees(axes):
+    parts = []
+    for path, sub in _subtrees(axes):
         treedef = jax.tree.structure(sub, is_leaf=_is_names)
         if treedef.num_leaves:
-            candidates.append((treedef, jax.tree.leaves(sub, is_leaf=_is_names)))
-    matched = []
+            parts.append([path, treedef, jax.tree.leaves(sub, is_leaf=_is_names), None])
+
+    def fits(part, x):
+        if _is_box(x):
+            return False
+        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
+        _, want, names, shapes = part
+        return treedef == want and all(_is_box(leaf) or n is None or len(n) == len(leaf.shape)
+                                       for leaf, n in zip(leaves, names)) and (shapes is None or shapes == _shapes(x))
+
+    whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: fits(parts[0], x)) if fits(parts[0], x)]
+    if whole:  # the params: every part learns the shapes it names
+        for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
+            part[3] = _shapes(_at(whole[0], part[0]))
 
     def match(x):
-        if _is_box(x):
-            return None
-        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
-        for want, names in candidates:
-            if treedef == want and all(_is_box(leaf) or n is None or len(n) == len(leaf.shape)
-                                       for leaf, n in zip(leaves, names)):
-                return names
-        return None
+        found = [part for part in parts if fits(part, x)]
+        if len(found) > 1 and found[0][0] != () and len({tuple(map(str, p[2])) for p in found}) > 1:
+            raise LayoutError(
+                fix(f"state_axes parts {[jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p[0])) for p in found]} "
+                    f"both fit a part of the state with shapes {_shapes(x)}; spmdkit will not guess which.",
+                    "give state_axes the structure of the whole state (names for every copy of the params).")
+            )
+        return found[0][2] if found else None
+
+    matched = []
 
     def box(x):
         names = match(x)

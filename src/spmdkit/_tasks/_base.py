@@ -20,8 +20,8 @@ class Task:
 
     ``loss_fn(params, batch, rng) -> (loss, aux)`` returns the loss over the batch (any
     reduction: a mean, a token-weighted ``sum(w * l) / sum(w)``...) and a dict of
-    metrics (e.g. ``{"accuracy": ...}``), written exactly as for one device; a bare
-    scalar loss is fine too. It always sees the real batch, never padding. If it has a
+    metrics (e.g. ``{"accuracy": ...}``), written exactly as for one device. It always
+    sees the real batch, never padding. If it has a
     ``train`` parameter it is called with ``train=True`` in steps and ``train=False`` in
     eval (dropout off). ``eval_fn`` (same signature, no ``train``) replaces it in eval.
 

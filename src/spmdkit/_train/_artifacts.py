@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -12,19 +13,59 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit._errors import DataError, fix
+from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
+
+
+class ArtifactError(SpmdkitError, OSError):
+    """An output (``--out``) cannot be written: a file in the way, read-only, or full."""
+
+    exit_code = 5
+
+
+def _cannot_write(path: Path, e: OSError) -> SpmdkitError:
+    cause = e.strerror or str(e)
+    if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):  # a wrong path: bad input, exit code 2
+        return ConfigError(fix(f"cannot write {path}: {cause} (a file stands where a directory is needed).",
+                               "pass an --out directory whose parents are directories."))
+    return ArtifactError(fix(f"cannot write {path}: {cause} (errno {e.errno}).",
+                             "pass an --out directory that is writable and has free space."))
+
+
+def prepare_out_dir(out: Path) -> None:
+    """Create the output directory, or say why it cannot be one (before any training)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(fix(f"--out {out} is a file, not a directory.", "pass a directory path to --out."))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".spmdkit-write-test-{os.getpid()}"
+        probe.write_text("ok")  # a byte, not an empty file: a full disk shows here, before training
+        probe.unlink()
+    except OSError as e:
+        raise _cannot_write(out, e) from None
 
 
 class MetricsWriter:
     """Append-only JSON lines, flushed per line so a crash loses at most one."""
 
     def __init__(self, path: Path | None):
-        self._fh = None if path is None else open(path, "w")
+        self.path = path
+        try:
+            self._fh = None if path is None else open(path, "w")
+        except OSError as e:
+            raise _cannot_write(path, e) from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:
-            self._fh.write(json.dumps(record) + "\n")
-            self._fh.flush()
+            try:
+                self._fh.write(json.dumps(record) + "\n")
+                self._fh.flush()
+            except OSError as e:
+                fh, self._fh = self._fh, None
+                try:
+                    fh.close()
+                except OSError:
+                    pass  # the same failure again, flushing what is buffered
+                raise _cannot_write(self.path, e) from None
 
     def close(self) -> None:
         if self._fh is not None:
@@ -33,9 +74,14 @@ class MetricsWriter:
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write atomically: a reader never sees half a summary."""
+    path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _cannot_write(path, e) from None
 
 
 def _jsonable(x: Any) -> Any:
@@ -52,11 +98,16 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
     }
 
 
-def save_params(path: Path, params: Any) -> None:
-    """Save parameters as ``.npz``, one array per leaf keyed by its pytree path."""
+def save_params(path: str | os.PathLike, params: Any) -> None:
+    """Save parameters as ``.npz``, one array per leaf keyed by its pytree path (atomically)."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **flat_params(params))
-    os.replace(tmp, path)
+    try:
+        np.savez(tmp, **flat_params(params))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _cannot_write(path, e) from None
 
 
 def load_params(path: str | os.PathLike, like: Any = None) -> Any:
@@ -72,8 +123,14 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
         >>> spmdkit.load_params(p, like={"w": np.zeros(2)})["w"].tolist()
         [1.0, 1.0]
     """
-    with np.load(path, allow_pickle=False) as f:
-        arrays = {k: f[k] for k in f.files}
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except OSError as e:
+        raise DataError(fix(f"{path} cannot be read: {e.strerror or e}.", "check the path.")) from None
+    except ValueError as e:
+        what = "holds object arrays (spmdkit never unpickles)" if "pickle" in str(e) else f"is not a params file ({e})"
+        raise DataError(fix(f"{path} {what}.", "load a params.npz that spmdkit.save_params wrote.")) from None
     if like is None:
         return arrays
     leaves = jax.tree_util.tree_flatten_with_path(like)
@@ -150,8 +207,12 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise _cannot_write(path, e) from None
+    finally:
+        plt.close(fig)
 
 
 def plot_members(history: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -176,8 +237,12 @@ def plot_members(history: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise _cannot_write(path, e) from None
+    finally:
+        plt.close(fig)
 
 
 _NOT_METRICS = {"split", "step", "epoch", "steps_per_sec", "elapsed_s", "count"}

@@ -151,19 +151,27 @@ class EvalHook(Hook):
 
 class CheckpointHook(Hook):
     """Every ``every`` steps, ``checkpointer.save(step, state, meta(info))``; at the end the
-    last state too, unless the run diverged (a NaN state is never saved)."""
+    last state too, unless the run diverged (a NaN state is never saved).
 
-    def __init__(self, checkpointer: Any, every: int, meta: Callable[[StepInfo], dict[str, Any]]):
-        self.checkpointer, self.every, self.meta = checkpointer, every, meta
+    With ``known`` (a ``KnownGood``, as ``fit`` passes) a save is held until the next
+    step's loss, computed from that state, is seen finite; the loop then saves it.
+    """
+
+    def __init__(self, checkpointer: Any, every: int, meta: Callable[[StepInfo], dict[str, Any]], known: Any = None):
+        self.checkpointer, self.every, self.meta, self.known = checkpointer, every, meta, known
         self.saved_at: int | None = None
 
     def __call__(self, info: StepInfo) -> None:
+        if self.known is not None:
+            self.known.hold(info.step, info.state, self.meta(info))
+            return
         self.checkpointer.save(info.step, info.state, self.meta(info))
         self.saved_at = info.step
 
     def close(self, info: StepInfo | None, status: str) -> None:
         if info is not None and status != "diverged" and info.step != self.saved_at and info.step > 0:
-            self(info)
+            self.checkpointer.save(info.step, info.state, self.meta(info))
+            self.saved_at = info.step
         self.checkpointer.close()
 
 

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 
-from spmdkit._checkpoint import CheckpointConfig, Checkpointer
+from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
@@ -40,7 +40,10 @@ from spmdkit._train._hooks import (
     to_python,
     with_member_means,
 )
+from spmdkit._train._guards import KnownGood, state_is_finite
+from spmdkit._train._preempt import Preemption
 from spmdkit._train._steps import task_eval_step, task_state, task_train_step
+from spmdkit._train._validate import validate_task
 from spmdkit._train._watchdog import StepWatchdog
 
 
@@ -275,14 +278,15 @@ def fit(
         (3.0, 1.0)
     """
     plan = _plan(task, strategy, config)
+    validate_task(task, config.batch_size)
     out = None if out_dir is None else Path(out_dir)
     # With several processes (jax.distributed) every one trains; process 0 alone writes.
     primary = jax.process_index() == 0
     if out is not None and primary:
-        out.mkdir(parents=True, exist_ok=True)
+        art.prepare_out_dir(out)
     init_key, _, eval_key = jax.random.split(jax.random.key(config.seed), 3)
     make_state = task_state(task, optimizer)
-    ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log)
+    ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
     state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log)
     start_step = done
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
@@ -300,7 +304,8 @@ def fit(
             bar.show(row)
 
     bar = ProgressHook(plan.total, f"{task.name} / {strategy.name}", start=done) if progress and primary else None
-    hooks = _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info)
+    known = KnownGood(state, done)  # checkpoints wait until their state's loss is seen finite
+    hooks = _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known)
     metrics, evaluator = hooks[0], next((h for h in hooks if isinstance(h, EvalHook)), None)
     guard = NaNGuard(hint="lower the learning rate (optimizer=; --lr on the command line), or check the data "
                           "for NaN/inf. The parameters of the last finite loss are kept"
@@ -310,7 +315,7 @@ def fit(
     t0, t_first, first_step_s = time.perf_counter(), None, None
     watch = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else contextlib.nullcontext(None)
     try:
-        with _StopRequest() as stop, (bar or contextlib.nullcontext()), watch as dog:
+        with _StopRequest() as stop, Preemption() as preempt, (bar or contextlib.nullcontext()), watch as dog:
             for i in range(start_step, plan.total):
                 epoch, host_batch = next(batches)
                 if dog is not None:
@@ -321,8 +326,19 @@ def fit(
                 try:
                     guard(candidate)
                 except NonFiniteLossError as e:
+                    # The loss of step k comes from the state after k - 1 updates: keep the one before.
                     status, failure = "diverged", e
+                    state, done = known.state, known.step
+                    known.drop()
                     break
+                due = known.confirm(state, done)  # this loss came from `state`: it is good
+                if due is not None and ckpt is not None:
+                    try:
+                        ckpt.save(*due)
+                        ckpt_hook(hooks).saved_at = due[0]
+                    except CheckpointSaveError as e:
+                        status, failure = "failed", e
+                        break
                 state, done, info = new_state, i + 1, candidate
                 if dog is not None:
                     dog.finished(done)
@@ -337,21 +353,34 @@ def fit(
                 if stop.requested:
                     status = "interrupted"
                     break
+                if preempt.reached(done):
+                    status = "preempted"
+                    break
     except KeyboardInterrupt:
         status = "interrupted"
     elapsed = time.perf_counter() - t0
     if status == "interrupted" and evaluator is not None and done and evaluator.last_step != done:
         evaluator(StepInfo(done, 0, state, {}))  # so an interrupted run still reports where it got
     writer.close()
-    final = info or (StepInfo(done, 0, state, {}) if done > start_step else None)
-    for hook in hooks:
-        hook.close(final, status)
+    final = StepInfo(done, 0, state, {}) if done > start_step else None
+    if ckpt is not None:
+        # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
+        try:
+            if status not in ("diverged", "failed") and final is not None and done != ckpt_hook(hooks).saved_at \
+                    and state_is_finite(state):
+                ckpt.save(done, state, ckpt_hook(hooks).meta(final))
+            ckpt.close()
+        except CheckpointSaveError as e:
+            status, failure = "failed", failure or e
+            ckpt.abandon()
     eval_seconds = evaluator.seconds if evaluator is not None else 0.0
     train_seconds = None if t_first is None else time.perf_counter() - t_first - eval_seconds
     params = to_host(state.params)
     summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
                        params, elapsed, train_seconds, ckpt, run_info)
     summary["first_step_s"] = first_step_s
+    if failure is not None:
+        summary["error"] = str(failure).splitlines()[0]
     if out is not None and primary:
         saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
         _write_artifacts(out, saved, summary, history, task)
@@ -360,7 +389,11 @@ def fit(
     return FitResult(state, params, summary, history)
 
 
-def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info) -> list[Any]:
+def ckpt_hook(hooks: list[Any]) -> CheckpointHook:
+    return next(h for h in hooks if isinstance(h, CheckpointHook))
+
+
+def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known=None) -> list[Any]:
     """fit's hooks: metrics rows first, then eval, then checkpoints."""
     hooks: list[Any] = [MetricsHook(record, every=config.log_every)]
     if task.eval_data is not None:
@@ -380,7 +413,7 @@ def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run
                     "strategy": strategy.describe(), "config": run_info or {},
                     "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
-        hooks.append(CheckpointHook(ckpt, checkpoint.every, meta))
+        hooks.append(CheckpointHook(ckpt, checkpoint.every, meta, known=known))
     return hooks
 
 

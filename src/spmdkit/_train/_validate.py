@@ -1,0 +1,151 @@
+"""Check a user's Task before anything is traced, compiled or run.
+
+Every check is abstract (``jax.eval_shape``: no FLOPs, no device memory), so a
+wrong return type, a parameter of the wrong dtype or data that are not numbers are
+named, with the fix, in milliseconds instead of as a JAX error from deep inside a
+compiled step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmdkit._errors import SpmdkitError, fix
+from spmdkit._tasks._base import Task
+
+
+class TaskError(SpmdkitError, TypeError):
+    """A Task's init, loss or data do not have the form spmdkit trains."""
+
+
+def _unbox(tree: Any) -> Any:
+    # Flax's partitioning metadata (nn.Partitioned) wraps arrays; the loss sees them bare.
+    boxed = lambda x: hasattr(x, "unbox") and callable(x.unbox)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox() if boxed(x) else x, tree, is_leaf=boxed)
+
+
+def _check_data(task: Task) -> None:
+    for split, data in (("train_data", task.train_data), ("eval_data", task.eval_data)):
+        if data is None:
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
+            kind = np.asarray(leaf).dtype.kind
+            if kind not in "biufc":
+                raise TaskError(fix(
+                    f"task {task.name!r}: {split}{jax.tree_util.keystr(path)} has dtype "
+                    f"{np.asarray(leaf).dtype} ({'strings' if kind in 'USO' else 'not numbers'}); "
+                    "JAX trains on numeric arrays.",
+                    "encode it as numbers first (e.g. token ids or one-hot floats)."))
+
+
+def _check_arity(task: Task) -> None:
+    try:
+        sig = inspect.signature(task.loss_fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: nothing to inspect
+    try:
+        if task.stateful:
+            sig.bind(None, None, None, None, train=True)
+        else:
+            sig.bind(None, None, None, **_train_kw(task))
+    except TypeError:
+        if task.stateful:
+            raise TaskError(fix(
+                f"task {task.name!r} is stateful, but loss_fn{sig} cannot be called as "
+                "loss_fn(params, model_state, batch, rng, train).",
+                "define it as def loss_fn(params, model_state, batch, rng, train): ... "
+                "return loss, {}, new_model_state.")) from None
+        raise TaskError(fix(
+            f"task {task.name!r}: loss_fn{sig} cannot be called as loss_fn(params, batch, rng).",
+            "define it as def loss_fn(params, batch, rng): ... return loss, {} (rng may go unused).")) from None
+
+
+def _train_kw(task: Task) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(task.loss_fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"train": True} if "train" in parameters else {}
+
+
+def _abstract_params(task: Task) -> Any:
+    try:
+        params = _unbox(jax.eval_shape(lambda k: task.variables(k)[0], jax.random.key(0)))
+    except Exception as e:
+        raise TaskError(fix(f"task {task.name!r}: init(rng) failed: {type(e).__name__}: {str(e)[:300]}",
+                            "init takes one PRNG key and returns the parameter pytree.")) from None
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+        raise TaskError(fix(f"task {task.name!r}: init(rng) returned {params!r}, which holds no arrays.",
+                            "return the parameters, e.g. {'w': jnp.zeros(3)}."))
+    for path, leaf in leaves:
+        if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
+            raise TaskError(fix(
+                f"task {task.name!r}: init(rng) returned parameter params{jax.tree_util.keystr(path)} of dtype "
+                f"{leaf.dtype}; gradients need floating-point parameters.",
+                "create it as a float, e.g. jnp.zeros(shape, jnp.float32) or jnp.asarray(x, float)."))
+    return params
+
+
+def validate_task(task: Task, batch_size: int) -> None:
+    """Raise :class:`TaskError` if ``task`` cannot be trained as written; trace nothing real.
+
+    Example:
+        >>> import jax.numpy as jnp, numpy as np, spmdkit
+        >>> task = spmdkit.Task(name="t", init=lambda rng: {"w": jnp.zeros(())},
+        ...                     loss_fn=lambda p, b, rng: jnp.mean(p["w"] * b["x"]),
+        ...                     train_data={"x": np.ones(8, np.float32)})
+        >>> validate_task(task, 4)
+        Traceback (most recent call last):
+        ...
+        spmdkit._train._validate.TaskError: task 't': loss_fn returned a bare array of shape (); spmdkit needs a tuple (loss, aux).
+          Fix: return a pair: return loss, {} (or return loss, {"accuracy": acc}).
+    """
+    _check_data(task)
+    _check_arity(task)
+    params = _abstract_params(task)
+    n = min(batch_size, task.num_train)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), task.train_data)
+    try:
+        if task.stateful:
+            model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0))
+            out = jax.eval_shape(lambda p, s, b, k: task.loss_fn(p, s, b, k, train=True), params, model_state,
+                                 batch, jax.random.key(0))
+        else:
+            out = jax.eval_shape(lambda p, b, k: task.loss_fn(p, b, k, **_train_kw(task)), params, batch,
+                                 jax.random.key(0))
+    except Exception as e:
+        raise TaskError(fix(
+            f"task {task.name!r}: loss_fn(params, batch, rng) failed on a batch of {n}: "
+            f"{type(e).__name__}: {str(e)[:400]}",
+            "check it on one device first: task.loss_fn(task.init(jax.random.key(0)), batch, key).")) from None
+    if task.stateful:
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise TaskError(fix(f"task {task.name!r} is stateful: loss_fn must return (loss, aux, new_model_state).",
+                                "return loss, {}, new_model_state."))
+        out = out[:2]
+    if not (isinstance(out, tuple) and len(out) == 2):
+        what = (f"a bare array of shape {tuple(out.shape)}" if hasattr(out, "shape")
+                else f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else repr(out)[:80])
+        raise TaskError(fix(f"task {task.name!r}: loss_fn returned {what}; spmdkit needs a tuple (loss, aux).",
+                            'return a pair: return loss, {} (or return loss, {"accuracy": acc}).'))
+    loss, aux = out
+    if not hasattr(loss, "shape") or loss.shape != () or not jax.numpy.issubdtype(loss.dtype, jax.numpy.floating):
+        shape = getattr(loss, "shape", None)
+        raise TaskError(fix(
+            f"task {task.name!r}: loss_fn's loss has shape {shape} and dtype {getattr(loss, 'dtype', type(loss))}; "
+            "it must be a float scalar (the mean over the batch).",
+            "return jnp.mean(per_example_losses), not the per-example array."))
+    if not isinstance(aux, Mapping):
+        raise TaskError(fix(f"task {task.name!r}: loss_fn's aux is a {type(aux).__name__}; it must be a dict of "
+                            "scalar metrics.", 'return loss, {} or loss, {"accuracy": acc}.'))
+    for name, value in aux.items():
+        if getattr(value, "shape", None) != ():
+            raise TaskError(fix(
+                f"task {task.name!r}: metric aux[{name!r}] has shape {getattr(value, 'shape', type(value))}; "
+                "metrics are scalar means over the batch.", f"return jnp.mean(...) for {name!r}."))

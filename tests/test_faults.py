@@ -1,0 +1,493 @@
+"""Faults and bad input: nothing is lost, nothing hangs, every mistake gets a clear error.
+
+Every process a test starts has a hard timeout and is SIGKILLed (with its process group)
+in teardown. A full disk and a read-only directory are real (a small tmpfs) where the
+machine lets us mount one, and an injected OSError(ENOSPC / EROFS) otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._checkpoint import CheckpointSaveError, parse_step, step_name
+from spmdkit._cli import main as cli_main
+from spmdkit._tasks import linreg
+from spmdkit._train._validate import TaskError, validate_task
+
+CLI = [sys.executable, "-m", "spmdkit._cli"]
+OPT = optax.sgd(0.05)
+
+
+def env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+
+
+@pytest.fixture
+def procs():
+    """Popen objects to SIGKILL (whole process group) however the test ends."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+        p.wait(timeout=30)
+
+
+def spawn(procs, args, **kw) -> subprocess.Popen:
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                         start_new_session=True, **kw)
+    procs.append(p)
+    return p
+
+
+def fit(ck, steps=40, every=10, keep=3, resume=False, overwrite=False, lr=0.05, out=None, log=None):
+    return spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optax.sgd(lr), spmdkit.TrainConfig(steps=steps),
+                       out_dir=out, progress=False, log=log or (lambda m: None),
+                       checkpoint=spmdkit.CheckpointConfig(str(ck), every=every, keep=keep, resume=resume,
+                                                           overwrite=overwrite))
+
+
+def target():
+    return spmdkit.DataParallel().abstract_state(linreg.init, OPT)
+
+
+def reader(ck, log=None):
+    return spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck)), log=log or (lambda m: None))
+
+
+# ---- ownership -------------------------------------------------------------------------
+
+def test_directories_spmdkit_did_not_write_are_left_alone(tmp_path):
+    ck = tmp_path / "ck"
+    for name in ("1", "2", "5", "1000"):
+        (ck / name).mkdir(parents=True)
+        (ck / name / "mine.txt").write_text(name)
+    messages: list[str] = []
+    result = fit(ck, keep=2, log=messages.append)
+    for name in ("1", "2", "5", "1000"):
+        assert (ck / name / "mine.txt").read_text() == name
+    assert result.summary["checkpoint_steps"] == [30, 40]
+    assert any("did not write alone" in m and "1000" in m for m in messages)
+    resumed = fit(ck, steps=50, keep=2, resume=True)
+    assert resumed.summary["resumed_from_step"] == 40
+
+
+def test_a_fresh_run_into_another_runs_directory_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    fit(ck)
+    run_a = json.loads((ck / "spmdkit-run.json").read_text())["run_id"]
+    with pytest.raises(spmdkit.CheckpointError) as e:
+        fit(ck, steps=20, lr=0.01)
+    msg = str(e.value)
+    assert "--resume" in msg and "another --checkpoint-dir" in msg and "--overwrite-checkpoints" in msg
+    b = fit(ck, steps=20, lr=0.01, overwrite=True)
+    assert b.summary["checkpoint_steps"] == [10, 20]
+    manifests = [json.loads((ck / "manifests" / f"{s}.json").read_text()) for s in (10, 20)]
+    assert {m["run_id"] for m in manifests} == {json.loads((ck / "spmdkit-run.json").read_text())["run_id"]} != {run_a}
+    assert not (ck / step_name(40)).exists()
+
+
+def test_a_second_writer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
+    ck = tmp_path / "ck"
+    fit(ck, steps=10)
+    first = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck), resume=True), log=lambda m: None).claim()
+    t0 = time.time()
+    with pytest.raises(spmdkit.CheckpointError, match=rf"another run \(pid {os.getpid()} .*is writing checkpoints"):
+        fit(ck, steps=20, resume=True)
+    assert time.time() - t0 < 30
+    first.close()
+    (ck / "spmdkit.lock").write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname().nodename}))
+    messages: list[str] = []
+    assert fit(ck, steps=20, resume=True, log=messages.append).summary["steps"] == 20
+    assert any("removed the lock of an ended run" in m for m in messages)
+
+
+# ---- integrity -----------------------------------------------------------------------
+
+def largest_file(ck, step) -> Path:
+    return max((p for p in (ck / step_name(step)).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["bytes", "truncate", "delete", "manifest-garbage", "manifest-empty",
+                                    "manifest-cut", "metadata"])
+def test_any_damage_falls_back_to_the_newest_intact_step(tmp_path, damage):
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    manifest = ck / "manifests" / "20.json"
+    victim = largest_file(ck, 20)
+    if damage == "bytes":  # same size, changed content: only a checksum sees it
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif damage == "delete":
+        victim.unlink()
+    elif damage == "manifest-garbage":
+        manifest.write_bytes(os.urandom(64))
+    elif damage == "manifest-empty":
+        manifest.write_text("")
+    elif damage == "manifest-cut":
+        manifest.write_text(manifest.read_text()[:40])
+    else:
+        (ck / step_name(20) / "meta" / "metadata").write_text("{not json")
+    messages: list[str] = []
+    state, meta = reader(ck, messages.append).restore_latest(target())
+    assert meta["step"] == 10 and int(state.step) == 10
+    assert any("step 20" in m and "falling back" in m for m in messages), messages
+    assert any("resuming from step 10" in m for m in messages), messages
+
+
+def test_checkpoints_verify_finds_changed_bytes(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 0
+    assert all(r["status"] == "complete, verified" for r in json.loads(capsys.readouterr().out))
+    victim = largest_file(ck, 10)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 6
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["status"].startswith("damaged") and "checksum differs" in rows[0]["status"]
+
+
+# ---- never a non-finite state; params and summary agree ------------------------------
+
+def test_a_diverging_run_saves_and_reports_only_known_good_states(tmp_path):
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    with pytest.raises(spmdkit.NonFiniteLossError) as e:
+        fit(ck, steps=50, every=1, keep=50, lr=1e6, out=out)
+    summary = json.loads((out / "summary.json").read_text())
+    # The loss reported at step k is computed from the state after k - 1 updates: the loss of
+    # step e.step came from a bad state, so the newest known-good state is 2 updates back.
+    assert summary["status"] == "diverged" and summary["steps"] == e.value.step - 2
+    newest = max(reader(ck).steps())
+    assert newest == summary["steps"]
+    state, _ = reader(ck).restore(newest, target())
+    task = linreg.make()
+    loss, _ = task.loss_fn(state.params, task.train_data, None)
+    assert np.isfinite(float(loss)), "the newest checkpoint holds a state whose loss is not finite"
+    saved = spmdkit.load_params(out / "params.npz", like=jax.device_get(state.params))
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(state.params))):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---- full and read-only disks --------------------------------------------------------
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs (None where mounting is not allowed)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True,
+                        timeout=10).returncode == 0 if os.geteuid() == 0 else False
+    yield mnt if ok else None
+    if ok:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
+
+
+def fill(mnt: Path) -> None:
+    with open(mnt / "filler", "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def test_a_full_disk_ends_the_run_with_an_error_and_keeps_the_last_good_step(tmp_path, small_fs, monkeypatch):
+    ck = (small_fs or tmp_path) / "ck"
+    fit(ck, steps=10, every=5)
+    if small_fs is not None:
+        fill(small_fs)
+        filler = small_fs / "filler"
+        os.truncate(filler, filler.stat().st_size - 8192)  # room for the lock, not for a step
+    else:  # no tmpfs here: the same failure, injected where Orbax starts a save
+        import orbax.checkpoint as ocp
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+    out = tmp_path / "out"
+    t0 = time.time()
+    with pytest.raises(CheckpointSaveError) as e:
+        fit(ck, steps=30, every=5, resume=True, out=out)
+    assert time.time() - t0 < 60
+    assert "No space left on device" in str(e.value) and str(ck) in str(e.value)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and "No space left" in summary["error"]
+    assert (out / "params.npz").exists()
+    (ck.parent / "filler").unlink(missing_ok=True)
+    monkeypatch.undo()
+    r = reader(ck)
+    assert 10 in r.steps() and r.problems(10) == []
+    assert int(r.restore(10, target())[0].step) == 10
+
+
+def test_a_read_only_directory_is_an_error_within_seconds(tmp_path, small_fs, monkeypatch):
+    ck = (small_fs or tmp_path) / "ck"
+    fit(ck, steps=10, every=5)
+    if small_fs is not None:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True, timeout=10)
+    else:
+        real_open = os.open
+
+        def read_only(path, flags, *a, **k):
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and str(ck) in str(path):
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+            return real_open(path, flags, *a, **k)
+
+        monkeypatch.setattr(os, "open", read_only)
+    t0 = time.time()
+    with pytest.raises(CheckpointSaveError, match="Read-only file system"):
+        fit(ck, steps=20, every=5, resume=True)
+    assert time.time() - t0 < 30
+
+
+# ---- bad input -----------------------------------------------------------------------
+
+def bad_task(**kw):
+    base = dict(name="t", init=lambda rng: {"w": jnp.zeros(3)},
+                loss_fn=lambda p, b, rng: (jnp.mean(b["x"] @ p["w"]), {}),
+                train_data={"x": np.ones((16, 3), np.float32)})
+    return spmdkit.Task(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(loss_fn=lambda p, b, rng: (b["x"] @ p["w"], {})), "loss has shape (8,)"),
+    (dict(loss_fn=lambda p, b, rng: jnp.mean(b["x"] @ p["w"])), "returned a bare array of shape ()"),
+    (dict(loss_fn=lambda p, b, rng: [jnp.mean(b["x"] @ p["w"]), {}]), "returned a list of 2"),
+    (dict(init=lambda rng: {"w": jnp.zeros(3, jnp.int32)}), "params['w'] of dtype int32"),
+    (dict(init=lambda rng: None), "returned None, which holds no arrays"),
+    (dict(loss_fn=lambda p, b: (jnp.mean(b["x"] @ p["w"]), {})), "cannot be called as loss_fn(params, batch, rng)"),
+    (dict(train_data={"x": np.array(["a"] * 16)}), "train_data['x'] has dtype <U1 (strings)"),
+])
+def test_a_task_that_cannot_train_is_named_before_tracing(kw, message):
+    with pytest.raises(TaskError) as e:
+        validate_task(bad_task(**kw), 8)
+    assert message in str(e.value) and "Fix:" in str(e.value)
+    assert isinstance(e.value, (spmdkit.SpmdkitError, TypeError))
+
+
+def test_params_files_str_paths_and_pickled_arrays(tmp_path):
+    path = str(tmp_path / "p.npz")
+    spmdkit.save_params(path, {"w": np.ones(2)})
+    assert spmdkit.load_params(path)["['w']"].tolist() == [1.0, 1.0]
+    np.savez(tmp_path / "obj.npz", w=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(spmdkit.DataError, match="object arrays"):
+        spmdkit.load_params(tmp_path / "obj.npz")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "FILE"], "is a file, not a directory"),
+    (["--out", "FILE/sub"], "cannot write"),
+    (["--checkpoint-dir", "FILE"], "cannot be created"),
+    (["--coordinator", "notaport", "--num-processes", "2", "--process-id", "0"], "is not HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"], "ids run from 0 to 1"),
+    (["--resume"], "need --checkpoint-dir"),
+])
+def test_cli_mistakes_are_clear_errors_with_exit_code_2(tmp_path, capsys, args, message):
+    (tmp_path / "FILE").write_text("x")
+    args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
+    code = cli_main(["train", "--task", "linreg", "--steps", "2", "--no-progress", *args])
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert (code, message in err, "Traceback" in err) == (2, True, False), err
+
+
+def test_launch_of_a_missing_command():
+    out = subprocess.run([*CLI, "launch", "-n", "2", "--", "/no/such/command"], capture_output=True, text=True,
+                         timeout=60, env=env())
+    assert out.returncode == 2 and "cannot start '/no/such/command'" in " ".join(out.stderr.split())
+    assert "Traceback" not in out.stderr
+
+
+# ---- processes: kills, launcher death, SIGTERM, restarts -----------------------------
+
+def train_args(ck, out, steps, *extra):
+    return [*CLI, "train", "--task", "linreg", "--host-devices", "2", "--steps", str(steps), "--checkpoint-dir",
+            str(ck), "--checkpoint-every", "25", "--out", str(out), "--no-progress", *extra]
+
+
+def params_of(out):
+    with np.load(out / "params.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def straight_linreg(steps):
+    """The same run in this process, never stopped (2 devices, the task's defaults)."""
+    mesh = spmdkit.make_mesh(data=2, devices=jax.devices()[:2])
+    task = linreg.make()
+    result = spmdkit.fit(task, spmdkit.DataParallel(mesh), optax.sgd(0.005), spmdkit.TrainConfig(steps=steps, batch_size=128),
+                         progress=False, log=lambda m: None)
+    return {k: np.asarray(v) for k, v in spmdkit._train._artifacts.flat_params(result.params).items()}
+
+
+def newest(ck):
+    return max((parse_step(p.name) or 0 for p in ck.iterdir()), default=0) if ck.exists() else 0
+
+
+def test_killed_during_save_and_restore_then_sigterm_resumes_bit_equal(tmp_path, procs):
+    ck, out, total = tmp_path / "ck", tmp_path / "o", 1000
+    rng = random.Random(1)
+    deadline = time.time() + 240
+    p = spawn(procs, train_args(ck, out, total))
+    while newest(ck) < 25 and p.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.0, 0.3))  # saves take most of each step's time here: mostly mid-save
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    # Killed again while it restores (start-up, verification, Orbax's read).
+    p = spawn(procs, train_args(ck, out, total, "--resume"))
+    time.sleep(rng.uniform(1.0, 3.0))
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    r = reader(ck)
+    assert r.steps() and all(r.problems(s) == [] for s in r.steps())
+    # A preemption notice: save at the next step boundary, exit 0, status "preempted".
+    p = spawn(procs, train_args(ck, out, total, "--resume"))
+    start = newest(ck)
+    while newest(ck) <= start and p.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None, "the run ended before the preemption notice; raise total"
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    summary = json.loads((out / "summary.json").read_text())
+    assert p.returncode == 0 and summary["status"] == "preempted", stderr[-2000:]
+    assert summary["steps"] < total and newest(ck) == summary["steps"] and time.time() - t0 < 60
+    final = subprocess.run(train_args(ck, out, total, "--resume"), capture_output=True, text=True, timeout=300,
+                           env=env())
+    assert final.returncode == 0, final.stderr
+    assert f"resumed from step {summary['steps']}" in final.stdout
+    assert_same(params_of(out), straight_linreg(total))
+
+
+def test_children_die_with_a_killed_launcher(tmp_path, procs):
+    pids = tmp_path / "pids"
+    code = f"import os, time; open({str(pids)!r} + os.environ['SPMDKIT_PROCESS_ID'], 'w').write(str(os.getpid())); time.sleep(300)"
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code])
+        deadline = time.time() + 60
+        while not all(Path(f"{pids}{i}").exists() for i in (0, 1)) and time.time() < deadline:
+            time.sleep(0.05)
+        children = [int(Path(f"{pids}{i}").read_text()) for i in (0, 1)]
+        os.kill(launcher.pid, sig)
+        launcher.wait(timeout=60)
+        end = time.time() + 15
+        while any(alive(c) for c in children) and time.time() < end:
+            time.sleep(0.05)
+        assert not any(alive(c) for c in children), f"orphans after {sig.name} to the launcher"
+        if sig == signal.SIGTERM:
+            assert launcher.returncode == 128 + signal.SIGTERM
+        for i in (0, 1):
+            Path(f"{pids}{i}").unlink()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_launch_restarts_every_process_from_the_last_good_checkpoint(tmp_path, procs):
+    ck, out, marker = tmp_path / "ck", tmp_path / "o", tmp_path / f"killed-{uuid.uuid4().hex[:6]}"
+    train = (f"{sys.executable} -m spmdkit._cli train --task linreg --steps 400 --checkpoint-dir {ck} "
+             f"--checkpoint-every 50 --out {out} --no-progress")
+    script = (f'if [ "$SPMDKIT_PROCESS_ID" = 1 ] && [ ! -e {marker} ]; then '
+              f'(while [ ! -d {ck}/{step_name(100)} ]; do sleep 0.1; done; touch {marker}; kill -9 $$) & fi; '
+              f'exec {train} "$@"')
+    launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--max-restarts", "2",
+                             "--", "sh", "-c", script, "sh"])
+    stdout, stderr = launcher.communicate(timeout=400)
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert marker.exists() and "restart 1/2 of all 2 processes" in stderr
+    assert "resumed from step" in stdout
+    a, b = params_of(out), straight_linreg(400)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_a_local_coordinator_listens_on_loopback_only(tmp_path, procs):
+    code = ("import spmdkit, jax, time; spmdkit.use_host_devices(1); "
+            "from spmdkit._launch import initialize_distributed; initialize_distributed(); "
+            "print(jax.process_count(), flush=True); time.sleep(8)")
+    launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code])
+    line = launcher.stdout.readline()
+    assert "2" in line, launcher.stderr.read() if launcher.poll() is not None else line
+    port = None
+    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, timeout=10).stdout
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    for c in children:
+        text = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+        port = next((v.split(b":")[-1].decode() for v in text if v.startswith(b"SPMDKIT_COORDINATOR=")), port)
+    assert port is not None
+    binds = [row.split()[3] for row in listening.splitlines() if row.split()[3].endswith(f":{port}")]
+    assert binds and all(b.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for b in binds), binds
+    launcher.wait(timeout=60)
+
+
+@pytest.mark.parametrize("how", ["read-only", "full"])
+def test_out_on_a_read_only_or_full_disk_is_an_io_error(tmp_path, small_fs, monkeypatch, capsys, how):
+    out = (small_fs or tmp_path) / "out"
+    if small_fs is not None and how == "full":
+        fill(small_fs)
+    elif small_fs is not None:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True, timeout=10)
+    else:  # no tmpfs here: the same failure, injected
+        code = errno.EROFS if how == "read-only" else errno.ENOSPC
+
+        def refuse(self, *a, **k):
+            raise OSError(code, os.strerror(code), str(self))
+
+        monkeypatch.setattr(Path, "write_text", refuse)
+    assert cli_main(["train", "--task", "linreg", "--steps", "2", "--no-progress", "--out", str(out)]) == 5
+    err = " ".join(capsys.readouterr().err.split())
+    assert "cannot write" in err and ("Read-only" in err or "No space left" in err) and "Traceback" not in err
+
+
+def test_sigterm_to_the_launcher_is_a_preemption_notice_for_every_process(tmp_path, procs):
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train",
+                             "--task", "linreg", "--steps", "100000", "--checkpoint-dir", str(ck),
+                             "--checkpoint-every", "100", "--out", str(out), "--no-progress"])
+    deadline = time.time() + 180
+    while newest(ck) < 100 and launcher.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    # JAX's preemption service agreed on one step: both processes saved it together.
+    assert summary["status"] == "preempted" and newest(ck) == summary["steps"] > 100
+    assert reader(ck).problems(summary["steps"]) == []
