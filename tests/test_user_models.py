@@ -174,8 +174,6 @@ def test_apply_takes_any_batch_size(name, kind, n):
 
 
 @needs_step
-@pytest.mark.xfail(strict=True, reason="state_axes parts matched by structure only: head's momentum gets the "
-                   "encoder's names (findings #5)")
 def test_state_axes_lay_out_every_copy_of_the_params():
     """Parameters, their EMA and both optimizers' moments follow the user's logical names."""
     model = ZOO["two_optimizers"]
