@@ -77,17 +77,6 @@ def test_reference_trains_on_one_device(name):
 
 # ---- every strategy equals the reference ---------------------------------------------
 
-HAS_STEP = hasattr(spmdkit.Single(), "step")
-needs_step = pytest.mark.skipif(not HAS_STEP, reason="strategy.step/apply are not on this branch yet")
-
-
-# Known defects of the step API on this branch, reported in the findings file; strict, so
-# each flips to a failure (and is removed) once fixed.
-KNOWN: dict[str, str] = {}
-
-
-def known(name: str):
-    return [pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else []
 
 
 def strategy_for(kind: str, n: int, model: UserModel):
@@ -130,9 +119,7 @@ def run_strategy(strategy, model: UserModel):
     return state, auxes, out
 
 
-@needs_step
-@pytest.mark.parametrize("name,kind,n", [pytest.param(*c, marks=known(c[0]), id=f"{c[0]}-{c[1]}-{c[2]}dev")
-                                         for c in CASES])
+@pytest.mark.parametrize("name,kind,n", CASES, ids=[f"{a}-{b}-{c}dev" for a, b, c in CASES])
 def test_step_equals_one_device(name, kind, n):
     model = ZOO[name]
     want_state, want_auxes, want_out = reference(name)
@@ -142,9 +129,7 @@ def test_step_equals_one_device(name, kind, n):
     assert_trees_close(out, want_out, model.atol, f"{name} on {kind}({n}): apply")
 
 
-@needs_step
-@pytest.mark.parametrize("name", [pytest.param(n, marks=known(n)) for n in
-                                  ["batchnorm_cnn", "nnx_dropout_batchnorm"]])
+@pytest.mark.parametrize("name", ["batchnorm_cnn", "nnx_dropout_batchnorm"])
 def test_ensemble_members_equal_one_device_runs(name):
     """Ensemble(2) on 2 devices: member m is the one-device run from key m of a split."""
     model = ZOO[name]
@@ -158,9 +143,7 @@ def test_ensemble_members_equal_one_device_runs(name):
         assert_trees_close(out[m], want_out, model.atol, f"{name} member {m}: apply")
 
 
-@needs_step
-@pytest.mark.parametrize("name,kind,n", [pytest.param(*c, marks=known(c[0])) for c in
-                                         [("batchnorm_cnn", "data", 4), ("pjit_mlp", "sharded", 8)]])
+@pytest.mark.parametrize("name,kind,n", [("batchnorm_cnn", "data", 4), ("pjit_mlp", "sharded", 8)])
 def test_apply_takes_any_batch_size(name, kind, n):
     """5 rows on a mesh that splits the batch 2 or 4 ways: exactly the 5 one-device rows."""
     model = ZOO[name]
@@ -173,7 +156,6 @@ def test_apply_takes_any_batch_size(name, kind, n):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=model.atol)
 
 
-@needs_step
 def test_state_axes_lay_out_every_copy_of_the_params():
     """Parameters, their EMA and both optimizers' moments follow the user's logical names."""
     model = ZOO["two_optimizers"]
@@ -186,7 +168,6 @@ def test_state_axes_lay_out_every_copy_of_the_params():
     assert state["encoder_opt"][0].nu["w"].sharding.spec == w
 
 
-@needs_step
 @pytest.mark.parametrize("name", ["batchnorm_cnn", "transformer_lm"])
 def test_uneven_global_batch_is_exact_or_refused(name):
     """6 rows on data=4: batch statistics (BatchNorm) and a count-normalised loss (the LM's
