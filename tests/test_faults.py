@@ -441,7 +441,7 @@ def test_launch_restarts_every_process_from_the_last_good_checkpoint(tmp_path, p
 def test_a_local_coordinator_listens_on_loopback_only(tmp_path, procs):
     code = ("import spmdkit, jax, time; spmdkit.use_host_devices(1); "
             "from spmdkit._launch import initialize_distributed; initialize_distributed(); "
-            "print(jax.process_count(), flush=True); time.sleep(8)")
+            "print(jax.process_count(), flush=True); time.sleep(4)")
     launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code])
     line = launcher.stdout.readline()
     assert "2" in line, launcher.stderr.read() if launcher.poll() is not None else line
