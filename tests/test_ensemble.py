@@ -133,7 +133,7 @@ def test_errors():
     with pytest.raises(spmdkit.MembersMismatchError) as e:
         ens.place_state(jax.device_get(state))
     assert "holds 4 member(s), but this ensemble has members=8" in str(e.value)
-    assert "--members 4" in str(e.value)
+    assert "use members=4 to continue" in str(e.value)
     placed = spmdkit.Ensemble(members=4).place_state(jax.device_get(state))
     assert placed.params["w"].sharding.spec == jax.P("member")
 

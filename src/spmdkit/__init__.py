@@ -27,6 +27,7 @@ from spmdkit._errors import (
     SpmdkitError,
     TreeMismatchError,
 )
+from spmdkit._initialize import initialize
 from spmdkit._mesh import make_mesh
 from spmdkit._pmap import ShardedBatch, pmap, replicate, shard, unreplicate
 from spmdkit._strategies import (
@@ -42,7 +43,19 @@ from spmdkit._strategies import (
 )
 from spmdkit._rules import PRESETS, AxisRules, LayoutError, ReplicationWarning
 from spmdkit._tasks import Task, get_task
-from spmdkit._train import FitResult, fit, load_params, save_params
+from spmdkit._train import (
+    CheckpointHook,
+    EvalHook,
+    FitResult,
+    MetricsHook,
+    NaNGuard,
+    ProgressHook,
+    StepInfo,
+    fit,
+    load_params,
+    run_hooks,
+    save_params,
+)
 from spmdkit._checkpoint import CheckpointSaveError
 from spmdkit._train._artifacts import ArtifactError
 from spmdkit._train._validate import TaskError, validate_task
@@ -51,6 +64,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ENV_HOST_DEVICES",
+    "CheckpointHook",
+    "EvalHook",
+    "MetricsHook",
+    "NaNGuard",
+    "ProgressHook",
+    "StepInfo",
+    "run_hooks",
     "PRESETS",
     "AxisRules",
     "LayoutError",
@@ -94,6 +114,7 @@ __all__ = [
     "fit",
     "get_strategy",
     "get_task",
+    "initialize",
     "host_devices_from_env",
     "load_params",
     "make_mesh",

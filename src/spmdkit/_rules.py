@@ -118,7 +118,8 @@ class AxisRules:
                         fix(
                             f"rule {logical!r} -> {axis!r} (rules {self.name!r}) names mesh axis {axis!r}, "
                             f"but the mesh has axes {list(mesh.axis_names)} ({dict(mesh.shape)}).",
-                            f"add {axis}=N to --mesh, or map {logical!r} to one of {list(mesh.axis_names)} or none.",
+                            f"add the axis to the mesh (spmdkit.make_mesh(..., {axis}=N); CLI: add {axis}=N to --mesh), "
+                            f"or map {logical!r} to one of {list(mesh.axis_names)} or None.",
                         )
                     )
 
@@ -131,8 +132,9 @@ class AxisRules:
                 fix(
                     f"{where} has logical axis {logical!r}, which rules {self.name!r} do not map "
                     f"(they map {sorted(table)}). spmdkit does not silently replicate it.",
-                    f'add a rule for it (e.g. {logical} = "model", or {logical} = "none" to replicate), '
-                    "or pass --replicate-unknown.",
+                    f'add a rule for it (e.g. ("{logical}", "model"), or ("{logical}", None) to replicate; '
+                    f'in a rules file {logical} = "none"), or pass replicate_unknown=True to Sharded '
+                    "(CLI: --replicate-unknown).",
                 )
             )
         return table[logical]

@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spmdkit._bench._timing import case_row, geomean, machine, measure, ratio, target
 from spmdkit._bench.report import collect
 from spmdkit._strategies import DataParallel, Single
-from spmdkit._strategies._base import TrainState
 from spmdkit._tasks import digits, linreg
 
 TARGET_HAND = 1.02
@@ -40,7 +39,7 @@ def _hand_jit(task, opt, mesh, state):
     def step(state, batch):
         (loss, aux), grads = jax.value_and_grad(task.loss_fn, has_aux=True)(state.params, batch, None)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
+        return state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state), loss
 
     compiled = jax.jit(step, in_shardings=(repl, split), out_shardings=(repl, repl))
     placed = jax.device_put(state, repl)
@@ -53,7 +52,7 @@ def _seed_pmap(task, opt, n, state):
         grads = jax.lax.pmean(grads, "num_devices")
         loss = jax.lax.pmean(loss, "num_devices")
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
+        return state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state), loss
 
     pmapped = jax.pmap(update, axis_name="num_devices")
     stacked = jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), jax.device_get(state))

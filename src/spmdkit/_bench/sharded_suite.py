@@ -19,7 +19,6 @@ from spmdkit._bench._timing import geomean, machine, measure, ratio, target
 from spmdkit._bench.report import collect
 from spmdkit._mesh import make_mesh
 from spmdkit._rules import DEFAULT_MESH, AxisRules
-from spmdkit._strategies._base import TrainState
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._tasks import mlp
 
@@ -34,7 +33,7 @@ def _hand_jit(task, opt, strategy: Sharded, state):
     def step(state, batch):
         loss, grads = jax.value_and_grad(lambda p: task.loss_fn(p, batch, None)[0])(state.params)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
+        return state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state), loss
 
     compiled = jax.jit(step, in_shardings=(shardings, strategy._batch), out_shardings=(shardings, strategy._replicated))
     rules = strategy.rules.flax_rules()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import jax
 
@@ -52,16 +52,50 @@ STRATEGIES: dict[str, Callable[[StrategyOptions], Strategy]] = {
 }
 
 
+# The options each strategy takes; any other option given a non-default value is an error.
+ACCEPTS: dict[str, tuple[str, ...]] = {
+    "single": (),
+    "data": ("impl", "mesh"),
+    "sharded": ("mesh", "rules", "replicate_unknown"),
+    "ensemble": ("members", "bagging"),
+}
+
+
 def get_strategy(name: str, impl: str = "auto", **options) -> Strategy:
     """A strategy by name, as ``spmdkit train --strategy NAME`` builds it.
 
-    ``options`` are the fields of :class:`StrategyOptions` (members, mesh, rules...).
+    ``options`` are the fields of :class:`StrategyOptions` (members, mesh, rules...);
+    one the strategy does not take is an error, not silently ignored.
+
+    Example:
+        >>> import spmdkit
+        >>> spmdkit.get_strategy("data", members=4)
+        Traceback (most recent call last):
+        ...
+        spmdkit._errors.ConfigError: get_strategy('data', members=4): strategy 'data' does not take members.
+          Fix: drop members; strategy 'data' takes impl, mesh.
     """
     if name not in STRATEGIES:
         raise ConfigError(
             fix(f"strategy={name!r} is not known.", f"choose one of {sorted(STRATEGIES)}.")
         )
-    return STRATEGIES[name](StrategyOptions(impl=impl, **options))
+    known = {f.name for f in fields(StrategyOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(fix(f"get_strategy({name!r}): unknown option(s) {unknown}.", f"use only {sorted(known)}."))
+    chosen = StrategyOptions(impl=impl, **options)
+    defaults = StrategyOptions()
+    given = {f.name: getattr(chosen, f.name) for f in fields(StrategyOptions)
+             if getattr(chosen, f.name) != getattr(defaults, f.name)}
+    wrong = [k for k in given if k not in ACCEPTS[name]]
+    if wrong:
+        call = ", ".join([repr(name)] + [f"{k}={v!r}" for k, v in given.items()])
+        takes = ", ".join(ACCEPTS[name]) or "no options"
+        raise ConfigError(
+            fix(f"get_strategy({call}): strategy {name!r} does not take {', '.join(wrong)}.",
+                f"drop {', '.join(wrong)}; strategy {name!r} takes {takes}.")
+        )
+    return STRATEGIES[name](chosen)
 
 
 __all__ = [
@@ -77,6 +111,7 @@ __all__ = [
     "Single",
     "Strategy",
     "StrategyOptions",
+    "ACCEPTS",
     "TrainState",
     "get_strategy",
 ]

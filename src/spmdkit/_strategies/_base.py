@@ -1,14 +1,16 @@
-"""What every strategy shares: the train state, the contract, exact masked means.
+"""What every strategy shares: the contract, placement helpers, and the loss-based path.
 
-A strategy decides where the train state and the batches live on the devices and
-compiles the step; it knows nothing of the task. The loop calls only what
-:class:`Strategy` lists.
+A strategy decides where a state and the batches live on the devices and compiles the
+user's functions (``_compile.Placement``); it knows nothing of the task. The loop calls
+only what :class:`Strategy` lists. The functions below ``init_train_state`` serve the
+older loss-based methods (``init_state``/``train_step``/``eval_step``), which the
+benchmarks and ``spmdkit inspect`` still call; ``fit`` does not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -16,85 +18,55 @@ import numpy as np
 import optax
 from flax.core import meta
 
-Params = Any
-Batch = Any
-# loss_fn(params, batch, rng) -> (mean loss over the batch, {name: mean metric})
-LossFn = Callable[[Params, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+from spmdkit._types import Batch, LossFn, Params, Predictor, TrainState  # noqa: F401 (re-exported)
+
 # step(state, batch, mask or None, rng) -> (new state, {name: scalar})
 StepFn = Callable[..., tuple["TrainState", dict[str, jax.Array]]]
 # eval(params, batch, mask or None, rng) -> {"count": n, "loss": sum, name: sum, ...}
 EvalFn = Callable[..., dict[str, jax.Array]]
 
 
-class TrainState(NamedTuple):
-    """Everything the optimizer carries from one step to the next."""
+class Strategy(Protocol):
+    """Where a state and batches live on a mesh, and the user's functions compiled there.
 
-    step: jax.Array
-    params: Params
-    opt_state: optax.OptState
-
-
-class Predictor(NamedTuple):
-    """How to combine models' outputs (ensembles): class probabilities and their scores.
-
-    ``predict(params, batch) -> probabilities [B, C]``;
-    ``score(probabilities, batch) -> {metric: per-example values [B]}``.
+    A strategy knows nothing of tasks, losses or optimizers. ``fit`` uses only this
+    contract (plus ``summarize``/``member_params`` where an ensemble has them).
     """
 
-    predict: Callable[[Params, Batch], jax.Array]
-    score: Callable[[jax.Array, Batch], dict[str, jax.Array]]
-
-
-class Strategy(Protocol):
-    """How a train state and batches live on a mesh, and the compiled steps."""
-
     name: str
-    # How many independent batch streams a step takes (1; K for bagged ensembles).
-    data_streams: int
 
     @property
     def batch_shards(self) -> int:
-        """How many pieces the global batch is split into (its size is padded to a multiple)."""
+        """How many pieces a global batch is split into (a batch that does not divide
+        evenly is run whole on every device, exactly)."""
         ...
 
     def describe(self) -> dict[str, Any]:
         """Mesh shape, device count and implementation, for summaries."""
         ...
 
-    def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-        """The initial state, already placed where the steps expect it."""
+    def init(self, make_state: Callable[[jax.Array], Any], rng: Any) -> Any:
+        """``make_state(rng)`` (any pytree) created directly where this strategy keeps it."""
         ...
 
-    def abstract_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Any:
-        """The state's shapes with this strategy's shardings: a checkpoint's restore target."""
+    def shardings(self, abstract_state: Any) -> Any:
+        """Where each leaf of a state lives: the restore target of a checkpoint."""
         ...
 
-    def put_batch(self, batch: Batch, size: int | None = None, *, shared: bool = False) -> tuple[Batch, jax.Array | None]:
-        """A host batch on the devices, padded to ``size`` (rounded up to ``batch_shards``).
-
-        ``shared``: one batch for every stream (eval data), even when
-        ``data_streams > 1``.
-        """
+    def abstract(self, make_state: Callable[[jax.Array], Any], rng: Any = 0) -> Any:
+        """``ShapeDtypeStruct``s of the state with :meth:`shardings`, nothing allocated."""
         ...
 
-    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
-        """The compiled step; ``accum`` micro-batches per optimizer step (the batch size
-        must be a multiple of ``accum * batch_shards``: the loop pads to it)."""
+    def step(self, train_step: Callable[[Any, Batch], tuple[Any, Any]], *, donate: bool = False) -> Callable[..., Any]:
+        """``train_step(state, batch) -> (state, aux)`` on the global batch, compiled."""
         ...
 
-    def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
+    def evaluate(self, fn: Callable[[Any, Batch], Any]) -> Callable[..., Any]:
+        """``fn(state, batch) -> values`` on the exact global batch, compiled."""
         ...
 
-    def host_params(self, state: TrainState) -> Params:
-        """The parameters as numpy arrays on the host."""
-        ...
-
-    def member_params(self, params: Params) -> list[Params]:
-        """One parameter pytree per model trained (one, or an ensemble's members)."""
-        ...
-
-    def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
-        """Entries this strategy adds to summary.json from the last eval."""
+    def apply(self, fn: Callable[[Any, Batch], Any]) -> Callable[..., Any]:
+        """Per-example ``fn(state, batch) -> [B, ...]`` on any batch size."""
         ...
 
 
@@ -107,7 +79,13 @@ def init_train_state(init_fn: Callable[[jax.Array], Params], optimizer: optax.Gr
     the arrays.
     """
     params = meta.unbox(init_fn(key))
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), None, run_key(key))
+
+
+def run_key(key: jax.Array) -> jax.Array:
+    """The raw bits of a model's per-step key, derived from its init key (so ensemble
+    members, initialised from different keys, also draw different dropout masks)."""
+    return jax.random.key_data(jax.random.fold_in(key, 0x5EED))
 
 
 def boxed_abstract_state(init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> TrainState:
@@ -115,7 +93,7 @@ def boxed_abstract_state(init_fn: Callable[[jax.Array], Params], optimizer: opta
 
     def boxed(key):
         params = init_fn(key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), None, run_key(key))
 
     return jax.eval_shape(boxed, jax.random.key(0))
 
@@ -182,7 +160,7 @@ def update_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, grads_
         grads, sums = grads_and_sums(state.params, batch, mask, rng)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state), as_metrics(*sums)
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), as_metrics(*sums)
 
     return step
 

@@ -1,7 +1,8 @@
 """Data parallelism: parameters replicated, the batch split over a mesh axis.
 
-Two implementations of the same step, chosen by ``impl`` (``"auto"``: ``"jit"`` in one
-process, ``"shard_map"`` across processes, the faster in each case as measured):
+``step(train_step)`` (and so ``fit``) always compiles the user's step with ``jax.jit``:
+the single-device program on the global batch. The older loss-based ``train_step``
+(benchmarks) has two implementations, chosen by ``impl`` (``"auto"`` is ``"jit"``):
 
 - ``"jit"`` (default): the user's loss runs on the *global* batch inside ``jax.jit``
   with ``NamedSharding``; XLA splits the work and inserts the gradient all-reduce.
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, MeshError, fix
 from spmdkit._mesh import make_mesh
+from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
 from spmdkit._strategies._base import (
     EvalFn,
     LossFn,
@@ -57,12 +59,30 @@ def packed_psum(tree: Any, axis: str) -> Any:
     return unravel(jax.lax.psum(flat, axis))
 
 
-class DataParallel(OneModel):
+class DataParallel(OneModel, Placement):
     """Replicated parameters, batch split over ``axis`` of ``mesh``.
 
+    ``step(train_step)`` runs the user's single-device step on the global batch, split
+    over ``axis`` (jit semantics: the results are those of one device). A batch whose
+    size ``axis`` cannot split evenly is placed whole on every device instead: exact,
+    only less parallel.
+
     Example:
-        >>> import jax, jax.numpy as jnp, numpy as np, optax, spmdkit
+        >>> import jax, jax.numpy as jnp, numpy as np, spmdkit
         >>> strategy = spmdkit.DataParallel()            # every device on one 'data' axis
+        >>> def train_step(state, batch):
+        ...     loss = lambda w: jnp.mean((batch["x"] * w - batch["y"]) ** 2)
+        ...     value, grad = jax.value_and_grad(loss)(state["w"])
+        ...     return {"w": state["w"] - 0.1 * grad}, {"loss": value}
+        >>> state = strategy.init(lambda rng: {"w": jnp.zeros(())}, jax.random.key(0))
+        >>> step = strategy.step(train_step)
+        >>> state, aux = step(state, {"x": np.ones(16, np.float32), "y": np.ones(16, np.float32)})
+        >>> float(aux["loss"])
+        1.0
+
+    The older loss-based path (``init_state``/``train_step``) remains for ``fit``:
+
+        >>> import optax
         >>> loss = lambda p, b, rng: (jnp.mean((b["x"] * p["w"] - b["y"]) ** 2), {})
         >>> opt = optax.sgd(0.1)
         >>> state = strategy.init_state(lambda rng: {"w": jnp.zeros(())}, opt, jax.random.key(0))
@@ -86,10 +106,11 @@ class DataParallel(OneModel):
                 fix(f"impl={impl!r} is not a data-parallel implementation.", f"choose one of {list(IMPLS)}.")
             )
         if impl == "auto":
-            # Measured (BENCHMARKS.md): one process, jit is faster; across processes the
-            # packed shard_map all-reduce is 1.5x faster than XLA's per-leaf ones.
-            impl = "shard_map" if jax.process_count() > 1 else "jit"
-        mesh = make_mesh(**{axis: -1}) if mesh is None else mesh
+            # A user's step can only be compiled whole (jit): the optimizer update is inside
+            # it, so no packed all-reduce of the gradients can be inserted. The loss-based
+            # train_step keeps impl="shard_map" (1.5x faster across processes, BENCHMARKS.md).
+            impl = "jit"
+        mesh = make_mesh(**{axis: -1}) if mesh is None else auto_mesh(mesh)
         if axis not in mesh.axis_names:
             raise MeshError(
                 fix(
@@ -110,6 +131,17 @@ class DataParallel(OneModel):
     @property
     def batch_shards(self) -> int:
         return self.mesh.shape[self.axis]
+
+    # ---- placement of the user's state and batches (see Placement) --------------
+    def shardings(self, abstract_state: Any) -> Any:
+        """Every leaf replicated on every device of the mesh."""
+        return jax.tree.map(lambda _: self._replicated, unbox_tree(abstract_state))
+
+    def _state_shardings(self, state: Any) -> Any:
+        return self._replicated
+
+    def _batch_sharding(self, even: bool) -> NamedSharding:
+        return self._split if even else self._replicated
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -174,4 +206,6 @@ class DataParallel(OneModel):
         return jax.jit(evaluate, in_shardings=(r, s, s, r), out_shardings=r)
 
     def __repr__(self) -> str:
+        if self.name == "single":
+            return f"Single(device={self.mesh.devices.flat[0]})"
         return f"DataParallel(mesh={dict(self.mesh.shape)}, axis={self.axis!r}, impl={self.impl!r})"

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, MeshError, fix
+from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
 from spmdkit._strategies._base import (
     EvalFn,
     LossFn,
@@ -73,11 +74,36 @@ def placement(members: int, devices: int) -> int:
     return max(d for d in range(1, min(members, devices) + 1) if members % d == 0)
 
 
+_INJECT_STATES = tuple(
+    cls for cls in (getattr(optax, "InjectHyperparamsState", None), getattr(optax, "InjectStatefulHyperparamsState", None))
+    if cls is not None
+)
+
+
+def _check_hyperparams(hyperparams: Any, members: int) -> dict[str, list[float]]:
+    """``{name: one value per member}``, validated before anything is built."""
+    if hyperparams is None:
+        return {}
+    if not isinstance(hyperparams, dict):
+        raise ConfigError(fix(f"hyperparams={hyperparams!r} is not a dict.",
+                              'pass hyperparams={"learning_rate": [0.1, 0.01, ...]}, one value per member.'))
+    out = {}
+    for name, values in hyperparams.items():
+        values = list(np.ravel(values)) if np.ndim(values) else None
+        if values is None or len(values) != members:
+            raise ConfigError(
+                fix(f"hyperparams[{name!r}] has {0 if values is None else len(values)} value(s) for "
+                    f"members={members}.", f"give exactly {members} values, one per member.")
+            )
+        out[name] = values
+    return out
+
+
 class MembersMismatchError(ConfigError):
     """A state's member count differs from the ensemble's."""
 
 
-class Ensemble:
+class Ensemble(Placement):
     """K models trained at once, K/d per device on a 1-D ``member`` mesh.
 
     ``members`` may exceed the device count (K/d members per device, vectorised) or
@@ -85,8 +111,22 @@ class Ensemble:
     number of devices that divides K; pass ``mesh`` to choose, in which case its
     ``axis`` size must divide K.
 
+    ``init(make_state, rng)`` makes member m from ``jax.random.split(rng, K)[m]``;
+    ``step(train_step)`` runs the user's single-device step for every member on the
+    same global batch (the aux values get a leading member axis), and ``apply(fn)``
+    returns ``[K, B, ...]``: combining the members (a mean of probabilities, say) is
+    the caller's line of code. ``hyperparams={"learning_rate": [...]}`` gives each
+    member its own value of an ``optax.inject_hyperparams`` hyperparameter.
+
     Example:
         >>> import jax, jax.numpy as jnp, optax, spmdkit
+        >>> ens = spmdkit.Ensemble(members=4)
+        >>> state = ens.init(lambda rng: {"w": jax.random.normal(rng, (3,))}, jax.random.key(0))
+        >>> state["w"].shape
+        (4, 3)
+        >>> predict = ens.apply(lambda s, b: b["x"] @ s["w"])
+        >>> predict(state, {"x": jnp.ones((5, 3))}).shape
+        (4, 5)
         >>> ens = spmdkit.Ensemble(members=16)
         >>> ens.describe()["members_per_device"] * ens.describe()["device_count"]
         16
@@ -106,16 +146,19 @@ class Ensemble:
         bagging: bool = False,
         axis: str = "member",
         member_loop: str = "unroll",
+        hyperparams: dict[str, Sequence[float]] | None = None,
     ):
         if isinstance(members, bool) or not isinstance(members, int) or members < 1:
             raise ConfigError(
-                fix(f"members={members!r}: an ensemble needs a whole number of members >= 1.", "e.g. --members 8.")
+                fix(f"members={members!r}: an ensemble needs a whole number of members >= 1.", "e.g. members=8.")
             )
         if mesh is None:
             devs = list(jax.devices() if devices is None else devices)
             used = placement(members, len(devs))
             mesh = Mesh(np.array(devs[:used]), (axis,))
-        elif axis not in mesh.axis_names:
+        else:
+            mesh = auto_mesh(mesh)
+        if axis not in mesh.axis_names:
             raise MeshError(
                 fix(f"the mesh has axes {list(mesh.axis_names)}, not the member axis {axis!r}.", "pass axis= one of them.")
             )
@@ -135,6 +178,7 @@ class Ensemble:
             raise ConfigError(
                 fix(f"member_loop={member_loop!r} is not known.", f"choose one of {list(MEMBER_LOOPS)}.")
             )
+        self.hyperparams = _check_hyperparams(hyperparams, members)
         self.member_loop = member_loop
         self.members = members
         self.mesh = mesh
@@ -166,6 +210,84 @@ class Ensemble:
             "member_loop": self.member_loop,
         }
 
+    # ---- placement of the user's state and batches (see Placement) --------------
+    _row_axis = 1  # apply's outputs are [K, B, ...]
+    _extend_axes = False  # members run under shard_map, where the mesh is the member axis
+
+    def shardings(self, abstract_state: Any) -> Any:
+        """Every leaf split over the member axis (its leading axis is the member)."""
+        state = unbox_tree(abstract_state)
+        self._check_members(state)
+        return jax.tree.map(lambda _: self._per_member, state)
+
+    def _make(self, make_state: Callable[[jax.Array], Any]) -> Callable[[jax.Array], Any]:
+        return jax.vmap(make_state)
+
+    def _init_key(self, rng: jax.Array) -> jax.Array:
+        return self.member_keys(rng)
+
+    def _after_init(self, state: Any) -> Any:
+        return self._with_hyperparams(state) if self.hyperparams else state
+
+    def _state_shardings(self, state: Any) -> Any:
+        self._check_members(state)
+        return self._per_member
+
+    def _batch_sharding(self, even: bool) -> NamedSharding:
+        return self._replicated  # every member sees the whole batch
+
+    def _aux_sharding(self) -> NamedSharding:
+        return self._replicated
+
+    def _batch_sharding_for(self, kind: str, even: bool) -> NamedSharding:
+        # Bagging: a step's batch is [K, b, ...], member m's own rows.
+        return self._per_member if kind == "step" and self.bagging else self._replicated
+
+    def _lift(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        axis, own = self.axis, kind == "step" and self.bagging
+        local = over_members(fn, (0, 0 if own else None), self.member_loop)
+        out = (P(axis), P(axis)) if kind == "step" else P(axis)
+        in_specs = (P(axis), P(axis) if own else P())
+        return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+
+    def _with_hyperparams(self, state: Any) -> Any:
+        """Member m's value of each named hyperparameter written into the optimizer state."""
+        found = []
+
+        def set_values(node):
+            if not isinstance(node, _INJECT_STATES):
+                return node
+            missing = set(self.hyperparams) - set(node.hyperparams)
+            if missing:
+                raise ConfigError(
+                    fix(f"hyperparams names {sorted(missing)}, but the optimizer's injected "
+                        f"hyperparameters are {sorted(node.hyperparams)}.",
+                        "use those names, or inject the ones you vary: optax.inject_hyperparams(optax.adam)(learning_rate=...).")
+                )
+            found.append(node)
+            values = dict(node.hyperparams)
+            for name, per_member in self.hyperparams.items():
+                dtype = np.asarray(values[name]).dtype
+                values[name] = jax.device_put(np.asarray(per_member, dtype), self._per_member)
+            return node._replace(hyperparams=values)
+
+        state = jax.tree.map(set_values, state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))
+        if not found:
+            raise ConfigError(
+                fix(f"hyperparams={sorted(self.hyperparams)} were given, but the state holds no "
+                    "optax.inject_hyperparams optimizer state to write them into.",
+                    "build the optimizer as optax.inject_hyperparams(optax.sgd)(learning_rate=0.1) "
+                    "so its hyperparameters live in the state.")
+            )
+        return state
+
+    def _check_members(self, state: Any) -> None:
+        treedef = jax.tree.structure(state)
+        if treedef in getattr(self, "_checked", ()):
+            return
+        self._check_leading(state)
+        self._checked = getattr(self, "_checked", ()) + (treedef,)
+
     # ---- placement ------------------------------------------------------------
     def member_keys(self, rng: jax.Array) -> jax.Array:
         """Member m is initialised with ``member_keys(rng)[m]``."""
@@ -181,6 +303,10 @@ class Ensemble:
 
     def place_state(self, state: Any) -> TrainState:
         """Put an existing (e.g. restored) state on the mesh, checking its member count."""
+        self._check_leading(state)
+        return jax.device_put(state, self._per_member)
+
+    def _check_leading(self, state: Any) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
             shape = np.shape(leaf)
             if not shape or shape[0] != self.members:
@@ -190,11 +316,10 @@ class Ensemble:
                         f"{where} has shape {shape}, so it holds "
                         f"{shape[0] if shape else 'no'} member(s), but this ensemble has "
                         f"members={self.members}.",
-                        f"use --members {shape[0] if shape else '?'} to continue that ensemble, or start "
+                        f"use members={shape[0] if shape else '?'} to continue that ensemble, or start "
                         "a new one instead of restoring.",
                     )
                 )
-        return jax.device_put(state, self._per_member)
 
     def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
         if self.bagging and not shared:
@@ -242,7 +367,7 @@ class Ensemble:
             else:
                 grads, (s, a, c) = jax.grad(objective, has_aux=True)(state.params)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            new = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+            new = state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
             return new, {"loss": s / c, **{k: v / c for k, v in a.items()}}
 
         def local(state, batch, mask, keys):

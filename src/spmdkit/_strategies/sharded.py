@@ -24,7 +24,8 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import fix
+from spmdkit._errors import ConfigError, fix
+from spmdkit._strategies._compile import Placement, auto_mesh
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec
 from spmdkit._strategies._base import (
     EvalFn,
@@ -106,15 +107,22 @@ def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "sta
         shape = tuple(value.shape)
         check_spec(spec, shape, mesh, where, logical)
         sharding = NamedSharding(mesh, spec)
-        nbytes = math.prod(shape) * np.dtype(value.dtype).itemsize
+        nbytes = math.prod(shape) * _itemsize(value.dtype)
         split = math.prod(mesh.shape[a] for axes in spec for a in ((axes,) if isinstance(axes, str) else (axes or ())))
-        out.append(LeafLayout(where, shape, str(np.dtype(value.dtype)), logical, spec, nbytes, nbytes // split))
+        out.append(LeafLayout(where, shape, str(value.dtype), logical, spec, nbytes, nbytes // split))
         shardings.append(sharding)
         abstract.append(jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding))
     unboxed_def = jax.tree_util.tree_structure(meta.unbox(boxed_state))
     if unboxed_def.num_leaves != len(shardings):
         raise LayoutError(f"internal: {unboxed_def.num_leaves} leaves after unboxing, {len(shardings)} planned")
     return Layout(out, jax.tree_util.tree_unflatten(unboxed_def, shardings), jax.tree_util.tree_unflatten(unboxed_def, abstract))
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element, also of PRNG key arrays (a threefry key is two uint32)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8
+    return np.dtype(dtype).itemsize
 
 
 def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> None:
@@ -137,22 +145,42 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
         )
 
 
-class Sharded(OneModel):
+class Sharded(OneModel, Placement):
     """Parameters and optimizer state split over a mesh by logical axis rules.
 
+    ``replicate_unknown=True`` replicates arrays whose logical names no rule maps (by
+    default that is an error naming the array).
+
+    ``rules``: a preset (``"fsdp+tp"``), an :class:`AxisRules`, Flax's own rules format
+    (``(("batch", "data"), ("hidden", "model"))``; the first rule of a name wins) or a
+    dict. ``init(make_state, rng)`` lays the state out from ``jax.eval_shape(make_state,
+    rng)``: Flax boxes (``nn.with_logical_partitioning``, ``nn.with_partitioning``), NNX
+    sharding metadata, or, for plain arrays, ``state_axes``: a pytree of logical names
+    (tuples, ``None`` to replicate) shaped like the state, or like any part of it (a
+    params-shaped tree also lays out the optimizer moments that mirror the params).
+
     Example:
-        >>> import spmdkit
-        >>> strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp")
+        >>> import jax, jax.numpy as jnp, spmdkit
+        >>> strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp",
+        ...                            state_axes={"w": ("embed", "hidden")})
         >>> strategy.batch_shards
         2
+        >>> state = strategy.init(lambda rng: {"w": jnp.ones((4, 8))}, jax.random.key(0))
+        >>> state["w"].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+        True
     """
 
     name = "sharded"
     data_streams = 1
 
-    def __init__(self, mesh: Mesh, rules: AxisRules | str, *, batch_name: str = "batch"):
-        rules = AxisRules.load(rules) if isinstance(rules, str) else rules
+    def __init__(self, mesh: Mesh, rules: Any, *, batch_name: str = "batch", state_axes: Any = None,
+                 replicate_unknown: bool | None = None):
+        mesh = auto_mesh(mesh)
+        rules = as_rules(rules)
+        if replicate_unknown is not None:
+            rules = AxisRules(rules.table, rules.name, replicate_unknown)
         rules.check_mesh(mesh)
+        self.state_axes = state_axes
         self.mesh = mesh
         self.rules = rules
         batch_axes = rules.mesh_axes(batch_name, "the batch")
@@ -160,6 +188,7 @@ class Sharded(OneModel):
         self._replicated = NamedSharding(mesh, P())
         self.layout: Layout | None = None
         self._inits: dict[Any, Any] = {}  # (init_fn, optimizer) -> jitted sharded init
+        self._known: dict[Any, Any] = {}  # state treedef -> shardings, from init / shardings()
 
     @property
     def batch_shards(self) -> int:
@@ -175,6 +204,41 @@ class Sharded(OneModel):
             "rules": self.rules.name,
             "rules_table": {k: v for k, v in self.rules.table},
         }
+
+    # ---- placement of the user's state and batches (see Placement) --------------
+    def shardings(self, abstract_state: Any) -> Any:
+        """Every leaf's NamedSharding from its logical names and the rules (validated)."""
+        layout = self.layout_of(abstract_state)
+        return layout.shardings
+
+    def layout_of(self, abstract_state: Any) -> Layout:
+        """The validated layout of a (boxed or plain) abstract state, per leaf."""
+        boxed = _with_state_axes(abstract_state, self.state_axes)
+        layout = plan_layout(boxed, self.rules, self.mesh)
+        warn_if_mostly_replicated(layout, self.rules, self.mesh)
+        self._known[jax.tree.structure(layout.shardings)] = layout.shardings
+        self.layout = layout  # the last layout planned, for inspection
+        return layout
+
+    def _rules(self) -> Any:
+        return self.rules.flax_rules()
+
+    def _state_shardings(self, state: Any) -> Any:
+        known = self._known.get(jax.tree.structure(state))
+        if known is not None:
+            return known
+        leaves = jax.tree.leaves(state)
+        if leaves and all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                          and x.sharding.mesh == self.mesh for x in leaves):
+            return jax.tree.map(lambda x: x.sharding, state)
+        raise LayoutError(
+            fix("Sharded.step/apply got a state this strategy has not laid out.",
+                "create it with strategy.init(make_state, rng), or restore it into "
+                "strategy.shardings(abstract_state) / strategy.abstract(make_state).")
+        )
+
+    def _batch_sharding(self, even: bool) -> NamedSharding:
+        return self._batch if even else self._replicated
 
     # ---- layout ---------------------------------------------------------------
     def plan(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Layout:
@@ -206,7 +270,7 @@ class Sharded(OneModel):
         """Contexts for tracing: logical constraints resolve against this mesh and rules."""
         return _TraceContext(self.mesh, self.rules)
 
-    def _state_shardings(self) -> Any:
+    def _layout_shardings(self) -> Any:
         if self.layout is None:
             raise LayoutError(
                 fix("Sharded.train_step/eval_step were called before the layout is known.",
@@ -215,7 +279,7 @@ class Sharded(OneModel):
         return self.layout.shardings
 
     def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
-        state_sh, b, r = self._state_shardings(), self._batch, self._replicated
+        state_sh, b, r = self._layout_shardings(), self._batch, self._replicated
         inner = update_step(loss_fn, optimizer, accum=accum)
 
         def step(*args):
@@ -225,7 +289,7 @@ class Sharded(OneModel):
         return jax.jit(step, in_shardings=(state_sh, b, b, r), out_shardings=(state_sh, r))
 
     def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
-        params_sh = self._state_shardings().params
+        params_sh = self._layout_shardings().params
         b, r = self._batch, self._replicated
         inner = eval_sums(loss_fn)
 
@@ -237,6 +301,117 @@ class Sharded(OneModel):
 
     def __repr__(self) -> str:
         return f"Sharded(mesh={dict(self.mesh.shape)}, rules={self.rules.name!r})"
+
+
+def as_rules(rules: Any) -> AxisRules:
+    """An AxisRules from a preset/file/inline string, Flax's rule tuples, or a dict."""
+    if isinstance(rules, AxisRules):
+        return rules
+    if isinstance(rules, str):
+        return AxisRules.load(rules)
+    if isinstance(rules, dict):
+        return AxisRules.from_mapping(rules)
+    if isinstance(rules, (tuple, list)) and all(isinstance(r, (tuple, list)) and len(r) == 2 for r in rules):
+        first: dict[str, Any] = {}
+        for name, axes in rules:  # Flax tries a name's rules in order; the first is the one used
+            first.setdefault(name, axes)
+        return AxisRules.from_mapping(first)
+    raise ConfigError(
+        fix(f"rules={rules!r} is not a rules table.",
+            'pass a preset ("fsdp+tp"), Flax rules ((("batch", "data"), ("hidden", "model"))), '
+            'a dict {"hidden": "model"} or spmdkit.AxisRules.')
+    )
+
+
+def _is_names(x: Any) -> bool:
+    return x is None or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+
+
+def _subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """``(path, part)`` for ``tree`` and every container inside it (not the name tuples)."""
+    out = [(path, tree)]
+    if isinstance(tree, dict):
+        items = list(tree.items())
+    elif isinstance(tree, (list, tuple)) and not _is_names(tree):
+        items = list(enumerate(tree))
+    else:
+        items = []
+    for key, child in items:
+        if not _is_names(child):
+            out.extend(_subtrees(child, path + (key,)))
+    return out
+
+
+def _at(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _shapes(tree: Any) -> list[tuple]:
+    return [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(tree, is_leaf=_is_box)]
+
+
+def _with_state_axes(state: Any, axes: Any) -> Any:
+    """Plain leaves boxed with the user's logical names (``state_axes``); boxed leaves kept.
+
+    ``axes`` and each part of it (``axes["encoder"]``) are matched against the whole state
+    and every subtree of the same structure whose arrays have one name per dimension: a
+    params-shaped tree also names the optimizer's moments, also of an optimizer that
+    covers only a part of the params. Where the whole tree matches (the params), each part
+    also learns its arrays' shapes, and a part then matches only subtrees of those shapes;
+    two parts that still both fit one subtree are an error.
+    """
+    if axes is None:
+        return state
+    parts = []
+    for path, sub in _subtrees(axes):
+        treedef = jax.tree.structure(sub, is_leaf=_is_names)
+        if treedef.num_leaves:
+            parts.append([path, treedef, jax.tree.leaves(sub, is_leaf=_is_names), None])
+
+    def fits(part, x):
+        if _is_box(x):
+            return False
+        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
+        _, want, names, shapes = part
+        return treedef == want and all(_is_box(leaf) or n is None or len(n) == len(leaf.shape)
+                                       for leaf, n in zip(leaves, names)) and (shapes is None or shapes == _shapes(x))
+
+    whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: fits(parts[0], x)) if fits(parts[0], x)]
+    if whole:  # the params: every part learns the shapes it names
+        for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
+            part[3] = _shapes(_at(whole[0], part[0]))
+
+    def match(x):
+        found = [part for part in parts if fits(part, x)]
+        if len(found) > 1 and found[0][0] != () and len({tuple(map(str, p[2])) for p in found}) > 1:
+            raise LayoutError(
+                fix(f"state_axes parts {[jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p[0])) for p in found]} "
+                    f"both fit a part of the state with shapes {_shapes(x)}; spmdkit will not guess which.",
+                    "give state_axes the structure of the whole state (names for every copy of the params).")
+            )
+        return found[0][2] if found else None
+
+    matched = []
+
+    def box(x):
+        names = match(x)
+        matched.append(True)
+        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
+        out = [leaf if _is_box(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for leaf, n in zip(leaves, names)]
+        return jax.tree.unflatten(treedef, out)
+
+    state = box(state) if match(state) is not None else jax.tree.map(
+        lambda x: box(x) if match(x) is not None else x, state, is_leaf=lambda x: match(x) is not None)
+    if not matched:
+        raise LayoutError(
+            fix(f"state_axes (structure {jax.tree.structure(axes, is_leaf=_is_names)}) matches neither the state "
+                f"nor any part of it (state structure {jax.tree.structure(state, is_leaf=_is_box)}).",
+                "give state_axes the structure of the state, or of its params (a tuple of logical "
+                "names per array, None to replicate).")
+        )
+    return state
 
 
 class _TraceContext:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,20 +11,31 @@ import jax
 import numpy as np
 
 from spmdkit._errors import DataError, fix
-from spmdkit._strategies._base import LossFn, Params, Predictor
+from spmdkit._types import LossFn, Params, Predictor
 
 
 @dataclass(frozen=True)
 class Task:
     """What to train: ``init(rng) -> params``, a single-device loss, and data.
 
-    ``loss_fn(params, batch, rng) -> (loss, aux)`` returns the *mean* loss over the
-    batch and a dict of mean metrics (e.g. ``{"accuracy": ...}``), written exactly as
-    for one device. Data sets are pytrees (usually dicts) of arrays sharing their
-    leading (example) axis. ``report(params)`` may add entries to the summary.
-    ``defaults`` holds option values the task trains well with (``lr``, ``steps``...);
-    flags and config files override them. ``predictor`` (classifiers) tells an
-    ensemble how to average its members' probabilities and score the average.
+    ``loss_fn(params, batch, rng) -> (loss, aux)`` returns the loss over the batch (any
+    reduction: a mean, a token-weighted ``sum(w * l) / sum(w)``...) and a dict of
+    metrics (e.g. ``{"accuracy": ...}``), written exactly as for one device. It always
+    sees the real batch, never padding. If it has a
+    ``train`` parameter it is called with ``train=True`` in steps and ``train=False`` in
+    eval (dropout off). ``eval_fn`` (same signature, no ``train``) replaces it in eval.
+
+    A model with mutable variables (BatchNorm statistics) sets ``stateful=True``:
+    ``init(rng) -> (params, model_state)`` and ``loss_fn(params, model_state, batch, rng,
+    train) -> (loss, aux, new_model_state)``; the new state is kept after every step,
+    checkpointed and written with the parameters. ``eval_fn(params, model_state, batch,
+    rng) -> (loss, aux)``.
+
+    Data sets are pytrees (usually dicts) of arrays sharing their leading (example)
+    axis. ``report(params)`` may add entries to the summary. ``defaults`` holds option
+    values the task trains well with (``lr``, ``steps``...); flags and config files
+    override them. ``predictor`` (classifiers) tells an ensemble how to average its
+    members' probabilities and score the average.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, spmdkit
@@ -46,6 +58,8 @@ class Task:
     report: Callable[[Params], dict[str, Any]] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     predictor: Predictor | None = None
+    eval_fn: Callable[..., Any] | None = None
+    stateful: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.init) or not callable(self.loss_fn):
@@ -61,6 +75,47 @@ class Task:
             object.__setattr__(self, "eval_data", _as_numpy(self.eval_data))
             check_examples(self.eval_data, "eval_data")
 
+    # ---- the task's functions in one shape, whatever form the user wrote them in ----
+    def variables(self, rng: jax.Array) -> tuple[Params, Any]:
+        """``(params, model_state)``; ``model_state`` is None for a stateless task."""
+        out = self.init(rng)
+        if not self.stateful:
+            return out, None
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                fix(f"task {self.name!r} is stateful, so init(rng) must return (params, model_state); it "
+                    f"returned {type(out).__name__}.",
+                    "return e.g. (variables['params'], {'batch_stats': variables['batch_stats']}), "
+                    "or set stateful=False.")
+            )
+        return out
+
+    def train_loss(self, params: Params, model_state: Any, batch: Any, rng: jax.Array) -> tuple[Any, dict, Any]:
+        """``(loss, aux, new model_state)`` of a training step."""
+        train = {"train": True} if _takes(self.loss_fn, "train") or self.stateful else {}
+        if self.stateful:
+            out = self.loss_fn(params, model_state, batch, rng, **train)
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise TypeError(
+                    fix(f"task {self.name!r} is stateful, so loss_fn must return (loss, aux, "
+                        f"new_model_state); it returned {_describe(out)}.",
+                        "return the loss, a dict of metrics and the updated model state.")
+                )
+            loss, aux = _loss_and_aux(out[:2], "loss_fn", self.name)
+            return loss, aux, out[2]
+        loss, aux = _loss_and_aux(self.loss_fn(params, batch, rng, **train), "loss_fn", self.name)
+        return loss, aux, model_state
+
+    def eval_loss(self, params: Params, model_state: Any, batch: Any, rng: jax.Array) -> tuple[Any, dict]:
+        """``(loss, aux)`` in eval mode: ``eval_fn``, or ``loss_fn`` with ``train=False``."""
+        state_args = (params, model_state) if self.stateful else (params,)
+        if self.eval_fn is not None:
+            return _loss_and_aux(self.eval_fn(*state_args, batch, rng), "eval_fn", self.name)
+        if self.stateful:
+            return _loss_and_aux(self.loss_fn(params, model_state, batch, rng, train=False)[:2], "loss_fn", self.name)
+        train = {"train": False} if _takes(self.loss_fn, "train") else {}
+        return _loss_and_aux(self.loss_fn(params, batch, rng, **train), "loss_fn", self.name)
+
     @property
     def num_train(self) -> int:
         return num_examples(self.train_data)
@@ -68,6 +123,44 @@ class Task:
     @property
     def num_eval(self) -> int:
         return 0 if self.eval_data is None else num_examples(self.eval_data)
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, tuple):
+        return f"a tuple of {len(out)}"
+    return f"{type(out).__name__} with shape {getattr(out, 'shape', '?')}"
+
+
+def _loss_and_aux(out: Any, fn: str, task: str) -> tuple[Any, dict]:
+    """A loss function's result as ``(scalar loss, {name: value})``; a bare scalar is a loss."""
+    if hasattr(out, "shape") and not isinstance(out, tuple):
+        loss, aux = out, {}
+    elif isinstance(out, tuple) and len(out) == 2:
+        loss, aux = out
+    else:
+        raise TypeError(
+            fix(f"task {task!r}: {fn} returned {_describe(out)}; it must return the loss (a scalar) "
+                "or (loss, {metric: value}).", "return loss, {} (or loss, {'accuracy': acc}).")
+        )
+    if getattr(loss, "shape", ()) != ():
+        raise TypeError(
+            fix(f"task {task!r}: {fn} returned a loss of shape {loss.shape}; the loss must be a scalar.",
+                "reduce it over the batch, e.g. jnp.mean(per_example).")
+        )
+    if not isinstance(aux, Mapping):
+        raise TypeError(
+            fix(f"task {task!r}: {fn} returned aux of type {type(aux).__name__}; aux must be a dict of "
+                "metrics.", "return loss, {'accuracy': acc} (or loss, {}).")
+        )
+    return loss, dict(aux)
 
 
 def _as_numpy(data: Any) -> Any:

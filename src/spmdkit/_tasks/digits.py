@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from spmdkit._strategies._base import Predictor
+from spmdkit._types import Predictor
 from spmdkit._tasks._base import Task
 
 

@@ -1,6 +1,29 @@
 """The training loop and what it writes."""
 
 from spmdkit._train._artifacts import load_params, save_params
+from spmdkit._train._hooks import (
+    CheckpointHook,
+    EvalHook,
+    MetricsHook,
+    NaNGuard,
+    ProgressHook,
+    StepInfo,
+    run_hooks,
+)
 from spmdkit._train._loop import FitResult, evaluate, fit, iterate_batches
 
-__all__ = ["FitResult", "evaluate", "fit", "iterate_batches", "load_params", "save_params"]
+__all__ = [
+    "CheckpointHook",
+    "EvalHook",
+    "FitResult",
+    "MetricsHook",
+    "NaNGuard",
+    "ProgressHook",
+    "StepInfo",
+    "evaluate",
+    "fit",
+    "iterate_batches",
+    "load_params",
+    "run_hooks",
+    "save_params",
+]

@@ -1,7 +1,8 @@
-"""The training loop: steps, eval, metrics, artifacts, stop rules.
+"""The training loop: a short loop over ``strategy.step`` and its hooks.
 
-It knows neither the task's insides nor the strategy's: it asks the strategy to
-place state and batches and to compile the steps, and the task for data and loss.
+It knows neither the task's insides nor the strategy's: the task's loss and the
+optimizer become a single-device step (``_steps``), the strategy compiles and places
+it, and eval, metrics, checkpoints and the NaN guard are hooks (``_hooks``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,11 +26,23 @@ from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveEr
 from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
-from spmdkit._strategies._base import Strategy, TrainState, padded_size
+from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
+from spmdkit._train._hooks import (
+    CheckpointHook,
+    EvalHook,
+    MetricsHook,
+    NaNGuard,
+    ProgressHook,
+    StepInfo,
+    run_hooks,
+    to_python,
+    with_member_means,
+)
 from spmdkit._train._guards import KnownGood, state_is_finite
 from spmdkit._train._preempt import Preemption
+from spmdkit._train._steps import task_eval_step, task_state, task_train_step
 from spmdkit._train._validate import validate_task
 from spmdkit._train._watchdog import StepWatchdog
 
@@ -61,15 +75,6 @@ def iterate_batches(
             idx = order[start : start + batch_size]
             yield epoch, jax.tree.map(lambda x: x[idx], data)
         epoch, skip = epoch + 1, 0
-
-
-def to_python(values: dict[str, Any]) -> dict[str, Any]:
-    """Scalars to float, per-member arrays to lists: what JSON lines and plots take."""
-    out = {}
-    for k, v in jax.device_get(values).items():
-        a = np.asarray(v, np.float64)
-        out[k] = float(a) if a.ndim == 0 else a.tolist()
-    return out
 
 
 def evaluate(strategy: Strategy, eval_fn, params, data: Any, batch_size: int, rng: jax.Array) -> dict[str, Any]:
@@ -132,7 +137,8 @@ def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str) -> No
                 fix(
                     f"the checkpoint at step {meta.get('step')} was written with {name}={then!r}, this run has "
                     f"{name}={now!r}; resuming would not continue the same run.",
-                    f"resume with {name}={then!r}, or start a new run in another --checkpoint-dir.",
+                    f"resume with {name}={then!r}, or start a new run in another checkpoint directory "
+                    "(CheckpointConfig(directory); --checkpoint-dir).",
                 )
             )
 
@@ -154,32 +160,78 @@ def _previous_history(out: Path | None, upto: int) -> list[dict[str, Any]]:
 def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
     if task.report is None:
         return {}
-    reports = [task.report(p) for p in strategy.member_params(params)]
+    members = strategy.member_params(params) if hasattr(strategy, "member_params") else [params]
+    reports = [task.report(p) for p in members]
     return reports[0] if len(reports) == 1 else {"member_reports": reports}
 
 
-def _progress(enabled: bool, total: int, title: str):
-    if not enabled:
-        return contextlib.nullcontext(None)
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..., Any],
+                  predict: Callable[..., Any] | None = None, predictor: Any = None) -> dict[str, Any]:
+    """Means over a whole data set, in chunks of ``batch_size`` (the last one as it is).
 
-    return Progress(
-        TextColumn(f"[bold]{title}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[rate]} steps/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        transient=False,
-    )
+    ``eval_step(state, chunk)`` returns the chunk's means; they are weighted by the
+    chunk's rows. With ``predict`` (an ensemble's ``apply`` of the predictor) the mean
+    of the members' probabilities is scored as ``ensemble_<metric>``.
+    """
+    n = num_examples(data)
+    size = min(batch_size, n)
+    totals: dict[str, Any] = {}
+    for start in range(0, n, size):
+        chunk = jax.tree.map(lambda x: x[start : start + size], data)
+        rows = num_examples(chunk)
+        for k, v in jax.device_get(eval_step(state, chunk)).items():
+            totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64) * rows
+        if predict is not None:
+            probs = np.mean(np.asarray(jax.device_get(predict(state, chunk))), axis=0)  # members' mean
+            for name, v in predictor.score(probs, chunk).items():
+                totals[f"ensemble_{name}"] = totals.get(f"ensemble_{name}", 0.0) + float(np.sum(v))
+    return with_member_means(to_python({k: v / n for k, v in totals.items()}))
+
+
+class _Plan(NamedTuple):
+    batch_size: int
+    steps_per_epoch: int
+    total: int
+    eval_every: int
+
+
+def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
+    """The run's length and sizes, validated before anything is built."""
+    bs = config.batch_size
+    if bs > task.num_train:
+        raise ConfigError(
+            fix(f"batch_size={bs} is larger than the training set of task {task.name!r} ({task.num_train} examples).",
+                f"use batch_size={task.num_train} or less (--batch-size).")
+        )
+    if bs % config.grad_accum:
+        raise ConfigError(
+            fix(f"batch_size={bs} is not a multiple of grad_accum={config.grad_accum}: the micro-batches of a "
+                "step must be equal.", f"use batch_size={bs - bs % config.grad_accum or config.grad_accum} or "
+                "another grad_accum (--batch-size, --grad-accum).")
+        )
+    shards = getattr(strategy, "batch_shards", 1)
+    if bs % shards:
+        warnings.warn(
+            f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
+            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
+    per_epoch = task.num_train // bs if config.drop_remainder else math.ceil(task.num_train / bs)
+    total = config.steps if config.steps is not None else config.epochs * per_epoch
+    return _Plan(bs, per_epoch, total, config.eval_every or per_epoch)
+
+
+def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
+           ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None]) -> tuple[Any, int]:
+    """The initial state and the steps already done: fresh, or the newest intact checkpoint."""
+    if ckpt is not None and checkpoint.resume:
+        target = strategy.abstract(make_state, key, unbox=True)
+        restored = ckpt.restore_latest(target, members=getattr(strategy, "members", None))
+        if restored is not None:
+            state, meta = restored
+            _check_resumable(meta, config, task.name)
+            log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
+            return state, int(meta["step"])
+        log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
+    return strategy.init(make_state, key, unbox=True), 0
 
 
 def fit(
@@ -197,11 +249,14 @@ def fit(
 ) -> FitResult:
     """Train ``task`` with ``strategy`` and ``optimizer`` for ``config.steps`` (or epochs).
 
-    The data order, initialisation and per-step randomness depend only on
-    ``config.seed``, so the same config on 1 or 8 devices gives the same result.
-    The loop waits for every step to finish before the next (XLA:CPU deadlocks
-    when many collective steps are queued). With ``out_dir`` it writes
-    ``metrics.jsonl`` (as it goes), ``summary.json``, ``params.npz`` and ``loss.png``.
+    The task's loss and the optimizer become a single-device ``train_step(state,
+    batch)`` that runs through ``strategy.step``, like any user's step; eval, metrics,
+    checkpoints and the NaN guard are hooks (``spmdkit._train._hooks``). The data order,
+    initialisation and per-step randomness depend only on ``config.seed``, so the same
+    config on 1 or 8 devices gives the same result. The loop waits for every step to
+    finish before the next (XLA:CPU deadlocks when many collective steps are queued).
+    With ``out_dir`` it writes ``metrics.jsonl`` (as it goes), ``summary.json``,
+    ``params.npz`` (with a stateful task, ``{"params", "model_state"}``) and ``loss.png``.
     With ``checkpoint`` it saves every ``checkpoint.every`` steps (asynchronously) and
     at the end, and with ``checkpoint.resume`` continues from the newest intact step,
     exactly as if it had never stopped. Across several processes, a step that does not
@@ -222,170 +277,79 @@ def fit(
         >>> round(float(result.params["w"]), 2), round(float(result.params["b"]), 2)
         (3.0, 1.0)
     """
-    n_train = task.num_train
-    bs = config.batch_size
-    if bs > n_train:
-        raise ConfigError(
-            fix(
-                f"batch_size={bs} is larger than the training set of task {task.name!r} "
-                f"({n_train} examples).",
-                f"use --batch-size {n_train} or less.",
-            )
-        )
-    steps_per_epoch = n_train // bs if config.drop_remainder else math.ceil(n_train / bs)
-    total = config.steps if config.steps is not None else config.epochs * steps_per_epoch
-    eval_every = config.eval_every or steps_per_epoch
+    plan = _plan(task, strategy, config)
+    validate_task(task, config.batch_size)
     out = None if out_dir is None else Path(out_dir)
     # With several processes (jax.distributed) every one trains; process 0 alone writes.
     primary = jax.process_index() == 0
-    progress = progress and primary
-    validate_task(task, config.batch_size)
     if out is not None and primary:
         art.prepare_out_dir(out)
-
-    key = jax.random.key(config.seed)
-    init_key, step_key, eval_key = jax.random.split(key, 3)
+    init_key, _, eval_key = jax.random.split(jax.random.key(config.seed), 3)
+    make_state = task_state(task, optimizer)
     ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
-    restored = None
-    if ckpt is not None and checkpoint.resume:
-        target = strategy.abstract_state(task.init, optimizer)
-        restored = ckpt.restore_latest(target, members=strategy.describe().get("members"))
-        if restored is None:
-            log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
-    if restored is not None:
-        state, meta = restored
-        _check_resumable(meta, config, task.name)
-        done = int(meta["step"])
-        log(f"checkpoints: resumed from step {done} in {ckpt.directory}")
-    else:
-        state = strategy.init_state(task.init, optimizer, init_key)
-        done = 0
-    step_fn = strategy.train_step(task.loss_fn, optimizer, accum=config.grad_accum)
-    # Every batch has one shape (one compile): padded to split over the micro-batches and devices.
-    step_size = padded_size(bs, config.grad_accum * strategy.batch_shards)
-    eval_fn = strategy.eval_step(task.loss_fn, task.predictor)
-    batches = _batches(task.train_data, bs, config, strategy.data_streams, start=done)
+    state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log)
     start_step = done
+    step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
 
     # A resumed run keeps the history up to its checkpoint and drops what came after.
     history: list[dict[str, Any]] = _previous_history(out, done) if done else []
     writer = art.MetricsWriter(None if out is None or not primary else out / "metrics.jsonl")
     for row in history:
         writer.write(row)
-    status, failure = "completed", None
-    known = KnownGood(state, done)  # checkpoints wait until their state's loss is seen finite
-    saved_at = done
-
-    def position(epoch: int) -> dict[str, Any]:
-        return {
-            "task": task.name,
-            "seed": config.seed,
-            "batch_size": bs,
-            "drop_remainder": config.drop_remainder,
-            "grad_accum": config.grad_accum,
-            "epoch": epoch,
-            "strategy": strategy.describe(),
-            "config": run_info or {},
-            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-    last_train: dict[str, float] = {}
-    window: dict[str, float] = {}
-    window_steps, window_start = 0, time.perf_counter()
-    t0 = time.perf_counter()
-    t_first = None  # end of the first step: excludes compilation from steps/s
-    first_step_s = None  # process start to the end of the first step (start-up cost)
-    eval_seconds = 0.0  # excluded from steps/s as well
 
     def record(row: dict[str, Any]) -> None:
         history.append(row)
         writer.write(row)
+        if bar is not None and row["split"] == "train":
+            bar.show(row)
 
-    def run_eval(params, at_step: int) -> None:
-        nonlocal eval_seconds
-        if task.eval_data is None:
-            return
-        started = time.perf_counter()
-        means = evaluate(strategy, eval_fn, params, task.eval_data, config.eval_batch_size, eval_key)
-        record({"split": "eval", "step": at_step, **means})
-        eval_seconds += time.perf_counter() - started
-
-    title = f"{task.name} / {strategy.name}"
+    bar = ProgressHook(plan.total, f"{task.name} / {strategy.name}", start=done) if progress and primary else None
+    known = KnownGood(state, done)  # checkpoints wait until their state's loss is seen finite
+    hooks = _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known)
+    metrics, evaluator = hooks[0], next((h for h in hooks if isinstance(h, EvalHook)), None)
+    guard = NaNGuard(hint="lower the learning rate (optimizer=; --lr on the command line), or check the data "
+                          "for NaN/inf. The parameters of the last finite loss are kept"
+                          + (f" in {out / 'params.npz'}." if out else "."))
+    status, failure, info = "completed", None, None
+    batches = _batches(task.train_data, plan.batch_size, config, getattr(strategy, "data_streams", 1), start=done)
+    t0, t_first, first_step_s = time.perf_counter(), None, None
+    watch = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else contextlib.nullcontext(None)
     try:
-        watch = (
-            StepWatchdog(step_timeout)
-            if step_timeout and jax.process_count() > 1
-            else contextlib.nullcontext(None)
-        )
-        with _StopRequest() as stop, Preemption() as preempt, _progress(progress, total, title) as bar, watch as dog:
-            bar_task = bar.add_task(title, total=total, loss="-", rate="-") if bar else None
-            if bar is not None:
-                bar.update(bar_task, completed=done)
-            for step in range(start_step, total):
+        with _StopRequest() as stop, Preemption() as preempt, (bar or contextlib.nullcontext()), watch as dog:
+            for i in range(start_step, plan.total):
                 epoch, host_batch = next(batches)
-                batch, mask = strategy.put_batch(host_batch, size=step_size)
                 if dog is not None:
-                    dog.started(step + 1)
-                new_state, metrics = step_fn(state, batch, mask, jax.random.fold_in(step_key, step))
-                # Block every step: queued collective steps deadlock XLA:CPU.
-                jax.block_until_ready(new_state)
-                values = to_python(metrics)
-                if not math.isfinite(values["loss"]):
-                    status = "diverged"
-                    failure = NonFiniteLossError(
-                        fix(
-                            f"the training loss became {values['loss']} at step {step + 1} "
-                            f"(epoch {epoch + 1}). The last finite loss was "
-                            f"{last_train.get('loss', float('nan')):.6g} at step {step}; the "
-                            "parameters that produced it are kept"
-                            + (f" in {out / 'params.npz'}." if out else "."),
-                            "lower the learning rate (--lr), or check the data for NaN/inf.",
-                        ),
-                        step=step + 1,
-                        loss=values["loss"],
-                    )
+                    dog.started(i + 1)
+                new_state, aux = step(state, host_batch)
+                jax.block_until_ready(new_state)  # queued collective steps deadlock XLA:CPU
+                candidate = StepInfo(i + 1, epoch, new_state, to_python(aux))
+                try:
+                    guard(candidate)
+                except NonFiniteLossError as e:
+                    # The loss of step k comes from the state after k - 1 updates: keep the one before.
+                    status, failure = "diverged", e
                     state, done = known.state, known.step
                     known.drop()
                     break
-                due = known.confirm(state, done)
+                due = known.confirm(state, done)  # this loss came from `state`: it is good
                 if due is not None and ckpt is not None:
                     try:
                         ckpt.save(*due)
-                        saved_at = due[0]
+                        ckpt_hook(hooks).saved_at = due[0]
                     except CheckpointSaveError as e:
                         status, failure = "failed", e
                         break
-                state, done = new_state, step + 1
+                state, done, info = new_state, i + 1, candidate
                 if dog is not None:
                     dog.finished(done)
-                last_train = values
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    first_step_s = process_age_s()
-                for k, v in values.items():
-                    window[k] = window.get(k, 0.0) + np.asarray(v)
-                window_steps += 1
-                if done % config.log_every == 0 or done == total:
-                    now = time.perf_counter()
-                    rate = window_steps / max(now - window_start, 1e-9)
-                    record(
-                        {
-                            "split": "train",
-                            "step": done,
-                            "epoch": epoch + 1,
-                            **to_python({k: v / window_steps for k, v in window.items()}),
-                            "steps_per_sec": rate,
-                            "elapsed_s": now - t0,
-                        }
-                    )
-                    window, window_steps, window_start = {}, 0, now
-                    if bar is not None:
-                        bar.update(bar_task, loss=f"{values['loss']:.4g}", rate=f"{rate:.1f}")
-                if bar is not None:
-                    bar.update(bar_task, completed=done)
-                if done % eval_every == 0 or done == total:
-                    run_eval(state.params, done)
-                if ckpt is not None and done % checkpoint.every == 0:
-                    known.hold(done, state, position(epoch))
+                if t_first is None:  # excludes compilation from steps/s
+                    t_first, first_step_s = time.perf_counter(), process_age_s()  # start-up cost
+                metrics.add(info)
+                run_hooks(hooks + ([bar] if bar else []), info)
+                if done == plan.total:  # the last step always logs and evaluates
+                    for hook in (metrics, evaluator):
+                        if hook is not None and done % hook.every:
+                            hook(info)
                 if stop.requested:
                     status = "interrupted"
                     break
@@ -395,66 +359,98 @@ def fit(
     except KeyboardInterrupt:
         status = "interrupted"
     elapsed = time.perf_counter() - t0
-    train_seconds = None if t_first is None else time.perf_counter() - t_first - eval_seconds
-    if status == "interrupted" and done and history[-1]["split"] != "eval":
-        run_eval(state.params, done)  # so an interrupted run still reports where it got
+    if status == "interrupted" and evaluator is not None and done and evaluator.last_step != done:
+        evaluator(StepInfo(done, 0, state, {}))  # so an interrupted run still reports where it got
     writer.close()
+    final = StepInfo(done, 0, state, {}) if done > start_step else None
     if ckpt is not None:
-        # A diverged state is never saved: the last checkpoint stays the last good one.
+        # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
         try:
-            if status not in ("diverged", "failed") and done > saved_at and state_is_finite(state):
-                ckpt.save(done, state, position(done // steps_per_epoch))
+            if status not in ("diverged", "failed") and final is not None and done != ckpt_hook(hooks).saved_at \
+                    and state_is_finite(state):
+                ckpt.save(done, state, ckpt_hook(hooks).meta(final))
             ckpt.close()
         except CheckpointSaveError as e:
             status, failure = "failed", failure or e
             ckpt.abandon()
-    params = strategy.host_params(state)
+    eval_seconds = evaluator.seconds if evaluator is not None else 0.0
+    train_seconds = None if t_first is None else time.perf_counter() - t_first - eval_seconds
+    params = to_host(state.params)
+    summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
+                       params, elapsed, train_seconds, ckpt, run_info)
+    summary["first_step_s"] = first_step_s
+    if failure is not None:
+        summary["error"] = str(failure).splitlines()[0]
+    if out is not None and primary:
+        saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
+        _write_artifacts(out, saved, summary, history, task)
+    if failure is not None:
+        raise failure
+    return FitResult(state, params, summary, history)
+
+
+def ckpt_hook(hooks: list[Any]) -> CheckpointHook:
+    return next(h for h in hooks if isinstance(h, CheckpointHook))
+
+
+def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known=None) -> list[Any]:
+    """fit's hooks: metrics rows first, then eval, then checkpoints."""
+    hooks: list[Any] = [MetricsHook(record, every=config.log_every)]
+    if task.eval_data is not None:
+        eval_step = strategy.evaluate(task_eval_step(task, eval_key))
+        ensemble = task.predictor is not None and getattr(strategy, "members", None)
+        predict = strategy.apply(lambda s, b: task.predictor.predict(s.params, b)) if ensemble else None
+
+        def run_eval(state):
+            return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor)
+
+        hooks.append(EvalHook(run_eval, record, every=plan.eval_every))
+    if ckpt is not None:
+        def meta(info: StepInfo) -> dict[str, Any]:
+            return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
+                    "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
+                    "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
+                    "strategy": strategy.describe(), "config": run_info or {},
+                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+        hooks.append(CheckpointHook(ckpt, checkpoint.every, meta, known=known))
+    return hooks
+
+
+def _summary(task, strategy, config, plan, status, done, start_step, history, last_train, params, elapsed,
+             train_seconds, ckpt, run_info) -> dict[str, Any]:
+    last_train = {k: v for k, v in (last_train or {}).items() if k not in ("split", "step", "epoch", "steps_per_sec", "elapsed_s")}
     eval_row = next((r for r in reversed(history) if r["split"] == "eval"), None)
-    summary: dict[str, Any] = {
+    return {
         "task": task.name,
         "status": status,
-        **({"error": str(failure).splitlines()[0]} if failure is not None else {}),
         **strategy.describe(),
         "steps": done,
-        "steps_planned": total,
-        "epochs": done / steps_per_epoch,
-        "batch_size": bs,
+        "steps_planned": plan.total,
+        "epochs": done / plan.steps_per_epoch,
+        "batch_size": plan.batch_size,
         "seed": config.seed,
         "final_train_loss": last_train.get("loss"),
         "final_train_metrics": last_train,
         "eval_loss": None if eval_row is None else eval_row["loss"],
-        **(
-            {f"eval_{k}": v for k, v in eval_row.items() if k not in ("split", "step", "loss")}
-            if eval_row
-            else {}
-        ),
+        **({f"eval_{k}": v for k, v in eval_row.items() if k not in ("split", "step", "loss")} if eval_row else {}),
         "wall_time_s": elapsed,
-        "first_step_s": first_step_s,
         "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
         "params_digest": art.params_digest(params),
-        **(
-            {
-                "resumed_from_step": start_step,
-                "checkpoint_dir": str(ckpt.directory),
-                "checkpoint_steps": ckpt.steps(),
-                "checkpoint_blocked_s": ckpt.blocked,
-            }
-            if ckpt is not None
-            else {}
-        ),
+        **({"resumed_from_step": start_step, "checkpoint_dir": str(ckpt.directory), "checkpoint_steps": ckpt.steps(),
+            "checkpoint_blocked_s": ckpt.blocked} if ckpt is not None else {}),
         "param_count": art.param_count(params),
         **_task_report(task, strategy, params),
-        **strategy.summarize(eval_row or {}),
+        **(strategy.summarize(eval_row or {}) if hasattr(strategy, "summarize") else {}),
         **({"config": run_info} if run_info else {}),
     }
-    if out is not None and primary:
-        art.save_params(out / "params.npz", params)
-        art.write_json(out / "summary.json", summary)
-        if history:
-            title = f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)"
-            art.plot_history(history, out / "loss.png", title)
-            if any("member_accuracy" in r for r in history):
-                art.plot_members(history, out / "ensemble.png", title)
-    if failure is not None:
-        raise failure
-    return FitResult(state, params, summary, history)
+
+
+def _write_artifacts(out: Path, params: Any, summary: dict[str, Any], history: list[dict[str, Any]], task: Task) -> None:
+    art.save_params(out / "params.npz", params)
+    art.write_json(out / "summary.json", summary)
+    if history:
+        title = f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)"
+        art.plot_history(history, out / "loss.png", title)
+        if any("member_accuracy" in r for r in history):
+            art.plot_members(history, out / "ensemble.png", title)

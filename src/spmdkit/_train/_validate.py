@@ -49,16 +49,33 @@ def _check_arity(task: Task) -> None:
     except (TypeError, ValueError):
         return  # a builtin or C function: nothing to inspect
     try:
-        sig.bind(None, None, None)
+        if task.stateful:
+            sig.bind(None, None, None, None, train=True)
+        else:
+            sig.bind(None, None, None, **_train_kw(task))
     except TypeError:
+        if task.stateful:
+            raise TaskError(fix(
+                f"task {task.name!r} is stateful, but loss_fn{sig} cannot be called as "
+                "loss_fn(params, model_state, batch, rng, train).",
+                "define it as def loss_fn(params, model_state, batch, rng, train): ... "
+                "return loss, {}, new_model_state.")) from None
         raise TaskError(fix(
             f"task {task.name!r}: loss_fn{sig} cannot be called as loss_fn(params, batch, rng).",
             "define it as def loss_fn(params, batch, rng): ... return loss, {} (rng may go unused).")) from None
 
 
+def _train_kw(task: Task) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(task.loss_fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"train": True} if "train" in parameters else {}
+
+
 def _abstract_params(task: Task) -> Any:
     try:
-        params = _unbox(jax.eval_shape(task.init, jax.random.key(0)))
+        params = _unbox(jax.eval_shape(lambda k: task.variables(k)[0], jax.random.key(0)))
     except Exception as e:
         raise TaskError(fix(f"task {task.name!r}: init(rng) failed: {type(e).__name__}: {str(e)[:300]}",
                             "init takes one PRNG key and returns the parameter pytree.")) from None
@@ -95,12 +112,23 @@ def validate_task(task: Task, batch_size: int) -> None:
     n = min(batch_size, task.num_train)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), task.train_data)
     try:
-        out = jax.eval_shape(task.loss_fn, params, batch, jax.random.key(0))
+        if task.stateful:
+            model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0))
+            out = jax.eval_shape(lambda p, s, b, k: task.loss_fn(p, s, b, k, train=True), params, model_state,
+                                 batch, jax.random.key(0))
+        else:
+            out = jax.eval_shape(lambda p, b, k: task.loss_fn(p, b, k, **_train_kw(task)), params, batch,
+                                 jax.random.key(0))
     except Exception as e:
         raise TaskError(fix(
             f"task {task.name!r}: loss_fn(params, batch, rng) failed on a batch of {n}: "
             f"{type(e).__name__}: {str(e)[:400]}",
             "check it on one device first: task.loss_fn(task.init(jax.random.key(0)), batch, key).")) from None
+    if task.stateful:
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise TaskError(fix(f"task {task.name!r} is stateful: loss_fn must return (loss, aux, new_model_state).",
+                                "return loss, {}, new_model_state."))
+        out = out[:2]
     if not (isinstance(out, tuple) and len(out) == 2):
         what = (f"a bare array of shape {tuple(out.shape)}" if hasattr(out, "shape")
                 else f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else repr(out)[:80])

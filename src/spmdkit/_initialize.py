@@ -1,0 +1,68 @@
+"""``spmdkit.initialize()``: a user's own script joins a multi-process job.
+
+The same start-up as ``spmdkit train``: explicit arguments, then the variables
+``spmdkit launch`` sets, then JAX's ``JAX_COORDINATOR_ADDRESS`` variables, then a
+multi-task SLURM or Open MPI job.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from spmdkit._devices import host_devices_from_env, use_host_devices
+from spmdkit._errors import DeviceSetupError, fix
+from spmdkit._launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, initialize_distributed
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    host_devices: int | None = None,
+    timeout_s: int = 100,
+) -> bool:
+    """Join a ``jax.distributed`` job if there is one; True if this process is part of one.
+
+    Call it first, before any JAX work. ``host_devices`` simulates that many CPU devices
+    in this process (default: ``SPMDKIT_HOST_DEVICES``, else the real devices). Without
+    arguments it joins what the environment describes (``spmdkit launch``, JAX's
+    ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM, Open MPI)
+    and returns False in a lone process. ``timeout_s`` is how long peers may fall silent
+    before the job is ended (the coordination heartbeat is ``2 * timeout_s + 10``).
+
+    Example:
+        >>> import spmdkit
+        >>> spmdkit.initialize()   # a lone process: nothing to join
+        False
+    """
+    if coordinator is None and (num_processes is not None or process_id is not None) and not os.environ.get(ENV_COORDINATOR):
+        raise DeviceSetupError(
+            fix("num_processes/process_id were given without coordinator.",
+                'pass coordinator="HOST:PORT" (the address of process 0), e.g. initialize("node0:1234", 2, 0).')
+        )
+    if (coordinator or os.environ.get(ENV_COORDINATOR)) and (
+        (num_processes is None and ENV_NUM_PROCESSES not in os.environ)
+        or (process_id is None and ENV_PROCESS_ID not in os.environ)
+    ):
+        raise DeviceSetupError(
+            fix(f"coordinator={coordinator or os.environ.get(ENV_COORDINATOR)!r} is given, but not "
+                "num_processes and process_id.",
+                "pass all three: initialize(coordinator, num_processes=N, process_id=I).")
+        )
+    if jax.distributed.is_initialized():
+        return True
+    n = host_devices or host_devices_from_env()
+    if n is not None:
+        use_host_devices(n)
+    try:
+        return initialize_distributed(coordinator, num_processes, process_id, timeout_s)
+    except RuntimeError as e:
+        if "before" not in str(e) and "already" not in str(e):
+            raise
+        raise DeviceSetupError(
+            fix(f"initialize() came after JAX had started in this process ({e}).",
+                "call spmdkit.initialize() first in the script, before any jax operation.")
+        ) from None

@@ -1,0 +1,422 @@
+"""The step transform every strategy shares: ``init``, ``step``, ``apply``, ``shardings``.
+
+A user writes ``make_state(rng)``, ``train_step(state, batch)`` and ``fn(state, batch)``
+for one device. A strategy says where the state and the batch live (a few small hooks);
+this module compiles the user's functions once per input signature with those
+shardings, places host or device batches, pads and strips inference batches, and
+gives the model a mesh to constrain its activations against.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from flax.core import meta
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from spmdkit._errors import BatchSizeError, MeshError, TreeMismatchError, fix
+from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
+
+# How JAX reports a constraint naming a mesh axis the context mesh lacks (0.10 and 0.12).
+_MISSING_AXIS = re.compile(r"Resource axis: (\w+) of .* is not found in mesh")
+
+
+def auto_mesh(mesh: Any, argument: str = "mesh") -> Mesh:
+    """``mesh`` with every axis ``Auto``: meshes from ``jax.make_mesh`` (``Explicit`` axes)
+    are accepted and re-declared, since spmdkit places arrays by sharding propagation."""
+    if not isinstance(mesh, Mesh):
+        raise MeshError(
+            fix(f"{argument}={mesh!r} is not a jax.sharding.Mesh.", "build one with spmdkit.make_mesh(data=-1, ...).")
+        )
+    types = getattr(mesh, "axis_types", None)
+    if types is None or all(t == AxisType.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def as_key(rng: Any, argument: str = "rng") -> jax.Array:
+    """A PRNG key from a key array, a raw ``PRNGKey`` or an int seed."""
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+        return jax.random.key(int(rng))
+    shape, dtype = np.shape(rng), getattr(rng, "dtype", None)
+    if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (shape == (2,) and dtype == np.uint32)):
+        return rng
+    raise TypeError(
+        fix(f"{argument} must be a PRNG key (jax.random.key(0)) or an int seed, not {type(rng).__name__} "
+            f"with shape {shape}.", f"pass {argument}=jax.random.key(0).")
+    )
+
+
+def batch_rows(batch: Batch, argument: str = "batch") -> int:
+    """The number of examples of a batch: every leaf's leading axis, all equal."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise BatchSizeError(fix(f"{argument} holds no arrays.", f"pass e.g. {argument}={{'x': x, 'y': y}}."))
+    first, n = None, None
+    for path, x in leaves:
+        where = argument + jax.tree_util.keystr(path)
+        shape = np.shape(x)
+        if not shape:
+            raise BatchSizeError(
+                fix(f"{where} is a scalar; every leaf of a batch needs a leading example axis, which is "
+                    "what the strategy splits over the devices.",
+                    "keep constants in the state or close over them; pass per-example arrays [B, ...].")
+            )
+        if n is None:
+            first, n = where, shape[0]
+        elif shape[0] != n:
+            raise BatchSizeError(
+                fix(f"{argument} has leaves with different numbers of examples: {first} has {n}, "
+                    f"{where} has {shape[0]}.", "give every leaf of a batch the same leading size.")
+            )
+    return n
+
+
+def place(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """Host or device arrays onto ``sharding``; arrays already there are not touched.
+
+    With several processes every process holds the same global host batch and hands
+    JAX only the rows its devices hold.
+    """
+    leaves = jax.tree.leaves(tree)
+    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+        return tree
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    from spmdkit._strategies._base import put_global
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        return put_global(np.asarray(x), sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def pad_rows(batch: Batch, size: int) -> Batch:
+    """Zero rows appended to every leaf up to ``size`` (host arrays stay on the host)."""
+
+    def pad(x):
+        extra = size - x.shape[0]
+        if not extra:
+            return x
+        widths = [(0, extra)] + [(0, 0)] * (x.ndim - 1)
+        return jnp.pad(x, widths) if isinstance(x, jax.Array) else np.pad(np.asarray(x), widths)
+
+    return jax.tree.map(pad, batch)
+
+
+def unbox_tree(tree: Any) -> Any:
+    """Flax partitioning boxes removed; layout metadata is read from the abstract state."""
+    return meta.unbox(tree)
+
+
+class TraceContext:
+    """What the user's function is traced under: the mesh (so ``with_sharding_constraint``
+    resolves), Flax logical rules (``nn.with_logical_constraint``) and NNX's eager
+    sharding off (spmdkit places variables itself, from their metadata).
+
+    ``extra_axes`` are size-1 mesh axes a model constrains over that the strategy's mesh
+    lacks (``P('data', 'model')`` on a data-parallel mesh): sharding over a size-1 axis
+    is replication, so the model runs unchanged.
+    """
+
+    def __init__(self, mesh: Mesh, rules: Any = None, extra_axes: tuple[str, ...] = ()):
+        if extra_axes:
+            devices = mesh.devices.reshape(*mesh.devices.shape, *(1 for _ in extra_axes))
+            names = tuple(mesh.axis_names) + tuple(extra_axes)
+            mesh = Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+        self._abstract = mesh.abstract_mesh
+        self._rules = rules
+        self._entered: list[list[Any]] = []  # re-entrant: each trace enters fresh contexts
+
+    def __enter__(self):
+        contexts = [jax.sharding.use_abstract_mesh(self._abstract), nnx.use_eager_sharding(False)]
+        if self._rules is not None:
+            contexts.append(nn.logical_axis_rules(self._rules))
+        for c in contexts:
+            c.__enter__()
+        self._entered.append(contexts)
+
+    def __exit__(self, *exc):
+        for c in reversed(self._entered.pop()):
+            c.__exit__(*exc)
+
+
+def missing_axis(error: Exception) -> str | None:
+    """The mesh axis a sharding constraint named that the context mesh lacks, if that was it."""
+    found = _MISSING_AXIS.search(str(error))
+    return None if found is None else found.group(1)
+
+
+def check_callable(fn: Any, argument: str, signature: str) -> None:
+    if not callable(fn):
+        raise TypeError(fix(f"{argument} must be a function {signature}, not {type(fn).__name__}.",
+                            f"pass {argument}=a function {signature}."))
+
+
+class Placement:
+    """``init``/``step``/``apply``/``shardings``, on top of a strategy's placement hooks.
+
+    A strategy sets ``self.mesh`` and implements:
+
+    - ``_make(make_state)``: ``rng -> state`` for the whole strategy (ensembles vmap),
+      layout metadata (Flax boxes) kept;
+    - ``shardings(abstract_state)``: the public layout of every leaf;
+    - ``_state_shardings(state)``: the shardings of a state (a prefix tree is fine);
+    - ``_batch_sharding(even)``: where a batch goes; ``even`` says whether its rows
+      split over ``batch_shards``;
+    - ``_lift(fn, kind)``: the user's function over the whole state (ensembles map
+      it over members); ``kind`` is ``"step"`` or ``"apply"``;
+    - ``_rules()``: Flax logical rules for tracing, or None.
+    """
+
+    mesh: Mesh
+    batch_shards: int
+    # Outputs of apply carry the examples on this axis (ensembles: 1, after the members).
+    _row_axis = 0
+    # Strategies whose mesh the user did not shape for the model add size-1 axes a
+    # model's sharding constraints name (see TraceContext).
+    _extend_axes = True
+
+    # ---- hooks ------------------------------------------------------------------
+    def _make(self, make_state: MakeState) -> Callable[[jax.Array], State]:
+        return make_state
+
+    def _init_key(self, rng: jax.Array) -> jax.Array:
+        return rng
+
+    def _lift(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        return fn
+
+    def _rules(self) -> Any:
+        return None
+
+    def _aux_sharding(self) -> Any:
+        # One process: wherever XLA leaves it. Several: replicated, so every process can read it.
+        return None if jax.process_count() == 1 else NamedSharding(self.mesh, P())
+
+    def _after_init(self, state: State) -> State:
+        return state
+
+    def _batch_sharding_for(self, kind: str, even: bool) -> Any:
+        return self._batch_sharding(even)
+
+    # ---- shared machinery -------------------------------------------------------
+    def _context(self) -> TraceContext:
+        return TraceContext(self.mesh, self._rules(), getattr(self, "_extra_axes", ()))
+
+    def _traced(self, run: Callable[[], Any]) -> Any:
+        """Run (and so trace) a compiled call; if a sharding constraint names a mesh axis
+        the mesh lacks, add it as a size-1 axis and trace again (see TraceContext)."""
+        while True:
+            try:
+                return run()
+            except ValueError as e:
+                axis = missing_axis(e)
+                extra = getattr(self, "_extra_axes", ())
+                if axis is None or axis in extra or axis in self.mesh.axis_names:
+                    raise
+                if not self._extend_axes:
+                    raise MeshError(
+                        fix(f"the model constrains an array over mesh axis {axis!r} "
+                            f"(with_sharding_constraint / nn.with_partitioning), but {type(self).__name__} runs it "
+                            f"on the axes {list(self.mesh.axis_names)} only ({e}).",
+                            "use logical names (nn.with_logical_partitioning, nn.with_logical_constraint: without "
+                            "rules they constrain nothing), or train this model with Sharded/DataParallel.")
+                    ) from None
+                self._extra_axes = extra + (axis,)
+
+    def _abstract_boxed(self, make: Callable[[jax.Array], State], rng: jax.Array) -> State:
+        """Shapes of the state, Flax/NNX layout metadata kept; nothing is allocated."""
+
+        def run():
+            with self._context():
+                return jax.eval_shape(make, rng)
+
+        return self._traced(run)
+
+    def init(self, make_state: MakeState, rng: Any, *, unbox: bool = False) -> State:
+        """The initial state from ``make_state(rng)`` (written for one device), created
+        directly where this strategy keeps it.
+
+        ``make_state`` may return any pytree: a dict, a Flax ``TrainState`` (subclass),
+        the state of ``nnx.split``, several optimizers' states. The state is what
+        ``jax.jit(make_state)`` returns, Flax partitioning boxes (``nn.Partitioned``)
+        included; ``unbox=True`` removes them (``flax.core.meta.unbox``), their layout
+        still applied.
+        """
+        check_callable(make_state, "make_state", "rng -> state")
+        rng = self._init_key(as_key(rng))
+        make = self._make(make_state)
+        shardings = self.shardings(self._abstract_boxed(make, rng))
+        strip = unbox_tree if unbox else (lambda tree: tree)
+
+        def build():
+            cache = self.__dict__.setdefault("_init_cache", {})
+            key = (make_state, unbox, getattr(self, "_extra_axes", ()), tuple(jax.tree.leaves(shardings)))
+            if key in cache:  # one compile per make_state, whatever the key
+                jitted, treedef = cache[key]
+                return jax.tree.unflatten(treedef[-1], jitted(rng))
+            context, treedef = self._context(), []
+
+            # Leaves, not the tree, leave jit: a state's static fields (a Flax TrainState's
+            # ``tx`` built inside make_state) differ between traces, so trees would not match.
+            # A box holds its array as its one leaf, so boxed and unboxed leaves line up.
+            def traced(key):
+                with context:
+                    leaves, structure = jax.tree.flatten(strip(make(key)))
+                treedef.append(structure)
+                return leaves
+
+            jitted = jax.jit(traced, out_shardings=jax.tree.leaves(shardings))
+            leaves = jitted(rng)
+            cache[key] = (jitted, treedef)
+            return jax.tree.unflatten(treedef[-1], leaves)
+
+        return self._after_init(self._traced(build))
+
+    def abstract(self, make_state: MakeState, rng: Any = 0, *, unbox: bool = False) -> State:
+        """The state's shapes and dtypes with this strategy's shardings, allocating nothing:
+        the target a checkpoint restores into (the structure ``init`` returns)."""
+        check_callable(make_state, "make_state", "rng -> state")
+        boxed = self._abstract_boxed(self._make(make_state), self._init_key(as_key(rng)))
+        shardings = jax.tree.leaves(self.shardings(boxed))
+        tree = unbox_tree(boxed) if unbox else boxed
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                                            for x, sh in zip(leaves, shardings)])
+
+    def step(self, train_step: TrainStepFn, *, donate: bool = False) -> Callable[[State, Batch], tuple[State, Any]]:
+        """``train_step(state, batch) -> (state, aux)``, written for one device, compiled
+        for this strategy: ``step(state, batch)`` takes the *global* batch (host or device
+        arrays) and computes what ``jax.jit(train_step)`` computes on one device.
+
+        ``donate=True`` lets the new state reuse the old state's memory (the old state
+        must not be used afterwards).
+        """
+        check_callable(train_step, "train_step", "(state, batch) -> (state, aux)")
+        return self._compiled(train_step, "step", donate)
+
+    def _compiled(self, fn: Callable[..., Any], kind: str, donate: bool) -> CompiledStep:
+        """One CompiledStep per function: ``strategy.step(f)(...)`` written inline in a loop
+        compiles once."""
+        cache = self.__dict__.setdefault("_compiled_fns", {})
+        key = (fn, kind, donate)
+        if key not in cache:
+            cache[key] = CompiledStep(self, fn, kind, donate)
+        return cache[key]
+
+    def evaluate(self, fn: Callable[[State, Batch], Any]) -> Callable[[State, Batch], Any]:
+        """``fn(state, batch) -> values`` (metrics of any shape), compiled like ``step``:
+        the program ``jax.jit(fn)`` runs on one device, on the exact global batch
+        (nothing padded), without returning a state. Ensembles: one value per member."""
+        check_callable(fn, "fn", "(state, batch) -> values")
+        return self._compiled(fn, "eval", False)
+
+    def apply(self, fn: ApplyFn) -> Callable[[State, Batch], Any]:
+        """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B:
+        the batch is padded to split over the devices and exactly B rows come back."""
+        check_callable(fn, "fn", "(state, batch) -> outputs [B, ...]")
+        return self._compiled(fn, "apply", False)
+
+
+class CompiledStep:
+    """What ``strategy.step`` / ``strategy.apply`` return; compiled once per signature."""
+
+    def __init__(self, strategy: Placement, fn: Callable[..., Any], kind: str, donate: bool):
+        self.strategy = strategy
+        self.fn = fn
+        self.kind = kind
+        self.donate = donate
+        self._compiled: dict[Any, Any] = {}
+        self.__wrapped__ = fn
+
+    def _build(self, state: State, even: bool):
+        s = self.strategy
+        state_sh = s._state_shardings(state)
+        batch_sh = s._batch_sharding_for(self.kind, even)
+        lifted = s._lift(_checked(self.fn, self.kind), self.kind)
+        context = s._context()
+
+        def run(state, batch):
+            with context:
+                return lifted(state, batch)
+
+        out = (state_sh, s._aux_sharding()) if self.kind == "step" else s._aux_sharding()
+        return jax.jit(run, in_shardings=(state_sh, batch_sh), out_shardings=out,
+                       donate_argnums=(0,) if self.donate else ())
+
+    def __call__(self, state: State, batch: Batch):
+        s = self.strategy
+        n = batch_rows(batch)
+        size = n
+        if self.kind == "apply":
+            size = -(-n // s.batch_shards) * s.batch_shards
+            batch = pad_rows(batch, size)
+        even = size % s.batch_shards == 0
+        # An uneven global batch is placed whole on every device: the program is the
+        # same single-device program, so the result is exact (only less parallel).
+        placed = place(batch, s._batch_sharding_for(self.kind, even))
+        key = (jax.tree.structure(state), even, getattr(s, "_extra_axes", ()))
+
+        def run():
+            k = (key[0], key[1], getattr(s, "_extra_axes", ()))
+            if k not in self._compiled:
+                self._compiled[k] = self._build(state, even)
+            return self._compiled[k](state, placed)
+
+        out = s._traced(run)
+        if self.kind == "apply":
+            out = _strip(out, n, size, s._row_axis)
+        return out
+
+
+def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """The user's function with its outputs checked while tracing (errors in their terms)."""
+    name = getattr(fn, "__name__", "fn")
+
+    def step(state, batch):
+        out = fn(state, batch)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                fix(f"train_step {name!r} returned {type(out).__name__}; it must return (state, aux).",
+                    "return the new state and anything else (metrics; {} if nothing): return state, {}.")
+            )
+        before, after = jax.tree.structure(state), jax.tree.structure(out[0])
+        if before != after:
+            raise TreeMismatchError(
+                fix(f"train_step {name!r} returned a state whose structure differs from the state it got:\n"
+                    f"  got      {before}\n  returned {after}",
+                    "return a state of the same structure (same keys, same fields): the step's output is "
+                    "the next step's input.")
+            )
+        return out
+
+    return step if kind == "step" else fn
+
+
+def _strip(out: Any, n: int, size: int, axis: int) -> Any:
+    """The first ``n`` rows of every output leaf (padding removed); leaves must be per example."""
+
+    def one(path, x):
+        if np.ndim(x) <= axis or x.shape[axis] != size:
+            raise BatchSizeError(
+                fix(f"apply's fn returned output{jax.tree_util.keystr(path)} with shape {np.shape(x)}, "
+                    f"but a batch of {size} rows{' (padded)' if size != n else ''} went in; apply needs "
+                    f"per-example outputs with the examples on axis {axis}.",
+                    "return per-example values (e.g. logits [B, C]); reduce them after apply, or compute "
+                    "batch-wide values in a step instead.")
+            )
+        if size == n:
+            return x
+        return x[:n] if axis == 0 else x[:, :n]
+
+    return jax.tree_util.tree_map_with_path(one, out)

@@ -1,0 +1,200 @@
+"""Small pieces that run every N steps around ``strategy.step``: the parts of ``fit``.
+
+Each hook is a callable ``hook(info)`` with an ``every`` (``run_hooks`` calls it when
+``info.step % every == 0``) and a ``close(info, status)`` for the end of a run. They
+work alone around a user's own loop:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, spmdkit
+    >>> from spmdkit import NaNGuard, MetricsHook, StepInfo, run_hooks
+    >>> strategy = spmdkit.Single()
+    >>> def train_step(state, batch):
+    ...     loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] * w - 1) ** 2))(state["w"])
+    ...     return {"w": state["w"] - 0.1 * g}, {"loss": loss}
+    >>> state, step = strategy.init(lambda rng: {"w": jnp.zeros(())}, 0), strategy.step(train_step)
+    >>> rows = []
+    >>> hooks = [NaNGuard(), MetricsHook(rows.append, every=5)]
+    >>> for i in range(10):
+    ...     state, aux = step(state, {"x": np.ones(8, np.float32)})
+    ...     run_hooks(hooks, StepInfo(i + 1, 0, state, to_python(aux)))
+    >>> [row["step"] for row in rows]
+    [5, 10]
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from spmdkit._errors import NonFiniteLossError, fix
+
+
+class StepInfo(NamedTuple):
+    """What a hook sees after a step: steps done, the epoch, the state, the step's metrics."""
+
+    step: int
+    epoch: int
+    state: Any
+    metrics: dict[str, Any]
+
+
+def to_python(values: dict[str, Any]) -> dict[str, Any]:
+    """Scalars to float, per-member arrays to lists: what JSON lines and plots take."""
+    out = {}
+    for k, v in jax.device_get(values).items():
+        a = np.asarray(v, np.float64)
+        out[k] = float(a) if a.ndim == 0 else a.tolist()
+    return out
+
+
+def with_member_means(values: dict[str, Any]) -> dict[str, Any]:
+    """Per-member lists (ensembles) as their mean, the list kept as ``member_<name>``."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if isinstance(v, list) and not k.startswith(("member_", "ensemble_")):
+            out[k] = float(np.mean(v))
+            out[f"member_{k}"] = v
+        else:
+            out[k] = v
+    return out
+
+
+def run_hooks(hooks: Iterable[Any], info: StepInfo) -> None:
+    for hook in hooks:
+        if info.step % hook.every == 0:
+            hook(info)
+
+
+class Hook:
+    """Base: runs every ``every`` steps; nothing to do at the end."""
+
+    every: int = 1
+
+    def __call__(self, info: StepInfo) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def close(self, info: StepInfo | None, status: str) -> None:
+        pass
+
+
+class NaNGuard(Hook):
+    """Raises :class:`NonFiniteLossError` when the loss is NaN or inf (``hint``: the fix)."""
+
+    def __init__(self, every: int = 1, key: str = "loss", hint: str = "lower the learning rate, or check the data for NaN/inf."):
+        self.every, self.key, self.hint = every, key, hint
+        self.last: tuple[int, float] | None = None
+
+    def __call__(self, info: StepInfo) -> None:
+        value = info.metrics.get(self.key)
+        value = float(np.mean(value)) if isinstance(value, list) and all(map(math.isfinite, value)) else value
+        finite = value is not None and not isinstance(value, list) and math.isfinite(value)
+        if value is None or finite:
+            if finite:
+                self.last = (info.step, value)
+            return
+        before = "no finite loss before it" if self.last is None else f"the last finite loss was {self.last[1]:.6g} at step {self.last[0]}"
+        raise NonFiniteLossError(
+            fix(f"the training {self.key} became {value} at step {info.step} (epoch {info.epoch + 1}); {before}.", self.hint),
+            step=info.step,
+            loss=value if not isinstance(value, list) else float("nan"),
+        )
+
+
+class MetricsHook(Hook):
+    """Every ``every`` steps, one row with the mean of each metric since the last row,
+    ``steps_per_sec`` and ``elapsed_s``, handed to ``record`` (a list's append, a writer)."""
+
+    def __init__(self, record: Callable[[dict[str, Any]], None], every: int = 1):
+        self.record, self.every = record, every
+        self._sums: dict[str, Any] = {}
+        self._count = 0
+        self._start = self._t0 = time.perf_counter()
+        self.last_row: dict[str, Any] | None = None
+
+    def add(self, info: StepInfo) -> None:
+        """Count a step toward the next row (``run_hooks`` calls only every N steps, so
+        a loop that wants window means calls this every step; ``fit`` does)."""
+        for k, v in info.metrics.items():
+            self._sums[k] = self._sums.get(k, 0.0) + np.asarray(v, np.float64)
+        self._count += 1
+
+    def __call__(self, info: StepInfo) -> None:
+        if not self._count:
+            self.add(info)
+        now = time.perf_counter()
+        means = to_python({k: v / self._count for k, v in self._sums.items()})
+        row = {"split": "train", "step": info.step, "epoch": info.epoch + 1, **with_member_means(means),
+               "steps_per_sec": self._count / max(now - self._start, 1e-9), "elapsed_s": now - self._t0}
+        self._sums, self._count, self._start = {}, 0, now
+        self.last_row = row
+        self.record(row)
+
+
+class EvalHook(Hook):
+    """Every ``every`` steps, ``evaluate(state) -> {metric: value}`` recorded as an eval row."""
+
+    def __init__(self, evaluate: Callable[[Any], dict[str, Any]], record: Callable[[dict[str, Any]], None], every: int):
+        self.evaluate, self.record, self.every = evaluate, record, every
+        self.seconds = 0.0
+        self.last_step: int | None = None
+
+    def __call__(self, info: StepInfo) -> None:
+        started = time.perf_counter()
+        self.record({"split": "eval", "step": info.step, **self.evaluate(info.state)})
+        self.seconds += time.perf_counter() - started
+        self.last_step = info.step
+
+
+class CheckpointHook(Hook):
+    """Every ``every`` steps, ``checkpointer.save(step, state, meta(info))``; at the end the
+    last state too, unless the run diverged (a NaN state is never saved).
+
+    With ``known`` (a ``KnownGood``, as ``fit`` passes) a save is held until the next
+    step's loss, computed from that state, is seen finite; the loop then saves it.
+    """
+
+    def __init__(self, checkpointer: Any, every: int, meta: Callable[[StepInfo], dict[str, Any]], known: Any = None):
+        self.checkpointer, self.every, self.meta, self.known = checkpointer, every, meta, known
+        self.saved_at: int | None = None
+
+    def __call__(self, info: StepInfo) -> None:
+        if self.known is not None:
+            self.known.hold(info.step, info.state, self.meta(info))
+            return
+        self.checkpointer.save(info.step, info.state, self.meta(info))
+        self.saved_at = info.step
+
+    def close(self, info: StepInfo | None, status: str) -> None:
+        if info is not None and status != "diverged" and info.step != self.saved_at and info.step > 0:
+            self.checkpointer.save(info.step, info.state, self.meta(info))
+            self.saved_at = info.step
+        self.checkpointer.close()
+
+
+class ProgressHook(Hook):
+    """A progress bar (rich) with the loss and steps/s; ``with ProgressHook(...) as bar``."""
+
+    def __init__(self, total: int, title: str, every: int = 1, start: int = 0):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.every = every
+        self._bar = Bar(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                        TextColumn("{task.fields[rate]} steps/s"), TimeElapsedColumn(), TimeRemainingColumn())
+        self._task = self._bar.add_task(title, total=total, loss="-", rate="-", completed=start)
+
+    def __enter__(self) -> ProgressHook:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+    def __call__(self, info: StepInfo) -> None:
+        self._bar.update(self._task, completed=info.step)
+
+    def show(self, row: dict[str, Any]) -> None:
+        self._bar.update(self._task, loss=f"{row['loss']:.4g}", rate=f"{row['steps_per_sec']:.1f}")

@@ -1,0 +1,97 @@
+"""A Task's loss and an optimizer as the functions a strategy compiles.
+
+``fit`` is one user of ``strategy.step`` among others: it turns the task into
+``make_state(rng)``, ``train_step(state, batch)`` and ``eval_step(state, batch)``,
+single-device functions like any user's, and hands them to the strategy.
+
+The loss always sees the real batch: an uneven global batch is not padded (the
+strategy runs it whole, see ``Placement``), so a loss normalised by a count taken from
+the batch (``sum(w * l) / sum(w)``) or a model with batch statistics is exact on a
+partial batch, never 0/0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from spmdkit._strategies._base import micro_batches, run_key
+from spmdkit._tasks._base import Task
+from spmdkit._types import Batch, TrainState
+
+
+def task_state(task: Task, optimizer: optax.GradientTransformation) -> Callable[[jax.Array], TrainState]:
+    """``make_state(rng)``: the task's parameters (and model state), the optimizer's state,
+    step 0 and the run's key. Flax partitioning boxes are kept for the strategy's layout."""
+
+    def make_state(rng: jax.Array) -> TrainState:
+        params, model_state = task.variables(rng)
+        opt_state = optimizer.init(params)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state, run_key(rng))
+
+    return make_state
+
+
+def _grads(task: Task, params: Any, model_state: Any, batch: Batch, rng: jax.Array):
+    def objective(p):
+        loss, aux, new_state = task.train_loss(p, model_state, batch, rng)
+        return loss, (loss, aux, new_state)
+
+    return jax.grad(objective, has_aux=True)(params)
+
+
+def _accumulated(task: Task, params: Any, model_state: Any, batch: Batch, rng: jax.Array, accum: int):
+    """Mean gradient of ``accum`` equal micro-batches in a ``lax.scan`` (one at a time in
+    memory); the model state (BatchNorm statistics) passes from one to the next."""
+    parts = (micro_batches(batch, accum), jnp.arange(accum))
+    first = jax.tree.map(lambda x: x[0], parts[0])
+    shapes = jax.eval_shape(lambda: _grads(task, params, model_state, first, rng))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1][0], shapes[1][1]))
+
+    def body(carry, part):
+        total, state = carry
+        micro, i = part
+        grads, (loss, aux, state) = _grads(task, params, state, micro, jax.random.fold_in(rng, i))
+        return (jax.tree.map(jnp.add, total, (grads, loss, aux)), state), None
+
+    (total, new_state), _ = jax.lax.scan(body, (zeros, model_state), parts)
+    grads, loss, aux = jax.tree.map(lambda t: t / accum, total)
+    return grads, (loss, aux, new_state)
+
+
+def task_train_step(task: Task, optimizer: optax.GradientTransformation, accum: int = 1):
+    """``train_step(state, batch) -> (state, {"loss": ..., metric: ...})`` for one device.
+
+    With ``accum > 1`` a batch whose size is a multiple of ``accum`` is processed as that
+    many micro-batches (rows k, k+accum, ...: every device holds a share of each); any
+    other batch (an epoch's last) in one piece, which is the same gradient.
+    """
+
+    def train_step(state: TrainState, batch: Batch):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if accum > 1 and rows % accum == 0:
+            grads, (loss, aux, model_state) = _accumulated(task, state.params, state.model_state, batch, rng, accum)
+        else:
+            grads, (loss, aux, model_state) = _grads(task, state.params, state.model_state, batch, rng)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new = state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                             opt_state=opt_state, model_state=model_state)
+        return new, {"loss": loss, **aux}
+
+    return train_step
+
+
+def task_eval_step(task: Task, rng: jax.Array):
+    """``eval_step(state, batch) -> {"loss": ..., metric: ...}``: means over the batch, eval mode."""
+    key_data = jax.random.key_data(rng)
+
+    def eval_step(state: TrainState, batch: Batch):
+        loss, aux = task.eval_loss(state.params, state.model_state, batch, jax.random.wrap_key_data(key_data))
+        return {"loss": loss, **aux}
+
+    return eval_step

@@ -1,0 +1,295 @@
+"""The step transform: a user's own state, step and inference on every strategy == Single.
+
+Four user programs, each written for one device with no axis names: a BatchNorm CNN in
+a Flax ``TrainState`` subclass (params + batch_stats), a Dropout MLP drawing its key
+from the state, a custom step with two optimizers, and an NNX model (``nnx.split``
+state, Dropout and BatchNorm). Each runs on DataParallel over 1, 2, 4 and 8 devices,
+Sharded over 2x2 and 2x4 meshes and as an ensemble, and must give Single's state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import spmdkit
+
+STEPS = 2
+TOL = 1e-5  # SGD: layouts differ only in float32 reduction order
+
+
+class Case(NamedTuple):
+    make_state: Any
+    train_step: Any
+    predict: Any
+    batch: dict[str, np.ndarray]
+    rules: Any = "dp"
+    state_axes: Any = None
+
+
+# ---- a BatchNorm CNN in a TrainState subclass --------------------------------------
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(4, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+        x = nn.relu(x).mean(axis=(1, 2))
+        return nn.Dense(3)(x)
+
+
+class BNState(train_state.TrainState):
+    batch_stats: Any
+
+
+def cnn_case() -> Case:
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 6, 6, 1)).astype(np.float32), "y": rng.integers(0, 3, 16)}
+    model = CNN()
+
+    def make_state(key):
+        variables = model.init(key, jnp.zeros((1, 6, 6, 1)), train=False)
+        return BNState.create(apply_fn=model.apply, params=variables["params"],
+                              batch_stats=variables["batch_stats"], tx=optax.sgd(0.1, momentum=0.9))
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                                             batch["x"], train=True, mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, updates["batch_stats"]
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss}
+
+    def predict(state, batch):
+        return state.apply_fn({"params": state.params, "batch_stats": state.batch_stats}, batch["x"], train=False)
+
+    return Case(make_state, train_step, predict, batch)
+
+
+# ---- Dropout, the per-step key carried in the state ----------------------------------
+class DropMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.relu(nn.Dense(8)(x))
+        x = nn.Dropout(0.3, deterministic=not train)(x)
+        return nn.Dense(1)(x)
+
+
+def dropout_case() -> Case:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    batch = {"x": x, "y": np.sin(x[:, :1])}
+    model, tx = DropMLP(), optax.sgd(0.05)
+
+    def make_state(key):
+        params = model.init(key, jnp.zeros((1, 4)), train=False)["params"]
+        return {"params": params, "opt": tx.init(params), "rng": jax.random.fold_in(key, 1)}
+
+    def train_step(state, batch):
+        rng, drop = jax.random.split(state["rng"])
+
+        def loss_fn(params):
+            pred = model.apply({"params": params}, batch["x"], train=True, rngs={"dropout": drop})
+            return jnp.mean((pred - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "rng": rng}, {"loss": loss}
+
+    def predict(state, batch):
+        return model.apply({"params": state["params"]}, batch["x"], train=False)
+
+    return Case(make_state, train_step, predict, batch)
+
+
+# ---- a custom step with two optimizers (an encoder and a head), plain arrays -----------
+def two_optimizer_case() -> Case:
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    batch = {"x": x, "y": x * 2.0}
+    enc_tx, head_tx = optax.sgd(0.05, momentum=0.9), optax.sgd(0.1)
+
+    def make_state(key):
+        k1, k2 = jax.random.split(key)
+        enc = {"w": jax.random.normal(k1, (4, 8)) * 0.5}
+        head = {"w": jax.random.normal(k2, (8, 4)) * 0.5}
+        return {"enc": enc, "head": head, "enc_opt": enc_tx.init(enc), "head_opt": head_tx.init(head),
+                "step": jnp.zeros((), jnp.int32)}
+
+    def forward(enc, head, x):
+        return jnp.tanh(x @ enc["w"]) @ head["w"]
+
+    def train_step(state, batch):
+        def loss_fn(enc, head):
+            return jnp.mean((forward(enc, head, batch["x"]) - batch["y"]) ** 2)
+
+        loss, (g_enc, g_head) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state["enc"], state["head"])
+        u_enc, enc_opt = enc_tx.update(g_enc, state["enc_opt"], state["enc"])
+        u_head, head_opt = head_tx.update(g_head, state["head_opt"], state["head"])
+        return {"enc": optax.apply_updates(state["enc"], u_enc), "head": optax.apply_updates(state["head"], u_head),
+                "enc_opt": enc_opt, "head_opt": head_opt, "step": state["step"] + 1}, {"loss": loss}
+
+    def predict(state, batch):
+        return forward(state["enc"], state["head"], batch["x"])
+
+    # Logical names for plain arrays: a params-shaped tree also lays out the momentum.
+    axes = {"w": ("embed", "hidden")}
+    return Case(make_state, train_step, predict, batch, rules="fsdp+tp", state_axes=axes)
+
+
+# ---- NNX: Dropout + BatchNorm, state from nnx.split ------------------------------------
+class NNXNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, momentum=0.5, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.l2 = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+def nnx_case() -> Case:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    batch = {"x": x, "y": np.cos(x[:, :1])}
+    tx = optax.sgd(0.05)
+    graphdef = nnx.graphdef(NNXNet(nnx.Rngs(0)))
+
+    def make_state(key):
+        _, params, rest = nnx.split(NNXNet(nnx.Rngs(key)), nnx.Param, ...)
+        return {"params": params, "rest": rest, "opt": tx.init(params)}
+
+    def train_step(state, batch):
+        model = nnx.merge(graphdef, state["params"], state["rest"])
+
+        def loss_fn(model):
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)  # BatchNorm stats and dropout counter update
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        updates, opt = tx.update(grads, state["opt"], params)
+        return {"params": optax.apply_updates(params, updates), "rest": rest, "opt": opt}, {"loss": loss}
+
+    def predict(state, batch):
+        model = nnx.merge(graphdef, state["params"], state["rest"])
+        model.eval()
+        return model(batch["x"])
+
+    return Case(make_state, train_step, predict, batch)
+
+
+CASES = {"batchnorm_cnn": cnn_case, "dropout": dropout_case, "two_optimizers": two_optimizer_case, "nnx": nnx_case}
+
+
+@functools.lru_cache(maxsize=None)
+def case(name: str) -> Case:
+    return CASES[name]()
+
+
+def host(tree):
+    """Numpy leaves; PRNG keys as their raw bits."""
+    def one(x):
+        if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            return np.asarray(jax.random.key_data(x))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
+def run(strategy, c: Case, keys):
+    """Train from each key (one strategy, so one compile) -> [(state, aux, apply output)]."""
+    step, predict = strategy.step(c.train_step), strategy.apply(c.predict)
+    odd = {k: v[:5] for k, v in c.batch.items()}  # 5 rows: no device count here divides it
+    results = []
+    for key in keys:
+        state = strategy.init(c.make_state, key)
+        for _ in range(STEPS):
+            state, aux = step(state, c.batch)
+        results.append((host(state), host(aux), host(predict(state, odd))))
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def single(name: str, members: int = 0):
+    """Single's results from key 0, or from each of an ensemble's member keys."""
+    key = jax.random.key(0)
+    keys = [key] if not members else list(jax.random.split(key, members))
+    return run(spmdkit.Single(), case(name), keys)
+
+
+def assert_close(got, want, what: str):
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves), what
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], want_leaves):
+        np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL, err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+def assert_matches_single(name: str, got) -> None:
+    (state, aux, out), ((ref_state, ref_aux, ref_out),) = got, single(name)
+    assert out.shape == (5, *ref_out.shape[1:])
+    assert_close(state, ref_state, "state")
+    assert_close(aux, ref_aux, "aux")
+    assert_close(out, ref_out, "apply")
+
+
+def devices(n: int):
+    return jax.devices()[:n]
+
+
+# Every program on 2 and 8 devices; the BatchNorm CNN (cross-device batch statistics) on all.
+DP_CASES = [(name, n) for name in CASES for n in (2, 8)] + [("batchnorm_cnn", 1), ("batchnorm_cnn", 4)]
+
+
+@pytest.mark.parametrize("name,n", DP_CASES)
+def test_data_parallel_equals_single(name, n):
+    strategy = spmdkit.DataParallel(spmdkit.make_mesh(data=n, devices=devices(n)))
+    (got,) = run(strategy, case(name), [jax.random.key(0)])
+    assert_matches_single(name, got)
+
+
+SHARDED_CASES = [(name, (2, 4)) for name in CASES] + [("two_optimizers", (2, 2))]
+
+
+@pytest.mark.parametrize("name,shape", SHARDED_CASES)
+def test_sharded_equals_single(name, shape):
+    c = case(name)
+    mesh = spmdkit.make_mesh(data=shape[0], model=shape[1], devices=devices(shape[0] * shape[1]))
+    strategy = spmdkit.Sharded(mesh, c.rules, state_axes=c.state_axes)
+    (got,) = run(strategy, c, [jax.random.key(0)])
+    assert_matches_single(name, got)
+
+
+def test_sharded_lays_out_plain_arrays_from_state_axes():
+    c = case("two_optimizers")
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), c.rules, state_axes=c.state_axes)
+    state = strategy.init(c.make_state, jax.random.key(0))
+    assert state["enc"]["w"].sharding.spec == jax.sharding.PartitionSpec("data", "model")
+    # The momentum mirrors its parameter, so the params-shaped tree names it too.
+    assert state["enc_opt"][0].trace["w"].sharding.spec == jax.sharding.PartitionSpec("data", "model")
+    assert state["enc"]["w"].addressable_shards[0].data.shape == (2, 2)  # never whole on one device
+
+
+ENSEMBLE_CASES = [(name, 4, 2) for name in CASES] + [("batchnorm_cnn", 8, 8)]
+
+
+@pytest.mark.parametrize("name,members,n", ENSEMBLE_CASES)
+def test_ensemble_members_equal_single(name, members, n):
+    strategy = spmdkit.Ensemble(members, devices=devices(n))
+    ((state, aux, out),) = run(strategy, case(name), [jax.random.key(0)])
+    assert out.shape[:2] == (members, 5)
+    for m, (ref_state, ref_aux, ref_out) in enumerate(single(name, members)):
+        pick = lambda t, m=m: jax.tree.map(lambda x: x[m], t)  # noqa: E731
+        assert_close(pick(state), ref_state, f"member {m} state")
+        assert_close(pick(aux), ref_aux, f"member {m} aux")
+        assert_close(out[m], ref_out, f"member {m} apply")

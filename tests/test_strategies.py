@@ -1,0 +1,236 @@
+"""The strategies' shared contract: constraints, rules, meshes, options, uneven batches, errors."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdkit
+from spmdkit._strategies import get_strategy
+
+X = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+
+
+def linear_step(state, batch):
+    loss = lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)  # noqa: E731
+    value, grad = jax.value_and_grad(loss)(state["w"])
+    return {"w": state["w"] - 0.1 * grad}, {"loss": value}
+
+
+def make_linear(rng):
+    return {"w": jax.random.normal(rng, (8, 2))}
+
+
+def batch_of(n):
+    return {"x": X[:n], "y": X[:n, :2] * 3.0}
+
+
+# ---- a model that constrains its activations runs unchanged everywhere -----------------
+class Constrained(nn.Module):
+    """Seed 003's pattern: mesh axes written in the model, and a logical constraint."""
+
+    @nn.compact
+    def __call__(self, x):
+        w1 = self.param("W1", nn.with_partitioning(nn.initializers.xavier_normal(), (None, "model")), (8, 16))
+        y = jax.lax.with_sharding_constraint(jax.nn.relu(x @ w1), P("data", "model"))
+        y = nn.with_logical_constraint(y, ("batch", "hidden"))
+        w2 = self.param("W2", nn.with_partitioning(nn.initializers.xavier_normal(), ("model", None)), (16, 8))
+        return y @ w2
+
+
+def constrained_program():
+    model, tx = Constrained(), optax.sgd(0.1)
+
+    def make_state(rng):
+        params = model.init(rng, jnp.zeros((1, 8)))["params"]
+        return {"params": params, "opt": tx.init(params)}
+
+    def train_step(state, batch):
+        loss = lambda p: jnp.mean((model.apply({"params": p}, batch["x"]) - batch["x"]) ** 2)  # noqa: E731
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+    return make_state, train_step, lambda state, batch: model.apply({"params": state["params"]}, batch["x"])
+
+
+def run_constrained(strategy):
+    make_state, train_step, predict = constrained_program()
+    state = strategy.init(make_state, jax.random.key(0))
+    state, aux = strategy.step(train_step)(state, {"x": X})
+    return jax.device_get(state["params"]), float(aux["loss"]), np.asarray(strategy.apply(predict)(state, {"x": X[:5]}))
+
+
+def test_sharding_constraints_run_unchanged_on_single_and_data_parallel():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    rules = (("batch", "data"), ("hidden", "model"))  # Flax's own rules format
+    params, loss, out = run_constrained(spmdkit.Sharded(mesh, rules))
+    for strategy in (spmdkit.Single(), spmdkit.DataParallel()):
+        got_params, got_loss, got_out = run_constrained(strategy)
+        np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
+        np.testing.assert_allclose(got_out, out, rtol=1e-5, atol=1e-6)
+        for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(params)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert out.shape == (5, 8)
+
+
+# ---- the Python boundary: rules formats, meshes, options ------------------------------
+def test_rules_accept_flax_tuples_and_dicts():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    flax_rules = spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model"), ("hidden", None)))
+    assert flax_rules.rules.mapping == {"batch": "data", "hidden": "model"}  # first rule of a name wins
+    assert spmdkit.Sharded(mesh, {"batch": "data", "hidden": "model"}).rules.mapping["hidden"] == "model"
+    with pytest.raises(spmdkit.ConfigError, match="is not a rules table"):
+        spmdkit.Sharded(mesh, 3)
+
+
+def test_meshes_with_explicit_axes_are_accepted():
+    explicit = jax.make_mesh((2, 4), ("data", "model"))
+    strategy = spmdkit.Sharded(explicit, "dp+tp", state_axes={"w": ("hidden", None)})
+    state = strategy.init(lambda rng: {"w": jnp.ones((8, 2))}, jax.random.key(0))
+    state, aux = strategy.step(linear_step)(state, batch_of(16))
+    ref_state, ref_aux = spmdkit.Single().step(linear_step)({"w": jnp.ones((8, 2))}, batch_of(16))
+    np.testing.assert_allclose(state["w"], ref_state["w"], rtol=1e-6)
+    dp = spmdkit.DataParallel(jax.make_mesh((8,), ("data",)))
+    assert float(dp.step(linear_step)(dp.init(lambda rng: {"w": jnp.ones((8, 2))}, 0), batch_of(16))[1]["loss"]) == pytest.approx(float(ref_aux["loss"]), rel=1e-6)
+
+
+def test_get_strategy_rejects_options_the_strategy_does_not_take():
+    with pytest.raises(spmdkit.ConfigError) as e:
+        get_strategy("data", members=4, rules="tp")
+    msg = str(e.value)
+    assert "strategy 'data' does not take members, rules" in msg and "takes impl, mesh" in msg
+    with pytest.raises(ValueError, match="does not take impl"):
+        get_strategy("ensemble", impl="shard_map")
+    with pytest.raises(spmdkit.ConfigError, match="unknown option"):
+        get_strategy("single", member=2)
+    assert get_strategy("ensemble", members=2).members == 2
+
+
+# ---- batches ------------------------------------------------------------------------
+def test_uneven_batch_is_exact_and_compiles_once_per_shape():
+    traces = []
+
+    def counted(state, batch):
+        traces.append(batch["x"].shape)
+        return linear_step(state, batch)
+
+    strategy, single = spmdkit.DataParallel(), spmdkit.Single()
+    step, ref = strategy.step(counted), single.step(linear_step)
+    state, ref_state = strategy.init(make_linear, 0), single.init(make_linear, 0)
+    for n in (16, 13, 16, 13):  # 13 rows cannot split over 8 devices
+        state, aux = step(state, batch_of(n))
+        ref_state, ref_aux = ref(ref_state, batch_of(n))
+        np.testing.assert_allclose(aux["loss"], ref_aux["loss"], rtol=1e-6)
+        np.testing.assert_allclose(state["w"], ref_state["w"], rtol=1e-6, atol=1e-7)
+    assert traces == [(16, 8), (13, 8)]
+    strategy.step(counted)(state, batch_of(16))  # written inline: the same compiled step
+    assert traces == [(16, 8), (13, 8)]
+
+
+def test_step_takes_device_batches_and_apply_any_size():
+    strategy = spmdkit.DataParallel(spmdkit.make_mesh(data=4, devices=jax.devices()[:4]))
+    state = strategy.init(make_linear, 0)
+    on_one_device = jax.device_put(batch_of(16), jax.devices()[5])
+    state, _ = strategy.step(linear_step)(state, on_one_device)
+    predict = strategy.apply(lambda s, b: b["x"] @ s["w"])
+    for n in (1, 3, 4, 7):
+        np.testing.assert_allclose(predict(state, batch_of(n)), X[:n] @ np.asarray(state["w"]), rtol=1e-5, atol=1e-6)
+
+
+# ---- errors in the caller's terms, before or while tracing ------------------------------
+def test_errors_name_the_argument_and_path():
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(make_linear, 0)
+    step = strategy.step(linear_step)
+    with pytest.raises(spmdkit.BatchSizeError, match=r"batch\['y'\] has 5"):
+        step(state, {"x": X, "y": X[:5]})
+    with pytest.raises(spmdkit.BatchSizeError, match=r"batch\['lr'\] is a scalar"):
+        step(state, {**batch_of(16), "lr": np.float32(0.1)})
+    with pytest.raises(TypeError, match="it must return \\(state, aux\\)"):
+        strategy.step(lambda s, b: s)(state, batch_of(16))
+    with pytest.raises(spmdkit.TreeMismatchError, match="structure differs"):
+        strategy.step(lambda s, b: ({"w": s["w"], "extra": s["w"]}, {}))(state, batch_of(16))
+    with pytest.raises(spmdkit.BatchSizeError, match="per-example outputs"):
+        strategy.apply(lambda s, b: jnp.sum(b["x"]))(state, batch_of(16))
+    with pytest.raises(TypeError, match="make_state must be a function"):
+        strategy.init({"w": 1}, 0)
+    with pytest.raises(TypeError, match="rng must be a PRNG key"):
+        strategy.init(make_linear, "seed")
+
+
+# ---- ensembles ------------------------------------------------------------------------
+def test_ensemble_members_get_their_own_hyperparameters():
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+
+    def make_state(rng):
+        params = make_linear(rng)
+        return {"params": params, "opt": tx.init(params)}
+
+    def train_step(state, batch):
+        loss = lambda w: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)  # noqa: E731
+        value, grad = jax.value_and_grad(loss)(state["params"]["w"])
+        updates, opt = tx.update({"w": grad}, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+    ens = spmdkit.Ensemble(3, hyperparams={"learning_rate": [0.1, 0.0, 0.05]}, devices=jax.devices()[:3])
+    state = ens.init(make_state, 0)
+    start = np.asarray(state["params"]["w"])
+    state, aux = ens.step(train_step)(state, batch_of(16))
+    assert aux["loss"].shape == (3,)
+    np.testing.assert_array_equal(state["params"]["w"][1], start[1])  # learning rate 0: unchanged
+    single = spmdkit.Single()
+    alone = single.init(make_state, jax.random.split(jax.random.key(0), 3)[0])
+    alone, _ = single.step(train_step)(alone, batch_of(16))
+    np.testing.assert_allclose(state["params"]["w"][0], alone["params"]["w"], rtol=1e-6)
+    with pytest.raises(spmdkit.ConfigError, match="one per member"):
+        spmdkit.Ensemble(3, hyperparams={"learning_rate": [0.1]})
+    with pytest.raises(spmdkit.ConfigError, match="inject_hyperparams"):
+        spmdkit.Ensemble(2, hyperparams={"learning_rate": [0.1, 0.2]}).init(make_linear, 0)
+
+
+def test_ensemble_step_checks_the_member_count():
+    state = spmdkit.Ensemble(4).init(make_linear, 0)
+    with pytest.raises(spmdkit.MembersMismatchError, match="members=2"):
+        spmdkit.Ensemble(2).step(linear_step)(state, batch_of(16))
+
+
+def test_sharded_state_is_never_whole_on_one_device_and_shardings_are_public():
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "fsdp+tp", state_axes={"w": ("embed", "hidden")})
+    abstract = jax.eval_shape(lambda r: {"w": jnp.ones((8, 4))}, jax.random.key(0))
+    shardings = strategy.shardings(abstract)
+    assert shardings["w"].spec == P("data", "model")
+    target = strategy.abstract(lambda r: {"w": jnp.ones((8, 4))})
+    assert target["w"].sharding == shardings["w"] and target["w"].shape == (8, 4)
+
+
+def test_unknown_logical_name_error_speaks_python_and_replicate_unknown_is_an_argument():
+    make_state = lambda rng: {"w": nn.LogicallyPartitioned(jnp.ones((8, 4)), ("layers", "hidden"))}  # noqa: E731
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    with pytest.raises(spmdkit.LayoutError) as e:
+        spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model"))).init(make_state, 0)
+    assert "logical axis 'layers'" in str(e.value) and 'add a rule for it (e.g. ("layers", "model")' in str(e.value)
+    assert "replicate_unknown=True to Sharded" in str(e.value)
+    state = spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model")), replicate_unknown=True).init(make_state, 0)
+    assert state["w"].value.sharding.spec == P(None, "model")
+
+
+def test_state_axes_parts_name_the_moments_of_an_optimizer_over_part_of_the_params():
+    adam, sgd = optax.adam(1e-3), optax.sgd(0.1, momentum=0.9)
+
+    def make_state(rng):
+        params = {"encoder": {"w": jnp.ones((8, 16)), "b": jnp.ones((16,))}, "head": {"w": jnp.ones((16, 4)), "b": jnp.ones((4,))}}
+        return {"params": params, "enc_opt": adam.init(params["encoder"]), "head_opt": sgd.init(params["head"])}
+
+    # encoder and head have the same structure: the shapes where the params sit tell them apart.
+    axes = {"encoder": {"w": ("embed", "hidden"), "b": ("hidden",)}, "head": {"w": ("hidden", None), "b": (None,)}}
+    state = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp", state_axes=axes).init(make_state, 0)
+    assert state["params"]["encoder"]["w"].sharding.spec == P(None, "model")
+    assert state["enc_opt"][0].mu["w"].sharding.spec == P(None, "model")
+    assert state["enc_opt"][0].nu["b"].sharding.spec == P("model")
+    assert state["head_opt"][0].trace["w"].sharding.spec == P("model", None)
