@@ -47,7 +47,6 @@ def test_parallel_evaluation_equals_vmap():
     np.testing.assert_array_equal(out["twice"], conv(out["xs"], conv(out["xs"], out["ws"])))
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue-14-pmap (nested spmdkit.pmap)")
 def test_nested_parallel_evaluation_equals_nested_vmap():
     out = parallel_evaluation.main()
     want = jax.vmap(jax.vmap(parallel_evaluation.row_totals, axis_name="cols"), axis_name="rows")(*out["grid"])
