@@ -269,3 +269,17 @@ def test_checkpoints_command_lists_steps(task, tmp_path):
     rows = json.loads(subprocess.run([*CLI, "checkpoints", str(tmp_path / "ck"), "--json"], capture_output=True,
                                      text=True, timeout=120).stdout)
     assert rows[1]["status"].startswith("damaged")
+
+
+def test_checkpoints_of_the_older_layout_are_named_not_silently_ignored(tmp_path):
+    # Earlier versions saved step N in a directory named N, with manifests/N.json beside it.
+    ck = tmp_path / "ck"
+    (ck / "100").mkdir(parents=True)
+    (ck / "100" / "_CHECKPOINT_METADATA").write_text("{}")
+    (ck / "manifests").mkdir()
+    (ck / "manifests" / "100.json").write_text("{}")
+    (ck / "7").mkdir()  # a user's own numbered directory is not a checkpoint
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck), resume=True), log=lambda m: None)
+    with pytest.raises(spmdkit.CheckpointError, match=r"steps \[100\] .*spmdkit_<step>") as e:
+        ckpt.restore_latest(target=None)
+    assert "--checkpoint-dir" in str(e.value)

@@ -514,6 +514,15 @@ class Checkpointer:
     def restore_latest(self, target: Any, members: int | None = None) -> tuple[Any, dict[str, Any]] | None:
         """The newest intact step restored onto ``target``, falling back past damaged ones (and saying which)."""
         steps = self.steps()
+        legacy = [] if steps else self._legacy_steps()
+        if legacy:
+            # Resuming "from nothing" here would silently start the run over.
+            raise CheckpointError(fix(
+                f"{self.directory} holds checkpoints in the layout of earlier spmdkit versions (steps "
+                f"{legacy} in directories named by number); this version writes and reads spmdkit_<step>/ "
+                "directories with checksummed manifests and cannot vouch for those files.",
+                "resume them with the spmdkit version that wrote them, or start a new run in another "
+                "--checkpoint-dir (CheckpointConfig(directory=...) from Python)."))
         damaged: list[int] = []
         for step in reversed(steps):
             problems = self.problems(step)
@@ -545,6 +554,16 @@ class Checkpointer:
                     "start a new run in another --checkpoint-dir (or --overwrite-checkpoints).")
             )
         return None
+
+    def _legacy_steps(self) -> list[int]:
+        """Steps saved in the older layout: numbered Orbax step directories (never a user's own)."""
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError:
+            return []
+        return sorted(int(p.name) for p in entries
+                      if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").is_file()
+                      and (self.directory / MANIFESTS / f"{p.name}.json").is_file())
 
     def _set_aside(self, steps: list[int]) -> None:
         """Damaged steps newer than the resumed one would block its saves: renamed, not deleted."""

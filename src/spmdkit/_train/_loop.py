@@ -277,6 +277,7 @@ def fit(
         >>> round(float(result.params["w"]), 2), round(float(result.params["b"]), 2)
         (3.0, 1.0)
     """
+    entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
     plan = _plan(task, strategy, config)
     validate_task(task, config.batch_size)
     out = None if out_dir is None else Path(out_dir)
@@ -379,6 +380,7 @@ def fit(
     summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
                        params, elapsed, train_seconds, ckpt, run_info)
     summary["first_step_s"] = first_step_s
+    summary["first_step_in_fit_s"] = None if t_first is None else t_first - entered
     if failure is not None:
         summary["error"] = str(failure).splitlines()[0]
     if out is not None and primary:
