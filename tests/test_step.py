@@ -293,3 +293,22 @@ def test_ensemble_members_equal_single(name, members, n):
         assert_close(pick(state), ref_state, f"member {m} state")
         assert_close(pick(aux), ref_aux, f"member {m} aux")
         assert_close(out[m], ref_out, f"member {m} apply")
+
+
+@pytest.mark.parametrize("rows", [5, 7, 8])
+def test_apply_sees_the_exact_batch_never_padding(rows):
+    # A function that mixes rows (here: centring on the batch mean) must give Single's answer
+    # on every strategy and every batch size, uneven ones included.
+    x = np.arange(rows, dtype=np.float32)[:, None]
+
+    def centred(state, batch):
+        return batch["x"] - batch["x"].mean(axis=0) + state["w"]
+
+    def make(rng):
+        return {"w": jnp.zeros(())}
+
+    want = np.asarray(x - x.mean(axis=0))
+    for strategy in (spmdkit.Single(), spmdkit.DataParallel(),
+                     spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        state = strategy.init(make, jax.random.key(0))
+        np.testing.assert_allclose(np.asarray(strategy.apply(centred)(state, {"x": x})), want, atol=1e-5)

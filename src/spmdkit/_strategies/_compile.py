@@ -3,7 +3,7 @@
 A user writes ``make_state(rng)``, ``train_step(state, batch)`` and ``fn(state, batch)``
 for one device. A strategy says where the state and the batch live (a few small hooks);
 this module compiles the user's functions once per input signature with those
-shardings, places host or device batches, pads and strips inference batches, and
+shardings, places host or device batches (an uneven one whole on every device), and
 gives the model a mesh to constrain its activations against.
 """
 
@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import nnx
@@ -98,19 +97,6 @@ def place(tree: Any, sharding: jax.sharding.Sharding) -> Any:
         return put_global(np.asarray(x), sharding)
 
     return jax.tree.map(one, tree)
-
-
-def pad_rows(batch: Batch, size: int) -> Batch:
-    """Zero rows appended to every leaf up to ``size`` (host arrays stay on the host)."""
-
-    def pad(x):
-        extra = size - x.shape[0]
-        if not extra:
-            return x
-        widths = [(0, extra)] + [(0, 0)] * (x.ndim - 1)
-        return jnp.pad(x, widths) if isinstance(x, jax.Array) else np.pad(np.asarray(x), widths)
-
-    return jax.tree.map(pad, batch)
 
 
 def unbox_tree(tree: Any) -> Any:
@@ -322,8 +308,10 @@ class Placement:
         return self._compiled(fn, "eval", False)
 
     def apply(self, fn: ApplyFn) -> Callable[[State, Batch], Any]:
-        """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B:
-        the batch is padded to split over the devices and exactly B rows come back."""
+        """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B, exactly B
+        rows back. ``fn`` sees the exact batch, never padding rows (it may mix rows, e.g.
+        batch statistics): a B that does not split over the devices runs whole on every
+        device, like ``step``."""
         check_callable(fn, "fn", "(state, batch) -> outputs [B, ...]")
         return self._compiled(fn, "apply", False)
 
@@ -357,11 +345,7 @@ class CompiledStep:
     def __call__(self, state: State, batch: Batch):
         s = self.strategy
         n = batch_rows(batch)
-        size = n
-        if self.kind == "apply":
-            size = -(-n // s.batch_shards) * s.batch_shards
-            batch = pad_rows(batch, size)
-        even = size % s.batch_shards == 0
+        even = n % s.batch_shards == 0
         # An uneven global batch is placed whole on every device: the program is the
         # same single-device program, so the result is exact (only less parallel).
         placed = place(batch, s._batch_sharding_for(self.kind, even))
@@ -375,7 +359,7 @@ class CompiledStep:
 
         out = s._traced(run)
         if self.kind == "apply":
-            out = _strip(out, n, size, s._row_axis)
+            _check_per_example(out, n, s._row_axis)
         return out
 
 
@@ -403,20 +387,17 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
     return step if kind == "step" else fn
 
 
-def _strip(out: Any, n: int, size: int, axis: int) -> Any:
-    """The first ``n`` rows of every output leaf (padding removed); leaves must be per example."""
+def _check_per_example(out: Any, n: int, axis: int) -> None:
+    """Every output leaf of ``apply`` has the batch's ``n`` examples on ``axis``."""
 
     def one(path, x):
-        if np.ndim(x) <= axis or x.shape[axis] != size:
+        if np.ndim(x) <= axis or x.shape[axis] != n:
             raise BatchSizeError(
                 fix(f"apply's fn returned output{jax.tree_util.keystr(path)} with shape {np.shape(x)}, "
-                    f"but a batch of {size} rows{' (padded)' if size != n else ''} went in; apply needs "
-                    f"per-example outputs with the examples on axis {axis}.",
-                    "return per-example values (e.g. logits [B, C]); reduce them after apply, or compute "
-                    "batch-wide values in a step instead.")
+                    f"but a batch of {n} rows went in; apply needs per-example outputs with the examples "
+                    f"on axis {axis}.",
+                    "return per-example values (e.g. logits [B, C]); reduce them after apply, or use "
+                    "strategy.evaluate for batch-wide values.")
             )
-        if size == n:
-            return x
-        return x[:n] if axis == 0 else x[:, :n]
 
-    return jax.tree_util.tree_map_with_path(one, out)
+    jax.tree_util.tree_map_with_path(one, out)
