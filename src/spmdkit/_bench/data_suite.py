@@ -92,16 +92,9 @@ def _gemm(size: int):
 
 def _mlp_step(batch_size: int):
     """One SGD step of the MLP 784-1024-1024-10 (the multiprocess suite's model) on one device."""
-    import flax.linen as nn
+    from spmdkit._bench.mp_worker import _flax_net
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.relu(nn.Dense(1024)(x))
-            x = nn.relu(nn.Dense(1024)(x))
-            return nn.Dense(10)(x)
-
-    net, opt = MLP(), optax.sgd(0.01)
+    net, opt = _flax_net("mlp"), optax.sgd(0.01)
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((batch_size, 784)).astype(np.float32), jax.devices()[0])
     y = jax.device_put(rng.integers(0, 10, batch_size).astype(np.int32), jax.devices()[0])

@@ -206,6 +206,13 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
+    _save_figure(fig, path)
+
+
+def _save_figure(fig: Any, path: Path) -> None:
+    """Write ``fig`` to ``path`` and free it; an unwritable path is an ArtifactError."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=100)
@@ -236,13 +243,7 @@ def plot_members(history: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_title(f"{title}: {members.shape[1]} members")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise _cannot_write(path, e) from None
-    finally:
-        plt.close(fig)
+    _save_figure(fig, path)
 
 
 _NOT_METRICS = {"split", "step", "epoch", "steps_per_sec", "elapsed_s", "count"}
