@@ -55,10 +55,14 @@ def main() -> None:
         local = tuple(a if kw.get("in_axes", (0,))[i] is None else a[rows] for i, a in enumerate(args))
         for impl_name, impl in (("spmdkit", spmdkit.pmap), ("jax", jax.pmap)):
             try:
-                out = impl(f, "i", **kw)(*local)
+                mapped = impl(f, "i", **kw)
+                out = mapped(*local)
             except Exception as e:  # recorded: jax.pmap may not support a case across processes
                 print(f"{impl_name} {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                 continue
+            if impl_name == "spmdkit":  # a repeat call (no re-validation) gives the same
+                for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(mapped(*local))):
+                    np.testing.assert_array_equal(local_rows(x), local_rows(y), err_msg=name)
             for j, leaf in enumerate(jax.tree.leaves(out)):
                 results[f"{impl_name}/{name}/{j}"] = local_rows(leaf)
 
@@ -71,7 +75,11 @@ def main() -> None:
     except spmdkit.ReplicationError:
         results["spmdkit/replication error"] = np.array(1)
     first = spmdkit.pmap(lambda x: x * 2, "i")(X[rows])
-    results["spmdkit/chained"] = local_rows(spmdkit.pmap(lambda x: jax.lax.psum(x, "i"), "i")(first))
+    chained = spmdkit.pmap(lambda x: jax.lax.psum(x, "i"), "i")
+    results["spmdkit/chained"] = local_rows(chained(first))
+    for _ in range(2):  # global outputs fed back (the loop), then host slices again
+        np.testing.assert_array_equal(local_rows(chained(first)), results["spmdkit/chained"])
+    np.testing.assert_array_equal(local_rows(chained(X[rows] * 2)), results["spmdkit/chained"])
     try:  # nested maps are refused across processes, clearly
         spmdkit.pmap(spmdkit.pmap(lambda v: v, "b"), "a")(X[rows].reshape(2, per // 2, 3))
         results["spmdkit/nested refused"] = np.array(int(nproc == 1))
