@@ -90,6 +90,7 @@ class _Fast(NamedTuple):
     n: int  # local mapped size it was validated (and compiled) for
     mapped: tuple[tuple[int, int], ...]  # (flat leaf index, mapped axis) per mapped leaf
     spans: bool  # across processes: host slices are assembled into global arrays
+    sig: tuple[Any, ...] | None  # nested maps: the shapes and dtypes the mesh was built for
 
 
 class _Call(NamedTuple):
@@ -128,7 +129,7 @@ class _ParallelMap:
             return self._call_checked(self._prepare(args, kwargs))
         flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
         fast = self._fast.get(treedef)
-        if fast is None or not _same_sizes(flat, fast):
+        if fast is None or not _still_fits(flat, fast):
             return self._call_checked(self._prepare(args, kwargs, (flat, treedef)))
         # A structure validated before, mapped sizes unchanged: nothing left to check
         # (devices, axis_size and in_axes depend on nothing else), so straight to jit.
@@ -139,7 +140,7 @@ class _ParallelMap:
         except Exception as e:
             call = _Call(fast.plan, flat, treedef, (), fast.n)
             out, compiled = self._recover(call, compiled, placed, e)
-            if compiled is not fast.compiled:  # the function nests after all: no fast path
+            if compiled is not fast.compiled:  # the function nests after all: validate again
                 self._fast.pop(treedef, None)
         if compiled.checked is None:
             return out
@@ -150,10 +151,10 @@ class _ParallelMap:
         compiled = self._compiled(call)
         out, compiled = self._run(call, compiled, self._placed(compiled, call.flat, call))
         out = self._finish(compiled, out, call)
-        if not self._static and not compiled.nested:
+        if not self._static:
             self._fast[call.treedef] = _Fast(
                 call.plan, compiled, call.n, tuple((i, call.plan.axes[i]) for i in call.plan.mapped),
-                compiled.spans_processes,
+                compiled.spans_processes, _signature(call.flat) if compiled.nested else None,
             )
         return out
 
@@ -665,8 +666,11 @@ _MAPS: dict[Any, _ParallelMap] = {}
 _MAX_MAPS = 256
 
 
-def _same_sizes(flat: list[Any], fast: _Fast) -> bool:
-    """Whether every mapped leaf still has the size ``fast`` was validated for."""
+def _still_fits(flat: list[Any], fast: _Fast) -> bool:
+    """Whether every mapped leaf still has the size ``fast`` was validated for (and, for
+    nested maps, every leaf its shape and dtype: they decide the mesh)."""
+    if fast.sig is not None and _signature(flat) != fast.sig:
+        return False
     n = fast.n
     try:
         for i, ax in fast.mapped:
