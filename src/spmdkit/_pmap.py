@@ -46,6 +46,7 @@ from spmdkit._pmap_parts import (
     _argnums,
     _check_axes_spec,
     _is_axis,
+    _local_avals,
     _merge_static,
     _move_misplaced,
     _same_everywhere,
@@ -79,7 +80,7 @@ class _Compiled(NamedTuple):
     spans_processes: bool = False  # arguments are local slices of global arrays
     nested: bool = False  # nested maps: the mesh depends on the shapes inside, so
     # by_size[n] only marks that; the code lives at by_size[(n, shapes and dtypes)]
-    row0: int = 0  # across processes: this process's first device (row) on the mapped axis
+    row0: int = 0  # across processes: this process's first index on the mesh's first (mapped) axis
 
 
 class _Fast(NamedTuple):
@@ -235,7 +236,8 @@ class _ParallelMap:
     def _recover(self, call: _Call, compiled: _Compiled, flat: list[Any], error: Exception):
         """After jit raised: nest, move misplaced arguments, or re-raise ``error``."""
         if isinstance(error, nest.NestingFound):
-            return self._run(call, self._nested_for(call), flat)
+            nested = self._nested_for(call)  # placed anew: its mesh is not the 1-D one
+            return self._run(call, nested, self._placed(nested, call.flat, call))
         if isinstance(error, SpmdkitError):
             raise error
         # jit refuses (or trips over) an array committed to another layout: one
@@ -488,10 +490,7 @@ class _ParallelMap:
         )
         shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         jitted = jax.jit(mapped, in_shardings=shardings, donate_argnums=call.plan.donated)
-        me = jax.process_index()
-        spans = any(d.process_index != me for d in mesh.devices.flat)
-        # Each process's devices are contiguous in the mesh (see _mesh_devices).
-        row0 = next(i for i, d in enumerate(mesh.devices.flat) if d.process_index == me) if spans else 0
+        spans, row0 = _own_rows(mesh)
         return _Compiled(jitted, shardings, checked, mesh, spans_processes=spans, row0=row0)
 
     def _compile_nested(self, call: _Call) -> _Compiled:
@@ -502,17 +501,8 @@ class _ParallelMap:
             # out_axes=0: this trace only learns the levels; out_axes=None is checked later.
             jax.vmap(discover, in_axes=call.plan.axes, out_axes=0,
                      axis_name=chain[0].mesh_name, axis_size=call.n),
-            *call.flat,
+            *_local_avals(call.flat, call.plan.axes, call.n),
         )
-        if jax.process_count() > 1:
-            raise MappedAxisError(
-                fix(
-                    f"nested spmdkit.pmap calls ({nest.describe(chain)}) across "
-                    f"{jax.process_count()} processes are not supported.",
-                    "nest the maps in one process, or use one map over every process's devices "
-                    "with spmdkit.Sharded for 2-D layouts.",
-                )
-            )
         sizes = [lv.size for lv in chain]
         total = int(np.prod(sizes))
         available = len(self._pool(local=True))
@@ -541,7 +531,10 @@ class _ParallelMap:
         # output of the previous nested call) is consumed where it is.
         jitted = jax.jit(mapped, donate_argnums=call.plan.donated)
         shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-        return _Compiled(jitted, shardings, checked, mesh, nested=True)
+        # Across processes the outer axis spans them (each process holds its own rows of
+        # it, every inner level within the process), as jax.pmap's one axis does.
+        spans, row0 = _own_rows(mesh)
+        return _Compiled(jitted, shardings, checked, mesh, spans_processes=spans, nested=True, row0=row0)
 
     def _call_nested(self, frame: nest.Frame, args, kwargs) -> Any:
         """Called while an outer map traces: map over the next axis of its mesh."""
@@ -664,6 +657,18 @@ def pmap(
 
 _MAPS: dict[Any, _ParallelMap] = {}
 _MAX_MAPS = 256
+
+
+def _own_rows(mesh: Mesh) -> tuple[bool, int]:
+    """Whether ``mesh`` spans processes, and this process's first index on its first axis.
+
+    Each process's devices are contiguous along the first axis (see _mesh_devices)."""
+    me = jax.process_index()
+    devices = list(mesh.devices.flat)
+    if all(d.process_index == me for d in devices):
+        return False, 0
+    first = next(i for i, d in enumerate(devices) if d.process_index == me)
+    return True, first // (len(devices) // mesh.devices.shape[0])
 
 
 def _still_fits(flat: list[Any], fast: _Fast) -> bool:

@@ -99,6 +99,18 @@ def _local_rows(local: np.ndarray, ax: int, row0: int):
     return rows
 
 
+def _local_avals(flat: list[Any], axes: tuple[int | None, ...], n: int) -> list[Any]:
+    """The arguments as one process sees them: a global array (a previous call's output,
+    across processes) becomes its shape and dtype with ``n`` rows on its mapped axis."""
+    out = []
+    for x, ax in zip(flat, axes):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable:
+            shape = x.shape if ax is None else (*x.shape[:ax], n, *x.shape[ax + 1 :])
+            x = jax.ShapeDtypeStruct(shape, x.dtype)
+        out.append(x)
+    return out
+
+
 def _move_misplaced(flat: list[Any], shardings: tuple[NamedSharding, ...]) -> list[Any] | None:
     """Leaves re-placed onto ``shardings`` where they sit on other devices; None if none do."""
     moved, changed = [], False
