@@ -208,11 +208,14 @@ def test_static_broadcasted_argnums():
     np.testing.assert_array_equal(pf(jnp.ones(4), 3.0), np.full(4, 3.0))
     np.testing.assert_array_equal(pf(jnp.ones(4), 2.0), np.full(4, 2.0))
     pf(jnp.ones(4), 2.0)
+    np.testing.assert_array_equal(pf(jnp.ones(4), 3.0), np.full(4, 3.0))  # each value's repeat path
     assert traces == [3.0, 2.0]
     with pytest.raises(spmdkit.MappedAxisError, match="not hashable"):
         pf(jnp.ones(4), [2.0])
     with pytest.raises(spmdkit.MappedAxisError, match="called with 1 positional"):
         pf(jnp.ones(4))
+    with pytest.raises(spmdkit.MappedAxisError, match="size 16 along mapped axis 0"):
+        pf(jnp.ones(16), 2.0)
 
 
 # ---- property: spmdkit.pmap == jax.vmap ----------------------------------------

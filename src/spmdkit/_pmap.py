@@ -80,7 +80,7 @@ class _Compiled(NamedTuple):
     spans_processes: bool = False  # arguments are local slices of global arrays
     nested: bool = False  # nested maps: the mesh depends on the shapes inside, so
     # by_size[n] only marks that; the code lives at by_size[(n, shapes and dtypes)]
-    row0: int = 0  # across processes: this process's first index on the mesh's first (mapped) axis
+    row0: int = 0  # across processes: this process's first index on the mesh's first axis
 
 
 class _Fast(NamedTuple):
@@ -116,7 +116,7 @@ class _ParallelMap:
         self._axis_size = axis_size
         self._donate = donate
         self._plans: dict[Any, _Plan] = {}
-        # pytree def -> _Fast, for maps without static arguments (see __call__).
+        # pytree def (and static arguments, if any) -> _Fast (see __call__).
         self._fast: dict[Any, _Fast] = {}
         # updated=(): wrapping another map must not copy its state (its __dict__) over ours.
         functools.update_wrapper(self, f, updated=())
@@ -126,10 +126,18 @@ class _ParallelMap:
         frame = nest.top()
         if frame is not None:
             return self._call_nested(frame, args, kwargs)
+        static_vals: tuple[Any, ...] = ()
+        dyn_args = args
         if self._static:
-            return self._call_checked(self._prepare(args, kwargs))
-        flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        fast = self._fast.get(treedef)
+            if self._static[-1] >= len(args):  # too few arguments: the checked path says so
+                return self._call_checked(self._prepare(args, kwargs))
+            static_vals = tuple(args[i] for i in self._static)
+            dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static)
+        flat, treedef = jax.tree_util.tree_flatten((dyn_args, kwargs))
+        try:
+            fast = self._fast.get((treedef, static_vals) if self._static else treedef)
+        except TypeError:  # an unhashable static argument: the checked path says so
+            fast = None
         if fast is None or not _still_fits(flat, fast):
             return self._call_checked(self._prepare(args, kwargs, (flat, treedef)))
         # A structure validated before, mapped sizes unchanged: nothing left to check
@@ -139,24 +147,24 @@ class _ParallelMap:
         try:
             out = compiled.jitted(*placed)
         except Exception as e:
-            call = _Call(fast.plan, flat, treedef, (), fast.n)
+            call = _Call(fast.plan, flat, treedef, static_vals, fast.n)
             out, compiled = self._recover(call, compiled, placed, e)
             if compiled is not fast.compiled:  # the function nests after all: validate again
-                self._fast.pop(treedef, None)
+                self._fast.pop((treedef, static_vals) if self._static else treedef, None)
         if compiled.checked is None:
             return out
-        return self._finish(compiled, out, _Call(fast.plan, flat, treedef, (), fast.n))
+        return self._finish(compiled, out, _Call(fast.plan, flat, treedef, static_vals, fast.n))
 
     def _call_checked(self, call: _Call) -> Any:
         """The validating path: the first call of a structure, or one whose sizes changed."""
         compiled = self._compiled(call)
         out, compiled = self._run(call, compiled, self._placed(compiled, call.flat, call))
         out = self._finish(compiled, out, call)
-        if not self._static:
-            self._fast[call.treedef] = _Fast(
-                call.plan, compiled, call.n, tuple((i, call.plan.axes[i]) for i in call.plan.mapped),
-                compiled.spans_processes, _signature(call.flat) if compiled.nested else None,
-            )
+        key = (call.treedef, call.static_vals) if self._static else call.treedef
+        self._fast[key] = _Fast(
+            call.plan, compiled, call.n, tuple((i, call.plan.axes[i]) for i in call.plan.mapped),
+            compiled.spans_processes, _signature(call.flat) if compiled.nested else None,
+        )
         return out
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:

@@ -66,11 +66,11 @@ def _same_everywhere(x: jax.Array, names: list[Hashable]) -> jax.Array:
 def _to_global(flat: list[Any], axes: tuple[int | None, ...], compiled: Any) -> list[Any]:
     """Across processes: each process's local slices become one global array.
 
-    ``compiled`` holds the map's shardings and ``row0``, the first global row (device)
-    of this process along the mapped axis. ``jax.make_array_from_callback`` with that
-    offset does what ``jax.make_array_from_process_local_data`` does for this layout
-    (one row per device, each process's devices contiguous) at a third of its Python
-    cost per call.
+    ``compiled`` holds the map's shardings and ``row0``, this process's first index
+    along the mapped axis (the mesh's first axis). ``jax.make_array_from_callback``
+    with that offset does what ``jax.make_array_from_process_local_data`` does for this
+    layout (one index per device row, each process's rows contiguous) at a third or
+    less of its Python cost per call.
     """
     out = []
     count = None

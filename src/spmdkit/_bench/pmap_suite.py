@@ -221,10 +221,10 @@ def _worker(quick: bool, rounds: int) -> None:
 def overhead(calls: int = 2000, rounds: int = 7) -> dict[str, float] | None:
     """Per-call Python overhead in microseconds: each map's time per call of ``x + 1``
     on ``[n, 4]`` minus the time of the jitted program spmdkit.pmap runs (fed a
-    placed argument): fastest rounds, and the median of paired rounds, rounds rotating. No collective, so under
-    ``spmdkit launch`` every process times only its own dispatch. A figure that
-    survives a busy machine far better than the suite's ratios: the work timed is
-    the same few microseconds of Python in every case."""
+    placed argument), from the fastest rounds and as the median of paired rounds,
+    rounds rotating. No collective, so under ``spmdkit launch`` every process times
+    only its own dispatch. It survives a busy machine far better than the suite's
+    ratios: the work timed is the same few microseconds of Python in every case."""
     n = jax.local_device_count()
     host = np.ones((n, 4), np.float32)
     sp, jp = spmd_pmap(lambda x: x + 1, axis_name="i"), jax.pmap(lambda x: x + 1, axis_name="i")
@@ -263,8 +263,11 @@ if __name__ == "__main__":
     elif "--overhead" in sys.argv:
         # python -m spmdkit._bench.pmap_suite --overhead [calls rounds]; across processes:
         # spmdkit launch -n 2 --host-devices-per-process 1 -- python -m ... --overhead
+        from spmdkit._devices import host_devices_from_env, use_host_devices
         from spmdkit._launch import initialize_distributed
 
+        if host_devices_from_env():  # spmdkit launch --host-devices-per-process N sets it
+            use_host_devices(host_devices_from_env())
         initialize_distributed()  # a single process unless started by spmdkit launch
         nums = [int(a) for a in sys.argv[1:] if a.isdigit()]
         result = overhead(*nums)
