@@ -105,6 +105,10 @@ def main() -> None:
     np.testing.assert_array_equal(local_block(grid(local)), results["spmdkit/nested"])  # repeat
     results["spmdkit/nested chained"] = local_block(grid(out))  # a global output fed back
     np.testing.assert_array_equal(local_block(grid(out)), results["spmdkit/nested chained"])
+    # Three levels: [per // 4, 2, 2] per process, an [n // 4, 2, 2] grid in all.
+    cube = spmdkit.pmap(spmdkit.pmap(spmdkit.pmap(
+        lambda v: jax.lax.psum(v, ("a", "c")) + jax.lax.axis_index("b") + jax.lax.pmean(v, "a"), "c"), "b"), "a")
+    results["spmdkit/nested 3 levels"] = local_block(cube(X[rows].reshape(per // 4, 2, 2, 3)))
     np.savez(out_path, **results)
     print("done", pid, jax.device_count(), file=sys.stderr)
 
