@@ -41,7 +41,7 @@ def test_digits_cnn_shapes():
 
 
 def test_get_task_unknown():
-    with pytest.raises(spmdkit.ConfigError, match=r"(?s)task='cifar' is not known.*\['digits', 'linreg', 'mlp', 'mnist'\]"):
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)task='cifar' is not known.*\['digits', 'linreg', 'lm', 'mlp', 'mnist'\]"):
         spmdkit.get_task("cifar")
 
 

@@ -188,14 +188,19 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, where: str, logical:
             )
 
 
-# Complete over the vocabulary of the built-in models (batch, embed, hidden, layer):
-# a name that is left unsharded is written as None, so nothing falls through.
+# Complete over the vocabulary of the built-in models (batch, embed, hidden, layer for
+# mlp; length, heads, kv, mlp, vocab, layers for lm): a name that is left unsharded is
+# written as None, so nothing falls through. Tensor parallelism splits the lm's
+# attention heads, MLP width and vocabulary over "model", like the mlp's hidden width.
+_UNSHARDED_LM = {"length": None, "kv": None, "layers": None}
+_TP_LM = {"heads": "model", "mlp": "model", "vocab": "model"}
+_NO_TP_LM = {"heads": None, "mlp": None, "vocab": None}
 PRESETS: dict[str, dict[str, MeshAxes]] = {
-    "dp": {"batch": "data", "embed": None, "hidden": None, "layer": None},
-    "fsdp": {"batch": "data", "embed": "data", "hidden": None, "layer": None},
-    "tp": {"batch": None, "embed": None, "hidden": "model", "layer": None},
-    "dp+tp": {"batch": "data", "embed": None, "hidden": "model", "layer": None},
-    "fsdp+tp": {"batch": "data", "embed": "data", "hidden": "model", "layer": None},
+    "dp": {"batch": "data", "embed": None, "hidden": None, "layer": None, **_UNSHARDED_LM, **_NO_TP_LM},
+    "fsdp": {"batch": "data", "embed": "data", "hidden": None, "layer": None, **_UNSHARDED_LM, **_NO_TP_LM},
+    "tp": {"batch": None, "embed": None, "hidden": "model", "layer": None, **_UNSHARDED_LM, **_TP_LM},
+    "dp+tp": {"batch": "data", "embed": None, "hidden": "model", "layer": None, **_UNSHARDED_LM, **_TP_LM},
+    "fsdp+tp": {"batch": "data", "embed": "data", "hidden": "model", "layer": None, **_UNSHARDED_LM, **_TP_LM},
 }
 
 # The mesh each preset runs on when --mesh is not given (-1: the rest of the devices).

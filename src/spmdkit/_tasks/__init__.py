@@ -8,10 +8,10 @@ from typing import Any
 from spmdkit._errors import ConfigError, fix
 import inspect
 
-from spmdkit._tasks import digits, linreg, mlp, mnist
+from spmdkit._tasks import digits, linreg, lm, mlp, mnist
 from spmdkit._tasks._base import Task
 
-TASKS: dict[str, ModuleType] = {"linreg": linreg, "digits": digits, "mnist": mnist, "mlp": mlp}
+TASKS: dict[str, ModuleType] = {"linreg": linreg, "digits": digits, "mnist": mnist, "mlp": mlp, "lm": lm}
 
 
 def _module(name: str) -> ModuleType:

@@ -1,0 +1,263 @@
+"""A byte-level decoder-only transformer language model on real text.
+
+The model: token and learned position embeddings, ``layers`` pre-norm blocks (RMSNorm,
+causal multi-head attention, RMSNorm, GELU MLP) as one ``nn.scan``, a final RMSNorm and
+an output projection tied to the token embedding. Every parameter and activation names
+its dimensions logically (``batch``, ``length``, ``embed``, ``heads``, ``kv``, ``mlp``,
+``vocab``, ``layers``), so a rules table alone decides the layout.
+
+The text: by default the ``*.py`` files of the running interpreter's standard library
+(``sysconfig.get_paths()["stdlib"]``, without ``site-packages``), or every file under
+``text_dir``. Files are sorted by relative path; the file with sorted index ``i`` is
+held out for eval when ``i % 20 == 0``, the others are training text. Each side is the
+concatenation of its files' bytes, read in that order and cut at ``text_bytes`` bytes
+(training) and ``text_bytes // 10`` bytes (held out), so a default run reads ~1 MB.
+Examples are non-overlapping windows of ``seq_len + 1`` bytes (inputs and next-byte
+targets). Eval reports bits per byte: the mean cross-entropy in nats / ln 2.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from spmdkit._errors import ConfigError, DataError, fix
+from spmdkit._tasks._base import Task
+
+DEFAULTS = {"optimizer": "adamw", "lr": 3e-3, "steps": 200, "batch_size": 32, "eval_every": 100}
+HELD_OUT_EVERY = 20  # the file with sorted index i is held out when i % 20 == 0
+TEXT_BYTES = 1_000_000  # training bytes read by default; held-out: a tenth of that
+VOCAB = 256  # bytes
+PRECISIONS = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+# nn.remat policies by name: "full" recomputes the whole block in the backward pass,
+# "dots" keeps the matmul outputs (without a batch dimension) and recomputes the rest.
+REMAT = ("none", "full", "dots")
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Sizes and switches of the model. ``d_model`` must be a multiple of ``heads``.
+
+    Example:
+        >>> LMConfig(layers=2, d_model=64, heads=4).head_dim
+        16
+    """
+
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    seq_len: int = 64
+    mlp_ratio: int = 4
+    precision: str = "f32"  # compute dtype; parameters and optimizer state stay float32
+    remat: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "d_model", "heads", "seq_len", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(fix(f"lm: {name}={value!r} must be a whole number >= 1.",
+                                      f"e.g. --{name.replace('_', '-')} 4."))
+        if self.d_model % self.heads:
+            raise ConfigError(fix(f"lm: d_model={self.d_model} is not a multiple of heads={self.heads}.",
+                                  f"use e.g. --d-model {self.heads * max(1, self.d_model // self.heads)} "
+                                  f"or --heads {math.gcd(self.d_model, self.heads)}."))
+        if self.precision not in PRECISIONS:
+            raise ConfigError(fix(f"lm: precision={self.precision!r} is not known.",
+                                  f"choose one of {sorted(PRECISIONS)} (--precision bf16)."))
+        if self.remat not in REMAT:
+            raise ConfigError(fix(f"lm: remat={self.remat!r} is not a remat policy.",
+                                  f"choose one of {list(REMAT)} (--remat full)."))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def dtype(self):
+        return PRECISIONS[self.precision]
+
+
+def _param(module: nn.Module, name: str, init, names: tuple[str, ...], shape: tuple[int, ...]) -> jax.Array:
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+def _named(x: jax.Array, *names: str) -> jax.Array:
+    return nn.with_logical_constraint(x, names)
+
+
+class RMSNorm(nn.Module):
+    dtype: object = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(self, "scale", nn.initializers.ones, ("embed",), (x.shape[-1],))
+        x32 = x.astype(jnp.float32)  # the mean square in float32 also under bf16
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return (x32 * scale).astype(self.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm attention and MLP, both residual; ``(x, None) -> (x, None)`` for nn.scan."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x, _):
+        cfg, dt = self.cfg, self.cfg.dtype
+        dense = nn.initializers.normal(0.02)
+        out_init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.layers))
+        h = RMSNorm(dt, name="attn_norm")(x)
+        shape = (cfg.d_model, cfg.heads, cfg.head_dim)
+        q, k, v = (_named(jnp.einsum("ble,ehd->blhd", h, _param(self, n, dense, ("embed", "heads", "kv"), shape).astype(dt)),
+                          "batch", "length", "heads", "kv") for n in ("query", "key", "value"))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = _named(jax.nn.softmax(scores, axis=-1).astype(dt), "batch", "heads", "length", None)
+        attn = _named(jnp.einsum("bhqk,bkhd->bqhd", probs, v), "batch", "length", "heads", "kv")
+        w_out = _param(self, "out", out_init, ("heads", "kv", "embed"), (cfg.heads, cfg.head_dim, cfg.d_model))
+        x = _named(x + jnp.einsum("blhd,hde->ble", attn, w_out.astype(dt)), "batch", "length", "embed")
+        h = RMSNorm(dt, name="mlp_norm")(x)
+        hidden = cfg.mlp_ratio * cfg.d_model
+        w_in = _param(self, "mlp_in", dense, ("embed", "mlp"), (cfg.d_model, hidden)).astype(dt)
+        h = _named(jax.nn.gelu(h @ w_in), "batch", "length", "mlp")
+        w_mlp_out = _param(self, "mlp_out", out_init, ("mlp", "embed"), (hidden, cfg.d_model)).astype(dt)
+        return _named(x + h @ w_mlp_out, "batch", "length", "embed"), None
+
+
+def _block(cfg: LMConfig):
+    if cfg.remat == "none":
+        return Block
+    policy = {"full": jax.checkpoint_policies.nothing_saveable,
+              "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat]
+    return nn.remat(Block, policy=policy, prevent_cse=False)  # prevent_cse=False: safe inside scan
+
+
+class TransformerLM(nn.Module):
+    """``tokens (batch, length) int -> logits (batch, length, 256) float32``."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        cfg, dt = self.cfg, self.cfg.dtype
+        wte = _param(self, "token_embed", nn.initializers.normal(1.0), ("vocab", "embed"), (VOCAB, cfg.d_model))
+        wpe = _param(self, "position_embed", nn.initializers.normal(0.02), ("length", "embed"), (cfg.seq_len, cfg.d_model))
+        length = tokens.shape[1]
+        x = jnp.take(wte, tokens, axis=0) + wpe[None, :length]
+        x = _named(x.astype(dt), "batch", "length", "embed")
+        x, _ = nn.scan(_block(cfg), length=cfg.layers, variable_axes={"params": 0}, split_rngs={"params": True},
+                       metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")(x, None)
+        x = RMSNorm(dt, name="final_norm")(x)
+        logits = jnp.einsum("ble,ve->blv", x, wte.astype(dt)) / math.sqrt(cfg.d_model)
+        return _named(logits.astype(jnp.float32), "batch", "length", "vocab")
+
+
+# ---------------------------------------------------------------- text
+def stdlib_dir() -> Path:
+    """The standard library of the running interpreter (the default corpus)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def text_files(text_dir: str | Path | None = None) -> list[Path]:
+    """The corpus files, sorted by relative path: stdlib ``*.py`` or every file of ``text_dir``."""
+    if text_dir is None:
+        root = stdlib_dir()
+        files = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts
+                 and "dist-packages" not in p.relative_to(root).parts]
+        where = f"the standard library at {root}"
+    else:
+        root = Path(text_dir)
+        if not root.is_dir():
+            raise DataError(fix(f"lm: --text-dir {str(text_dir)!r} is not a directory.",
+                                "pass a directory of text files, or leave --text-dir out to train on the "
+                                "standard library's sources."))
+        files = [p for p in root.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)]
+        where = f"--text-dir {str(text_dir)!r}"
+    files = sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+    if len(files) < 2:
+        raise DataError(fix(f"lm: {where} holds {len(files)} file(s); the corpus needs at least 2 (file 0 is held out "
+                            f"for eval, as is every {HELD_OUT_EVERY}th).", "put more (non-hidden) text files in it."))
+    return files
+
+
+def _read(files: list[Path], limit: int) -> bytes:
+    parts, size = [], 0
+    for path in files:
+        if size >= limit:
+            break
+        data = path.read_bytes()[: limit - size]
+        parts.append(data)
+        size += len(data)
+    return b"".join(parts)
+
+
+def windows(text: bytes, seq_len: int, name: str) -> np.ndarray:
+    """Non-overlapping ``(n, seq_len + 1)`` uint8 windows; each byte is a target at most once."""
+    n = (len(text) - 1) // seq_len
+    if n < 1:
+        raise DataError(fix(f"lm: the {name} text has {len(text)} bytes, fewer than one window of seq_len+1 = "
+                            f"{seq_len + 1}.", "use a larger corpus or --text-bytes, or a smaller --seq-len."))
+    data = np.frombuffer(text, np.uint8)
+    starts = np.arange(n) * seq_len
+    return data[starts[:, None] + np.arange(seq_len + 1)[None, :]]
+
+
+def load_text(text_dir: str | Path | None = None, text_bytes: int = TEXT_BYTES) -> tuple[bytes, bytes]:
+    """``(train, held_out)`` bytes of the corpus with the fixed split described above."""
+    files = text_files(text_dir)
+    held = [p for i, p in enumerate(files) if i % HELD_OUT_EVERY == 0]
+    train = [p for i, p in enumerate(files) if i % HELD_OUT_EVERY != 0]
+    return _read(train, text_bytes), _read(held, max(text_bytes // 10, 1))
+
+
+# ---------------------------------------------------------------- task
+def lm_functions(cfg: LMConfig):
+    """``(model, init, loss_fn)``: ``loss_fn(params, batch, rng) -> (nats per byte, metrics)``."""
+    model = TransformerLM(cfg)
+
+    def init(rng):
+        return model.init(rng, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+
+    def loss_fn(params, batch, rng):
+        tokens = batch["tokens"].astype(jnp.int32)
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return loss, {"bits_per_byte": loss / math.log(2)}
+
+    return model, init, loss_fn
+
+
+def make(
+    data_dir: str | None = None,
+    layers: int = 2,
+    d_model: int = 64,
+    heads: int = 4,
+    seq_len: int = 64,
+    precision: str = "f32",
+    remat: str = "none",
+    text_dir: str | None = None,
+    text_bytes: int = TEXT_BYTES,
+) -> Task:
+    """The lm task. ``data_dir`` is not used (the corpus is ``text_dir``, or the stdlib)."""
+    cfg = LMConfig(layers=layers, d_model=d_model, heads=heads, seq_len=seq_len, precision=precision, remat=remat)
+    if isinstance(text_bytes, bool) or not isinstance(text_bytes, int) or text_bytes < 1:
+        raise ConfigError(fix(f"lm: text_bytes={text_bytes!r} must be a whole number >= 1.", "e.g. --text-bytes 1000000."))
+    train, held_out = load_text(text_dir, text_bytes)
+    _, init, loss_fn = lm_functions(cfg)
+    return Task(
+        name="lm",
+        init=init,
+        loss_fn=loss_fn,
+        train_data={"tokens": windows(train, seq_len, "training")},
+        eval_data={"tokens": windows(held_out, seq_len, "held-out")},
+        defaults=DEFAULTS,
+    )
