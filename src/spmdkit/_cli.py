@@ -137,11 +137,25 @@ def _add_layout_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_mlp_options(p: argparse.ArgumentParser, scan_default: object = argparse.SUPPRESS) -> None:
-    p.add_argument("--layers", type=_positive_int, help="mlp: number of DotReluDot layers (4)")
+    p.add_argument("--layers", type=_positive_int, help="mlp, lm: number of layers (mlp 4, lm 2)")
     p.add_argument("--depth", type=_positive_int, help="mlp: hidden width (512)")
     p.add_argument("--embed", type=_positive_int, help="mlp: input/output width (128)")
     p.add_argument("--no-scan", dest="scan", action="store_false", default=scan_default,
                    help="mlp: a Python loop over layers, not nn.scan")
+    _add_lm_options(p)
+
+
+def _add_lm_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d-model", type=_positive_int, help="lm: model width (64)")
+    p.add_argument("--heads", type=_positive_int, help="lm: attention heads; must divide --d-model (4)")
+    p.add_argument("--seq-len", type=_positive_int, help="lm: bytes per example (64)")
+    p.add_argument("--precision", choices=("f32", "bf16"), help="lm: compute dtype; parameters and optimizer "
+                   "state stay float32 (f32)")
+    p.add_argument("--remat", nargs="?", const="full", choices=("none", "full", "dots"),
+                   help="lm: recompute each layer in the backward pass (full), all but its matmuls (dots) (none)")
+    p.add_argument("--text-dir", metavar="DIR", help="lm: train on every file under DIR (default: the "
+                   "standard library's *.py files)")
+    p.add_argument("--text-bytes", type=_positive_int, help="lm: training bytes read (1000000; held out: a tenth)")
 
 
 def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
@@ -398,7 +412,8 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._strategies import get_strategy
     from spmdkit._tasks import get_task, task_defaults
 
-    options = {k: getattr(args, k) for k in ("layers", "depth", "embed", "scan")}
+    options = {k: getattr(args, k, None) for k in ("layers", "depth", "embed", "scan", "d_model", "heads",
+                                                  "seq_len", "precision", "remat", "text_dir", "text_bytes")}
     task = get_task(args.task, data_dir=args.data_dir, **options)
     strategy = get_strategy("sharded", mesh=args.mesh, rules=args.rules, replicate_unknown=args.replicate_unknown)
     defaults = task_defaults(args.task)

@@ -115,6 +115,14 @@ class RunConfig:
     depth: int | None = None
     embed: int | None = None
     scan: bool | None = None
+    # Task options (lm): None means the task's own default.
+    d_model: int | None = None
+    heads: int | None = None
+    seq_len: int | None = None
+    precision: str | None = None
+    remat: str | None = None
+    text_dir: str | None = None
+    text_bytes: int | None = None
     host_devices: int | None = None
     out: str = "runs/latest"
     progress: bool = True
@@ -139,6 +147,7 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "depth": (None, "depth"),
     "embed": (None, "embed"),
     "scan": (None, "scan"),
+    **{k: (None, k) for k in ("d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")},
     "host_devices": (None, "host_devices"),
     "out": (None, "out"),
     "progress": (None, "progress"),
@@ -159,9 +168,11 @@ CONFIG_KEYS = tuple(_KEYS)
 # (the string "false" is not False; 5 is not a mesh).
 _BOOLS = {"bagging", "replicate_unknown", "scan", "progress", "drop_remainder", "resume", "overwrite_checkpoints"}
 _POSITIVE = {"members", "layers", "depth", "embed", "host_devices", "steps", "epochs", "batch_size", "eval_every",
-             "eval_batch_size", "log_every", "grad_accum", "checkpoint_every", "keep"}
+             "eval_batch_size", "log_every", "grad_accum", "checkpoint_every", "keep",
+             "d_model", "heads", "seq_len", "text_bytes"}
 _FLOATS = {"lr", "momentum", "weight_decay"}
-_STRINGS = {"task", "strategy", "impl", "data_dir", "mesh", "rules", "out", "optimizer", "checkpoint_dir"}
+_STRINGS = {"task", "strategy", "impl", "data_dir", "mesh", "rules", "out", "optimizer", "checkpoint_dir",
+            "precision", "remat", "text_dir"}
 _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', "data_dir": '"data/mnist"',
              "checkpoint_dir": '"ck"'}
 
@@ -266,12 +277,14 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         raise ConfigError(fix(f"invalid option value: {e}.", "check the types in the config file.")) from None
 
 
+LM_OPTIONS = ("d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")
 _FLAG_OF = {where: key for key, where in _KEYS.items()}
 
 
 def task_options(run: RunConfig) -> dict[str, Any]:
     """The options of ``run`` that belong to the task (given ones only)."""
     given = {"layers": run.layers, "depth": run.depth, "embed": run.embed, "scan": run.scan}
+    given.update({k: getattr(run, k) for k in LM_OPTIONS})
     return {k: v for k, v in given.items() if v is not None}
 
 
