@@ -12,8 +12,8 @@ The text: by default the ``*.py`` files of the running interpreter's standard li
 held out for eval when ``i % 20 == 0``, the others are training text. Each side is the
 concatenation of its files' bytes, read in that order and cut at ``text_bytes`` bytes
 (training) and ``text_bytes // 10`` bytes (held out), so a default run reads ~1 MB.
-Examples are non-overlapping windows of ``seq_len + 1`` bytes (inputs and next-byte
-targets). Eval reports bits per byte: the mean cross-entropy in nats / ln 2.
+Examples are windows of ``seq_len + 1`` bytes (inputs and next-byte targets) at a
+stride of ``seq_len``, so each byte is a target once. Eval reports bits per byte: the mean cross-entropy in nats / ln 2.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def _read(files: list[Path], limit: int) -> bytes:
 
 
 def windows(text: bytes, seq_len: int, name: str) -> np.ndarray:
-    """Non-overlapping ``(n, seq_len + 1)`` uint8 windows; each byte is a target at most once."""
+    """``(n, seq_len + 1)`` uint8 windows at a stride of ``seq_len``: each byte is a target once."""
     n = (len(text) - 1) // seq_len
     if n < 1:
         raise DataError(fix(f"lm: the {name} text has {len(text)} bytes, fewer than one window of seq_len+1 = "

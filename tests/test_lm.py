@@ -1,0 +1,143 @@
+"""The lm task: a byte-level transformer on the stdlib sources, on every layout."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._tasks import lm
+
+# A tiny model (8 heads so that tp over 8 devices splits them) on 20 kB of text.
+SIZES = dict(layers=2, d_model=32, heads=8, seq_len=16, text_bytes=20_000)
+CONFIG = spmdkit.TrainConfig(steps=6, batch_size=16, eval_every=1000)
+LAYOUTS = [("dp", {"data": 8}), ("fsdp", {"data": 8}), ("tp", {"model": 8}), ("fsdp+tp", {"data": 2, "model": 4})]
+# Float32 sums in other orders on other layouts; Adam turns ~1e-7 gradient differences
+# into ~1e-6 in the update.
+TOLERANCE = 1e-5
+
+
+def _fit(task, strategy, config=CONFIG, **kw):
+    return spmdkit.fit(task, strategy, optax.adamw(3e-3), config, progress=False, log=lambda m: None, **kw)
+
+
+def _sharded(rules):
+    return spmdkit.Sharded(spmdkit.make_mesh(**dict(LAYOUTS)[rules]), rules)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return lm.make(**SIZES)
+
+
+@pytest.fixture(scope="module")
+def one_device(task):
+    return _fit(task, spmdkit.Single())
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp(task):
+    return _fit(task, _sharded("fsdp+tp"))
+
+
+def test_data_is_the_stdlib_split_into_windows(task):
+    files = lm.text_files()
+    assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
+    train, held = lm.load_text(text_bytes=20_000)
+    assert len(train) == 20_000 and len(held) == 2_000
+    assert task.num_train == (20_000 - 1) // 16 and task.num_eval == (2_000 - 1) // 16
+    # The first held-out file (sorted index 0) opens the held-out text; training starts at index 1.
+    assert held.startswith(files[0].read_bytes()[:100]) and train.startswith(files[1].read_bytes()[:100])
+    # Windows overlap by one byte: the last target of one is the first input of the next.
+    tokens = task.train_data["tokens"]
+    assert tokens.dtype == np.uint8 and (tokens[:-1, -1] == tokens[1:, 0]).all()
+
+
+@pytest.mark.parametrize("rules", [r for r, _ in LAYOUTS])
+def test_every_layout_trains_to_the_one_device_parameters(task, one_device, fsdp_tp, rules):
+    result = fsdp_tp if rules == "fsdp+tp" else _fit(task, _sharded(rules))
+    assert result.summary["rules"] == rules and result.summary["device_count"] == 8
+    for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(one_device.params), strict=True):
+        assert a.shape == b.shape and float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= TOLERANCE
+    bpb = result.summary["eval_bits_per_byte"]
+    assert bpb == pytest.approx(one_device.summary["eval_bits_per_byte"], rel=1e-5)
+    assert bpb == pytest.approx(result.summary["eval_loss"] / np.log(2), rel=1e-6)
+
+
+def test_resume_is_bit_equal(task, fsdp_tp, tmp_path):
+    half = spmdkit.TrainConfig(steps=3, batch_size=16, eval_every=1000)
+    _fit(task, _sharded("fsdp+tp"), half, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=3))
+    resumed = _fit(task, _sharded("fsdp+tp"), checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=3, resume=True))
+    assert resumed.summary["resumed_from_step"] == 3 and resumed.summary["steps"] == 6
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(fsdp_tp.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_training_lowers_held_out_bits_per_byte(task):
+    untrained = jax.jit(task.loss_fn)(task.init(jax.random.key(0)), task.eval_data, None)[1]["bits_per_byte"]
+    config = spmdkit.TrainConfig(steps=40, batch_size=16, eval_every=1000)
+    result = spmdkit.fit(task, spmdkit.Single(), optax.adamw(1e-2), config, progress=False, log=lambda m: None)
+    trained = result.summary["eval_bits_per_byte"]
+    # Untrained: ~8.8 bits (worse than uniform's 8); 40 steps reach ~4.9 bits.
+    assert 7.5 < float(untrained) < 10 and trained < float(untrained) - 2.5, (float(untrained), trained)
+
+
+def test_bf16_with_remat_runs_sharded_and_stays_near_float32(fsdp_tp):
+    task = lm.make(**SIZES, precision="bf16", remat="full")
+    params = jax.tree.leaves(task.init(jax.random.key(0)))
+    assert all(p.dtype == np.float32 for p in params)  # parameters (and so Adam's moments) stay float32
+    result = _fit(task, _sharded("fsdp+tp"))
+    assert all(np.isfinite(np.asarray(p)).all() and p.dtype == np.float32 for p in jax.tree.leaves(result.params))
+    bpb = result.summary["eval_bits_per_byte"]
+    assert np.isfinite(bpb) and bpb == pytest.approx(fsdp_tp.summary["eval_bits_per_byte"], abs=0.05)
+
+
+def test_remat_computes_the_same_loss_gradients(task):
+    sizes = dict(layers=2, d_model=32, heads=8, seq_len=16)
+    _, init, loss_fn = lm.lm_functions(lm.LMConfig(**sizes))
+    params, batch = init(jax.random.key(1)), jax.tree.map(lambda x: x[:4], task.train_data)
+    grad = lambda f: jax.jit(jax.grad(lambda p: f(p, batch, None)[0]))(params)  # noqa: E731
+    plain = jax.tree.leaves(grad(loss_fn))
+    for remat in ("full", "dots"):
+        remat_loss = lm.lm_functions(lm.LMConfig(**sizes, remat=remat))[2]
+        for a, b in zip(plain, jax.tree.leaves(grad(remat_loss)), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_every_lm_name_needs_a_rule(task):
+    rules = dict(spmdkit.PRESETS["fsdp+tp"])
+    del rules["heads"]
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), rules)
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)\['layers'\]\['key'\].*logical axis 'heads'"):
+        strategy.plan(task.init, optax.adamw(1e-3))
+
+
+def test_own_text_dir(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"held out " * 10)
+    (tmp_path / "b.txt").write_bytes(b"to train " * 20)
+    (tmp_path / ".hidden").write_bytes(b"never read")
+    train, held = lm.load_text(tmp_path)
+    assert train == b"to train " * 20 and held == b"held out " * 10
+    assert lm.make(**{**SIZES, "text_bytes": 1000}, text_dir=str(tmp_path)).num_eval == (90 - 1) // 16
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(text_dir="/no/such/dir"), r"--text-dir '/no/such/dir' is not a directory"),
+        (dict(d_model=30, heads=8), r"d_model=30 is not a multiple of heads=8"),
+        (dict(precision="fp16"), r"(?s)precision='fp16' is not known.*bf16"),
+        (dict(remat="some"), r"remat='some' is not a remat policy"),
+        (dict(seq_len=4096, text_bytes=100), r"fewer than one window of seq_len\+1 = 4097"),
+    ],
+)
+def test_bad_options_are_clean_errors(kw, match):
+    with pytest.raises(spmdkit.SpmdkitError, match=match):
+        lm.make(**kw)
+
+
+def test_empty_text_dir(tmp_path):
+    with pytest.raises(spmdkit.DataError, match=r"holds 0 file\(s\); the corpus needs at least 2"):
+        lm.make(text_dir=str(tmp_path))
