@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import optax
 import pytest
 
 import spmdkit
+from spmdkit._cli import main
+from spmdkit._sample import load_lm
 from spmdkit._tasks import lm
 
 # A tiny model (8 heads so that tp over 8 devices splits them) on 20 kB of text.
@@ -73,6 +77,32 @@ def test_resume_is_bit_equal(task, fsdp_tp, tmp_path):
     assert resumed.summary["resumed_from_step"] == 3 and resumed.summary["steps"] == 6
     for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(fsdp_tp.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Sampling reads the newest step (6); a run from Python saved no options, so sizes are given.
+    sizes = {k: v for k, v in SIZES.items() if k != "text_bytes"}
+    greedy = spmdkit.sample(tmp_path, "def ", length=5, **sizes)
+    model, params, step = load_lm(tmp_path, **sizes)
+    assert step == 6 and len(greedy) == 5
+    logits = model.apply({"params": params}, np.frombuffer(b"def ", np.uint8).astype(np.int32)[None])
+    assert greedy[0] == int(np.argmax(logits[0, -1]))
+    assert spmdkit.sample(tmp_path, "def ", length=5, temperature=1.0, seed=3, **sizes) == \
+        spmdkit.sample(tmp_path, "def ", length=5, temperature=1.0, seed=3, **sizes)
+
+
+def test_train_and_sample_from_the_command_line(tmp_path, capsys):
+    flags = ["--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8",
+             "--text-bytes", "4000", "--steps", "2", "--no-progress", "--no-compile-cache"]
+    assert main(["train", *flags, "--precision", "bf16", "--remat", "--out", str(tmp_path / "run"),
+                 "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["precision"] == "bf16" and summary["config"]["remat"] == "full"
+    assert 0 < summary["eval_bits_per_byte"] < 12
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint-dir", str(tmp_path / "ck"), "--prompt", "import", "--length", "7",
+                 "--no-compile-cache"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("import") and len(printed.encode()) >= len("import") + 1
+    assert main(["sample", "--checkpoint-dir", str(tmp_path / "none")]) == 2
+    assert "does not exist" in " ".join(capsys.readouterr().err.split())
 
 
 def test_training_lowers_held_out_bits_per_byte(task):

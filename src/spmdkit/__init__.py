@@ -59,6 +59,7 @@ from spmdkit._train import (
 from spmdkit._checkpoint import CheckpointSaveError
 from spmdkit._train._artifacts import ArtifactError
 from spmdkit._train._validate import TaskError, validate_task
+from spmdkit._sample import sample
 
 __version__ = "0.1.0"
 
@@ -112,6 +113,7 @@ __all__ = [
     "disable_compile_cache",
     "enable_compile_cache",
     "fit",
+    "sample",
     "get_strategy",
     "get_task",
     "initialize",

@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="when a process fails, restart all from the last good checkpoint up to N times (0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
+    p = sub.add_parser("sample", parents=[common], help="generate text with a --task lm checkpoint")
+    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the --checkpoint-dir of a --task lm run")
+    p.add_argument("--prompt", default="", help="text to continue (default: a newline)")
+    p.add_argument("--length", type=_positive_int, default=200, help="bytes to generate (200)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: the most likely byte (greedy); > 0: sample (0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (0)")
+    p.add_argument("--step", type=int, help="which checkpoint step (default: the newest)")
     p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
     p.add_argument("directory", help="a --checkpoint-dir")
     p.add_argument("--verify", action="store_true", help="compare every file's CRC-32 with the step's manifest "
@@ -455,6 +462,14 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     return EXIT_DAMAGED if damaged else 0
 
 
+def _cmd_sample(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._sample import sample
+
+    out = sample(args.checkpoint_dir, args.prompt, args.length, args.temperature, args.seed, args.step)
+    sys.stdout.write(args.prompt + out.decode("utf-8", errors="replace") + "\n")
+    return 0
+
+
 def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._launch import launch
 
@@ -470,6 +485,7 @@ _COMMANDS = {
     "demo": _cmd_demo,
     "bench": _cmd_bench,
     "train": _cmd_train,
+    "sample": _cmd_sample,
 }
 
 

@@ -1,0 +1,101 @@
+"""Generate bytes with an lm checkpoint written by ``spmdkit train --task lm``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer
+from spmdkit._config import OptimizerConfig
+from spmdkit._errors import ConfigError, fix
+from spmdkit._strategies import get_strategy
+from spmdkit._tasks import lm, task_defaults
+from spmdkit._tasks._base import Task
+from spmdkit._train._steps import task_state
+
+_MODEL_KEYS = ("layers", "d_model", "heads", "seq_len", "precision", "remat")
+
+
+def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
+    steps = ckpt.steps()
+    if not steps:
+        raise CheckpointError(fix(f"{ckpt.directory} holds no spmdkit checkpoints.",
+                                  "pass the --checkpoint-dir of a `spmdkit train --task lm` run."))
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointError(fix(f"{ckpt.directory} has no step {step}; it has {steps}.", f"pass --step {steps[-1]}."))
+    return step
+
+
+def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -> tuple[lm.TransformerLM, Any, int]:
+    """``(model, params, step)`` of an lm checkpoint; sizes and optimizer from its saved options.
+
+    ``model`` overrides the saved sizes (``layers=``, ``d_model=``...): a run started
+    from Python has no saved options, so its sizes must be given here.
+    """
+    if not Path(checkpoint_dir).is_dir():
+        raise CheckpointError(fix(f"checkpoint directory {str(checkpoint_dir)!r} does not exist.",
+                                  "pass the --checkpoint-dir of a `spmdkit train --task lm` run."))
+    ckpt = Checkpointer(CheckpointConfig(str(checkpoint_dir)), log=lambda m: None)
+    step = _newest_step(ckpt, step)
+    meta = ckpt.meta(step)
+    if meta.get("task") != "lm":
+        raise ConfigError(fix(f"the checkpoint at step {step} in {checkpoint_dir} is of task {meta.get('task')!r}, not lm.",
+                              "sample from a `spmdkit train --task lm` checkpoint."))
+    options = {**task_defaults("lm"), **(meta.get("config") or {})}
+    cfg = lm.LMConfig(**{k: options[k] for k in _MODEL_KEYS if options.get(k) is not None}, **model)
+    optimizer = OptimizerConfig(**{name: options[key] for key, name in (("optimizer", "name"), ("lr", "lr"),
+                                   ("momentum", "momentum"), ("weight_decay", "weight_decay")) if key in options})
+    model_def, init, loss_fn = lm.lm_functions(cfg)
+    shell = Task(name="lm", init=init, loss_fn=loss_fn, train_data={"tokens": np.zeros((1, cfg.seq_len + 1), np.uint8)})
+    strategy = get_strategy("single")
+    make_state = task_state(shell, optimizer.build())
+    key = jax.random.key(0)  # only the shapes of the state are taken from it
+    target = strategy.abstract(make_state, key, unbox=True)
+    ckpt.check_target(step, target)
+    state, _ = ckpt.restore(step, target)
+    return model_def, state.params, step
+
+
+def sample(
+    checkpoint_dir: str | Path,
+    prompt: str | bytes = "",
+    length: int = 200,
+    temperature: float = 0.0,
+    seed: int = 0,
+    step: int | None = None,
+    **model: Any,
+) -> bytes:
+    """``length`` bytes that an lm checkpoint continues ``prompt`` with.
+
+    ``temperature=0`` takes the most likely byte each time (greedy); above 0 it samples
+    from the softmax of ``logits / temperature`` with keys from ``seed``. The model sees
+    the last ``seq_len`` bytes; an empty prompt starts from a newline.
+    """
+    if length < 0 or temperature < 0:
+        raise ConfigError(fix(f"length={length}, temperature={temperature}: both must be >= 0.",
+                              "e.g. --length 200 --temperature 0.8."))
+    model_def, params, _ = load_lm(checkpoint_dir, step, **model)
+    seq_len = model_def.cfg.seq_len
+    text = bytearray(prompt.encode() if isinstance(prompt, str) else prompt) or bytearray(b"\n")
+
+    @jax.jit
+    def next_byte(params, window, last, key):
+        logits = model_def.apply({"params": params}, window)[0, last]
+        if temperature == 0:
+            return jnp.argmax(logits)
+        return jax.random.categorical(key, logits / temperature)
+
+    base = jax.random.key(seed)
+    out = bytearray()
+    for i in range(length):
+        context = (text + out)[-seq_len:]
+        window = np.zeros((1, seq_len), np.int32)  # causal: what follows `last` is never seen
+        window[0, : len(context)] = np.frombuffer(bytes(context), np.uint8)
+        out.append(int(next_byte(params, window, len(context) - 1, jax.random.fold_in(base, i))))
+    return bytes(out)
