@@ -48,7 +48,10 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
         raise ConfigError(fix(f"the checkpoint at step {step} in {checkpoint_dir} is of task {meta.get('task')!r}, not lm.",
                               "sample from a `spmdkit train --task lm` checkpoint."))
     options = {**task_defaults("lm"), **(meta.get("config") or {})}
-    cfg = lm.LMConfig(**{k: options[k] for k in _MODEL_KEYS if options.get(k) is not None}, **model)
+    unknown = sorted(set(model) - set(_MODEL_KEYS))
+    if unknown:
+        raise ConfigError(fix(f"sample: {unknown} are not lm sizes.", f"pass only {list(_MODEL_KEYS)}."))
+    cfg = lm.LMConfig(**{**{k: options[k] for k in _MODEL_KEYS if options.get(k) is not None}, **model})
     optimizer = OptimizerConfig(**{name: options[key] for key, name in (("optimizer", "name"), ("lr", "lr"),
                                    ("momentum", "momentum"), ("weight_decay", "weight_decay")) if key in options})
     model_def, init, loss_fn = lm.lm_functions(cfg)
