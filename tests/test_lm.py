@@ -17,7 +17,8 @@ from spmdkit._tasks import lm
 # A tiny model (8 heads so that tp over 8 devices splits them) on 20 kB of text.
 SIZES = dict(layers=2, d_model=32, heads=8, seq_len=16, text_bytes=20_000)
 CONFIG = spmdkit.TrainConfig(steps=6, batch_size=16, eval_every=1000)
-LAYOUTS = [("dp", {"data": 8}), ("fsdp", {"data": 8}), ("tp", {"model": 8}), ("fsdp+tp", {"data": 2, "model": 4})]
+LAYOUTS = [("dp", {"data": 8}), ("fsdp", {"data": 8}), ("tp", {"model": 8}), ("fsdp+tp", {"data": 2, "model": 4}),
+           ("fsdp+sp", {"data": 2, "model": 4})]
 # Float32 sums in other orders on other layouts; Adam turns ~1e-7 gradient differences
 # into ~1e-6 in the update.
 TOLERANCE = 1e-5

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", metavar="AXES", help="mesh, e.g. data=2,model=4 (default: the rules' preset mesh)")
-    p.add_argument("--rules", metavar="RULES", help="sharded: dp, fsdp, tp, dp+tp, fsdp+tp, a TOML file, or batch=data,hidden=model")
+    p.add_argument("--rules", metavar="RULES", help="sharded: dp, fsdp, tp, dp+tp, fsdp+tp, fsdp+sp, a TOML file, or batch=data,hidden=model")
     p.add_argument("--replicate-unknown", action="store_true", help="sharded: replicate logical names with no rule")
 
 

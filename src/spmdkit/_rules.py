@@ -201,6 +201,10 @@ PRESETS: dict[str, dict[str, MeshAxes]] = {
     "tp": {"batch": None, "embed": None, "hidden": "model", "layer": None, **_UNSHARDED_LM, **_TP_LM},
     "dp+tp": {"batch": "data", "embed": None, "hidden": "model", "layer": None, **_UNSHARDED_LM, **_TP_LM},
     "fsdp+tp": {"batch": "data", "embed": "data", "hidden": "model", "layer": None, **_UNSHARDED_LM, **_TP_LM},
+    # Sequence parallel: the lm's activations split along the sequence over "model" (and
+    # the position embedding with them), parameters FSDP-style over "data".
+    "fsdp+sp": {"batch": "data", "embed": "data", "hidden": None, "layer": None, **_UNSHARDED_LM, **_NO_TP_LM,
+                "length": "model"},
 }
 
 # The mesh each preset runs on when --mesh is not given (-1: the rest of the devices).
@@ -210,6 +214,7 @@ DEFAULT_MESH: dict[str, dict[str, int]] = {
     "tp": {"model": -1},
     "dp+tp": {"data": 2, "model": -1},
     "fsdp+tp": {"data": 2, "model": -1},
+    "fsdp+sp": {"data": 2, "model": -1},
 }
 
 
