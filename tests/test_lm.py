@@ -172,3 +172,18 @@ def test_bad_options_are_clean_errors(kw, match):
 def test_empty_text_dir(tmp_path):
     with pytest.raises(spmdkit.DataError, match=r"holds 0 file\(s\); the corpus needs at least 2"):
         lm.make(text_dir=str(tmp_path))
+
+
+def test_lm_options_from_a_config_file(tmp_path):
+    from spmdkit._config import build_run_config, load_toml, task_options
+
+    path = tmp_path / "lm.toml"
+    path.write_text('task = "lm"\nd-model = 32\nheads = 8\nseq-len = 16\nprecision = "bf16"\nremat = "dots"\n'
+                    'text-bytes = 5000\n')
+    options = task_options(build_run_config(load_toml(str(path))))
+    assert options == {"d_model": 32, "heads": 8, "seq_len": 16, "precision": "bf16", "remat": "dots", "text_bytes": 5000}
+    path.write_text('task = "lm"\nheads = "8"\n')
+    with pytest.raises(spmdkit.ConfigError, match=r"heads = '8' \(str\) must be a whole number"):
+        load_toml(str(path))
+    with pytest.raises(spmdkit.ConfigError, match=r"task 'mlp' does not take option\(s\) \['text_dir'\]"):
+        spmdkit.get_task("mlp", text_dir="corpus")
