@@ -152,7 +152,8 @@ class TransformerLM(nn.Module):
         wte = _param(self, "token_embed", nn.initializers.normal(1.0), ("vocab", "embed"), (VOCAB, cfg.d_model))
         wpe = _param(self, "position_embed", nn.initializers.normal(0.02), ("length", "embed"), (cfg.seq_len, cfg.d_model))
         length = tokens.shape[1]
-        x = jnp.take(wte, tokens, axis=0) + wpe[None, :length]
+        # A one-hot product, not a gather: with vocab and embed both split it partitions cleanly.
+        x = jax.nn.one_hot(tokens, VOCAB, dtype=wte.dtype) @ wte + wpe[None, :length]
         x = _named(x.astype(dt), "batch", "length", "embed")
         x, _ = nn.scan(_block(cfg), length=cfg.layers, variable_axes={"params": 0}, split_rngs={"params": True},
                        metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")(x, None)
