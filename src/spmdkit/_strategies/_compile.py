@@ -3,8 +3,9 @@
 A user writes ``make_state(rng)``, ``train_step(state, batch)`` and ``fn(state, batch)``
 for one device. A strategy says where the state and the batch live (a few small hooks);
 this module compiles the user's functions once per input signature with those
-shardings, places host or device batches (an uneven one whole on every device), and
-gives the model a mesh to constrain its activations against.
+shardings, places host or device batches (an uneven one whole on every device, or for a
+``rowwise`` apply padded with its last row and split), checks what the user's functions
+return while tracing, and gives the model a mesh to constrain its activations against.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def as_key(rng: Any, argument: str = "rng") -> jax.Array:
 
 def batch_rows(batch: Batch, argument: str = "batch") -> int:
     """The number of examples of a batch: every leaf's leading axis, all equal."""
+    # Fast path (every call of a step): arrays whose leading sizes agree.
+    shapes = [getattr(x, "shape", None) for x in jax.tree.leaves(batch)]
+    if shapes and all(shapes) and len({shape[0] for shape in shapes}) == 1:
+        return shapes[0][0]
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise BatchSizeError(fix(f"{argument} holds no arrays.", f"pass e.g. {argument}={{'x': x, 'y': y}}."))
@@ -385,7 +390,10 @@ class CompiledStep:
         # the same single-device program, so the result is exact (only less parallel).
         placed = place(batch, s._batch_sharding_for(self.kind, even))
         leaves, treedef = jax.tree.flatten(state)
-        _check_not_deleted(state, leaves, self.donate)
+        if self.donate:
+            _DONATING[0] = True
+        if _DONATING[0]:  # only a donating step deletes a state's arrays: others pay nothing
+            _check_not_deleted(state, leaves)
         s._check_state(state, leaves)
 
         def run():
@@ -415,7 +423,10 @@ def pad_rows(batch: Batch, n: int, rows: int) -> Batch:
     return jax.tree.map(one, batch)
 
 
-def _check_not_deleted(state: State, leaves: list[Any], donating: bool) -> None:
+_DONATING = [False]  # has any step of this process been built with donate=True and called?
+
+
+def _check_not_deleted(state: State, leaves: list[Any]) -> None:
     """Refuse a state whose arrays were deleted (donated): JAX would raise, or crash."""
     for x in leaves:
         if isinstance(x, jax.Array) and x.is_deleted():
@@ -501,6 +512,8 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
 
 def _check_per_example(out: Any, n: int, axis: int) -> None:
     """Every output leaf of ``apply`` has the batch's ``n`` examples on ``axis``."""
+    if all(np.ndim(x) > axis and x.shape[axis] == n for x in jax.tree.leaves(out)):
+        return
 
     def one(path, x):
         if np.ndim(x) <= axis or x.shape[axis] != n:
