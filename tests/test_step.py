@@ -340,6 +340,8 @@ def test_rowwise_apply_pads_an_uneven_batch_runs_split_and_equals_single(rows):
         assert seen and seen[-1] % strategy.batch_shards == 0 and seen[-1] > rows  # padded, so split
     with pytest.raises(TypeError, match="rowwise"):
         spmdkit.DataParallel().apply(normalised, rowwise="yes")
+    with pytest.raises(spmdkit.BatchSizeError, match="8 rows went in"):  # the padded batch, checked before the cut
+        spmdkit.DataParallel().apply(lambda s, b: jnp.sum(b["x"]), rowwise=True)(state, {"x": x})
 
 
 def test_padding_repeats_the_last_row():

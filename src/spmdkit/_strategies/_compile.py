@@ -362,7 +362,9 @@ class CompiledStep:
         self._compiled: dict[Any, Any] = {}
         self.__wrapped__ = fn
 
-    def _build(self, state: State, even: bool):
+    def _build(self, state: State, even: bool, keep: int | None = None):
+        """The jitted program; ``keep``: a padded apply's real rows, cut inside the program
+        (one dispatch less than slicing the sharded output afterwards)."""
         s = self.strategy
         state_sh = s._state_shardings(state)
         batch_sh = s._batch_sharding_for(self.kind, even)
@@ -371,7 +373,11 @@ class CompiledStep:
 
         def run(state, batch):
             with context:
-                return lifted(state, batch)
+                out = lifted(state, batch)
+            if keep is None:
+                return out
+            _check_per_example(out, batch_rows(batch), s._row_axis, padded_from=keep)
+            return jax.tree.map(lambda x: jax.lax.slice_in_dim(x, 0, keep, axis=s._row_axis), out)
 
         out = (state_sh, s._aux_sharding()) if self.kind == "step" else s._aux_sharding()
         return jax.jit(run, in_shardings=(state_sh, batch_sh), out_shardings=out,
@@ -396,17 +402,17 @@ class CompiledStep:
             _check_not_deleted(state, leaves)
         s._check_state(state, leaves)
 
+        keep = n if rows != n else None
+
         def run():
-            k = (treedef, even, getattr(s, "_extra_axes", ()))
+            k = (treedef, even, getattr(s, "_extra_axes", ()), keep)
             if k not in self._compiled:
-                self._compiled[k] = self._build(state, even)
+                self._compiled[k] = self._build(state, even, keep)
             return self._compiled[k](state, placed)
 
         out = s._traced(run)
         if self.kind == "apply":
-            _check_per_example(out, rows, s._row_axis)
-            if rows != n:
-                out = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, 0, n, axis=s._row_axis), out)
+            _check_per_example(out, n, s._row_axis)
         return out
 
 
@@ -510,7 +516,7 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
     return step if kind == "step" else other
 
 
-def _check_per_example(out: Any, n: int, axis: int) -> None:
+def _check_per_example(out: Any, n: int, axis: int, padded_from: int | None = None) -> None:
     """Every output leaf of ``apply`` has the batch's ``n`` examples on ``axis``."""
     if all(np.ndim(x) > axis and x.shape[axis] == n for x in jax.tree.leaves(out)):
         return
@@ -519,7 +525,9 @@ def _check_per_example(out: Any, n: int, axis: int) -> None:
         if np.ndim(x) <= axis or x.shape[axis] != n:
             raise BatchSizeError(
                 fix(f"apply's fn returned output{jax.tree_util.keystr(path)} with shape {np.shape(x)}, "
-                    f"but a batch of {n} rows went in; apply needs per-example outputs with the examples "
+                    f"but a batch of {n} rows went in"
+                    + (f" ({padded_from} rows padded to {n} by rowwise=True)" if padded_from is not None else "")
+                    + "; apply needs per-example outputs with the examples "
                     f"on axis {axis}.",
                     "return per-example values (e.g. logits [B, C]); reduce them after apply, or use "
                     "strategy.evaluate for batch-wide values.")
