@@ -201,7 +201,7 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
         assert "target" in (tmp_path / "md" / f"{name}.md").read_text() or not report.get("targets")
 
     # Every suite that uses the method records rounds, per-round times and the load.
-    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup"):
+    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup", "step"):
         report = reports[name]
         assert report["load"]["before"]["loadavg"] and report["load"]["after"]["loadavg"]
         for run in report["timings"].values():
@@ -224,6 +224,16 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     assert [r["layout"] for r in sharded["rows"]] == ["dp", "fsdp", "tp", "dp+tp", "fsdp+tp"]
     assert all(r["compile_s"] > 0 and r["args_mib"] > 0 for r in sharded["rows"])
     assert [r["layers"] for r in sharded["compile_rows"]] == [4, 16]
+
+    step = reports["step"]
+    cases = [r["case"] for r in step["rows"]]
+    assert cases[:4] == ["step: Single", "step: DataParallel", "step: Ensemble(8, vmap)",
+                         "step: Sharded fsdp+tp, data=2,model=4"]
+    assert "transformer LM" in step["rows"][4]["model"] and step["rows"][4]["mesh"] == "data=2,model=4"
+    assert {"apply rowwise: DataParallel", "apply exact: DataParallel"} <= set(cases)
+    assert all(r["x_hand_jit"] > 0 and r["hand_ms"] > 0 for r in step["rows"])
+    assert [t["target"] for t in step["targets"]] == ["<= 1.02"] * 6 + ["<= 1.05"] * 2
+    assert "geometric mean" in step["targets"][5]["name"]
 
     ckpt = reports["checkpoint"]
     ops = [r["operation"] for r in ckpt["rows"]]

@@ -13,6 +13,7 @@ from spmdkit._bench import (
     pmap_suite,
     sharded_suite,
     startup_suite,
+    step_suite,
 )
 
 # A suite takes its quick flag and returns a report: {"suite", "machine", "rows", "targets"}.
@@ -24,4 +25,5 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "checkpoint": checkpoint_suite.run,
     "multiprocess": multiprocess_suite.run,
     "startup": startup_suite.run,
+    "step": step_suite.run,
 }
