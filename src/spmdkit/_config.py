@@ -33,6 +33,7 @@ class TrainConfig:
     log_every: int = 1
     drop_remainder: bool = False
     grad_accum: int = 1  # micro-batches per optimizer step; batch_size is their total
+    prefetch: int = 2  # batches read and put on the devices ahead of the step; 0: none
 
     def __post_init__(self) -> None:
         if self.steps is None and self.epochs is None:
@@ -52,6 +53,8 @@ class TrainConfig:
                 )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(fix(f"seed={self.seed!r} must be an int >= 0.", "e.g. seed=0."))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigError(fix(f"prefetch={self.prefetch!r} must be an int >= 0.", "e.g. prefetch=2 (--prefetch 2)."))
 
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")

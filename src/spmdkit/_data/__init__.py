@@ -1,0 +1,33 @@
+"""Training data: arrays, pipelines (iterables, Grain), the on-disk format, prefetch.
+
+Below the training loop: ``fit`` asks :func:`open_feed` for its batches; nothing here
+knows about tasks, losses or the loop.
+"""
+
+from spmdkit._data._errors import (
+    BatchError,
+    DataExhaustedError,
+    DatasetCorruptError,
+    DatasetFileError,
+    DatasetLayoutError,
+)
+from spmdkit._data._feed import ArrayFeed, PipelineFeed, is_pipeline, open_feed
+from spmdkit._data._format import is_dataset_dir, load_dataset, write_dataset
+from spmdkit._data._prefetch import Prefetch, to_devices
+
+__all__ = [
+    "ArrayFeed",
+    "BatchError",
+    "DataExhaustedError",
+    "DatasetCorruptError",
+    "DatasetFileError",
+    "DatasetLayoutError",
+    "PipelineFeed",
+    "Prefetch",
+    "is_dataset_dir",
+    "is_pipeline",
+    "load_dataset",
+    "open_feed",
+    "to_devices",
+    "write_dataset",
+]

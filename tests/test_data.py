@@ -1,0 +1,104 @@
+"""Training from pipelines: iterables, Grain, checks on the first batch and mid-run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._data import BatchError, DataExhaustedError
+
+X = np.linspace(-1, 1, 64, dtype=np.float32)
+DATA = {"x": X, "y": 3 * X + 1}
+
+
+def _task(train_data):
+    return spmdkit.Task(
+        name="line",
+        init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+        loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+        train_data=train_data,
+    )
+
+
+def _fit(train_data, steps=8, bs=16, prefetch=2, **kw):
+    config = spmdkit.TrainConfig(steps=steps, batch_size=bs, prefetch=prefetch)
+    return spmdkit.fit(_task(train_data), spmdkit.DataParallel(), optax.sgd(0.3), config, progress=False, **kw)
+
+
+def _batches(order_seed=0, bs=16):
+    order = np.random.default_rng(order_seed).permutation(64)
+    return [{"x": X[order[i:i + bs]], "y": 3 * X[order[i:i + bs]] + 1} for i in range(0, 64, bs)]
+
+
+def test_iterables_train_as_the_same_batches_as_arrays():
+    """A list, a generator, and a re-iterable: the same batches give the same parameters."""
+    batches = _batches()
+    from_list = _fit(batches, steps=8)  # two epochs of a re-iterable
+    from_gen = _fit((b for b in batches * 2), steps=8)
+    assert from_list.summary["status"] == "completed"
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(from_list.params[k], from_gen.params[k])
+    assert abs(float(from_list.params["w"]) - 3) < 1.0
+
+
+def test_a_generator_is_not_called_a_scalar_and_a_short_one_says_it_is_finite(tmp_path):
+    with pytest.raises(DataExhaustedError, match=r"one-shot iterator and ended after 4 batches"):
+        _fit(iter(_batches()), steps=6, out_dir=tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())  # nothing lost: the good part is written
+    assert summary["status"] == "failed" and summary["steps"] == 4
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_first_batch_and_mid_run_errors_name_the_leaf(prefetch):
+    bad = _batches()
+    bad[0] = {"x": bad[0]["x"][:10], "y": bad[0]["y"][:10]}
+    with pytest.raises(BatchError, match=r"batch\['x'\] has shape \(10,\); its leading \(batch\) axis must hold "
+                                         r"batch_size=16 rows"):
+        _fit(bad, prefetch=prefetch)
+    ragged = _batches()
+    ragged[2] = {"x": ragged[2]["x"][:5], "y": ragged[2]["y"][:5]}
+    with pytest.raises(BatchError, match=r"batch 2\['x'\] has shape \(5,\).*ragged"):
+        _fit(ragged, prefetch=prefetch)
+    renamed = _batches()
+    renamed[1] = {"x": renamed[1]["x"], "target": renamed[1]["y"]}
+    with pytest.raises(BatchError, match="batch 1 has structure"):
+        _fit(renamed, prefetch=prefetch)
+
+
+def test_pipeline_of_unknown_length_needs_steps():
+    def gen():
+        yield from _batches()
+    with pytest.raises(spmdkit.ConfigError, match="unknown length"):
+        spmdkit.fit(_task(gen()), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(epochs=1, batch_size=16),
+                    progress=False)
+
+
+def test_prefetch_gives_the_same_parameters_as_none():
+    a, b = _fit(DATA, steps=12, prefetch=0), _fit(DATA, steps=12, prefetch=3)
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(a.params[k], b.params[k])
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="grain needs Python >= 3.12")
+def test_grain_datasets_and_resume_of_their_iterator(tmp_path):
+    grain = pytest.importorskip("grain")
+    source = grain.MapDataset.source([{"x": X[i], "y": 3 * X[i] + 1} for i in range(64)])
+    mapped = source.shuffle(seed=1).batch(16, drop_remainder=True)
+    a = _fit(mapped, steps=10)
+    assert a.summary["status"] == "completed" and a.summary["steps"] == 10
+    iterable = mapped.to_iter_dataset()
+    whole = _fit(iterable, steps=10)  # restarted each epoch (a MapDataset re-shuffles by index instead)
+    ckpt = spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=3)
+    _fit(iterable, steps=6, checkpoint=ckpt)
+    meta = spmdkit.Checkpointer(ckpt).meta(6)
+    assert meta["data"]["batches"] == 6 and meta["data"]["iterator"] is not None
+    resumed = _fit(iterable, steps=10, checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=3,
+                                                                             resume=True))
+    assert resumed.summary["resumed_from_step"] == 6
+    np.testing.assert_array_equal(resumed.params["w"], whole.params["w"])
