@@ -85,3 +85,22 @@ def test_a_task_trains_from_a_data_set_directory(tmp_path):
     from_arrays = spmdkit.fit(task({"x": x, "y": 3 * x + 1}), spmdkit.DataParallel(), optax.sgd(0.3), config,
                               progress=False)
     np.testing.assert_array_equal(from_dir.params["w"], from_arrays.params["w"])
+
+
+def test_cli_writes_checks_and_trains_from_a_data_set(tmp_path, capsys):
+    from spmdkit._cli import main
+
+    d = tmp_path / "lin"
+    assert main(["data", "write", str(d), "--task", "linreg"]) == 0
+    assert main(["data", "check", str(d), "--verify"]) == 0
+    assert "intact (CRC-32 verified)" in capsys.readouterr().out
+    out = tmp_path / "run"
+    assert main(["train", "--task", "linreg", "--data", str(d), "--steps", "3", "--no-progress", "--out", str(out),
+                 "--prefetch", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    (d / "x.npy").unlink()
+    assert main(["train", "--task", "linreg", "--data", str(d), "--steps", "3", "--no-progress",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "x.npy" in err and "is missing" in err and "Fix:" in err
