@@ -19,6 +19,7 @@ from spmdkit._data import (
     DatasetCorruptError,
     DatasetFileError,
     DatasetLayoutError,
+    DatasetSource,
     load_dataset,
     write_dataset,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "DatasetCorruptError",
     "DatasetFileError",
     "DatasetLayoutError",
+    "DatasetSource",
     "load_dataset",
     "write_dataset",
     "ENV_HOST_DEVICES",

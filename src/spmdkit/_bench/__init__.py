@@ -9,6 +9,7 @@ from spmdkit._bench import (
     checkpoint_suite,
     data_suite,
     ensemble_suite,
+    input_suite,
     multiprocess_suite,
     pmap_suite,
     sharded_suite,
@@ -24,4 +25,5 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "checkpoint": checkpoint_suite.run,
     "multiprocess": multiprocess_suite.run,
     "startup": startup_suite.run,
+    "input": input_suite.run,
 }

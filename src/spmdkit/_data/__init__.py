@@ -12,7 +12,7 @@ from spmdkit._data._errors import (
     DatasetLayoutError,
 )
 from spmdkit._data._feed import ArrayFeed, PipelineFeed, is_pipeline, open_feed
-from spmdkit._data._format import is_dataset_dir, load_dataset, write_dataset
+from spmdkit._data._format import DatasetSource, is_dataset_dir, load_dataset, write_dataset
 from spmdkit._data._prefetch import Prefetch, to_devices
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "DatasetCorruptError",
     "DatasetFileError",
     "DatasetLayoutError",
+    "DatasetSource",
     "PipelineFeed",
     "Prefetch",
     "is_dataset_dir",

@@ -194,3 +194,44 @@ def load_dataset(directory: str | os.PathLike, *, verify: bool = False) -> dict[
 
 def is_dataset_dir(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and (Path(path) / MANIFEST).exists()
+
+
+class DatasetSource:
+    """An on-disk data set as a random-access source of examples: ``len(source)`` and
+    ``source[i]`` (one example, a dict of arrays), the protocol of Grain's
+    ``MapDataset.source``; it pickles as its directory (Grain's worker processes reopen it).
+
+    Example:
+        >>> import numpy as np, spmdkit, tempfile
+        >>> d = spmdkit.write_dataset(tempfile.mkdtemp() + "/ds", {"x": np.arange(12.0).reshape(6, 2)})
+        >>> source = spmdkit.DatasetSource(d)
+        >>> len(source), source[2]["x"].tolist()
+        (6, [4.0, 5.0])
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, verify: bool = False):
+        self.directory = Path(directory)
+        self.arrays = load_dataset(self.directory, verify=verify)
+        self._leaves = _leaves(self.arrays)
+        self._count = int(self._leaves[0][1].shape[0])
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, x in self._leaves:
+            node = out
+            for k in key[:-1]:
+                node = node.setdefault(k, {})
+            node[key[-1]] = np.asarray(x[index])
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": str(self.directory)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"])
+
+    def __repr__(self) -> str:
+        return f"DatasetSource({str(self.directory)!r}, {self._count} examples)"
