@@ -283,13 +283,21 @@ class PipelineFeed:
             yield epoch, self._place(self._check(batch, k))
 
     def state(self, step: int) -> dict[str, Any]:
-        return {"kind": self.kind, "batches": step, **self._states.get(step, {})}
+        return {"kind": self.kind, "batches": step, "processes": self.processes, **self._states.get(step, {})}
 
     def resume(self, saved: dict[str, Any] | None) -> None:
         if saved is not None and saved.get("kind") != self.kind:
             raise ConfigError(fix(f"the checkpoint was written training from {saved.get('kind')}; this run trains "
                                   "from a pipeline: the data order would differ.",
                                   "resume with the same training data, or start a new run elsewhere."))
+        then = (saved or {}).get("processes", self.processes)
+        if then != self.processes:
+            raise ConfigError(fix(
+                f"the checkpoint was written by {then} process(es) reading their own shares of a pipeline; this run "
+                f"has {self.processes}: each process's pipeline would yield other rows, so the data order would "
+                "differ from the run's.",
+                f"resume with {then} process(es), or train from arrays or an on-disk data set (--data DIR), whose "
+                "order is the same on any number of processes."))
         self._saved = saved
 
 
