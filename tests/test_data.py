@@ -179,3 +179,11 @@ def test_a_grain_data_loader_resumes_from_its_saved_state(tmp_path):
     with pytest.raises(spmdkit.ConfigError, match="written by 2 process"):
         from spmdkit._data import PipelineFeed
         PipelineFeed(loader(), 16).resume({**saved, "processes": 2})
+
+
+def test_a_function_as_data_is_named_not_called_a_scalar():
+    def make_batches():
+        return iter(_batches())
+
+    with pytest.raises(spmdkit.DataError, match=r"function 'make_batches'.*\n  Fix: pass what it returns"):
+        _task(make_batches)

@@ -104,3 +104,24 @@ def test_cli_writes_checks_and_trains_from_a_data_set(tmp_path, capsys):
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "x.npy" in err and "is missing" in err and "Fix:" in err
+
+
+def test_mnist_and_digits_are_readable_through_the_data_set_path(tmp_path):
+    from spmdkit._cli import main
+    from spmdkit._tasks import digits, get_task, mnist
+
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for which, n in (("train", 32), ("t10k", 8)):
+        mnist.write_idx(raw / f"{which}-images-idx3-ubyte", rng.integers(0, 255, (n, 28, 28)).astype(np.uint8))
+        mnist.write_idx(raw / f"{which}-labels-idx1-ubyte", rng.integers(0, 10, n).astype(np.uint8))
+    assert main(["data", "write", str(tmp_path / "mnist"), "--task", "mnist", "--data-dir", str(raw)]) == 0
+    task = get_task("mnist", data_dir=str(raw))
+    on_disk = spmdkit.load_dataset(tmp_path / "mnist")
+    for k in ("image", "label"):
+        np.testing.assert_array_equal(on_disk[k], task.train_data[k])
+    train, _ = digits.load()
+    spmdkit.write_dataset(tmp_path / "digits", train)
+    assert spmdkit.Task(name="d", init=task.init, loss_fn=task.loss_fn,
+                        train_data=str(tmp_path / "digits")).num_train == len(train["label"])

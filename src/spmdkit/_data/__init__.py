@@ -11,7 +11,7 @@ from spmdkit._data._errors import (
     DatasetFileError,
     DatasetLayoutError,
 )
-from spmdkit._data._feed import ArrayFeed, PipelineFeed, is_pipeline, open_feed
+from spmdkit._data._feed import ArrayFeed, PipelineFeed, is_pipeline, open_feed, resolve_train_data
 from spmdkit._data._format import DatasetSource, is_dataset_dir, load_dataset, write_dataset
 from spmdkit._data._prefetch import Prefetch, to_devices
 
@@ -29,6 +29,7 @@ __all__ = [
     "is_pipeline",
     "load_dataset",
     "open_feed",
+    "resolve_train_data",
     "to_devices",
     "write_dataset",
 ]

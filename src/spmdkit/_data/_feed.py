@@ -38,6 +38,20 @@ def is_pipeline(data: Any) -> bool:
     return isinstance(data, list) or hasattr(data, "__next__") or hasattr(data, "__iter__")
 
 
+def resolve_train_data(data: Any) -> Any:
+    """``data`` as ``fit`` reads it: a data set directory opened (memory maps), a pipeline
+    kept as it is, anything else left to the array checks; a function is an error."""
+    from spmdkit._data._format import load_dataset
+
+    if isinstance(data, (str, os.PathLike)):
+        return load_dataset(data)
+    if callable(data) and not is_pipeline(data) and not hasattr(data, "shape"):
+        name = getattr(data, "__name__", type(data).__name__)
+        raise DataError(fix(f"train_data is the function {name!r}; spmdkit does not guess how to call it.",
+                            f"pass what it returns: train_data={name}() (an iterable of batches), or the arrays."))
+    return data
+
+
 def num_rows(tree: Any) -> int:
     return int(np.shape(jax.tree.leaves(tree)[0])[0])
 
@@ -200,7 +214,8 @@ class PipelineFeed:
 
     def example(self) -> Any:
         if self._first is None:
-            self._pending = [self._read_first()]
+            first = self._read_first()
+            self._pending = [] if self.indexable else [first]  # not lost: trained on first
         _, spec = self._first
         shapes = [jax.ShapeDtypeStruct((self.batch_size, *s[1:]), d) for _, s, d in spec]
         return jax.tree.unflatten(self._first[0], shapes)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit._data import is_pipeline, load_dataset
+from spmdkit._data import is_pipeline, resolve_train_data
 from spmdkit._errors import DataError, fix
 from spmdkit._types import LossFn, Params, Predictor
 
@@ -73,9 +72,7 @@ class Task:
                     "pass init=lambda rng: params and loss_fn=lambda params, batch, rng: (loss, aux).",
                 )
             )
-        train = self.train_data
-        if isinstance(train, (str, os.PathLike)):
-            train = load_dataset(train)
+        train = resolve_train_data(self.train_data)
         if not is_pipeline(train):
             train = _as_numpy(train)
             check_examples(train, "train_data")

@@ -249,6 +249,9 @@ def fit(
     finish before the next (XLA:CPU deadlocks when many collective steps are queued).
     With ``out_dir`` it writes ``metrics.jsonl`` (as it goes), ``summary.json``,
     ``params.npz`` (with a stateful task, ``{"params", "model_state"}``) and ``loss.png``.
+    ``task.train_data`` may be arrays, a data set directory or a pipeline of batches
+    (a list, generator, iterator, Grain dataset or loader; see ``spmdkit._data``); with
+    ``config.prefetch`` batches are read and placed that many steps ahead by a thread.
     With ``checkpoint`` it saves every ``checkpoint.every`` steps (asynchronously) and
     at the end, and with ``checkpoint.resume`` continues from the newest intact step,
     exactly as if it had never stopped. Across several processes, a step that does not
