@@ -187,3 +187,9 @@ def test_a_function_as_data_is_named_not_called_a_scalar():
 
     with pytest.raises(spmdkit.DataError, match=r"function 'make_batches'.*\n  Fix: pass what it returns"):
         _task(make_batches)
+
+
+def test_a_first_batch_the_loss_cannot_read_is_named_before_training():
+    renamed = [{"x": b["x"], "target": b["y"]} for b in _batches()]
+    with pytest.raises(spmdkit.TaskError, match=r"failed on a batch of 16: KeyError: 'y'"):
+        _fit(renamed)

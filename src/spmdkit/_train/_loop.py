@@ -180,14 +180,7 @@ class _Plan(NamedTuple):
 def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any = None) -> _Plan:
     """The run's length and sizes, validated before anything is built."""
     bs = config.batch_size
-    if task.num_train is None:  # a pipeline: its batches' size is checked as they come
-        per_epoch = getattr(feed, "steps_per_epoch", None)
-        if per_epoch is None and config.steps is None:
-            raise ConfigError(fix(f"task {task.name!r} trains from a pipeline of unknown length, so epochs={config.epochs} "
-                                  "cannot be counted.", "give the run's length in steps (TrainConfig(steps=...); --steps)."))
-        total = config.steps if config.steps is not None else config.epochs * per_epoch
-        return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total)
-    if bs > task.num_train:
+    if task.num_train is not None and bs > task.num_train:
         raise ConfigError(
             fix(f"batch_size={bs} is larger than the training set of task {task.name!r} ({task.num_train} examples).",
                 f"use batch_size={task.num_train} or less (--batch-size).")
@@ -203,9 +196,15 @@ def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any = None) -> _
         warnings.warn(
             f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
             f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
-    per_epoch = task.num_train // bs if config.drop_remainder else math.ceil(task.num_train / bs)
+    if task.num_train is None:  # a pipeline: its length is its own (None: unknown)
+        per_epoch = getattr(feed, "steps_per_epoch", None)
+        if per_epoch is None and config.steps is None:
+            raise ConfigError(fix(f"task {task.name!r} trains from a pipeline of unknown length, so epochs={config.epochs} "
+                                  "cannot be counted.", "give the run's length in steps (TrainConfig(steps=...); --steps)."))
+    else:
+        per_epoch = task.num_train // bs if config.drop_remainder else math.ceil(task.num_train / bs)
     total = config.steps if config.steps is not None else config.epochs * per_epoch
-    return _Plan(bs, per_epoch, total, config.eval_every or per_epoch)
+    return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total)
 
 
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
