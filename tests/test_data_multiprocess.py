@@ -1,5 +1,6 @@
 """Data under jax.distributed: each process reads only its rows; checkpoints move between
-1 process x 8 devices and 2 x 4 with the data order of an uninterrupted run."""
+1 process x 8 devices and 2 x 4 with the data order of an uninterrupted run; pipelines that
+yield each process's share train as the arrays do."""
 
 from __future__ import annotations
 
@@ -56,10 +57,12 @@ def test_processes_read_only_their_rows_and_checkpoints_move_between_topologies(
     four = program.run(data, 4, tmp_path / "ck_b", 0)
     _launch(str(data), str(tmp_path / "b"), "8", str(tmp_path / "ck_b"), "1")
     whole = program.run(data, 8, tmp_path / "ck_c", 0)
-    with np.load(tmp_path / "a.0.npz") as two_fresh, np.load(tmp_path / "b.0.npz") as two_after_one:
+    with np.load(tmp_path / "a.0.npz") as two_fresh, np.load(tmp_path / "b.0.npz") as two_after_one, \
+            np.load(tmp_path / "a.pipeline.0.npz") as two_from_pipelines:
         assert int(two_after_one["start"]) == 4
         np.testing.assert_array_equal(two_after_one["reads"][0], _expected_rows(data, 4)[:8])
         for key in ("w1", "w2"):
             np.testing.assert_allclose(two_fresh[key], four[key], rtol=0, atol=2e-6, err_msg=key)
+            np.testing.assert_allclose(two_from_pipelines[key], four[key], rtol=0, atol=2e-6, err_msg=key)
             np.testing.assert_allclose(one_after_two[key], whole[key], rtol=0, atol=2e-6, err_msg=key)
             np.testing.assert_allclose(two_after_one[key], whole[key], rtol=0, atol=2e-6, err_msg=key)
