@@ -201,7 +201,7 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
         assert "target" in (tmp_path / "md" / f"{name}.md").read_text() or not report.get("targets")
 
     # Every suite that uses the method records rounds, per-round times and the load.
-    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup"):
+    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup", "input"):
         report = reports[name]
         assert report["load"]["before"]["loadavg"] and report["load"]["after"]["loadavg"]
         for run in report["timings"].values():
@@ -216,6 +216,11 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     assert all(r["loss_spread"] < 1e-4 for r in data["rows"])  # same loss from the same state and batch
     assert [t["target"] for t in data["targets"]] == ["<= 1.02", "<= 1.0", ">= 0.8"]
     assert all(r["iqr_pct"] >= 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in data["rows"])
+
+    inputs = reports["input"]
+    assert {(r["measure"], r["source"]) for r in inputs["rows"]} == {
+        (m, s) for m in ("train steps", "input only") for s in ("(a) arrays", "(b) grain", "(c) grain + prefetch")}
+    assert [t["target"] for t in inputs["targets"]] == [">= 0.95"] and all(r["per_s"] > 0 for r in inputs["rows"])
 
     impls = [r["impl"] for r in reports["ensemble"]["rows"]]
     assert "sequential jit, 1 device" in impls and "spmdkit ensemble, 8 devices" in impls
