@@ -179,6 +179,19 @@ def load_dataset(directory: str | os.PathLike, *, verify: bool = False) -> dict[
     Sizes, shapes and dtypes are checked against the manifest when opening; with
     ``verify=True`` every file's CRC-32 too (reads everything once). Pass the result as
     a task's ``train_data`` (or ``spmdkit train --data DIR``). See :func:`write_dataset`.
+
+    Example:
+        >>> import numpy as np, spmdkit, tempfile
+        >>> d = spmdkit.write_dataset(tempfile.mkdtemp() + "/ds", {"x": np.zeros((4, 3), np.float32)})
+        >>> spmdkit.load_dataset(d)["x"].shape
+        (4, 3)
+        >>> _ = (d / "x.npy").write_bytes((d / "x.npy").read_bytes()[:-4])  # damaged: cut short
+        >>> try:
+        ...     spmdkit.load_dataset(d)
+        ... except spmdkit.DatasetCorruptError as e:
+        ...     print(str(e).split("x.npy ")[1])
+        has 172 bytes; the manifest says 176: it is truncated.
+          Fix: restore the file from an intact copy, or write the data set again.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
