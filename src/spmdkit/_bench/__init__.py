@@ -21,9 +21,9 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "pmap": pmap_suite.run,
     "data": data_suite.run,
     "ensemble": ensemble_suite.run,
+    "input": input_suite.run,
     "sharded": sharded_suite.run,
     "checkpoint": checkpoint_suite.run,
     "multiprocess": multiprocess_suite.run,
     "startup": startup_suite.run,
-    "input": input_suite.run,
 }
