@@ -177,10 +177,10 @@ class _Plan(NamedTuple):
     eval_every: int
 
 
-def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any = None) -> _Plan:
+def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
     """The run's length and sizes, validated before anything is built."""
     bs = config.batch_size
-    if task.num_train is not None and bs > task.num_train:
+    if bs > task.num_train:
         raise ConfigError(
             fix(f"batch_size={bs} is larger than the training set of task {task.name!r} ({task.num_train} examples).",
                 f"use batch_size={task.num_train} or less (--batch-size).")
@@ -196,20 +196,31 @@ def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any = None) -> _
         warnings.warn(
             f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
             f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
-    if task.num_train is None:  # a pipeline: its length is its own (None: unknown)
-        per_epoch = getattr(feed, "steps_per_epoch", None)
-        if per_epoch is None and config.steps is None:
-            raise ConfigError(fix(f"task {task.name!r} trains from a pipeline of unknown length, so epochs={config.epochs} "
-                                  "cannot be counted.", "give the run's length in steps (TrainConfig(steps=...); --steps)."))
-    else:
-        per_epoch = task.num_train // bs if config.drop_remainder else math.ceil(task.num_train / bs)
+    per_epoch = task.num_train // bs if config.drop_remainder else math.ceil(task.num_train / bs)
+    total = config.steps if config.steps is not None else config.epochs * per_epoch
+    return _Plan(bs, per_epoch, total, config.eval_every or per_epoch)
+
+
+def _pipeline_plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
+    """The plan of a run from a pipeline: its length is its own (``steps_per_epoch`` None: unknown)."""
+    bs, per_epoch = config.batch_size, feed.steps_per_epoch
+    if per_epoch is None and config.steps is None:
+        raise ConfigError(fix(f"task {task.name!r} trains from a pipeline of unknown length, so epochs={config.epochs} "
+                              "cannot be counted.", "give the run's length in steps (TrainConfig(steps=...); --steps)."))
+    if bs % config.grad_accum:
+        raise ConfigError(fix(f"batch_size={bs} is not a multiple of grad_accum={config.grad_accum}: the micro-batches "
+                              "of a step must be equal.", "change one of them (--batch-size, --grad-accum)."))
+    shards = getattr(strategy, "batch_shards", 1)
+    if bs % shards:
+        warnings.warn(
+            f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
+            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
     total = config.steps if config.steps is not None else config.epochs * per_epoch
     return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total)
 
 
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
-           ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
-           feed: Any = None) -> tuple[Any, int]:
+           ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None]) -> tuple[Any, int]:
     """The initial state and the steps already done: fresh, or the newest intact checkpoint."""
     if ckpt is not None and checkpoint.resume:
         target = strategy.abstract(make_state, key, unbox=True)
@@ -217,8 +228,6 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
         if restored is not None:
             state, meta = restored
             _check_resumable(meta, config, task.name)
-            if feed is not None:
-                feed.resume(meta.get("data"))
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
@@ -273,7 +282,7 @@ def fit(
     """
     entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
     feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
-    plan = _plan(task, strategy, config, feed)
+    plan = _plan(task, strategy, config) if task.num_train is not None else _pipeline_plan(task, strategy, config, feed)
     validate_task(task, config.batch_size, feed.example())
     out = None if out_dir is None else Path(out_dir)
     # With several processes (jax.distributed) every one trains; process 0 alone writes.
@@ -283,7 +292,9 @@ def fit(
     init_key, _, eval_key = jax.random.split(jax.random.key(config.seed), 3)
     make_state = task_state(task, optimizer)
     ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
-    state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log, feed)
+    state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log)
+    if done:  # the data position saved with that state (older checkpoints: none)
+        feed.resume(ckpt.meta(done).get("data"))
     start_step = done
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
 
