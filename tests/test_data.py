@@ -104,3 +104,12 @@ def test_a_first_batch_the_loss_cannot_read_is_named_before_training():
     renamed = [{"x": b["x"], "target": b["y"]} for b in _batches()]
     with pytest.raises(spmdkit.TaskError, match=r"failed on a batch of 16: KeyError: 'y'"):
         _fit(renamed)
+
+
+def test_resuming_a_run_from_other_data_is_refused_and_leaves_the_directory_usable(tmp_path):
+    ckpt = spmdkit.CheckpointConfig(str(tmp_path), every=2)
+    _fit(DATA, steps=4, checkpoint=ckpt)
+    with pytest.raises(spmdkit.ConfigError, match="this run trains from a pipeline"):
+        _fit(_batches(), steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True))
+    resumed = _fit(DATA, steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True))
+    assert resumed.summary["resumed_from_step"] == 4

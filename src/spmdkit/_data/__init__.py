@@ -11,6 +11,7 @@ from spmdkit._data._errors import (
     DatasetFileError,
     DatasetLayoutError,
 )
+from spmdkit._errors import DataError
 from spmdkit._data._feed import ArrayFeed, PipelineFeed, is_pipeline, open_feed, resolve_train_data
 from spmdkit._data._format import DatasetSource, is_dataset_dir, load_dataset, write_dataset
 from spmdkit._data._prefetch import Prefetch, to_devices
@@ -18,6 +19,7 @@ from spmdkit._data._prefetch import Prefetch, to_devices
 __all__ = [
     "ArrayFeed",
     "BatchError",
+    "DataError",
     "DataExhaustedError",
     "DatasetCorruptError",
     "DatasetFileError",

@@ -23,10 +23,10 @@ import jax
 import numpy as np
 import optax
 
-from spmdkit._data import ArrayFeed, Prefetch, open_feed, to_devices
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig
-from spmdkit._errors import ConfigError, DataError, NonFiniteLossError, fix
+from spmdkit._errors import ConfigError, NonFiniteLossError, fix
+from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._tasks._base import Task, num_examples
@@ -294,7 +294,11 @@ def fit(
     ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
     state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log)
     if done:  # the data position saved with that state (older checkpoints: none)
-        feed.resume(ckpt.meta(done).get("data"))
+        try:
+            feed.resume(ckpt.meta(done).get("data"))
+        except ConfigError:
+            ckpt.abandon()  # a refused resume leaves the directory unlocked
+            raise
     start_step = done
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
 
