@@ -48,10 +48,12 @@ def test_iterables_train_as_the_same_batches_as_arrays():
 
 
 def test_a_generator_is_not_called_a_scalar_and_a_short_one_says_it_is_finite(tmp_path):
+    ckpt = spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=3)
     with pytest.raises(DataExhaustedError, match=r"one-shot iterator and ended after 4 batches"):
-        _fit(iter(_batches()), steps=6, out_dir=tmp_path)
-    summary = json.loads((tmp_path / "summary.json").read_text())  # nothing lost: the good part is written
-    assert summary["status"] == "failed" and summary["steps"] == 4
+        _fit(iter(_batches()), steps=6, out_dir=tmp_path / "out", checkpoint=ckpt)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())  # nothing lost: the good part is written
+    assert summary["status"] == "failed" and summary["steps"] == 4 and "ended after 4 batches" in summary["error"]
+    assert spmdkit.Checkpointer(ckpt).steps()[-1] == 4  # the last good state is saved too
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

@@ -382,7 +382,8 @@ def fit(
     if ckpt is not None:
         # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
         try:
-            if status not in ("diverged", "failed") and final is not None and done != ckpt_hook(hooks).saved_at \
+            # A run ended by bad data still saves its last good state; a failed save does not retry.
+            if status != "diverged" and not isinstance(failure, CheckpointSaveError) and final is not None and done != ckpt_hook(hooks).saved_at \
                     and state_is_finite(state):
                 ckpt.save(done, state, ckpt_hook(hooks).meta(final))
             ckpt.close()
