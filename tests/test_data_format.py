@@ -125,3 +125,13 @@ def test_mnist_and_digits_are_readable_through_the_data_set_path(tmp_path):
     spmdkit.write_dataset(tmp_path / "digits", train)
     assert spmdkit.Task(name="d", init=task.init, loss_fn=task.loss_fn,
                         train_data=str(tmp_path / "digits")).num_train == len(train["label"])
+
+
+def test_cli_writes_from_an_npz_and_names_a_missing_one(tmp_path, capsys):
+    from spmdkit._cli import main
+
+    np.savez(tmp_path / "a.npz", x=np.arange(6.0), y=np.arange(6))
+    assert main(["data", "write", str(tmp_path / "ds"), "--npz", str(tmp_path / "a.npz")]) == 0
+    assert spmdkit.load_dataset(tmp_path / "ds")["x"].tolist() == list(np.arange(6.0))
+    assert main(["data", "write", str(tmp_path / "ds2"), "--npz", str(tmp_path / "missing.npz")]) == 2
+    assert "missing.npz: cannot be read" in capsys.readouterr().err

@@ -483,8 +483,14 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
     if args.npz:
         import numpy as np
 
-        with np.load(args.npz, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
+        from spmdkit._errors import DataError, fix
+
+        try:
+            with np.load(args.npz, allow_pickle=False) as f:
+                arrays = {k: f[k] for k in f.files}
+        except (OSError, ValueError) as e:
+            raise DataError(fix(f"--npz {args.npz}: cannot be read as an .npz of arrays ({e}).",
+                                "pass a file written by numpy.savez(path, name=array, ...).")) from None
     else:
         from spmdkit._tasks import get_task
 
