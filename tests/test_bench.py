@@ -217,6 +217,13 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     assert [t["target"] for t in data["targets"]] == ["<= 1.02", "<= 1.0", ">= 0.8"]
     assert all(r["iqr_pct"] >= 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in data["rows"])
 
+    inputs = reports["input"]  # uses the method too
+    assert inputs["load"]["before"]["loadavg"] and all(
+        len(c["times"]) == run["rounds"] for run in inputs["timings"].values() for c in run["cases"].values())
+    assert {(r["measure"], r["source"]) for r in inputs["rows"]} == {
+        (m, s) for m in ("train steps", "input only") for s in ("(a) arrays", "(b) grain", "(c) grain + prefetch")}
+    assert [t["target"] for t in inputs["targets"]] == [">= 0.95"] and all(r["per_s"] > 0 for r in inputs["rows"])
+
     impls = [r["impl"] for r in reports["ensemble"]["rows"]]
     assert "sequential jit, 1 device" in impls and "spmdkit ensemble, 8 devices" in impls
 

@@ -13,6 +13,16 @@ from spmdkit._devices import (
 from spmdkit._cache import disable_compile_cache, enable_compile_cache
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
+from spmdkit._data import (
+    BatchError,
+    DataExhaustedError,
+    DatasetCorruptError,
+    DatasetFileError,
+    DatasetLayoutError,
+    DatasetSource,
+    load_dataset,
+    write_dataset,
+)
 from spmdkit._errors import (
     AxisNameError,
     BatchSizeError,
@@ -65,6 +75,14 @@ from spmdkit._train._validate import TaskError, validate_task
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchError",
+    "DataExhaustedError",
+    "DatasetCorruptError",
+    "DatasetFileError",
+    "DatasetLayoutError",
+    "DatasetSource",
+    "load_dataset",
+    "write_dataset",
     "ENV_HOST_DEVICES",
     "CheckpointHook",
     "EvalHook",
