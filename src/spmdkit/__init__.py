@@ -13,18 +13,30 @@ from spmdkit._devices import (
 from spmdkit._cache import disable_compile_cache, enable_compile_cache
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
+from spmdkit._data import (
+    BatchError,
+    DataExhaustedError,
+    DatasetCorruptError,
+    DatasetFileError,
+    DatasetLayoutError,
+    DatasetSource,
+    load_dataset,
+    write_dataset,
+)
 from spmdkit._errors import (
     AxisNameError,
     BatchSizeError,
     ConfigError,
     DataError,
     DeviceSetupError,
+    DonatedStateError,
     MappedAxisError,
     MeshError,
     NonFiniteLossError,
     ReplicationError,
     SignatureError,
     SpmdkitError,
+    StepOutputError,
     TreeMismatchError,
 )
 from spmdkit._initialize import initialize
@@ -64,6 +76,14 @@ from spmdkit._sample import sample
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchError",
+    "DataExhaustedError",
+    "DatasetCorruptError",
+    "DatasetFileError",
+    "DatasetLayoutError",
+    "DatasetSource",
+    "load_dataset",
+    "write_dataset",
     "ENV_HOST_DEVICES",
     "CheckpointHook",
     "EvalHook",
@@ -90,6 +110,7 @@ __all__ = [
     "DataError",
     "DataParallel",
     "DeviceSetupError",
+    "DonatedStateError",
     "Ensemble",
     "FitResult",
     "MappedAxisError",
@@ -104,6 +125,7 @@ __all__ = [
     "ReplicationError",
     "SignatureError",
     "SpmdkitError",
+    "StepOutputError",
     "Strategy",
     "Task",
     "TrainConfig",
