@@ -124,16 +124,26 @@ def test_truncated_file_is_named_and_resume_falls_back(task, tmp_path):
     assert any("step 10 is damaged" in m and "falling back" in m for m in messages)
 
 
-def test_damage_without_a_manifest_is_caught_by_the_restore(task, tmp_path):
+def test_a_step_without_a_manifest_is_never_restored_unverified(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
     (tmp_path / "ck" / "manifests" / "10.json").unlink()
-    truncate_largest(tmp_path / "ck", 10)
+    truncate_largest(tmp_path / "ck", 10)  # damage nothing but a manifest could have shown
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
-    with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 could not be read"):
+    with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 is damaged: it has no manifest"):
         ckpt.restore(10, target)
     state, meta = ckpt.restore_latest(target)
     assert meta["step"] == 5
+    from spmdkit._checkpoint import describe_directory
+
+    with pytest.raises(spmdkit.CheckpointError, match="does not exist"):
+        describe_directory(tmp_path / "nonexistent")
+
+
+def test_saves_log_no_ocdbt_merge_warning(task, tmp_path, caplog):
+    caplog.set_level("WARNING")
+    fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
+    assert "OCDBT" not in caplog.text
 
 
 def test_member_count_mismatch_names_the_leaf(task, tmp_path):
@@ -205,7 +215,7 @@ def test_config_errors():
         spmdkit.CheckpointConfig("d", every=0)
     from spmdkit._config import build_run_config
 
-    with pytest.raises(spmdkit.ConfigError, match="need --checkpoint-dir"):
+    with pytest.raises(spmdkit.ConfigError, match="--resume needs --checkpoint-dir"):
         build_run_config({"resume": True})
 
 

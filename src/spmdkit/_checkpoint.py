@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import socket
@@ -196,6 +197,49 @@ def _os_cause(e: BaseException) -> str:
     return text[:400]
 
 
+class _QuietOcdbtMerge(logging.Filter):
+    """Drops Orbax's one warning that every save without OCDBT logs (nothing to merge)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in str(record.msg)
+
+
+def _quiet_orbax() -> None:
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _QuietOcdbtMerge) for f in absl_logger.filters):
+        absl_logger.addFilter(_QuietOcdbtMerge())
+
+
+class _ReadableSteps:
+    """Orbax's step names, minus steps whose ``_CHECKPOINT_METADATA`` Orbax cannot read.
+
+    Orbax reads every step's commit time when a manager opens a directory and raises on a
+    metadata file that is JSON but not its layout: one damaged step would stop every
+    resume. Such a step is left out of Orbax's listing and reported as damaged
+    (``unreadable``), so a resume falls back past it like past any other damage.
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.unreadable: dict[int, str] = {}
+
+    def build_name(self, step: int) -> str:
+        return self.inner.build_name(step)
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        return self.inner.find_step(base_path, step)
+
+    def find_all(self, base_path: Any) -> Any:
+        for metadata in self.inner.find_all(base_path):
+            try:
+                metadata.commit_timestamp  # what the manager reads first: raises on a damaged file
+            except Exception as e:  # Orbax raises ValueError, TypeError, KeyError on such files
+                self.unreadable[metadata.step] = (f"Orbax's {step_name(metadata.step)}/_CHECKPOINT_METADATA "
+                                                  f"cannot be read ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            yield metadata
+
+
 class Checkpointer:
     """Save and restore train states in ``directory`` (one run, one process group).
 
@@ -222,11 +266,13 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
                                       "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
+        _quiet_orbax()
+        self._names = _ReadableSteps(ocp.step.standard_name_format(step_prefix=STEP_PREFIX))
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 # Retention is ours: Orbax's keep-N would delete any integer-named directory.
-                max_to_keep=None, enable_async_checkpointing=True, create=True, step_prefix=STEP_PREFIX,
+                max_to_keep=None, enable_async_checkpointing=True, create=True, step_name_format=self._names,
             ),
             item_handlers={
                 "state": ocp.PyTreeCheckpointHandler(use_compression=config.compress, use_ocdbt=config.ocdbt),
@@ -442,11 +488,20 @@ class Checkpointer:
         return sorted(s for p in self.directory.iterdir() if (s := parse_step(p.name)) is not None and p.is_dir())
 
     def problems(self, step: int) -> list[str]:
-        """What is wrong with a step, from its manifest ([] if intact, or unverifiable: no manifest)."""
+        """What is wrong with a step, from its manifest ([] if intact).
+
+        A step without a manifest counts as damaged: Orbax committed it, but the process
+        was stopped before its files were checksummed, so nothing vouches for its bytes.
+        """
+        if step in self._names.unreadable:
+            return [self._names.unreadable[step]]
         manifest, bad = read_manifest(self.directory, step)
         if bad:
             return [bad]
-        return [] if manifest is None else verify_step(self.directory, step, manifest)
+        if manifest is None:
+            return [f"it has no manifest ({MANIFESTS}/{step}.json): its save was cut short before its files "
+                    "were checksummed, so they cannot be verified"]
+        return verify_step(self.directory, step, manifest)
 
     def meta(self, step: int) -> dict[str, Any]:
         path = self.directory / step_name(step) / "meta" / "metadata"
@@ -582,6 +637,8 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
     With ``verify`` every file's checksum is compared with the step's manifest.
     """
     root = Path(directory)
+    if not root.exists():
+        raise CheckpointError(fix(f"{root} does not exist.", "pass the --checkpoint-dir of a run."))
     if not root.is_dir():
         raise CheckpointError(fix(f"{root} is not a directory.", "pass the --checkpoint-dir of a run."))
     rows = []
@@ -603,7 +660,8 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
         if bad:
             row["status"] = f"damaged ({bad})"
         elif manifest is None:
-            row["status"] = "complete, unverified (no manifest)"
+            row["status"] = "incomplete (no manifest: the save was cut short before its files were checksummed; " \
+                            "a resume skips it)"
         else:
             problems = verify_step(root, step, manifest) if verify else [
                 f"file {n}" for n, w in manifest["files"].items() if files.get(n) != w["bytes"]]

@@ -257,7 +257,8 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         ckpt = sections["checkpoint"]
         if ckpt and "directory" not in ckpt:
             raise ConfigError(
-                fix(f"{sorted(_flag(_FLAG_OF[('checkpoint', k)]) for k in ckpt)} need --checkpoint-dir DIR.",
+                fix(f"{', '.join(sorted(_flag(_FLAG_OF[('checkpoint', k)]) for k in ckpt))} "
+                    f"need{'s' if len(ckpt) == 1 else ''} --checkpoint-dir DIR.",
                     "pass --checkpoint-dir (where checkpoints are written and resumed from).")
             )
         checkpoint = CheckpointConfig(**ckpt) if ckpt else None

@@ -379,8 +379,8 @@ def fit(
     params = to_host(state.params)
     summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
                        params, elapsed, train_seconds, ckpt, run_info)
-    summary["first_step_s"] = first_step_s
-    summary["first_step_in_fit_s"] = None if t_first is None else t_first - entered
+    summary["first_step_s"] = None if first_step_s is None else round(first_step_s, 3)
+    summary["first_step_in_fit_s"] = None if t_first is None else round(t_first - entered, 3)
     if failure is not None:
         summary["error"] = str(failure).splitlines()[0]
     if out is not None and primary:
