@@ -498,3 +498,27 @@ def test_sigterm_to_the_launcher_is_a_preemption_notice_for_every_process(tmp_pa
     # JAX's preemption service agreed on one step: both processes saved it together.
     assert summary["status"] == "preempted" and newest(ck) == summary["steps"] > 100
     assert reader(ck).problems(summary["steps"]) == []
+
+
+# ---- a resume must continue the same run -----------------------------------------------
+
+def test_a_resume_that_would_not_continue_the_run_is_refused_and_says_how(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    with pytest.raises(spmdkit.ConfigError, match="at step 20, already past this run's 10 steps"):
+        fit(ck, steps=10, resume=True)
+    assert fit(ck, steps=30, resume=True).summary["resumed_from_step"] == 20  # the refusal left no lock
+    cli = ["train", "--task", "linreg", "--steps", "4", "--no-progress", "--checkpoint-dir", str(tmp_path / "c2"),
+           "--out", str(tmp_path / "o")]
+    assert cli_main([*cli, "--lr", "0.05"]) == 0
+    capsys.readouterr()
+    assert cli_main([*cli[:4], "8", *cli[5:], "--lr", "0.5", "--resume"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "written with --lr 0.05, this run has --lr 0.5" in err and "another --checkpoint-dir" in err, err
+
+
+def test_a_grad_accum_fix_fits_the_data():
+    with pytest.raises(spmdkit.ConfigError) as e:
+        spmdkit.fit(linreg.make(), spmdkit.DataParallel(), OPT, spmdkit.TrainConfig(steps=1, batch_size=128,
+                                                                                   grad_accum=256), progress=False)
+    assert "use grad_accum=128" in str(e.value) and "batch_size=256" not in str(e.value)

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
-from spmdkit._config import TrainConfig
+from spmdkit._config import TrainConfig, changed_options
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
@@ -127,8 +127,23 @@ def _batches(data: Any, batch_size: int, config: TrainConfig, streams: int, star
         yield parts[0][0], jax.tree.map(lambda *xs: np.stack(xs), *(b for _, b in parts))
 
 
-def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str) -> None:
-    """A resumed run must see the same data order, or it is not the same run."""
+def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_info: dict[str, Any] | None = None,
+                     total: int | None = None) -> None:
+    """A resumed run must see the same data order and hyperparameters, or it is not the same run."""
+    if total is not None and int(meta["step"]) > total:
+        raise ConfigError(fix(
+            f"the newest checkpoint is at step {meta['step']}, already past this run's {total} steps: there is "
+            f"nothing to train, and its parameters are not those of step {total}.",
+            f"pass --steps {meta['step']} or more (TrainConfig(steps=...)) to continue that run, or start a new "
+            "run in another --checkpoint-dir."))
+    changed = changed_options((meta.get("config") or {}), run_info) if run_info and meta.get("config") else []
+    if changed:
+        flag, then, now = changed[0]
+        raise ConfigError(fix(
+            f"the checkpoint at step {meta.get('step')} was written with {flag} {then}, this run has {flag} {now}"
+            + "".join(f", {f} {a} -> {b}" for f, a, b in changed[1:])
+            + "; resuming would not continue the same run.",
+            f"resume with {flag} {then}, or start a new run with {flag} {now} in another --checkpoint-dir."))
     for name, now in (("task", task), ("seed", config.seed), ("batch_size", config.batch_size),
                       ("drop_remainder", config.drop_remainder)):
         then = meta.get(name)
@@ -203,11 +218,16 @@ def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
             fix(f"batch_size={bs} is larger than the training set of task {task.name!r} ({task.num_train} examples).",
                 f"use batch_size={task.num_train} or less (--batch-size).")
         )
-    if bs % config.grad_accum:
+    ga = config.grad_accum
+    if bs % ga:
+        # Only fixes the data allow: a batch of at most num_train rows, or a divisor of this batch.
+        sizes = [m for m in (bs - bs % ga, bs - bs % ga + ga) if 0 < m <= task.num_train]
+        divisor = max(d for d in range(1, ga) if bs % d == 0)
+        options = ([f"batch_size={sizes[0]}"] if sizes else []) + [f"grad_accum={divisor}"]
         raise ConfigError(
-            fix(f"batch_size={bs} is not a multiple of grad_accum={config.grad_accum}: the micro-batches of a "
-                "step must be equal.", f"use batch_size={bs - bs % config.grad_accum or config.grad_accum} or "
-                "another grad_accum (--batch-size, --grad-accum).")
+            fix(f"batch_size={bs} is not a multiple of grad_accum={ga}: the micro-batches of a step must be "
+                f"equal{'' if sizes else f', and no multiple of {ga} fits the {task.num_train} examples'}.",
+                f"use {' or '.join(options)} (--batch-size, --grad-accum).")
         )
     shards = getattr(strategy, "batch_shards", 1)
     if bs % shards:
@@ -220,14 +240,15 @@ def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
 
 
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
-           ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None]) -> tuple[Any, int]:
+           ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
+           run_info: dict[str, Any] | None = None, total: int | None = None) -> tuple[Any, int]:
     """The initial state and the steps already done: fresh, or the newest intact checkpoint."""
     if ckpt is not None and checkpoint.resume:
         target = strategy.abstract(make_state, key, unbox=True)
         restored = ckpt.restore_latest(target, members=getattr(strategy, "members", None))
         if restored is not None:
             state, meta = restored
-            _check_resumable(meta, config, task.name)
+            _check_resumable(meta, config, task.name, run_info, total)
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
@@ -288,7 +309,12 @@ def fit(
     init_key, _, eval_key = jax.random.split(jax.random.key(config.seed), 3)
     make_state = task_state(task, optimizer)
     ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
-    state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log)
+    try:
+        state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log, run_info, plan.total)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.abandon()  # a refused resume leaves the directory unlocked
+        raise
     start_step = done
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
 
