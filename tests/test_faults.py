@@ -177,10 +177,18 @@ def test_checkpoints_verify_finds_changed_bytes(tmp_path, capsys):
 
 # ---- never a non-finite state; params and summary agree ------------------------------
 
-def test_a_diverging_run_saves_and_reports_only_known_good_states(tmp_path):
+@pytest.mark.parametrize("end", ["mid-run", "at-the-last-step"])
+def test_a_diverging_run_saves_and_reports_only_known_good_states(tmp_path, end):
     ck, out = tmp_path / "ck", tmp_path / "out"
     with pytest.raises(spmdkit.NonFiniteLossError) as e:
         fit(ck, steps=50, every=1, keep=50, lr=1e6, out=out)
+    if end == "at-the-last-step":
+        # Every loss of this run is finite, but the one its last state would give is not.
+        bad_loss_at = e.value.step
+        ck, out = tmp_path / "ck2", tmp_path / "out2"
+        with pytest.raises(spmdkit.NonFiniteLossError) as e:
+            fit(ck, steps=bad_loss_at - 1, every=1, keep=50, lr=1e6, out=out)
+        assert e.value.step == bad_loss_at
     summary = json.loads((out / "summary.json").read_text())
     # The loss reported at step k is computed from the state after k - 1 updates: the loss of
     # step e.step came from a bad state, so the newest known-good state is 2 updates back.

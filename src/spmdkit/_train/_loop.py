@@ -383,6 +383,8 @@ def fit(
                 if preempt.reached(done):
                     status = "preempted"
                     break
+            if status in ("completed", "preempted") and done > start_step and (ckpt is not None or out is not None):
+                state, done, status, failure = _confirm_final(step, batches, guard, known, state, done, status)
     except KeyboardInterrupt:
         status = "interrupted"
     elapsed = time.perf_counter() - t0
@@ -415,6 +417,21 @@ def fit(
     if failure is not None:
         raise failure
     return FitResult(state, params, summary, history)
+
+
+def _confirm_final(step, batches, guard, known, state, done, status):
+    """The last state is kept (saved, written) only if known good, like every checkpoint: the
+    loss the next step would compute from it is finite. Otherwise the run diverged at its end
+    and the newest known-good state is kept instead."""
+    epoch, host_batch = next(batches)
+    probe = step(state, host_batch)
+    jax.block_until_ready(probe)  # queued collective steps deadlock XLA:CPU
+    try:
+        guard(StepInfo(done + 1, epoch, state, to_python(probe[1])))
+    except NonFiniteLossError as e:
+        return known.state, known.step, "diverged", e
+    known.confirm(state, done)
+    return state, done, status, None
 
 
 def ckpt_hook(hooks: list[Any]) -> CheckpointHook:
