@@ -426,6 +426,20 @@ def test_children_die_with_a_killed_launcher(tmp_path, procs):
             Path(f"{pids}{i}").unlink()
 
 
+def test_a_refusal_on_process_0_ends_every_process_at_once(tmp_path, procs):
+    # Only process 0 takes the lock: the others learn its verdict instead of waiting for it.
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "spmdkit.lock").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    p = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train", "--task",
+                      "linreg", "--steps", "5", "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "o"),
+                      "--no-progress", "--distributed-timeout", "100"])
+    stdout, stderr = p.communicate(timeout=150)  # before the fix: a hang until the heartbeat (330 s)
+    text = stdout + stderr
+    assert p.returncode == 2, text[-3000:]
+    assert "[0] error: another run" in text and "[1] error: another run" in text, text[-3000:]
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:

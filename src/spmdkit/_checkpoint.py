@@ -188,6 +188,27 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+_VERDICT_BYTES = 4096
+
+
+def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
+    """Process 0's ``verdict`` on every process (it alone passes a non-empty one)."""
+    if jax.process_count() == 1:
+        return verdict
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(verdict).encode()[: _VERDICT_BYTES - 8]
+    buf = np.zeros(_VERDICT_BYTES, np.uint8)
+    buf[:8] = np.frombuffer(len(raw).to_bytes(8, "little"), np.uint8)
+    buf[8: 8 + len(raw)] = np.frombuffer(raw, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    size = int.from_bytes(got[:8].tobytes(), "little")
+    try:
+        return json.loads(got[8: 8 + size].tobytes().decode())
+    except ValueError:  # a message cut at the buffer's end
+        return {"error": got[8: 8 + size].tobytes().decode(errors="replace"), "kind": "refused"}
+
+
 def _os_cause(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     for code, name in ((errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system"),
@@ -293,12 +314,32 @@ class Checkpointer:
 
     # ---- ownership ---------------------------------------------------------------
     def _claim(self, resume: bool) -> str:
-        """Lock the directory, clear interrupted saves, and settle whose run this is."""
+        """Lock the directory, clear interrupted saves, and settle whose run this is.
+
+        Process 0 decides alone and tells every process (run id, or the error to raise), so
+        a refusal ends every process at once instead of leaving the others waiting for it.
+        """
+        verdict: dict[str, str] = {}
+        if self.primary:
+            try:
+                verdict = {"run_id": self._claim_primary(resume)}
+            except CheckpointError as e:
+                verdict = {"error": str(e), "kind": "save" if isinstance(e, CheckpointSaveError) else "refused"}
+            except Exception as e:  # anything else still ends every process, not only this one
+                verdict = {"error": f"claiming checkpoint directory {self.directory} failed: "
+                                    f"{type(e).__name__}: {str(e)[:400]}", "kind": "refused"}
+        verdict = _from_process_0(verdict)
+        if "error" in verdict:
+            raise (CheckpointSaveError if verdict["kind"] == "save" else CheckpointError)(verdict["error"])
+        return verdict["run_id"]
+
+    def _claim_primary(self, resume: bool) -> str:
         owner_path = self.directory / OWNER_FILE
         owner = None
         if owner_path.exists():
             try:
                 owner = json.loads(owner_path.read_text())
+                owner = owner if isinstance(owner, dict) else {}
             except (OSError, ValueError):
                 owner = {}
         ours = self.steps()
@@ -310,34 +351,31 @@ class Checkpointer:
                 "pass --resume to continue that run, another --checkpoint-dir for a new one, or "
                 "--overwrite-checkpoints to delete that run's checkpoints (CheckpointConfig(resume=True / "
                 "overwrite=True) from Python)."))
-        _sync("spmdkit-ckpt-checked")
         run_id = (owner or {}).get("run_id") if resume else None
         run_id = run_id or uuid.uuid4().hex[:12]
-        if self.primary:
-            try:
-                self._lock(run_id)
-                self._clear_interrupted()
-                if not resume and ours:
-                    for step in ours:
-                        self._remove_step(step)
-                    self.log(f"checkpoints: deleted steps {ours} of the previous run (overwrite asked for)")
-                foreign = sorted(p.name for p in self.directory.iterdir() if not self._is_ours(p.name))
-                if foreign:
-                    self.log(f"checkpoints: leaving {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} spmdkit "
-                             f"did not write alone in {self.directory}: {', '.join(foreign[:5])}")
-                if owner is None or not resume or owner.get("run_id") != run_id:
-                    write_atomic(owner_path, json.dumps(
-                        {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "format": 1}))
-            except OSError as e:
-                self._release()
-                raise CheckpointSaveError(fix(
-                    f"checkpoint directory {self.directory} is not writable: {_os_cause(e)}.",
-                    "free space or fix the permissions, or pass another --checkpoint-dir.")) from None
-            except BaseException:
-                self._release()
-                raise
-        _sync("spmdkit-ckpt-claimed")
-        return run_id
+        try:
+            self._lock(run_id)
+            self._clear_interrupted()
+            if not resume and ours:
+                for step in ours:
+                    self._remove_step(step)
+                self.log(f"checkpoints: deleted steps {ours} of the previous run (overwrite asked for)")
+            foreign = sorted(p.name for p in self.directory.iterdir() if not self._is_ours(p.name))
+            if foreign:
+                self.log(f"checkpoints: leaving {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} spmdkit "
+                         f"did not write alone in {self.directory}: {', '.join(foreign[:5])}")
+            if owner is None or not resume or owner.get("run_id") != run_id:
+                write_atomic(owner_path, json.dumps(
+                    {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "format": 1}))
+        except OSError as e:
+            self._release()
+            raise CheckpointSaveError(fix(
+                f"checkpoint directory {self.directory} is not writable: {_os_cause(e)}.",
+                "free space or fix the permissions, or pass another --checkpoint-dir.")) from None
+        except BaseException:
+            self._release()
+            raise
+        return str(run_id)
 
     def _is_ours(self, name: str) -> bool:
         return (name in (MANIFESTS, OWNER_FILE, LOCK_FILE) or parse_step(name) is not None
