@@ -181,13 +181,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 _VERDICT_BYTES = 4096
 
 
@@ -660,12 +653,19 @@ class Checkpointer:
 
     def _set_aside(self, steps: list[int]) -> None:
         """Damaged steps newer than the resumed one would block its saves: renamed, not deleted."""
+        verdict: dict[str, str] = {}
         if self.primary:
-            for step in steps:
-                path = self.directory / step_name(step)
-                os.replace(path, path.with_name(f"{_ASIDE}{path.name}-{int(time.time())}"))
-                (self.directory / MANIFESTS / f"{step}.json").unlink(missing_ok=True)
-        _sync("spmdkit-ckpt-aside")
+            try:
+                for step in steps:
+                    path = self.directory / step_name(step)
+                    os.replace(path, path.with_name(f"{_ASIDE}{path.name}-{int(time.time())}"))
+                    (self.directory / MANIFESTS / f"{step}.json").unlink(missing_ok=True)
+            except OSError as e:
+                verdict = {"error": fix(f"damaged checkpoint steps {steps} in {self.directory} cannot be set aside: "
+                                        f"{_os_cause(e)}.", "make the directory writable, or move them away.")}
+        verdict = _from_process_0(verdict)
+        if "error" in verdict:  # every process, not only process 0, stops here
+            raise CheckpointSaveError(verdict["error"])
         self.manager.reload()
 
 
