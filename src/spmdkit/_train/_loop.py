@@ -383,7 +383,9 @@ def fit(
                 if preempt.reached(done):
                     status = "preempted"
                     break
-            if status in ("completed", "preempted") and done > start_step and (ckpt is not None or out is not None):
+            # Every process probes or none does (a probe is a collective step): an interrupt is per process.
+            agreed = ("completed", "preempted") + (("interrupted",) if jax.process_count() == 1 else ())
+            if status in agreed and done > start_step and (ckpt is not None or out is not None):
                 state, done, status, failure = _confirm_final(step, batches, guard, known, state, done, status)
     except KeyboardInterrupt:
         status = "interrupted"
