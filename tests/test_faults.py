@@ -278,6 +278,28 @@ def test_a_read_only_directory_is_an_error_within_seconds(tmp_path, small_fs, mo
     assert time.time() - t0 < 30
 
 
+def test_a_directory_turned_read_only_mid_run_ends_with_no_traceback(tmp_path, small_fs, monkeypatch):
+    ck = (small_fs or tmp_path) / "ck"
+    messages: list[str] = []
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck)), log=messages.append).claim()
+    ckpt.save(1, {"w": jnp.ones(3)}, {})
+    ckpt.close()
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck), resume=True), log=messages.append).claim()
+    if small_fs is not None:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True, timeout=10)
+    else:
+        real_unlink = Path.unlink
+
+        def read_only(self, *a, **k):
+            if self.name == "spmdkit.lock":
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real_unlink(self, *a, **k)
+
+        monkeypatch.setattr(Path, "unlink", read_only)
+    ckpt.close()  # the lock cannot be removed: said, not raised (a dead pid's lock is taken over)
+    assert any("could not remove" in m and "Read-only file system" in m for m in messages), messages
+
+
 # ---- bad input -----------------------------------------------------------------------
 
 def bad_task(**kw):

@@ -407,8 +407,12 @@ class Checkpointer:
 
     def _release(self) -> None:
         if self._locked:
-            (self.directory / LOCK_FILE).unlink(missing_ok=True)
             self._locked = False
+            try:
+                (self.directory / LOCK_FILE).unlink(missing_ok=True)
+            except OSError as e:  # a directory turned read-only: the next run takes over the lock of a dead pid
+                self.log(f"checkpoints: could not remove {self.directory / LOCK_FILE} ({_os_cause(e)}); "
+                         "the next run takes it over once this process has ended")
 
     def _clear_interrupted(self) -> None:
         for p in sorted(self.directory.iterdir()):
