@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -298,6 +299,26 @@ def test_a_directory_turned_read_only_mid_run_ends_with_no_traceback(tmp_path, s
         monkeypatch.setattr(Path, "unlink", read_only)
     ckpt.close()  # the lock cannot be removed: said, not raised (a dead pid's lock is taken over)
     assert any("could not remove" in m and "Read-only file system" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("waiter", ["orbax", "user"])
+def test_after_a_failed_save_only_orbax_threads_are_not_waited_for_at_exit(waiter):
+    # Orbax's signalling threads of a save that failed in the background wait up to 20 min.
+    code = textwrap.dedent(f"""
+        import threading, time
+        from spmdkit._checkpoint import _no_hang_at_exit
+        class Waiter(threading.Thread):
+            pass
+        Waiter.__module__ = {'orbax.checkpoint._src.futures.future' if waiter == 'orbax' else '__main__'!r}
+        Waiter(target=time.sleep, args=({300 if waiter == 'orbax' else 4},)).start()
+        _no_hang_at_exit(5)
+        print("main done", flush=True)
+    """)
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env())
+    assert "main done" in out.stdout and time.time() - t0 < 60, out.stderr
+    # Orbax's waiter: ended with the failed save's exit code; a user's thread: waited for, exit 0.
+    assert out.returncode == (5 if waiter == "orbax" else 0), out.stderr
 
 
 # ---- bad input -----------------------------------------------------------------------

@@ -20,6 +20,8 @@ import logging
 import os
 import shutil
 import socket
+import sys
+import threading
 import time
 import uuid
 import zlib
@@ -200,6 +202,45 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
         return json.loads(got[8: 8 + size].tobytes().decode())
     except ValueError:  # a message cut at the buffer's end
         return {"error": got[8: 8 + size].tobytes().decode(errors="replace"), "kind": "refused"}
+
+
+_WATCHING: list[bool] = []
+
+
+def _no_hang_at_exit(code: int = 5) -> None:
+    """After a failed save, end the process at exit instead of waiting for Orbax.
+
+    A save that fails in Orbax's background thread can leave Orbax's signalling threads
+    (not daemons) waiting for a commit that will never come, for up to its 20-minute
+    timeout, and Python waits for every such thread before it exits. A daemon watcher
+    sees the main thread finish; if only Orbax's threads remain 2 s later, it flushes the
+    output and ends the process with ``code`` (the CLI's code for a failed save).
+    """
+    if _WATCHING:
+        return
+    _WATCHING.append(True)
+
+    def orbax_only() -> bool:
+        rest = [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+        return bool(rest) and all(type(t).__module__.startswith("orbax") for t in rest)
+
+    def watch() -> None:
+        main = threading.main_thread()
+        while main.is_alive():
+            time.sleep(0.2)
+        deadline = time.time() + 2.0
+        while time.time() < deadline:
+            if not orbax_only():
+                return  # nothing of Orbax's left waiting (or a user's own thread still runs)
+            time.sleep(0.1)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    threading.Thread(target=watch, name="spmdkit-no-hang-at-exit", daemon=True).start()
 
 
 def _os_cause(e: BaseException) -> str:
@@ -451,6 +492,7 @@ class Checkpointer:
         self.blocked.append(time.perf_counter() - t0)
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+        _no_hang_at_exit(CheckpointSaveError.exit_code)
         intact = [s for s in self.steps() if s != step]
         return CheckpointSaveError(fix(
             f"saving checkpoint step {step} in {self.directory} failed: {_os_cause(e)}. "
