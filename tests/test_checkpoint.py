@@ -293,3 +293,25 @@ def test_checkpoints_of_the_older_layout_are_named_not_silently_ignored(tmp_path
     with pytest.raises(spmdkit.CheckpointError, match=r"steps \[100\] .*spmdkit_<step>") as e:
         ckpt.restore_latest(target=None)
     assert "--checkpoint-dir" in str(e.value)
+
+
+def test_orbax_file_system_errors_log_their_line_without_a_traceback():
+    import errno
+    import logging
+    import sys
+
+    from spmdkit._checkpoint import _QuietOcdbtMerge
+
+    def record(error):
+        try:
+            raise error
+        except Exception:
+            return logging.LogRecord("absl", logging.ERROR, __file__, 1, "background save failed", None,
+                                     sys.exc_info())
+
+    quiet = _QuietOcdbtMerge()
+    for error in (OSError(errno.EROFS, "Read-only file system"), ValueError("PERMISSION_DENIED: Error writing")):
+        r = record(error)
+        assert quiet.filter(r) and r.exc_info is None and str(error) in r.getMessage()
+    other = record(KeyError("a bug"))
+    assert quiet.filter(other) and other.exc_info is not None  # not a file-system cause: kept whole

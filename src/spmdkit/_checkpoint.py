@@ -252,11 +252,26 @@ def _os_cause(e: BaseException) -> str:
     return text[:400]
 
 
+# How a full, read-only or forbidden file system shows in Orbax's and TensorStore's errors.
+_FS_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT)
+_FS_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "PERMISSION_DENIED",
+             "RESOURCE_EXHAUSTED")
+
+
 class _QuietOcdbtMerge(logging.Filter):
-    """Drops Orbax's one warning that every save without OCDBT logs (nothing to merge)."""
+    """Drops Orbax's one warning that every save without OCDBT logs (nothing to merge), and
+    the tracebacks (not the lines) of Orbax's background-save errors caused by the file
+    system (full, read-only, no permission): spmdkit reports those itself, naming the
+    directory, the cause and the fix."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Skipping merge of OCDBT checkpoints" not in str(record.msg)
+        if "Skipping merge of OCDBT checkpoints" in str(record.msg):
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and (getattr(error, "errno", None) in _FS_ERRNOS or any(m in str(error) for m in _FS_TEXTS)):
+            record.msg = f"{record.msg} ({type(error).__name__}: {error})"
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
 def _quiet_orbax() -> None:
