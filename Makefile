@@ -13,7 +13,7 @@ STAMP_OLDEST := $(VENV_OLDEST)/.installed
 FAST_TESTS := tests/test_pmap.py tests/test_pmap_nested.py tests/test_pmap_api.py tests/test_pmap_conformance.py tests/test_devices.py tests/test_mesh.py tests/test_rules.py \
 	tests/test_config.py tests/test_tasks.py tests/test_data_parallel.py tests/test_sharded.py \
 	tests/test_ensemble.py tests/test_grad_accum.py tests/test_train.py tests/test_cache.py tests/test_step.py \
-	tests/test_strategies.py tests/test_step_fit.py src/spmdkit
+	tests/test_strategies.py tests/test_step_fit.py tests/test_data.py tests/test_data_format.py src/spmdkit
 
 .PHONY: demo test test-oldest bench lock lock-oldest clean
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -rf $(VENV)
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[test,grain]'
 	touch $(STAMP)
 
 $(STAMP_OLDEST): pyproject.toml constraints-oldest.txt

@@ -151,8 +151,9 @@ def main(steps: int = 200, strategy: spmdkit.Strategy | None = None, batch_size:
         losses.append(float(aux["loss"]))  # also waits for the step (XLA:CPU collectives)
         if log_every and i % log_every == 0:
             print(f"step {i:4d}  loss {losses[-1]:.3f}")
-    prompt = lm_batch(10_000, 3, cfg)  # any number of rows: apply pads and strips
-    next_bytes = strategy.apply(predict)(state, prompt)
+    prompt = lm_batch(10_000, 3, cfg)  # any number of rows: exactly 3 come back
+    # predict treats rows independently: rowwise=True pads 3 rows to the data axis, runs them split.
+    next_bytes = strategy.apply(predict, rowwise=True)(state, prompt)
     return {"state": state, "losses": np.array(losses), "next_bytes": np.asarray(next_bytes), "prompt": prompt}
 
 

@@ -201,7 +201,7 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
         assert "target" in (tmp_path / "md" / f"{name}.md").read_text() or not report.get("targets")
 
     # Every suite that uses the method records rounds, per-round times and the load.
-    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup"):
+    for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup", "step"):
         report = reports[name]
         assert report["load"]["before"]["loadavg"] and report["load"]["after"]["loadavg"]
         for run in report["timings"].values():
@@ -217,6 +217,13 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     assert [t["target"] for t in data["targets"]] == ["<= 1.02", "<= 1.0", ">= 0.8"]
     assert all(r["iqr_pct"] >= 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in data["rows"])
 
+    inputs = reports["input"]  # uses the method too
+    assert inputs["load"]["before"]["loadavg"] and all(
+        len(c["times"]) == run["rounds"] for run in inputs["timings"].values() for c in run["cases"].values())
+    assert {(r["measure"], r["source"]) for r in inputs["rows"]} == {
+        (m, s) for m in ("train steps", "input only") for s in ("(a) arrays", "(b) grain", "(c) grain + prefetch")}
+    assert [t["target"] for t in inputs["targets"]] == [">= 0.95"] and all(r["per_s"] > 0 for r in inputs["rows"])
+
     impls = [r["impl"] for r in reports["ensemble"]["rows"]]
     assert "sequential jit, 1 device" in impls and "spmdkit ensemble, 8 devices" in impls
 
@@ -224,6 +231,16 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
     assert [r["layout"] for r in sharded["rows"]] == ["dp", "fsdp", "tp", "dp+tp", "fsdp+tp"]
     assert all(r["compile_s"] > 0 and r["args_mib"] > 0 for r in sharded["rows"])
     assert [r["layers"] for r in sharded["compile_rows"]] == [4, 16]
+
+    step = reports["step"]
+    cases = [r["case"] for r in step["rows"]]
+    assert cases[:4] == ["step: Single", "step: DataParallel", "step: Ensemble(8, vmap)",
+                         "step: Sharded fsdp+tp, data=2,model=4"]
+    assert "transformer LM" in step["rows"][4]["model"] and step["rows"][4]["mesh"] == "data=2,model=4"
+    assert {"apply rowwise: DataParallel", "apply exact: DataParallel"} <= set(cases)
+    assert all(r["x_hand_jit"] > 0 and r["hand_ms"] > 0 for r in step["rows"])
+    assert [t["target"] for t in step["targets"]] == ["<= 1.02"] * 6 + ["<= 1.05"] * 2
+    assert "geometric mean" in step["targets"][5]["name"]
 
     ckpt = reports["checkpoint"]
     ops = [r["operation"] for r in ckpt["rows"]]

@@ -208,11 +208,14 @@ def test_static_broadcasted_argnums():
     np.testing.assert_array_equal(pf(jnp.ones(4), 3.0), np.full(4, 3.0))
     np.testing.assert_array_equal(pf(jnp.ones(4), 2.0), np.full(4, 2.0))
     pf(jnp.ones(4), 2.0)
+    np.testing.assert_array_equal(pf(jnp.ones(4), 3.0), np.full(4, 3.0))  # each value's repeat path
     assert traces == [3.0, 2.0]
     with pytest.raises(spmdkit.MappedAxisError, match="not hashable"):
         pf(jnp.ones(4), [2.0])
     with pytest.raises(spmdkit.MappedAxisError, match="called with 1 positional"):
         pf(jnp.ones(4))
+    with pytest.raises(spmdkit.MappedAxisError, match="size 16 along mapped axis 0"):
+        pf(jnp.ones(16), 2.0)
 
 
 # ---- property: spmdkit.pmap == jax.vmap ----------------------------------------
@@ -418,3 +421,38 @@ def test_arrays_committed_elsewhere_are_moved(layout):
         sharding = jax.NamedSharding(mesh, spec)
     out = spmdkit.pmap(convolve)(jax.device_put(xs, sharding), ws)
     np.testing.assert_array_equal(out, jax.vmap(convolve)(xs, ws))
+
+
+def test_repeat_calls_keep_every_check(monkeypatch):
+    """A structure seen before skips re-validation; changed sizes and kinds are still caught."""
+    pf = spmdkit.pmap(lambda a, b: a + b, axis_name="i")
+    validated = []
+    prepare = type(pf)._prepare
+    monkeypatch.setattr(type(pf), "_prepare", lambda self, *a: validated.append(1) or prepare(self, *a))
+    x = np.ones((N, 3), np.float32)
+    for _ in range(3):  # the later calls take the repeat path
+        np.testing.assert_array_equal(pf(x, x), 2 * x)
+    assert validated == [1]
+    with pytest.raises(spmdkit.MappedAxisError, match="args\\[0\\] has 8 along axis 0.*args\\[1\\] has 4"):
+        pf(x, x[:4])
+    with pytest.raises(spmdkit.MappedAxisError, match="args\\[1\\] is float with no axes"):
+        pf(x, 1.0)
+    with pytest.raises(spmdkit.MappedAxisError, match="args\\[1\\] is an array of shape \\(\\)"):
+        pf(x, np.float32(1.0))
+    with pytest.raises(spmdkit.MappedAxisError, match="size 16 along mapped axis 0"):
+        pf(np.ones((16, 3)), np.ones((16, 3)))
+    # A new size is validated and compiled once, then it too takes the repeat path.
+    np.testing.assert_array_equal(pf(x[:4], x[:4]), 2 * x[:4])
+    np.testing.assert_array_equal(pf(x[:4], x[:4]), 2 * x[:4])
+    np.testing.assert_array_equal(pf(x, x), 2 * x)
+    # out_axes=None is checked on every call, not only the first of a structure.
+    pick = spmdkit.pmap(lambda v, k: v * k, axis_name="i", out_axes=None)
+    same, varying = np.ones((N, 2), np.float32), np.arange(2.0 * N, dtype=np.float32).reshape(N, 2)
+    for _ in range(2):
+        np.testing.assert_array_equal(pick(same, same), np.ones(2))
+    with pytest.raises(spmdkit.ReplicationError, match="out_axes=None at output"):
+        pick(varying, same)
+    # An argument moved to another layout between calls is still moved back.
+    out = pf(x, x)
+    elsewhere = jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[3]))
+    np.testing.assert_array_equal(pf(elsewhere, out), 3 * x)

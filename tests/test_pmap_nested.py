@@ -215,3 +215,17 @@ def test_outer_out_axes_none_is_checked_on_the_first_call():
             bad(x)
     good = spmdkit.pmap(spmdkit.pmap(lambda v: jax.lax.psum(v, "a"), "b"), "a", out_axes=None)
     np.testing.assert_array_equal(good(x), x.sum(0))
+
+
+def test_repeat_calls_follow_shape_changes():
+    """Repeat calls skip validation; a new inner size (same outer size) builds a new mesh."""
+    f = nested(lambda v: jax.lax.psum(v, ("a", "b")), "a", "b")
+    ref = vmapped(lambda v: jax.lax.psum(v, ("a", "b")), "a", "b")
+    for shape in [(2, 4, 3), (2, 4, 3), (2, 2, 3), (2, 2, 3), (4, 2, 3), (2, 4, 3), (2, 4, 5)]:
+        x = jnp.arange(float(np.prod(shape))).reshape(shape)
+        out = f(x)
+        np.testing.assert_allclose(out, ref(x), err_msg=str(shape))
+        assert out.sharding.mesh.devices.shape == shape[:2]
+    with pytest.raises(spmdkit.MappedAxisError, match="need 4 x 4"):
+        f(jnp.ones((4, 4, 3)))
+    np.testing.assert_allclose(f(x), ref(x))

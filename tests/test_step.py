@@ -312,3 +312,42 @@ def test_apply_sees_the_exact_batch_never_padding(rows):
                      spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
         state = strategy.init(make, jax.random.key(0))
         np.testing.assert_allclose(np.asarray(strategy.apply(centred)(state, {"x": x})), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 7])
+def test_rowwise_apply_pads_an_uneven_batch_runs_split_and_equals_single(rows):
+    # A rowwise function (here one that divides by row values) on a batch no device count
+    # divides: padded by repeating the last row, run split over the devices, padding dropped.
+    x = np.arange(1, rows + 1, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    seen = []
+
+    def normalised(state, batch):
+        seen.append(batch["x"].shape[0])
+        return batch["x"] / batch["x"].sum(axis=1, keepdims=True) * state["w"]
+
+    def make(rng):
+        return {"w": jnp.full((3,), 2.0)}
+
+    single = spmdkit.Single()
+    want = np.asarray(single.apply(normalised, rowwise=True)(single.init(make, 0), {"x": x}))
+    assert want.shape == (rows, 3)
+    for strategy in (spmdkit.DataParallel(), spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        seen.clear()
+        state = strategy.init(make, 0)
+        out = strategy.apply(normalised, rowwise=True)(state, {"x": x})
+        assert out.shape == (rows, 3) and np.all(np.isfinite(np.asarray(out)))
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
+        assert seen and seen[-1] % strategy.batch_shards == 0 and seen[-1] > rows  # padded, so split
+    with pytest.raises(TypeError, match="rowwise"):
+        spmdkit.DataParallel().apply(normalised, rowwise="yes")
+    with pytest.raises(spmdkit.BatchSizeError, match="8 rows went in"):  # the padded batch, checked before the cut
+        spmdkit.DataParallel().apply(lambda s, b: jnp.sum(b["x"]), rowwise=True)(state, {"x": x})
+
+
+def test_padding_repeats_the_last_row():
+    from spmdkit._strategies._compile import pad_rows
+
+    host = pad_rows({"x": np.array([[1.0], [2.0]])}, 2, 4)
+    np.testing.assert_array_equal(host["x"][:, 0], [1.0, 2.0, 2.0, 2.0])
+    device = pad_rows({"x": jnp.array([3, 4, 5])}, 3, 4)
+    np.testing.assert_array_equal(np.asarray(device["x"]), [3, 4, 5, 5])

@@ -234,3 +234,63 @@ def test_state_axes_parts_name_the_moments_of_an_optimizer_over_part_of_the_para
     assert state["enc_opt"][0].mu["w"].sharding.spec == P(None, "model")
     assert state["enc_opt"][0].nu["b"].sharding.spec == P("model")
     assert state["head_opt"][0].trace["w"].sharding.spec == P("model", None)
+
+
+def test_single_is_its_own_class():
+    single = spmdkit.Single()
+    assert type(single).__name__ == "Single" and isinstance(single, spmdkit.DataParallel)
+    assert repr(single).startswith("Single(") and single.describe()["device_count"] == 1
+
+
+def test_ensemble_refuses_a_single_model_state_before_tracing():
+    ens = spmdkit.Ensemble(4)
+    good = ens.init(make_linear, 0)
+    step, predict = ens.step(linear_step), ens.apply(lambda s, b: b["x"] @ s["w"])
+    step(good, batch_of(16))  # the same structure as the bad state below: checked per call, not per structure
+    one_model = make_linear(jax.random.key(0))  # w: (8, 2), no member axis
+    for call in (step, predict):
+        with pytest.raises(spmdkit.MembersMismatchError) as e:
+            call(one_model, batch_of(16))
+        msg = str(e.value)
+        assert "state['w'] has shape (8, 2)" in msg and "no member axis of size 4" in msg
+        assert "ensemble.init(make_state, rng)" in msg
+
+
+def test_a_string_in_aux_or_output_is_named():
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(make_linear, 0)
+    with pytest.raises(spmdkit.StepOutputError, match=r"aux\['tag'\] = 'hello' of type str") as e:
+        strategy.step(lambda s, b: (s, {"tag": "hello"}))(state, batch_of(16))
+    assert isinstance(e.value, TypeError)
+    with pytest.raises(spmdkit.StepOutputError, match=r"output\['name'\]"):
+        strategy.apply(lambda s, b: {"y": b["x"], "name": "x"})(state, batch_of(16))
+
+
+@pytest.mark.parametrize("strategy", [spmdkit.DataParallel(), spmdkit.Ensemble(2, devices=jax.devices()[:2])],
+                         ids=["data", "ensemble"])
+def test_a_donated_state_passed_again_is_refused(strategy):
+    # Without the check, jax 0.12 raises "Array has been deleted" and jax 0.10 crashes the process.
+    step = strategy.step(linear_step, donate=True)
+    old = strategy.init(make_linear, 0)
+    new, _ = step(old, batch_of(16))
+    with pytest.raises(spmdkit.DonatedStateError) as e:
+        step(old, batch_of(16))
+    assert isinstance(e.value, RuntimeError)
+    msg = str(e.value)
+    assert "state['w'] has been deleted" in msg and "donate=True" in msg and "donate=False" in msg
+    with pytest.raises(spmdkit.DonatedStateError):
+        strategy.apply(lambda s, b: b["x"] @ s["w"])(old, batch_of(16))
+    new, _ = step(new, batch_of(16))  # the returned state goes on
+    assert np.all(np.isfinite(np.asarray(new["w"])))
+
+
+@pytest.mark.parametrize("strategy", [spmdkit.DataParallel(), spmdkit.Ensemble(2, devices=jax.devices()[:2])],
+                         ids=["data", "ensemble"])
+def test_a_step_that_changes_a_state_leafs_dtype_or_shape_is_refused(strategy):
+    state = strategy.init(make_linear, 0)
+    with pytest.raises(spmdkit.StepOutputError) as e:
+        strategy.step(lambda s, b: ({"w": s["w"].astype(jnp.bfloat16)}, {}))(state, batch_of(16))
+    msg = str(e.value)
+    assert "state['w'] with shape (8, 2) and dtype bfloat16" in msg and "dtype float32" in msg
+    with pytest.raises(spmdkit.StepOutputError, match=r"state\['w'\] with shape \(2, 8\)"):
+        strategy.step(lambda s, b: ({"w": s["w"].T}, {}))(state, batch_of(16))

@@ -13,18 +13,30 @@ from spmdkit._devices import (
 from spmdkit._cache import disable_compile_cache, enable_compile_cache
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
+from spmdkit._data import (
+    BatchError,
+    DataExhaustedError,
+    DatasetCorruptError,
+    DatasetFileError,
+    DatasetLayoutError,
+    DatasetSource,
+    load_dataset,
+    write_dataset,
+)
 from spmdkit._errors import (
     AxisNameError,
     BatchSizeError,
     ConfigError,
     DataError,
     DeviceSetupError,
+    DonatedStateError,
     MappedAxisError,
     MeshError,
     NonFiniteLossError,
     ReplicationError,
     SignatureError,
     SpmdkitError,
+    StepOutputError,
     TreeMismatchError,
 )
 from spmdkit._initialize import initialize
@@ -63,6 +75,14 @@ from spmdkit._train._validate import TaskError, validate_task
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchError",
+    "DataExhaustedError",
+    "DatasetCorruptError",
+    "DatasetFileError",
+    "DatasetLayoutError",
+    "DatasetSource",
+    "load_dataset",
+    "write_dataset",
     "ENV_HOST_DEVICES",
     "CheckpointHook",
     "EvalHook",
@@ -89,6 +109,7 @@ __all__ = [
     "DataError",
     "DataParallel",
     "DeviceSetupError",
+    "DonatedStateError",
     "Ensemble",
     "FitResult",
     "MappedAxisError",
@@ -103,6 +124,7 @@ __all__ = [
     "ReplicationError",
     "SignatureError",
     "SpmdkitError",
+    "StepOutputError",
     "Strategy",
     "Task",
     "TrainConfig",

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=120, help="training steps (120)")
 
     _add_train_parser(sub, common)
+    _add_data_parser(sub, common)
     _add_inspect_parser(sub, common)
     p = sub.add_parser(
         "launch",
@@ -163,6 +164,9 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--members", type=_positive_int, help="ensemble size (default: one per device)")
     p.add_argument("--bagging", action="store_true", help="ensemble: each member its own data order")
     p.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
+    p.add_argument("--data", metavar="DIR", help="train on this data set directory (spmdkit data write) instead of "
+                   "the task's training set; the task's model and eval set stay")
+    p.add_argument("--prefetch", type=int, metavar="N", help="batches read and placed ahead of the step (2; 0: none)")
     _add_layout_options(p)
     _add_mlp_options(p)
     p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the task's)")
@@ -192,6 +196,24 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
     g.add_argument("--distributed-timeout", type=_positive_int, default=100, metavar="S",
                    help="seconds without a finished step (or a heartbeat) before a process counts as dead or hung and all exit (100)")
+
+
+def _add_data_parser(sub, common: argparse.ArgumentParser) -> None:
+    from spmdkit._tasks import TASKS
+
+    p = sub.add_parser("data", parents=[common], help="write or check an on-disk data set (--data DIR)")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    w = verbs.add_parser("write", help="write a data set directory from a task's data or an .npz of arrays")
+    w.add_argument("out", metavar="DIR", help="the directory to write")
+    source = w.add_mutually_exclusive_group(required=True)
+    source.add_argument("--task", choices=sorted(TASKS), help="a built-in task's data (digits, mnist...)")
+    source.add_argument("--npz", metavar="FILE", help="arrays from an .npz file, one leaf per array name")
+    w.add_argument("--split", choices=("train", "eval"), default="train", help="which split of --task (train)")
+    w.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
+    w.add_argument("--overwrite", action="store_true", help="replace an existing data set in DIR")
+    c = verbs.add_parser("check", help="check a data set directory (sizes, shapes, dtypes; --verify: CRC-32)")
+    c.add_argument("directory", metavar="DIR")
+    c.add_argument("--verify", action="store_true", help="also read every file and compare its CRC-32")
 
 
 def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
@@ -447,7 +469,40 @@ def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     return launch(cmd, args.processes, args.host_devices_per_process, max_restarts=max(args.max_restarts, 0))
 
 
+def _cmd_data(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._data import load_dataset, write_dataset
+
+    if args.verb == "check":
+        data = load_dataset(args.directory, verify=args.verify)
+        import jax
+
+        for path, x in jax.tree_util.tree_flatten_with_path(data)[0]:
+            console.print(f"{jax.tree_util.keystr(path)}: shape {x.shape} dtype {x.dtype}", highlight=False)
+        console.print(f"{args.directory}: intact{' (CRC-32 verified)' if args.verify else ''}", highlight=False)
+        return 0
+    if args.npz:
+        import numpy as np
+
+        from spmdkit._errors import DataError, fix
+
+        try:
+            with np.load(args.npz, allow_pickle=False) as f:
+                arrays = {k: f[k] for k in f.files}
+        except (OSError, ValueError) as e:
+            raise DataError(fix(f"--npz {args.npz}: cannot be read as an .npz of arrays ({e}).",
+                                "pass a file written by numpy.savez(path, name=array, ...).")) from None
+    else:
+        from spmdkit._tasks import get_task
+
+        task = get_task(args.task, data_dir=args.data_dir)
+        arrays = task.train_data if args.split == "train" else task.eval_data
+    out = write_dataset(args.out, arrays, overwrite=args.overwrite)
+    console.print(f"wrote {out}: train with spmdkit train --task {args.task or 'NAME'} --data {out}", highlight=False)
+    return 0
+
+
 _COMMANDS = {
+    "data": _cmd_data,
     "launch": _cmd_launch,
     "checkpoints": _cmd_checkpoints,
     "inspect": _cmd_inspect,

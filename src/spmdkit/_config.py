@@ -33,6 +33,7 @@ class TrainConfig:
     log_every: int = 1
     drop_remainder: bool = False
     grad_accum: int = 1  # micro-batches per optimizer step; batch_size is their total
+    prefetch: int = 2  # batches read and put on the devices ahead of the step; 0: none
 
     def __post_init__(self) -> None:
         if self.steps is None and self.epochs is None:
@@ -52,6 +53,8 @@ class TrainConfig:
                 )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(fix(f"seed={self.seed!r} must be an int >= 0.", "e.g. seed=0."))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigError(fix(f"prefetch={self.prefetch!r} must be an int >= 0.", "e.g. prefetch=2 (--prefetch 2)."))
 
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -110,6 +113,7 @@ class RunConfig:
     rules: str | None = None
     replicate_unknown: bool = False
     data_dir: str | None = None
+    data: str | None = None  # a data set directory (spmdkit.write_dataset) the task trains on instead
     # Task options (mlp): None means the task's own default.
     layers: int | None = None
     depth: int | None = None
@@ -132,6 +136,7 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "members": (None, "members"),
     "bagging": (None, "bagging"),
     "data_dir": (None, "data_dir"),
+    "data": (None, "data"),
     "mesh": (None, "mesh"),
     "rules": (None, "rules"),
     "replicate_unknown": (None, "replicate_unknown"),
@@ -160,8 +165,9 @@ CONFIG_KEYS = tuple(_KEYS)
 _BOOLS = {"bagging", "replicate_unknown", "scan", "progress", "drop_remainder", "resume", "overwrite_checkpoints"}
 _POSITIVE = {"members", "layers", "depth", "embed", "host_devices", "steps", "epochs", "batch_size", "eval_every",
              "eval_batch_size", "log_every", "grad_accum", "checkpoint_every", "keep"}
+_NON_NEGATIVE = {"prefetch"}
 _FLOATS = {"lr", "momentum", "weight_decay"}
-_STRINGS = {"task", "strategy", "impl", "data_dir", "mesh", "rules", "out", "optimizer", "checkpoint_dir"}
+_STRINGS = {"task", "strategy", "impl", "data_dir", "data", "mesh", "rules", "out", "optimizer", "checkpoint_dir"}
 _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', "data_dir": '"data/mnist"',
              "checkpoint_dir": '"ck"'}
 
@@ -179,9 +185,9 @@ def check_value(key: str, value: Any, source: str) -> None:
     elif key in _POSITIVE:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         want, example = "a whole number >= 1", f"{key.replace('_', '-')} = 8"
-    elif key == "seed":
+    elif key == "seed" or key in _NON_NEGATIVE:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        want, example = "a whole number >= 0", "seed = 0"
+        want, example = "a whole number >= 0", f"{key} = 0"
     elif key in _FLOATS:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         want, example = "a number", f"{key.replace('_', '-')} = 0.01"

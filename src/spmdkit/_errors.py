@@ -72,3 +72,11 @@ class ReplicationError(MappedAxisError):
 
 class SignatureError(SpmdkitError, TypeError):
     """A compiled function was called with arguments of another structure, shape or dtype."""
+
+
+class DonatedStateError(SpmdkitError, RuntimeError):
+    """A state whose arrays were given away (donated) to an earlier step was passed again."""
+
+
+class StepOutputError(SpmdkitError, TypeError):
+    """A user's step returned what cannot be the next step's input or leave a compiled call."""

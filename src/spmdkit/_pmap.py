@@ -13,8 +13,9 @@ each level is a ``shard_map`` manual over its own axis.
 
 Validation happens in Python before anything is traced, and again only when the
 call's structure changes: a call whose pytree structure and mapped size were seen
-before costs one dict look-up and one shape check per mapped leaf on top of the
-jitted function.
+before (see ``_Fast``) costs one flatten, one dict look-up and one shape check per
+mapped leaf on top of the jitted function (across processes, plus assembling each
+host argument into a global array).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from spmdkit._pmap_parts import (
     _argnums,
     _check_axes_spec,
     _is_axis,
+    _local_avals,
     _merge_static,
     _move_misplaced,
     _same_everywhere,
@@ -78,6 +80,18 @@ class _Compiled(NamedTuple):
     spans_processes: bool = False  # arguments are local slices of global arrays
     nested: bool = False  # nested maps: the mesh depends on the shapes inside, so
     # by_size[n] only marks that; the code lives at by_size[(n, shapes and dtypes)]
+    row0: int = 0  # across processes: this process's first index on the mesh's first axis
+
+
+class _Fast(NamedTuple):
+    """A call structure seen and validated before: what a repeat call needs, nothing more."""
+
+    plan: _Plan
+    compiled: _Compiled
+    n: int  # local mapped size it was validated (and compiled) for
+    mapped: tuple[tuple[int, int], ...]  # (flat leaf index, mapped axis) per mapped leaf
+    spans: bool  # across processes: host slices are assembled into global arrays
+    sig: tuple[Any, ...] | None  # nested maps: the shapes and dtypes the mesh was built for
 
 
 class _Call(NamedTuple):
@@ -102,6 +116,8 @@ class _ParallelMap:
         self._axis_size = axis_size
         self._donate = donate
         self._plans: dict[Any, _Plan] = {}
+        # pytree def (and static arguments, if any) -> _Fast (see __call__).
+        self._fast: dict[Any, _Fast] = {}
         # updated=(): wrapping another map must not copy its state (its __dict__) over ours.
         functools.update_wrapper(self, f, updated=())
 
@@ -110,10 +126,46 @@ class _ParallelMap:
         frame = nest.top()
         if frame is not None:
             return self._call_nested(frame, args, kwargs)
-        call = self._prepare(args, kwargs)
+        static_vals: tuple[Any, ...] = ()
+        dyn_args = args
+        if self._static:
+            if self._static[-1] >= len(args):  # too few arguments: the checked path says so
+                return self._call_checked(self._prepare(args, kwargs))
+            static_vals = tuple(args[i] for i in self._static)
+            dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static)
+        flat, treedef = jax.tree_util.tree_flatten((dyn_args, kwargs))
+        try:
+            fast = self._fast.get((treedef, static_vals) if self._static else treedef)
+        except TypeError:  # an unhashable static argument: the checked path says so
+            fast = None
+        if fast is None or not _still_fits(flat, fast):
+            return self._call_checked(self._prepare(args, kwargs, (flat, treedef)))
+        # A structure validated before, mapped sizes unchanged: nothing left to check
+        # (devices, axis_size and in_axes depend on nothing else), so straight to jit.
+        placed = _to_global(flat, fast.plan.axes, fast.compiled) if fast.spans else flat
+        compiled = fast.compiled
+        try:
+            out = compiled.jitted(*placed)
+        except Exception as e:
+            call = _Call(fast.plan, flat, treedef, static_vals, fast.n)
+            out, compiled = self._recover(call, compiled, placed, e)
+            if compiled is not fast.compiled:  # the function nests after all: validate again
+                self._fast.pop((treedef, static_vals) if self._static else treedef, None)
+        if compiled.checked is None:
+            return out
+        return self._finish(compiled, out, _Call(fast.plan, flat, treedef, static_vals, fast.n))
+
+    def _call_checked(self, call: _Call) -> Any:
+        """The validating path: the first call of a structure, or one whose sizes changed."""
         compiled = self._compiled(call)
         out, compiled = self._run(call, compiled, self._placed(compiled, call.flat, call))
-        return self._finish(compiled, out, call)
+        out = self._finish(compiled, out, call)
+        key = (call.treedef, call.static_vals) if self._static else call.treedef
+        self._fast[key] = _Fast(
+            call.plan, compiled, call.n, tuple((i, call.plan.axes[i]) for i in call.plan.mapped),
+            compiled.spans_processes, _signature(call.flat) if compiled.nested else None,
+        )
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments, like ``jax.pmap(f).lower``."""
@@ -132,7 +184,7 @@ class _ParallelMap:
             lowered = compiled.jitted.lower(*flat)
         return Lowered(lowered, self, call, compiled)
 
-    def _prepare(self, args, kwargs) -> _Call:
+    def _prepare(self, args, kwargs, flattened=None) -> _Call:
         static_vals: tuple[Any, ...] = ()
         dyn_args = args
         if self._static:
@@ -146,7 +198,7 @@ class _ParallelMap:
                 )
             static_vals = tuple(args[i] for i in self._static)
             dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static)
-        flat, treedef = jax.tree_util.tree_flatten((dyn_args, kwargs))
+        flat, treedef = flattened or jax.tree_util.tree_flatten((dyn_args, kwargs))
         key = (treedef, static_vals)
         try:
             plan = self._plans.get(key)
@@ -166,7 +218,7 @@ class _ParallelMap:
     def _placed(self, compiled: _Compiled, flat: list[Any], call: _Call) -> list[Any]:
         if not compiled.spans_processes:
             return flat
-        return _to_global(flat, call.plan.axes, compiled.shardings)
+        return _to_global(flat, call.plan.axes, compiled)
 
     def _compiled(self, call: _Call) -> _Compiled:
         compiled = call.plan.by_size.get(call.n)
@@ -186,18 +238,23 @@ class _ParallelMap:
         """The outputs, and the code that made them (nested if an inner map showed up)."""
         try:
             return compiled.jitted(*flat), compiled
-        except nest.NestingFound:
-            return self._run(call, self._nested_for(call), flat)
-        except SpmdkitError:
-            raise
-        except Exception:
-            # jit refuses (or trips over) an array committed to another layout: one
-            # device, or another mesh. pmap moves such arrays; so do we, on this slow
-            # path only, and let any other error through unchanged.
-            moved = _move_misplaced(flat, compiled.shardings)
-            if moved is None:
-                raise
-            return compiled.jitted(*moved), compiled
+        except Exception as e:
+            return self._recover(call, compiled, flat, e)
+
+    def _recover(self, call: _Call, compiled: _Compiled, flat: list[Any], error: Exception):
+        """After jit raised: nest, move misplaced arguments, or re-raise ``error``."""
+        if isinstance(error, nest.NestingFound):
+            nested = self._nested_for(call)  # placed anew: its mesh is not the 1-D one
+            return self._run(call, nested, self._placed(nested, call.flat, call))
+        if isinstance(error, SpmdkitError):
+            raise error
+        # jit refuses (or trips over) an array committed to another layout: one
+        # device, or another mesh. pmap moves such arrays; so do we, on this slow
+        # path only, and let any other error through unchanged.
+        moved = _move_misplaced(flat, compiled.shardings)
+        if moved is None:
+            raise error
+        return compiled.jitted(*moved), compiled
 
     def _finish(self, compiled: _Compiled, out: Any, call: _Call) -> Any:
         if compiled.checked is None:
@@ -441,8 +498,8 @@ class _ParallelMap:
         )
         shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         jitted = jax.jit(mapped, in_shardings=shardings, donate_argnums=call.plan.donated)
-        spans = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
-        return _Compiled(jitted, shardings, checked, mesh, spans_processes=spans)
+        spans, row0 = _own_rows(mesh)
+        return _Compiled(jitted, shardings, checked, mesh, spans_processes=spans, row0=row0)
 
     def _compile_nested(self, call: _Call) -> _Compiled:
         """An N-D mesh, one axis per nesting level, learnt by tracing with jax.vmap."""
@@ -452,17 +509,8 @@ class _ParallelMap:
             # out_axes=0: this trace only learns the levels; out_axes=None is checked later.
             jax.vmap(discover, in_axes=call.plan.axes, out_axes=0,
                      axis_name=chain[0].mesh_name, axis_size=call.n),
-            *call.flat,
+            *_local_avals(call.flat, call.plan.axes, call.n),
         )
-        if jax.process_count() > 1:
-            raise MappedAxisError(
-                fix(
-                    f"nested spmdkit.pmap calls ({nest.describe(chain)}) across "
-                    f"{jax.process_count()} processes are not supported.",
-                    "nest the maps in one process, or use one map over every process's devices "
-                    "with spmdkit.Sharded for 2-D layouts.",
-                )
-            )
         sizes = [lv.size for lv in chain]
         total = int(np.prod(sizes))
         available = len(self._pool(local=True))
@@ -491,7 +539,10 @@ class _ParallelMap:
         # output of the previous nested call) is consumed where it is.
         jitted = jax.jit(mapped, donate_argnums=call.plan.donated)
         shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-        return _Compiled(jitted, shardings, checked, mesh, nested=True)
+        # Across processes the outer axis spans them (each process holds its own rows of
+        # it, every inner level within the process), as jax.pmap's one axis does.
+        spans, row0 = _own_rows(mesh)
+        return _Compiled(jitted, shardings, checked, mesh, spans_processes=spans, nested=True, row0=row0)
 
     def _call_nested(self, frame: nest.Frame, args, kwargs) -> Any:
         """Called while an outer map traces: map over the next axis of its mesh."""
@@ -614,6 +665,37 @@ def pmap(
 
 _MAPS: dict[Any, _ParallelMap] = {}
 _MAX_MAPS = 256
+
+
+def _own_rows(mesh: Mesh) -> tuple[bool, int]:
+    """Whether ``mesh`` spans processes, and this process's first index on its first axis.
+
+    Each process's devices are contiguous along the first axis (see _mesh_devices)."""
+    me = jax.process_index()
+    devices = list(mesh.devices.flat)
+    if all(d.process_index == me for d in devices):
+        return False, 0
+    first = next(i for i, d in enumerate(devices) if d.process_index == me)
+    return True, first // (len(devices) // mesh.devices.shape[0])
+
+
+def _still_fits(flat: list[Any], fast: _Fast) -> bool:
+    """Whether every mapped leaf still has the size ``fast`` was validated for (and, for
+    nested maps, every leaf its shape and dtype: they decide the mesh)."""
+    if fast.sig is not None and _signature(flat) != fast.sig:
+        return False
+    n = fast.n
+    try:
+        for i, ax in fast.mapped:
+            if flat[i].shape[ax] != n:
+                x = flat[i]
+                # Across processes, a previous call's output is global: n rows per process.
+                if not (fast.spans and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                        and not x.is_fully_addressable and x.shape[ax] == n * jax.process_count()):
+                    return False
+    except (AttributeError, IndexError, TypeError):
+        return False  # not an array, or too few axes: the checked path says what is wrong
+    return True
 
 
 def _freeze(spec: Any) -> Any:

@@ -43,18 +43,21 @@ class NestingFound(Exception):
     """Internal: an inner map was called while its outer map traced for a 1-D mesh."""
 
 
-_STATE = threading.local()
+class _State(threading.local):
+    def __init__(self) -> None:  # runs once per thread, on its first use
+        self.stack: list[Frame] = []
+
+
+_STATE = _State()
 
 
 def frames() -> list[Frame]:
-    stack = getattr(_STATE, "stack", None)
-    if stack is None:
-        stack = _STATE.stack = []
-    return stack
+    return _STATE.stack
 
 
 def top() -> Frame | None:
-    stack = frames()
+    # On every call of every map: one attribute read, no function call inside.
+    stack = _STATE.stack
     return stack[-1] if stack else None
 
 

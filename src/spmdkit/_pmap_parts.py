@@ -63,18 +63,51 @@ def _same_everywhere(x: jax.Array, names: list[Hashable]) -> jax.Array:
     return jnp.all(jax.lax.pmax(x, axes) == jax.lax.pmin(x, axes))
 
 
-def _to_global(flat: list[Any], axes: tuple[int | None, ...], shardings: tuple[NamedSharding, ...]) -> list[Any]:
-    """Across processes: each process's local slices become one global array."""
+def _to_global(flat: list[Any], axes: tuple[int | None, ...], compiled: Any) -> list[Any]:
+    """Across processes: each process's local slices become one global array.
+
+    ``compiled`` holds the map's shardings and ``row0``, this process's first index
+    along the mapped axis (the mesh's first axis). ``jax.make_array_from_callback``
+    with that offset does what ``jax.make_array_from_process_local_data`` does for this
+    layout (one index per device row, each process's rows contiguous) at a third or
+    less of its Python cost per call.
+    """
     out = []
-    for x, sh, ax in zip(flat, shardings, axes):
+    count = None
+    for x, sh, ax in zip(flat, compiled.shardings, axes):
         if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
-            out.append(x)
+            out.append(x)  # already global (a previous call's output), or being traced
             continue
         local = np.asarray(x)
         shape = local.shape
-        if ax is not None:
-            shape = (*shape[:ax], shape[ax] * jax.process_count(), *shape[ax + 1 :])
-        out.append(jax.make_array_from_process_local_data(sh, local, shape))
+        if ax is None:
+            out.append(jax.make_array_from_callback(shape, sh, lambda _, v=local: v))
+            continue
+        count = count or jax.process_count()
+        shape = (*shape[:ax], shape[ax] * count, *shape[ax + 1 :])
+        out.append(jax.make_array_from_callback(shape, sh, _local_rows(local, ax, compiled.row0)))
+    return out
+
+
+def _local_rows(local: np.ndarray, ax: int, row0: int):
+    """The data callback of one mapped leaf: global index -> this process's slice."""
+
+    def rows(index):
+        start = (index[ax].start or 0) - row0
+        return local[(*index[:ax], slice(start, start + 1), *index[ax + 1 :])]
+
+    return rows
+
+
+def _local_avals(flat: list[Any], axes: tuple[int | None, ...], n: int) -> list[Any]:
+    """The arguments as one process sees them: a global array (a previous call's output,
+    across processes) becomes its shape and dtype with ``n`` rows on its mapped axis."""
+    out = []
+    for x, ax in zip(flat, axes):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.is_fully_addressable:
+            shape = x.shape if ax is None else (*x.shape[:ax], n, *x.shape[ax + 1 :])
+            x = jax.ShapeDtypeStruct(shape, x.dtype)
+        out.append(x)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
         options["resume"], options["overwrite_checkpoints"] = True, False
     run = build_run_config(options)
     task = get_task(run.task, data_dir=run.data_dir, **task_options(run))
+    if run.data is not None:  # the task's model and eval set, trained on the data set in run.data
+        task = dataclasses.replace(task, train_data=run.data)
     strategy = get_strategy(run.strategy, run.impl, **strategy_options(run))
     info = strategy.describe()
     console.print(

@@ -9,10 +9,12 @@ from spmdkit._bench import (
     checkpoint_suite,
     data_suite,
     ensemble_suite,
+    input_suite,
     multiprocess_suite,
     pmap_suite,
     sharded_suite,
     startup_suite,
+    step_suite,
 )
 
 # A suite takes its quick flag and returns a report: {"suite", "machine", "rows", "targets"}.
@@ -20,8 +22,10 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "pmap": pmap_suite.run,
     "data": data_suite.run,
     "ensemble": ensemble_suite.run,
+    "input": input_suite.run,
     "sharded": sharded_suite.run,
     "checkpoint": checkpoint_suite.run,
     "multiprocess": multiprocess_suite.run,
     "startup": startup_suite.run,
+    "step": step_suite.run,
 }

@@ -3,8 +3,9 @@
 A user writes ``make_state(rng)``, ``train_step(state, batch)`` and ``fn(state, batch)``
 for one device. A strategy says where the state and the batch live (a few small hooks);
 this module compiles the user's functions once per input signature with those
-shardings, places host or device batches (an uneven one whole on every device), and
-gives the model a mesh to constrain its activations against.
+shardings, places host or device batches (an uneven one whole on every device, or for a
+``rowwise`` apply padded with its last row and split), checks what the user's functions
+return while tracing, and gives the model a mesh to constrain its activations against.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import BatchSizeError, MeshError, TreeMismatchError, fix
+from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, StepOutputError, TreeMismatchError,
+                             fix)
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
 
 # How JAX reports a constraint naming a mesh axis the context mesh lacks (0.10 and 0.12).
@@ -55,6 +57,10 @@ def as_key(rng: Any, argument: str = "rng") -> jax.Array:
 
 def batch_rows(batch: Batch, argument: str = "batch") -> int:
     """The number of examples of a batch: every leaf's leading axis, all equal."""
+    # Fast path (every call of a step): arrays whose leading sizes agree.
+    shapes = [getattr(x, "shape", None) for x in jax.tree.leaves(batch)]
+    if shapes and all(shapes) and len({shape[0] for shape in shapes}) == 1:
+        return shapes[0][0]
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise BatchSizeError(fix(f"{argument} holds no arrays.", f"pass e.g. {argument}={{'x': x, 'y': y}}."))
@@ -195,6 +201,9 @@ class Placement:
     def _batch_sharding_for(self, kind: str, even: bool) -> Any:
         return self._batch_sharding(even)
 
+    def _check_state(self, state: State, leaves: list[Any]) -> None:
+        """Refuse a state this strategy cannot run, before tracing (ensembles: member axis)."""
+
     # ---- shared machinery -------------------------------------------------------
     def _context(self) -> TraceContext:
         return TraceContext(self.mesh, self._rules(), getattr(self, "_extra_axes", ()))
@@ -285,19 +294,23 @@ class Placement:
         for this strategy: ``step(state, batch)`` takes the *global* batch (host or device
         arrays) and computes what ``jax.jit(train_step)`` computes on one device.
 
-        ``donate=True`` lets the new state reuse the old state's memory (the old state
-        must not be used afterwards).
+        ``donate=True`` lets the new state reuse the old state's memory: the old state
+        must not be used afterwards (passing it again raises ``DonatedStateError``).
+
+        The returned state must have the structure, shapes and dtypes of the state passed
+        in (it is the next step's input), and ``aux`` arrays or numbers only; both are
+        checked while tracing, at no cost per step.
         """
         check_callable(train_step, "train_step", "(state, batch) -> (state, aux)")
         return self._compiled(train_step, "step", donate)
 
-    def _compiled(self, fn: Callable[..., Any], kind: str, donate: bool) -> CompiledStep:
+    def _compiled(self, fn: Callable[..., Any], kind: str, donate: bool, rowwise: bool = False) -> CompiledStep:
         """One CompiledStep per function: ``strategy.step(f)(...)`` written inline in a loop
         compiles once."""
         cache = self.__dict__.setdefault("_compiled_fns", {})
-        key = (fn, kind, donate)
+        key = (fn, kind, donate, rowwise)
         if key not in cache:
-            cache[key] = CompiledStep(self, fn, kind, donate)
+            cache[key] = CompiledStep(self, fn, kind, donate, rowwise)
         return cache[key]
 
     def evaluate(self, fn: Callable[[State, Batch], Any]) -> Callable[[State, Batch], Any]:
@@ -307,27 +320,51 @@ class Placement:
         check_callable(fn, "fn", "(state, batch) -> values")
         return self._compiled(fn, "eval", False)
 
-    def apply(self, fn: ApplyFn) -> Callable[[State, Batch], Any]:
+    def apply(self, fn: ApplyFn, *, rowwise: bool = False) -> Callable[[State, Batch], Any]:
         """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B, exactly B
-        rows back. ``fn`` sees the exact batch, never padding rows (it may mix rows, e.g.
-        batch statistics): a B that does not split over the devices runs whole on every
-        device, like ``step``."""
+        rows back.
+
+        By default ``fn`` sees the exact batch, never padding rows, so it may mix rows (batch
+        statistics, a softmax over the batch): a B that does not split over the devices
+        runs whole on every device, like ``step`` (exact, not parallel).
+
+        ``rowwise=True`` declares that ``fn`` treats rows independently (row i of the output
+        depends only on row i of the batch: a forward pass in inference mode). An uneven
+        batch is then padded up to a multiple of the devices by repeating its last row
+        (not zeros, so a function that divides by row values stays finite), run split
+        over the devices, and the padding rows are dropped. A function that mixes rows
+        gives wrong rows under ``rowwise=True``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, numpy as np, spmdkit
+            >>> strategy = spmdkit.DataParallel()
+            >>> state = strategy.init(lambda rng: {"w": jnp.full((3,), 2.0)}, 0)
+            >>> predict = strategy.apply(lambda s, b: b["x"] @ s["w"], rowwise=True)
+            >>> predict(state, {"x": np.ones((5, 3), np.float32)}).shape   # 5 rows on 8 devices
+            (5,)
+        """
         check_callable(fn, "fn", "(state, batch) -> outputs [B, ...]")
-        return self._compiled(fn, "apply", False)
+        if not isinstance(rowwise, bool):
+            raise TypeError(fix(f"rowwise={rowwise!r} must be True or False.",
+                                "pass rowwise=True only if fn treats every row of the batch on its own."))
+        return self._compiled(fn, "apply", False, rowwise)
 
 
 class CompiledStep:
     """What ``strategy.step`` / ``strategy.apply`` return; compiled once per signature."""
 
-    def __init__(self, strategy: Placement, fn: Callable[..., Any], kind: str, donate: bool):
+    def __init__(self, strategy: Placement, fn: Callable[..., Any], kind: str, donate: bool, rowwise: bool = False):
         self.strategy = strategy
         self.fn = fn
         self.kind = kind
         self.donate = donate
+        self.rowwise = rowwise
         self._compiled: dict[Any, Any] = {}
         self.__wrapped__ = fn
 
-    def _build(self, state: State, even: bool):
+    def _build(self, state: State, even: bool, keep: int | None = None):
+        """The jitted program; ``keep``: a padded apply's real rows, cut inside the program
+        (one dispatch less than slicing the sharded output afterwards)."""
         s = self.strategy
         state_sh = s._state_shardings(state)
         batch_sh = s._batch_sharding_for(self.kind, even)
@@ -336,7 +373,11 @@ class CompiledStep:
 
         def run(state, batch):
             with context:
-                return lifted(state, batch)
+                out = lifted(state, batch)
+            if keep is None:
+                return out
+            _check_per_example(out, batch_rows(batch), s._row_axis, padded_from=keep)
+            return jax.tree.map(lambda x: jax.lax.slice_in_dim(x, 0, keep, axis=s._row_axis), out)
 
         out = (state_sh, s._aux_sharding()) if self.kind == "step" else s._aux_sharding()
         return jax.jit(run, in_shardings=(state_sh, batch_sh), out_shardings=out,
@@ -346,21 +387,101 @@ class CompiledStep:
         s = self.strategy
         n = batch_rows(batch)
         even = n % s.batch_shards == 0
-        # An uneven global batch is placed whole on every device: the program is the
-        # same single-device program, so the result is exact (only less parallel).
+        rows = n
+        if not even and self.rowwise:
+            # Rows are independent (the caller says so): pad, run split, drop the padding.
+            rows, even = -(-n // s.batch_shards) * s.batch_shards, True
+            batch = pad_rows(batch, n, rows)
+        # Otherwise an uneven global batch is placed whole on every device: the program is
+        # the same single-device program, so the result is exact (only less parallel).
         placed = place(batch, s._batch_sharding_for(self.kind, even))
-        key = (jax.tree.structure(state), even, getattr(s, "_extra_axes", ()))
+        leaves, treedef = jax.tree.flatten(state)
+        if self.donate:
+            _DONATING[0] = True
+        if _DONATING[0]:  # only a donating step deletes a state's arrays: others pay nothing
+            _check_not_deleted(state, leaves)
+        s._check_state(state, leaves)
+
+        keep = n if rows != n else None
 
         def run():
-            k = (key[0], key[1], getattr(s, "_extra_axes", ()))
+            k = (treedef, even, getattr(s, "_extra_axes", ()), keep)
             if k not in self._compiled:
-                self._compiled[k] = self._build(state, even)
+                self._compiled[k] = self._build(state, even, keep)
             return self._compiled[k](state, placed)
 
         out = s._traced(run)
         if self.kind == "apply":
             _check_per_example(out, n, s._row_axis)
         return out
+
+
+def pad_rows(batch: Batch, n: int, rows: int) -> Batch:
+    """``batch`` grown from ``n`` to ``rows`` examples by repeating its last row: a padding
+    row is a real example, so a function that divides by row values stays finite."""
+
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.numpy.concatenate([x, jax.numpy.repeat(x[-1:], rows - n, axis=0)])
+        x = np.asarray(x)
+        return np.concatenate([x, np.repeat(x[-1:], rows - n, axis=0)])
+
+    return jax.tree.map(one, batch)
+
+
+_DONATING = [False]  # has any step of this process been built with donate=True and called?
+
+
+def _check_not_deleted(state: State, leaves: list[Any]) -> None:
+    """Refuse a state whose arrays were deleted (donated): JAX would raise, or crash."""
+    for x in leaves:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            break
+    else:
+        return
+    path = next(p for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+                if isinstance(x, jax.Array) and x.is_deleted())
+    raise DonatedStateError(
+        fix(f"state{jax.tree_util.keystr(path)} has been deleted: this state was donated to an earlier "
+            "call of a step built with strategy.step(train_step, donate=True), which reused its memory for "
+            "the state it returned.",
+            "use the state that call returned (state, aux = step(state, batch)), never the one passed in; "
+            "or build the step with donate=False to keep the old state usable.")
+    )
+
+
+def _check_values(tree: Any, what: str, name: str) -> None:
+    """Every leaf an array or a number: strings and objects cannot leave a compiled step."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+            continue
+        raise StepOutputError(
+            fix(f"{name!r} returned {what}{jax.tree_util.keystr(path)} = {x!r} of type {type(x).__name__}; "
+                "only arrays and numbers can leave a compiled step.",
+                f"return arrays (e.g. jnp.asarray(value)); keep strings and other Python objects out of "
+                f"{what} (build them from the returned arrays after the call).")
+        )
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+
+
+def _check_same_types(before: State, after: State, name: str) -> None:
+    """Each returned state leaf has the shape and dtype it came in with (checked on the
+    traced values: a changed one would recompile every step or silently change precision)."""
+    old = jax.tree_util.tree_flatten_with_path(before)[0]
+    for (path, x), y in zip(old, jax.tree.leaves(after)):
+        a, b = (np.shape(x), _dtype(x)), (np.shape(y), _dtype(y))
+        if a != b:
+            raise StepOutputError(
+                fix(f"train_step {name!r} returned state{jax.tree_util.keystr(path)} with shape {b[0]} and "
+                    f"dtype {b[1]}, but got it with shape {a[0]} and dtype {a[1]}. The returned state is the "
+                    "next step's input: a changed shape recompiles every step, a changed dtype silently "
+                    "changes precision.",
+                    f"return that leaf with its input shape and dtype (e.g. new.astype({a[1]}), or create it "
+                    "with that dtype in make_state).")
+            )
 
 
 def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
@@ -382,19 +503,31 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
                     "return a state of the same structure (same keys, same fields): the step's output is "
                     "the next step's input.")
             )
+        _check_values(out[0], "state", name)
+        _check_same_types(state, out[0], name)
+        _check_values(out[1], "aux", name)
         return out
 
-    return step if kind == "step" else fn
+    def other(state, batch):
+        out = fn(state, batch)
+        _check_values(out, "output", name)
+        return out
+
+    return step if kind == "step" else other
 
 
-def _check_per_example(out: Any, n: int, axis: int) -> None:
+def _check_per_example(out: Any, n: int, axis: int, padded_from: int | None = None) -> None:
     """Every output leaf of ``apply`` has the batch's ``n`` examples on ``axis``."""
+    if all(np.ndim(x) > axis and x.shape[axis] == n for x in jax.tree.leaves(out)):
+        return
 
     def one(path, x):
         if np.ndim(x) <= axis or x.shape[axis] != n:
             raise BatchSizeError(
                 fix(f"apply's fn returned output{jax.tree_util.keystr(path)} with shape {np.shape(x)}, "
-                    f"but a batch of {n} rows went in; apply needs per-example outputs with the examples "
+                    f"but a batch of {n} rows went in"
+                    + (f" ({padded_from} rows padded to {n} by rowwise=True)" if padded_from is not None else "")
+                    + "; apply needs per-example outputs with the examples "
                     f"on axis {axis}.",
                     "return per-example values (e.g. logits [B, C]); reduce them after apply, or use "
                     "strategy.evaluate for batch-wide values.")

@@ -281,6 +281,32 @@ class Ensemble(Placement):
             )
         return state
 
+    def _check_state(self, state: Any, leaves: list[Any]) -> None:
+        # Every call (cheap: leading sizes only): a single model's state may share the
+        # structure of the ensemble's, so a check per structure would let it through.
+        k = self.members
+        for x in leaves:
+            shape = getattr(x, "shape", None)
+            if shape is None:
+                shape = np.shape(x)
+            if not shape or shape[0] != k:
+                self._no_member_axis(state)
+
+    def _no_member_axis(self, state: Any) -> None:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            shape = np.shape(leaf)
+            if shape and shape[0] == self.members:
+                continue
+            lead = f"its leading size is {shape[0]}" if shape else "it is a scalar"
+            raise MembersMismatchError(
+                fix(f"state{jax.tree_util.keystr(path)} has shape {shape}: the state has no member axis of "
+                    f"size {self.members} ({lead}). Ensemble(members={self.members}) keeps its members' states "
+                    "stacked on a leading axis; this looks like one model's state.",
+                    f"build it with ensemble.init(make_state, rng) (member m from "
+                    f"jax.random.split(rng, {self.members})[m]), or stack {self.members} single-model states: "
+                    "jax.tree.map(lambda *xs: jnp.stack(xs), *states).")
+            )
+
     def _check_members(self, state: Any) -> None:
         treedef = jax.tree.structure(state)
         if treedef in getattr(self, "_checked", ()):

@@ -9,13 +9,16 @@ from jax.sharding import Mesh
 from spmdkit._strategies.data import DataParallel
 
 
-def Single(device: jax.Device | None = None) -> DataParallel:  # noqa: N802 (reads like a class)
+class Single(DataParallel):
     """Train on one device (the first by default): a data-parallel mesh of one.
 
     Example:
         >>> import spmdkit
-        >>> spmdkit.Single().describe()["device_count"]
-        1
+        >>> strategy = spmdkit.Single()
+        >>> type(strategy).__name__, strategy.describe()["device_count"]
+        ('Single', 1)
     """
-    mesh = Mesh(np.array([device or jax.devices()[0]]), ("data",))
-    return DataParallel(mesh, axis="data", impl="jit", name="single")
+
+    def __init__(self, device: jax.Device | None = None):
+        mesh = Mesh(np.array([device or jax.devices()[0]]), ("data",))
+        super().__init__(mesh, axis="data", impl="jit", name="single")

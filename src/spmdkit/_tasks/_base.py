@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmdkit._data import is_pipeline, resolve_train_data
 from spmdkit._errors import DataError, fix
 from spmdkit._types import LossFn, Params, Predictor
 
@@ -32,7 +33,9 @@ class Task:
     rng) -> (loss, aux)``.
 
     Data sets are pytrees (usually dicts) of arrays sharing their leading (example)
-    axis. ``report(params)`` may add entries to the summary. ``defaults`` holds option
+    axis. ``train_data`` may also be a data set directory (:func:`spmdkit.write_dataset`;
+    read lazily) or a pipeline of batches: a list, generator or iterator of batches, or
+    a Grain ``MapDataset`` / ``IterDataset`` / ``DataLoader`` (``num_train`` is then None). ``report(params)`` may add entries to the summary. ``defaults`` holds option
     values the task trains well with (``lr``, ``steps``...); flags and config files
     override them. ``predictor`` (classifiers) tells an ensemble how to average its
     members' probabilities and score the average.
@@ -69,8 +72,11 @@ class Task:
                     "pass init=lambda rng: params and loss_fn=lambda params, batch, rng: (loss, aux).",
                 )
             )
-        object.__setattr__(self, "train_data", _as_numpy(self.train_data))
-        check_examples(self.train_data, "train_data")
+        train = resolve_train_data(self.train_data)
+        if not is_pipeline(train):
+            train = _as_numpy(train)
+            check_examples(train, "train_data")
+        object.__setattr__(self, "train_data", train)
         if self.eval_data is not None:
             object.__setattr__(self, "eval_data", _as_numpy(self.eval_data))
             check_examples(self.eval_data, "eval_data")
@@ -117,8 +123,9 @@ class Task:
         return _loss_and_aux(self.loss_fn(params, batch, rng, **train), "loss_fn", self.name)
 
     @property
-    def num_train(self) -> int:
-        return num_examples(self.train_data)
+    def num_train(self) -> int | None:
+        """Examples in the training set; None for a pipeline (its length is its own)."""
+        return None if is_pipeline(self.train_data) else num_examples(self.train_data)
 
     @property
     def num_eval(self) -> int:

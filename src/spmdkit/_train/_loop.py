@@ -8,6 +8,7 @@ it, and eval, metrics, checkpoints and the NaN guard are hooks (``_hooks``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import signal
@@ -25,6 +26,7 @@ import optax
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
+from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._tasks._base import Task, num_examples
@@ -63,18 +65,12 @@ def iterate_batches(
 
     ``stream`` numbers independent orders of the same data (bagged ensemble members);
     ``start_step`` skips that many batches (a resumed run continues where it stopped).
+    The order is :class:`spmdkit._data.ArrayFeed`'s, which ``fit`` reads from.
     """
-    n = num_examples(data)
-    stop = n - n % batch_size if drop_remainder else n
-    per_epoch = len(range(0, stop, batch_size))
-    epoch, skip = divmod(start_step, per_epoch)
-    while True:
-        entropy = [seed, epoch] if stream is None else [seed, epoch, stream]
-        order = np.random.default_rng(entropy).permutation(n)
-        for start in range(skip * batch_size, stop, batch_size):
-            idx = order[start : start + batch_size]
-            yield epoch, jax.tree.map(lambda x: x[idx], data)
-        epoch, skip = epoch + 1, 0
+    feed = ArrayFeed(data, batch_size, seed, drop_remainder)
+    for k in itertools.count(start_step):
+        epoch, idx = feed.indices(k, stream)
+        yield epoch, jax.tree.map(lambda x: x[idx], data)
 
 
 def evaluate(strategy: Strategy, eval_fn, params, data: Any, batch_size: int, rng: jax.Array) -> dict[str, Any]:
@@ -111,20 +107,6 @@ class _StopRequest:
     def __exit__(self, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-
-
-def _batches(data: Any, batch_size: int, config: TrainConfig, streams: int, start: int) -> Iterator[tuple[int, Any]]:
-    """One stream of batches, or ``streams`` independent ones stacked on a leading axis."""
-    if streams == 1:
-        yield from iterate_batches(data, batch_size, config.seed, config.drop_remainder, start_step=start)
-        return
-    its = [
-        iterate_batches(data, batch_size, config.seed, config.drop_remainder, stream=m, start_step=start)
-        for m in range(streams)
-    ]
-    for parts in zip(*its):
-        # Partial batches line up: every stream has the same epoch length.
-        yield parts[0][0], jax.tree.map(lambda *xs: np.stack(xs), *(b for _, b in parts))
 
 
 def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_info: dict[str, Any] | None = None,
@@ -239,6 +221,24 @@ def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
     return _Plan(bs, per_epoch, total, config.eval_every or per_epoch)
 
 
+def _pipeline_plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
+    """The plan of a run from a pipeline: its length is its own (``steps_per_epoch`` None: unknown)."""
+    bs, per_epoch = config.batch_size, feed.steps_per_epoch
+    if per_epoch is None and config.steps is None:
+        raise ConfigError(fix(f"task {task.name!r} trains from a pipeline of unknown length, so epochs={config.epochs} "
+                              "cannot be counted.", "give the run's length in steps (TrainConfig(steps=...); --steps)."))
+    if bs % config.grad_accum:
+        raise ConfigError(fix(f"batch_size={bs} is not a multiple of grad_accum={config.grad_accum}: the micro-batches "
+                              "of a step must be equal.", "change one of them (--batch-size, --grad-accum)."))
+    shards = getattr(strategy, "batch_shards", 1)
+    if bs % shards:
+        warnings.warn(
+            f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
+            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
+    total = config.steps if config.steps is not None else config.epochs * per_epoch
+    return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total)
+
+
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
            ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
            run_info: dict[str, Any] | None = None, total: int | None = None) -> tuple[Any, int]:
@@ -278,6 +278,9 @@ def fit(
     finish before the next (XLA:CPU deadlocks when many collective steps are queued).
     With ``out_dir`` it writes ``metrics.jsonl`` (as it goes), ``summary.json``,
     ``params.npz`` (with a stateful task, ``{"params", "model_state"}``) and ``loss.png``.
+    ``task.train_data`` may be arrays, a data set directory or a pipeline of batches
+    (a list, generator, iterator, Grain dataset or loader; see ``spmdkit._data``); with
+    ``config.prefetch`` batches are read and placed that many steps ahead by a thread.
     With ``checkpoint`` it saves every ``checkpoint.every`` steps (asynchronously) and
     at the end, and with ``checkpoint.resume`` continues from the newest intact step,
     exactly as if it had never stopped. Across several processes, a step that does not
@@ -299,8 +302,9 @@ def fit(
         (3.0, 1.0)
     """
     entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
-    plan = _plan(task, strategy, config)
-    validate_task(task, config.batch_size)
+    feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
+    plan = _plan(task, strategy, config) if task.num_train is not None else _pipeline_plan(task, strategy, config, feed)
+    validate_task(task, config.batch_size, feed.example())
     out = None if out_dir is None else Path(out_dir)
     # With several processes (jax.distributed) every one trains; process 0 alone writes.
     primary = jax.process_index() == 0
@@ -311,6 +315,8 @@ def fit(
     ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
     try:
         state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log, run_info, plan.total)
+        if done:  # the data position saved with that state (older checkpoints: none)
+            feed.resume(ckpt.meta(done).get("data"))
     except BaseException:
         if ckpt is not None:
             ckpt.abandon()  # a refused resume leaves the directory unlocked
@@ -332,13 +338,13 @@ def fit(
 
     bar = ProgressHook(plan.total, f"{task.name} / {strategy.name}", start=done) if progress and primary else None
     known = KnownGood(state, done)  # checkpoints wait until their state's loss is seen finite
-    hooks = _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known)
+    hooks = _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known, feed)
     metrics, evaluator = hooks[0], next((h for h in hooks if isinstance(h, EvalHook)), None)
     guard = NaNGuard(hint="lower the learning rate (optimizer=; --lr on the command line), or check the data "
                           "for NaN/inf. The parameters of the last finite loss are kept"
                           + (f" in {out / 'params.npz'}." if out else "."))
     status, failure, info = "completed", None, None
-    batches = _batches(task.train_data, plan.batch_size, config, getattr(strategy, "data_streams", 1), start=done)
+    batches = _feed_batches(feed, strategy, config, done)
     t0, t_first, first_step_s = time.perf_counter(), None, None
     watch = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else contextlib.nullcontext(None)
     try:
@@ -385,10 +391,17 @@ def fit(
                     break
             # Every process probes or none does (a probe is a collective step): an interrupt is per process.
             agreed = ("completed", "preempted") + (("interrupted",) if jax.process_count() == 1 else ())
-            if status in agreed and done > start_step and (ckpt is not None or out is not None):
+            # A one-shot iterator of the user's is not read past the run's last batch.
+            if status in agreed and done > start_step and (ckpt is not None or out is not None) \
+                    and not getattr(feed, "one_shot", False):
                 state, done, status, failure = _confirm_final(step, batches, guard, known, state, done, status)
     except KeyboardInterrupt:
         status = "interrupted"
+    except DataError as e:  # bad data mid-run: the last good state is still saved and summarised
+        status, failure = "failed", e
+    finally:
+        if isinstance(batches, Prefetch):
+            batches.close()
     elapsed = time.perf_counter() - t0
     if status == "interrupted" and evaluator is not None and done and evaluator.last_step != done:
         evaluator(StepInfo(done, 0, state, {}))  # so an interrupted run still reports where it got
@@ -397,7 +410,8 @@ def fit(
     if ckpt is not None:
         # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
         try:
-            if status not in ("diverged", "failed") and final is not None and done != ckpt_hook(hooks).saved_at \
+            # A run ended by bad data still saves its last good state; a failed save does not retry.
+            if status != "diverged" and not isinstance(failure, CheckpointSaveError) and final is not None and done != ckpt_hook(hooks).saved_at \
                     and state_is_finite(state):
                 ckpt.save(done, state, ckpt_hook(hooks).meta(final))
             ckpt.close()
@@ -425,7 +439,10 @@ def _confirm_final(step, batches, guard, known, state, done, status):
     """The last state is kept (saved, written) only if known good, like every checkpoint: the
     loss the next step would compute from it is finite. Otherwise the run diverged at its end
     and the newest known-good state is kept instead."""
-    epoch, host_batch = next(batches)
+    try:
+        epoch, host_batch = next(batches)
+    except (StopIteration, DataError):  # a pipeline that ends with the run: only the leaves can be checked
+        return state, done, status, None
     probe = step(state, host_batch)
     jax.block_until_ready(probe)  # queued collective steps deadlock XLA:CPU
     try:
@@ -436,11 +453,24 @@ def _confirm_final(step, batches, guard, known, state, done, status):
     return state, done, status, None
 
 
+def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int) -> Any:
+    """``(epoch, batch)`` from global batch ``start``; ``config.prefetch`` of them read and
+    placed ahead by a thread (placement only: the steps stay on this thread, synced)."""
+    batches = feed.batches(start)
+    if not config.prefetch:
+        return batches
+    sharding_for = getattr(strategy, "_batch_sharding_for", None)
+    place = None if sharding_for is None else (
+        lambda b: to_devices(b, lambda even: sharding_for("step", even), getattr(strategy, "batch_shards", 1)))
+    return Prefetch(batches, config.prefetch, place)
+
+
 def ckpt_hook(hooks: list[Any]) -> CheckpointHook:
     return next(h for h in hooks if isinstance(h, CheckpointHook))
 
 
-def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known=None) -> list[Any]:
+def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known=None,
+           feed=None) -> list[Any]:
     """fit's hooks: metrics rows first, then eval, then checkpoints."""
     hooks: list[Any] = [MetricsHook(record, every=config.log_every)]
     if task.eval_data is not None:
@@ -458,7 +488,8 @@ def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run
                     "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
                     "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
                     "strategy": strategy.describe(), "config": run_info or {},
-                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    **({"data": feed.state(info.step)} if feed is not None else {})}
 
         hooks.append(CheckpointHook(ckpt, checkpoint.every, meta, known=known))
     return hooks

@@ -31,7 +31,7 @@ def _unbox(tree: Any) -> Any:
 
 def _check_data(task: Task) -> None:
     for split, data in (("train_data", task.train_data), ("eval_data", task.eval_data)):
-        if data is None:
+        if data is None or task.num_train is None and split == "train_data":  # a pipeline: checked per batch
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
             kind = np.asarray(leaf).dtype.kind
@@ -92,7 +92,7 @@ def _abstract_params(task: Task) -> Any:
     return params
 
 
-def validate_task(task: Task, batch_size: int) -> None:
+def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
     """Raise :class:`TaskError` if ``task`` cannot be trained as written; trace nothing real.
 
     Example:
@@ -109,8 +109,10 @@ def validate_task(task: Task, batch_size: int) -> None:
     _check_data(task)
     _check_arity(task)
     params = _abstract_params(task)
-    n = min(batch_size, task.num_train)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), task.train_data)
+    if example is None:  # ``example``: the abstract first batch (a pipeline's, read by the loop)
+        n = min(batch_size, task.num_train)
+        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), task.train_data)
+    batch, n = example, jax.tree.leaves(example)[0].shape[0]
     try:
         if task.stateful:
             model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0))

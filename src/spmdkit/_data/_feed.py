@@ -1,0 +1,331 @@
+"""What ``fit`` trains from: arrays (in memory or memory-mapped) or a pipeline of batches.
+
+Two kinds of input, one contract (``Feed``): ``batches(start)`` yields ``(epoch,
+batch)`` from global batch ``start`` on, and ``state(step)`` is the JSON that resumes
+it after ``step`` batches.
+
+- Arrays (a pytree of arrays sharing axis 0, e.g. :func:`load_dataset`'s memory
+  maps): spmdkit shuffles and batches them; the order is a function of the seed and
+  the epoch only, so it is the same on any number of devices or processes, and
+  resuming needs nothing but the count of global batches consumed. With several
+  processes each reads only the rows of each global batch that its devices hold.
+- A pipeline: any iterable of batches (a list, a generator, an iterator, a Grain
+  ``MapDataset``/``IterDataset``/``DataLoader``). Each yields this process's rows of
+  every global batch (``batch_size / process_count`` rows; with one process, the
+  global batch), as a Grain loader sharded by JAX process does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmdkit._data._errors import BatchError, DataExhaustedError
+from spmdkit._errors import ConfigError, DataError, fix
+
+ShardingFor = Callable[[bool], Any]  # even -> where a global batch goes (the strategy's choice)
+
+
+def is_pipeline(data: Any) -> bool:
+    """True for an iterable of batches; False for a pytree of arrays (or None)."""
+    if data is None or isinstance(data, (np.ndarray, jax.Array, Mapping, tuple, str, bytes, os.PathLike)):
+        return False
+    return isinstance(data, list) or hasattr(data, "__next__") or hasattr(data, "__iter__")
+
+
+def resolve_train_data(data: Any) -> Any:
+    """``data`` as ``fit`` reads it: a data set directory opened (memory maps), a pipeline
+    kept as it is, anything else left to the array checks; a function is an error."""
+    from spmdkit._data._format import load_dataset
+
+    if isinstance(data, (str, os.PathLike)):
+        return load_dataset(data)
+    if callable(data) and not is_pipeline(data) and not hasattr(data, "shape"):
+        name = getattr(data, "__name__", type(data).__name__)
+        raise DataError(fix(f"train_data is the function {name!r}; spmdkit does not guess how to call it.",
+                            f"pass what it returns: train_data={name}() (an iterable of batches), or the arrays."))
+    return data
+
+
+def num_rows(tree: Any) -> int:
+    return int(np.shape(jax.tree.leaves(tree)[0])[0])
+
+
+def local_block(sharding: Any, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The rows ``[lo, hi)`` of a global array of ``shape`` that this process's devices
+    hold, or None if they are not one contiguous block."""
+    blocks = sharding.addressable_devices_indices_map(shape).values()
+    spans = {(b[0].start or 0, shape[0] if b[0].stop is None else b[0].stop) for b in blocks}
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    return (lo, hi) if sum(e - s for s, e in spans) == hi - lo or len(spans) == 1 else None
+
+
+def take_rows(x: Any, idx: np.ndarray) -> np.ndarray:
+    """Rows ``idx`` of one leaf (a memory map pages in only those rows)."""
+    return np.asarray(x[idx])
+
+
+def assemble(local: Any, rows: int, sharding: Any) -> Any:
+    """This process's rows of every leaf -> global arrays of ``rows`` rows (no collective)."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, x, (rows, *np.shape(x)[1:])), local)
+
+
+class ArrayFeed:
+    """Shuffled batches of arrays; every process reads only its devices' rows."""
+
+    kind = "arrays"
+
+    def __init__(self, data: Any, batch_size: int, seed: int, drop_remainder: bool, streams: int = 1,
+                 sharding_for: ShardingFor | None = None, shards: int = 1):
+        self.data, self.batch_size, self.seed, self.streams = data, batch_size, seed, streams
+        self.sharding_for, self.shards = sharding_for, shards
+        self.num_examples = num_rows(data)
+        stop = self.num_examples - self.num_examples % batch_size if drop_remainder else self.num_examples
+        self._stop = stop
+        self.steps_per_epoch = len(range(0, stop, batch_size))
+        self._orders: dict[tuple[int, int | None], np.ndarray] = {}
+
+    def example(self) -> Any:
+        n = min(self.batch_size, self.num_examples)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), self.data)
+
+    def indices(self, k: int, stream: int | None = None) -> tuple[int, np.ndarray]:
+        """``(epoch, example indices)`` of global batch ``k``: a function of seed and epoch only."""
+        epoch, pos = divmod(k, self.steps_per_epoch)
+        key = (epoch, stream)
+        if key not in self._orders:
+            entropy = [self.seed, epoch] if stream is None else [self.seed, epoch, stream]
+            self._orders = {key: np.random.default_rng(entropy).permutation(self.num_examples)}
+        start = pos * self.batch_size
+        return epoch, self._orders[key][start : min(start + self.batch_size, self._stop)]
+
+    def _read(self, idx: np.ndarray) -> Any:
+        if jax.process_count() > 1 and self.sharding_for is not None:
+            sharding = self.sharding_for(len(idx) % self.shards == 0)
+            block = local_block(sharding, (len(idx),))
+            if block is not None:  # this process reads only the rows its devices hold
+                local = jax.tree.map(lambda x: take_rows(x, idx[block[0] : block[1]]), self.data)
+                return assemble(local, len(idx), sharding)
+        return jax.tree.map(lambda x: take_rows(x, idx), self.data)
+
+    def batches(self, start: int) -> Iterator[tuple[int, Any]]:
+        for k in itertools.count(start):
+            if self.streams == 1:
+                epoch, idx = self.indices(k)
+                yield epoch, self._read(idx)
+            else:  # independent orders stacked on a leading axis (bagged ensemble members)
+                parts = [self.indices(k, m) for m in range(self.streams)]
+                yield parts[0][0], jax.tree.map(lambda *xs: np.stack(xs),
+                                                *(jax.tree.map(lambda x: take_rows(x, i), self.data) for _, i in parts))
+
+    def state(self, step: int) -> dict[str, Any]:
+        return {"kind": self.kind, "examples": self.num_examples, "batches": step}
+
+    def resume(self, saved: dict[str, Any] | None) -> None:
+        if saved is None:
+            return
+        if saved.get("kind") != self.kind or saved.get("examples") != self.num_examples:
+            raise ConfigError(fix(
+                f"the checkpoint was written training from {saved.get('kind')} with {saved.get('examples')} examples; "
+                f"this run trains from {self.kind} with {self.num_examples}: the data order would differ.",
+                "resume with the same training data, or start a new run in another checkpoint directory."))
+
+
+class PipelineFeed:
+    """A user's iterable of batches, checked batch by batch, restarted each epoch if it can be."""
+
+    kind = "pipeline"
+    _KEEP = 64  # iterator states remembered (a checkpoint is saved a few steps after its step ran)
+
+    def __init__(self, source: Any, batch_size: int, sharding_for: ShardingFor | None = None, shards: int = 1,
+                 name: str = "train_data"):
+        self.source, self.batch_size, self.name = source, batch_size, name
+        self.sharding_for, self.shards = sharding_for, shards
+        self.processes = jax.process_count()
+        if batch_size % self.processes:
+            raise ConfigError(fix(f"batch_size={batch_size} does not split over {self.processes} processes; each "
+                                  f"process's pipeline yields batch_size / {self.processes} rows.",
+                                  f"use a multiple of {self.processes} (--batch-size)."))
+        self.rows = batch_size // self.processes
+        self.one_shot = hasattr(source, "__next__")
+        self.indexable = not self.one_shot and hasattr(source, "__getitem__") and hasattr(source, "__len__")
+        self.num_examples = None
+        self.steps_per_epoch = len(source) if self.indexable else None
+        if self.steps_per_epoch == 0:
+            raise DataError(fix(f"{name} is empty.", "pass a pipeline that yields at least one batch."))
+        self._first: tuple[Any, Any] | None = None  # (treedef, [(path, shape, dtype)])
+        self._pending: list[Any] = []  # a peeked batch not yet trained on
+        self._it: Any = None
+        self._saved: dict[str, Any] | None = None
+        self._states: dict[int, Any] = {}
+        self._epoch_start = 0
+
+    # ---- checking -----------------------------------------------------------
+    def _expected(self) -> str:
+        if self.processes == 1:
+            return f"batch_size={self.batch_size} rows"
+        return (f"batch_size / processes = {self.batch_size} / {self.processes} = {self.rows} rows (each process's "
+                "pipeline yields its share of the global batch)")
+
+    def _describe_first(self, batch: Any) -> tuple[Any, list[tuple[str, tuple, np.dtype]]]:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        if not leaves:
+            raise BatchError(fix(f"{self.name}'s first batch holds no arrays (it is {type(batch).__name__}).",
+                                 "yield dicts of arrays, e.g. {'x': x[i:i+B], 'y': y[i:i+B]}."))
+        spec = []
+        for path, x in leaves:
+            where = f"{self.name} batch{jax.tree_util.keystr(path)}"
+            x = np.asarray(x) if not isinstance(x, jax.Array) else x
+            if x.dtype.kind not in "biufc":
+                raise BatchError(fix(f"{where} has dtype {x.dtype}; JAX trains on numeric arrays.",
+                                     "yield numbers (token ids, one-hot floats)."))
+            if x.ndim == 0 or x.shape[0] != self.rows:
+                raise BatchError(fix(f"{where} has shape {x.shape}; its leading (batch) axis must hold "
+                                     f"{self._expected()}.",
+                                     f"yield batches of {self.rows} rows, or set batch_size to what the pipeline "
+                                     "yields (--batch-size)."))
+            spec.append((jax.tree_util.keystr(path), x.shape, x.dtype))
+        return treedef, spec
+
+    def _check(self, batch: Any, k: int) -> Any:
+        if self._first is None:
+            self._first = self._describe_first(batch)
+        treedef, spec = self._first
+        leaves, got = jax.tree_util.tree_flatten(batch)
+        if got != treedef:
+            raise BatchError(fix(f"{self.name}: batch {k} has structure {got}; the first batch had {treedef}.",
+                                 "yield batches of one structure (same keys) for the whole run."))
+        out = []
+        for (where, shape, dtype), x in zip(spec, leaves):
+            x = x if isinstance(x, jax.Array) else np.asarray(x)
+            if x.shape != shape or x.dtype != dtype:
+                raise BatchError(fix(f"{self.name}: batch {k}{where} has shape {x.shape} dtype {x.dtype}; the first "
+                                     f"batch had shape {shape} dtype {dtype} (a ragged batch?).",
+                                     "yield equal batches (drop or pad the last one of an epoch, e.g. Grain's "
+                                     "batch(..., drop_remainder=True))."))
+            out.append(x)
+        return jax.tree.unflatten(treedef, out)
+
+    def example(self) -> Any:
+        if self._first is None:
+            first = self._read_first()
+            self._pending = [] if self.indexable else [first]  # not lost: trained on first
+        _, spec = self._first
+        shapes = [jax.ShapeDtypeStruct((self.batch_size, *s[1:]), d) for _, s, d in spec]
+        return jax.tree.unflatten(self._first[0], shapes)
+
+    def _read_first(self) -> Any:
+        if self.indexable:
+            return self._check(self.source[0], 0)
+        self._it = iter(self.source)
+        try:
+            return self._check(next(self._it), 0)
+        except StopIteration:
+            raise DataError(fix(f"{self.name} yielded no batch at all.", "pass a pipeline with data.")) from None
+
+    # ---- reading --------------------------------------------------------------
+    def _raw(self, start: int) -> Iterator[tuple[int, Any]]:
+        """``(epoch, batch)`` from global batch ``start``, unchecked."""
+        if self.indexable:
+            n = self.steps_per_epoch
+            grain_like = hasattr(self.source, "to_iter_dataset")  # Grain: later epochs re-shuffled by index
+            for k in itertools.count(start):
+                yield k // n, self.source[k] if grain_like else self.source[k % n]
+        saved = self._saved or {}
+        if start and saved.get("iterator") is not None and saved.get("batches") == start:
+            it = iter(self.source)
+            if hasattr(it, "set_state"):  # a Grain iterator: restored, nothing re-read
+                state = saved["iterator"]
+                it.set_state(state["bytes"].encode() if isinstance(state, dict) and set(state) == {"bytes"} else state)
+                yield from self._stream(it, int(saved.get("epoch", 0)), start, int(saved.get("epoch_start", 0)))
+                return
+        if start and self.one_shot:
+            raise DataExhaustedError(fix(
+                f"{self.name} is a one-shot iterator: a resumed run cannot rewind it to batch {start}.",
+                "pass a re-iterable pipeline (a list, a Grain dataset or loader) so the run can resume."))
+        # Without a saved state: read again from the beginning and skip what was trained on.
+        it = self._it if self._it is not None and not start else iter(self.source)
+        yield from itertools.islice(self._stream(it, 0, 0, 0), start, None)
+
+    def _stream(self, it: Any, epoch: int, k: int, epoch_start: int) -> Iterator[tuple[int, Any]]:
+        self._epoch_start = epoch_start
+        while True:
+            try:
+                batch = self._pending.pop() if self._pending else next(it)
+            except StopIteration:
+                if self.one_shot:
+                    raise DataExhaustedError(fix(
+                        f"{self.name} is a one-shot iterator and ended after {k} batches; the run needs more "
+                        "(steps / epochs).",
+                        "pass a re-iterable (a list, a Grain dataset or loader, or an object whose __iter__ "
+                        "starts over: it is restarted each epoch), an endless iterator, or fewer steps "
+                        "(TrainConfig(steps=...); --steps).")) from None
+                if self._epoch_start == k:
+                    raise DataError(fix(f"{self.name} yielded no batch in epoch {epoch + 1}.",
+                                        "pass a pipeline that yields the same batches each time it is iterated."))
+                epoch, self._epoch_start, it = epoch + 1, k, iter(self.source)
+                continue
+            k += 1
+            if self.processes == 1 and hasattr(it, "get_state"):
+                self._remember(k, epoch, it.get_state())
+            yield epoch, batch
+
+    def _remember(self, k: int, epoch: int, state: Any) -> None:
+        if isinstance(state, bytes):
+            state = {"bytes": state.decode()}
+        self._states[k] = {"epoch": epoch, "epoch_start": self._epoch_start, "iterator": state}
+        self._states.pop(k - self._KEEP, None)
+
+    def _place(self, batch: Any) -> Any:
+        if self.processes == 1 or self.sharding_for is None:
+            return batch
+        if self.batch_size % self.shards:
+            raise ConfigError(fix(f"batch_size={self.batch_size} does not split over the {self.shards} devices of "
+                                  "the batch axis; with several processes each pipeline yields a share.",
+                                  f"use a multiple of {self.shards} (--batch-size)."))
+        return assemble(batch, self.batch_size, self.sharding_for(True))
+
+    def batches(self, start: int) -> Iterator[tuple[int, Any]]:
+        if start:
+            self._pending, self._it = [], None
+        for k, (epoch, batch) in enumerate(self._raw(start), start):
+            yield epoch, self._place(self._check(batch, k))
+
+    def state(self, step: int) -> dict[str, Any]:
+        return {"kind": self.kind, "batches": step, "processes": self.processes, **self._states.get(step, {})}
+
+    def resume(self, saved: dict[str, Any] | None) -> None:
+        if saved is not None and saved.get("kind") != self.kind:
+            raise ConfigError(fix(f"the checkpoint was written training from {saved.get('kind')}; this run trains "
+                                  "from a pipeline: the data order would differ.",
+                                  "resume with the same training data, or start a new run elsewhere."))
+        then = (saved or {}).get("processes", self.processes)
+        if then != self.processes:
+            raise ConfigError(fix(
+                f"the checkpoint was written by {then} process(es) reading their own shares of a pipeline; this run "
+                f"has {self.processes}: each process's pipeline would yield other rows, so the data order would "
+                "differ from the run's.",
+                f"resume with {then} process(es), or train from arrays or an on-disk data set (--data DIR), whose "
+                "order is the same on any number of processes."))
+        self._saved = saved
+
+
+def open_feed(data: Any, batch_size: int, seed: int, drop_remainder: bool, strategy: Any = None) -> ArrayFeed | PipelineFeed:
+    """The feed for ``data`` (arrays or a pipeline), reading for ``strategy``'s batch layout."""
+    sharding_for = None
+    if strategy is not None and hasattr(strategy, "_batch_sharding_for"):
+        sharding_for = lambda even: strategy._batch_sharding_for("step", even)  # noqa: E731
+    shards = getattr(strategy, "batch_shards", 1)
+    streams = getattr(strategy, "data_streams", 1)
+    if is_pipeline(data):
+        if streams != 1:
+            raise ConfigError(fix(f"a bagged ensemble draws {streams} independent orders of the data; a pipeline "
+                                  "yields one.", "pass the training data as arrays, or turn bagging off."))
+        return PipelineFeed(data, batch_size, sharding_for, shards)
+    return ArrayFeed(data, batch_size, seed, drop_remainder, streams, sharding_for, shards)

@@ -1,0 +1,250 @@
+"""The on-disk data set: one ``.npy`` file per leaf and a ``manifest.json``.
+
+Layout of a data set directory::
+
+    DIR/manifest.json      {"format": "spmdkit-dataset", "version": 1, "count": N,
+                            "leaves": [{"key": ["image"], "file": "image.npy",
+                                        "shape": [N, 8, 8, 1], "dtype": "float32",
+                                        "bytes": ..., "crc32": "1a2b3c4d"}, ...]}
+    DIR/image.npy          every leaf has the N examples on axis 0
+    DIR/label.npy
+
+The arrays are read lazily (``np.load(mmap_mode="r")``): only the rows a batch needs
+are paged in, so a data set may be larger than memory, and in several processes each
+reads only its own rows. The manifest is written last, so a directory without one is
+an interrupted write, never a silently shorter data set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spmdkit._data._errors import DatasetCorruptError, DatasetFileError, DatasetLayoutError
+from spmdkit._errors import DataError, fix
+
+FORMAT = "spmdkit-dataset"
+VERSION = 1
+MANIFEST = "manifest.json"
+_NUMERIC = "biuf"
+
+
+def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """``(key path, array)`` of a (nested) dict of arrays, in sorted key order."""
+    if isinstance(tree, Mapping):
+        out = []
+        for k in sorted(tree):
+            if not isinstance(k, str) or not k:
+                raise DataError(fix(f"data set key {prefix + (k,)!r} is not a non-empty string.",
+                                    "write a dict with string keys, e.g. {'image': x, 'label': y}."))
+            out += _leaves(tree[k], prefix + (k,))
+        return out
+    if prefix and hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        return [(prefix, tree)]
+    raise DataError(fix(f"write_dataset takes a (nested) dict of arrays; {'/'.join(prefix) or 'the data'} is "
+                        f"a {type(tree).__name__}.", "pass e.g. {'image': images, 'label': labels}."))
+
+
+def _file_name(key: tuple[str, ...], used: set[str]) -> str:
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", "__".join(key)) or "leaf"
+    name, i = f"{stem}.npy", 1
+    while name in used:
+        name, i = f"{stem}_{i}.npy", i + 1
+    used.add(name)
+    return name
+
+
+def crc32_file(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, overwrite: bool = False) -> Path:
+    """Write ``arrays`` (a dict, possibly nested, of arrays sharing axis 0) as a data set
+    directory that :func:`load_dataset` and ``spmdkit train --data DIR`` read lazily.
+
+    Example:
+        >>> import numpy as np, spmdkit, tempfile
+        >>> d = spmdkit.write_dataset(tempfile.mkdtemp() + "/ds", {"x": np.ones((6, 2), np.float32),
+        ...                                                       "y": np.arange(6)})
+        >>> data = spmdkit.load_dataset(d)
+        >>> sorted(data), data["x"].shape, int(data["y"][5])
+        (['x', 'y'], (6, 2), 5)
+    """
+    directory = Path(directory)
+    leaves = _leaves(arrays)
+    counts = {"/".join(k): np.shape(x)[0] if np.ndim(x) else None for k, x in leaves}
+    if None in counts.values() or len(set(counts.values())) != 1:
+        raise DataError(fix(f"write_dataset: every array needs the same number of examples on axis 0; got {counts}.",
+                            "pass arrays of equal length (scalars belong in the model, not the data)."))
+    for k, x in leaves:
+        if np.dtype(x.dtype).kind not in _NUMERIC:
+            raise DataError(fix(f"write_dataset: {'/'.join(k)} has dtype {x.dtype}; a data set holds numbers.",
+                                "encode it as numbers first (token ids, one-hot floats)."))
+    if directory.exists() and any(directory.iterdir()):
+        if not overwrite:
+            raise DataError(fix(f"{directory} exists and is not empty.",
+                                "choose a new directory, or pass overwrite=True (--overwrite) to replace it."))
+        (directory / MANIFEST).unlink(missing_ok=True)  # it is incomplete until the new manifest lands
+    directory.mkdir(parents=True, exist_ok=True)
+    used: set[str] = set()
+    entries = []
+    for key, x in leaves:
+        name = _file_name(key, used)
+        np.save(directory / name, np.ascontiguousarray(np.asarray(x)), allow_pickle=False)
+        entries.append({"key": list(key), "file": name, "shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).str,
+                        "bytes": (directory / name).stat().st_size, "crc32": crc32_file(directory / name)})
+    manifest = {"format": FORMAT, "version": VERSION, "count": next(iter(counts.values())), "leaves": entries}
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, directory / MANIFEST)
+    return directory
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise DatasetFileError(fix(f"data set directory {directory} does not exist.",
+                                   "point --data (load_dataset) at a directory written by spmdkit.write_dataset "
+                                   "or `spmdkit data write`."))
+    if not path.is_file():
+        raise DatasetFileError(fix(f"{path} is missing: {directory} is not a data set, or its write was "
+                                   "interrupted (the manifest is written last).",
+                                   "write it again with spmdkit.write_dataset(dir, arrays) or "
+                                   "`spmdkit data write --task NAME --out DIR`."))
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DatasetLayoutError(fix(f"{path} is not valid JSON ({e}).", "write the data set again.")) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DatasetLayoutError(fix(f"{path} is not an spmdkit data set manifest (format "
+                                     f"{manifest.get('format') if isinstance(manifest, dict) else None!r}).",
+                                     "write the data set with spmdkit.write_dataset."))
+    if manifest.get("version") != VERSION:
+        raise DatasetLayoutError(fix(f"{path} has layout version {manifest.get('version')!r}; this spmdkit reads "
+                                     f"version {VERSION}.", "write the data set again with this spmdkit."))
+    try:
+        count = int(manifest["count"])
+        for e in manifest["leaves"]:
+            _ = (list(e["key"]), str(e["file"]), list(e["shape"]), np.dtype(e["dtype"]), int(e["bytes"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DatasetLayoutError(fix(f"{path} lacks or mangles a field ({type(e).__name__}: {e}).",
+                                     "write the data set again.")) from None
+    if not manifest["leaves"] or count <= 0:
+        raise DatasetLayoutError(fix(f"{path} describes no examples.", "write a data set with at least one example."))
+    return manifest
+
+
+def _open_leaf(directory: Path, entry: dict[str, Any], count: int, verify: bool) -> np.ndarray:
+    path = directory / entry["file"]
+    if not path.is_file():
+        raise DatasetFileError(fix(f"{path} (leaf {'/'.join(entry['key'])}) is missing.",
+                                   "restore the file, or write the data set again."))
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise DatasetCorruptError(fix(f"{path} has {size} bytes; the manifest says {entry['bytes']}: it is "
+                                      f"{'truncated' if size < entry['bytes'] else 'longer than written'}.",
+                                      "restore the file from an intact copy, or write the data set again."))
+    if verify and crc32_file(path) != entry["crc32"]:
+        raise DatasetCorruptError(fix(f"{path}: checksum {crc32_file(path)} differs from the manifest's "
+                                      f"{entry['crc32']}: the file is damaged.", "restore it, or write the data set again."))
+    try:
+        x = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DatasetCorruptError(fix(f"{path} cannot be read as .npy ({e}).", "write the data set again.")) from None
+    want_shape, want_dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
+    if x.shape != want_shape or x.dtype != want_dtype or want_shape[:1] != (count,):
+        raise DatasetLayoutError(fix(f"{path} holds shape {x.shape} dtype {x.dtype}; the manifest says shape "
+                                     f"{want_shape} dtype {want_dtype} with {count} examples.",
+                                     "the file was replaced: write the data set again."))
+    if x.dtype.kind not in _NUMERIC:
+        raise DatasetLayoutError(fix(f"{path} has dtype {x.dtype}; a data set holds numbers.",
+                                     "write it again from numeric arrays."))
+    return x
+
+
+def load_dataset(directory: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """A data set directory as a dict of read-only memory-mapped arrays (read lazily).
+
+    Sizes, shapes and dtypes are checked against the manifest when opening; with
+    ``verify=True`` every file's CRC-32 too (reads everything once). Pass the result as
+    a task's ``train_data`` (or ``spmdkit train --data DIR``). See :func:`write_dataset`.
+
+    Example:
+        >>> import numpy as np, spmdkit, tempfile
+        >>> d = spmdkit.write_dataset(tempfile.mkdtemp() + "/ds", {"x": np.zeros((4, 3), np.float32)})
+        >>> spmdkit.load_dataset(d)["x"].shape
+        (4, 3)
+        >>> _ = (d / "x.npy").write_bytes((d / "x.npy").read_bytes()[:-4])  # damaged: cut short
+        >>> try:
+        ...     spmdkit.load_dataset(d)
+        ... except spmdkit.DatasetCorruptError as e:
+        ...     print(str(e).split("x.npy ")[1])
+        has 172 bytes; the manifest says 176: it is truncated.
+          Fix: restore the file from an intact copy, or write the data set again.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    out: dict[str, Any] = {}
+    for entry in manifest["leaves"]:
+        node = out
+        *parents, last = entry["key"]
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = _open_leaf(directory, entry, int(manifest["count"]), verify)
+    return out
+
+
+def is_dataset_dir(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and (Path(path) / MANIFEST).exists()
+
+
+class DatasetSource:
+    """An on-disk data set as a random-access source of examples: ``len(source)`` and
+    ``source[i]`` (one example, a dict of arrays), the protocol of Grain's
+    ``MapDataset.source``; it pickles as its directory (Grain's worker processes reopen it).
+
+    Example:
+        >>> import numpy as np, spmdkit, tempfile
+        >>> d = spmdkit.write_dataset(tempfile.mkdtemp() + "/ds", {"x": np.arange(12.0).reshape(6, 2)})
+        >>> source = spmdkit.DatasetSource(d)
+        >>> len(source), source[2]["x"].tolist()
+        (6, [4.0, 5.0])
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, verify: bool = False):
+        self.directory = Path(directory)
+        self.arrays = load_dataset(self.directory, verify=verify)
+        self._leaves = _leaves(self.arrays)
+        self._count = int(self._leaves[0][1].shape[0])
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, x in self._leaves:
+            node = out
+            for k in key[:-1]:
+                node = node.setdefault(k, {})
+            node[key[-1]] = np.asarray(x[index])
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": str(self.directory)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"])
+
+    def __repr__(self) -> str:
+        return f"DatasetSource({str(self.directory)!r}, {self._count} examples)"

@@ -1,0 +1,117 @@
+"""Training from pipelines (lists, generators, iterators): checks on the first batch and mid-run,
+finite iterators, prefetch. Grain pipelines: test_data_grain.py."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmdkit
+from spmdkit._data import BatchError, DataExhaustedError
+
+X = np.linspace(-1, 1, 64, dtype=np.float32)
+DATA = {"x": X, "y": 3 * X + 1}
+
+
+def _task(train_data):
+    return spmdkit.Task(
+        name="line",
+        init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+        loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+        train_data=train_data,
+    )
+
+
+def _fit(train_data, steps=8, bs=16, prefetch=2, **kw):
+    config = spmdkit.TrainConfig(steps=steps, batch_size=bs, prefetch=prefetch)
+    return spmdkit.fit(_task(train_data), spmdkit.DataParallel(), optax.sgd(0.3), config, progress=False, **kw)
+
+
+def _batches(order_seed=0, bs=16):
+    order = np.random.default_rng(order_seed).permutation(64)
+    return [{"x": X[order[i:i + bs]], "y": 3 * X[order[i:i + bs]] + 1} for i in range(0, 64, bs)]
+
+
+def test_iterables_train_as_the_same_batches_as_arrays():
+    """A list, a generator, and a re-iterable: the same batches give the same parameters."""
+    batches = _batches()
+    from_list = _fit(batches, steps=8)  # two epochs of a re-iterable
+    from_gen = _fit((b for b in batches * 2), steps=8)
+    assert from_list.summary["status"] == "completed"
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(from_list.params[k], from_gen.params[k])
+    assert abs(float(from_list.params["w"]) - 3) < 1.0
+
+
+def test_a_generator_is_not_called_a_scalar_and_a_short_one_says_it_is_finite(tmp_path):
+    ckpt = spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=3)
+    with pytest.raises(DataExhaustedError, match=r"one-shot iterator and ended after 4 batches"):
+        _fit(iter(_batches()), steps=6, out_dir=tmp_path / "out", checkpoint=ckpt)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())  # nothing lost: the good part is written
+    assert summary["status"] == "failed" and summary["steps"] == 4 and "ended after 4 batches" in summary["error"]
+    assert spmdkit.Checkpointer(ckpt).steps()[-1] == 4  # the last good state is saved too
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_first_batch_and_mid_run_errors_name_the_leaf(prefetch):
+    bad = _batches()
+    bad[0] = {"x": bad[0]["x"][:10], "y": bad[0]["y"][:10]}
+    with pytest.raises(BatchError, match=r"batch\['x'\] has shape \(10,\); its leading \(batch\) axis must hold "
+                                         r"batch_size=16 rows"):
+        _fit(bad, prefetch=prefetch)
+    ragged = _batches()
+    ragged[2] = {"x": ragged[2]["x"][:5], "y": ragged[2]["y"][:5]}
+    with pytest.raises(BatchError, match=r"batch 2\['x'\] has shape \(5,\).*ragged"):
+        _fit(ragged, prefetch=prefetch)
+    renamed = _batches()
+    renamed[1] = {"x": renamed[1]["x"], "target": renamed[1]["y"]}
+    with pytest.raises(BatchError, match="batch 1 has structure"):
+        _fit(renamed, prefetch=prefetch)
+
+
+def test_pipeline_of_unknown_length_needs_steps():
+    def gen():
+        yield from _batches()
+    with pytest.raises(spmdkit.ConfigError, match="unknown length"):
+        spmdkit.fit(_task(gen()), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(epochs=1, batch_size=16),
+                    progress=False)
+
+
+def test_prefetch_gives_the_same_parameters_as_none():
+    a, b = _fit(DATA, steps=12, prefetch=0), _fit(DATA, steps=12, prefetch=3)
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(a.params[k], b.params[k])
+
+
+def test_many_prefetched_steps_with_collectives_do_not_hang():
+    """The prefetch thread only reads and places; the steps stay synced, so XLA:CPU's
+    rendezvous (which aborts when ~32+ collective steps are queued) is never starved."""
+    result = _fit(DATA, steps=120, bs=8, prefetch=8)
+    assert result.summary["status"] == "completed" and result.summary["steps"] == 120
+
+
+def test_a_function_as_data_is_named_not_called_a_scalar():
+    def make_batches():
+        return iter(_batches())
+
+    with pytest.raises(spmdkit.DataError, match=r"function 'make_batches'.*\n  Fix: pass what it returns"):
+        _task(make_batches)
+
+
+def test_a_first_batch_the_loss_cannot_read_is_named_before_training():
+    renamed = [{"x": b["x"], "target": b["y"]} for b in _batches()]
+    with pytest.raises(spmdkit.TaskError, match=r"failed on a batch of 16: KeyError: 'y'"):
+        _fit(renamed)
+
+
+def test_resuming_a_run_from_other_data_is_refused_and_leaves_the_directory_usable(tmp_path):
+    ckpt = spmdkit.CheckpointConfig(str(tmp_path), every=2)
+    _fit(DATA, steps=4, checkpoint=ckpt)
+    with pytest.raises(spmdkit.ConfigError, match="this run trains from a pipeline"):
+        _fit(_batches(), steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True))
+    resumed = _fit(DATA, steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True))
+    assert resumed.summary["resumed_from_step"] == 4

@@ -1,0 +1,137 @@
+"""The on-disk data set: written from arrays, read lazily, damaged files named."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import spmdkit
+from spmdkit._data import DatasetCorruptError, DatasetFileError, DatasetLayoutError
+
+ARRAYS = {"image": np.arange(40, dtype=np.float32).reshape(10, 2, 2), "label": np.arange(10, dtype=np.int32),
+          "meta": {"w": np.ones(10, np.float16)}}
+
+
+def test_round_trip_is_lazy_and_exact(tmp_path):
+    d = spmdkit.write_dataset(tmp_path / "ds", ARRAYS)
+    data = spmdkit.load_dataset(d, verify=True)
+    assert isinstance(data["image"], np.memmap)  # read lazily
+    for got, want in zip((data["image"], data["label"], data["meta"]["w"]),
+                         (ARRAYS["image"], ARRAYS["label"], ARRAYS["meta"]["w"])):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["count"] == 10 and manifest["version"] == 1
+    with pytest.raises(spmdkit.DataError, match="exists and is not empty"):
+        spmdkit.write_dataset(d, ARRAYS)
+    spmdkit.write_dataset(d, ARRAYS, overwrite=True)
+
+
+def test_bad_inputs_are_named(tmp_path):
+    with pytest.raises(spmdkit.DataError, match="same number of examples"):
+        spmdkit.write_dataset(tmp_path / "a", {"x": np.ones(3), "y": np.ones(4)})
+    with pytest.raises(spmdkit.DataError, match="dtype <U1"):
+        spmdkit.write_dataset(tmp_path / "b", {"x": np.array(list("abc"))})
+    with pytest.raises(DatasetFileError, match="does not exist"):
+        spmdkit.load_dataset(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetFileError, match="manifest.json is missing"):
+        spmdkit.load_dataset(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "manifest", "version", "dtype"])
+def test_damaged_data_set_is_a_named_error_with_the_path(tmp_path, damage):
+    d = spmdkit.write_dataset(tmp_path / "ds", ARRAYS)
+    f, m = d / "label.npy", d / "manifest.json"
+    manifest = json.loads(m.read_text())
+    expect, verify = {"missing": DatasetFileError, "truncated": DatasetCorruptError, "flipped": DatasetCorruptError,
+                      "manifest": DatasetLayoutError, "version": DatasetLayoutError, "dtype": DatasetLayoutError}[damage], False
+    if damage == "missing":
+        f.unlink()
+    elif damage == "truncated":
+        f.write_bytes(f.read_bytes()[:-7])
+    elif damage == "flipped":
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0xFF
+        f.write_bytes(bytes(raw))
+        verify = True
+    elif damage == "manifest":
+        m.write_text("{not json")
+    elif damage == "version":
+        m.write_text(json.dumps({**manifest, "version": 99}))
+    else:  # the file was replaced by one of another dtype (same size)
+        np.save(f, ARRAYS["label"].astype(np.float32))
+    with pytest.raises(expect, match="Fix:") as info:
+        spmdkit.load_dataset(d, verify=verify)
+    assert str(d) in str(info.value)
+    assert isinstance(info.value, spmdkit.DataError)
+
+
+def test_a_task_trains_from_a_data_set_directory(tmp_path):
+    import jax.numpy as jnp, optax  # noqa: E401
+
+    x = np.linspace(-1, 1, 64, dtype=np.float32)
+    d = spmdkit.write_dataset(tmp_path / "line", {"x": x, "y": 3 * x + 1})
+
+    def task(data):
+        return spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+                            loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+                            train_data=data)
+
+    config = spmdkit.TrainConfig(steps=10, batch_size=16)
+    from_dir = spmdkit.fit(task(str(d)), spmdkit.DataParallel(), optax.sgd(0.3), config, progress=False)
+    from_arrays = spmdkit.fit(task({"x": x, "y": 3 * x + 1}), spmdkit.DataParallel(), optax.sgd(0.3), config,
+                              progress=False)
+    np.testing.assert_array_equal(from_dir.params["w"], from_arrays.params["w"])
+
+
+def test_cli_writes_checks_and_trains_from_a_data_set(tmp_path, capsys):
+    from spmdkit._cli import main
+
+    d = tmp_path / "lin"
+    assert main(["data", "write", str(d), "--task", "linreg"]) == 0
+    assert main(["data", "check", str(d), "--verify"]) == 0
+    assert "intact (CRC-32 verified)" in capsys.readouterr().out
+    out = tmp_path / "run"
+    assert main(["train", "--task", "linreg", "--data", str(d), "--steps", "3", "--no-progress", "--out", str(out),
+                 "--prefetch", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    (d / "x.npy").unlink()
+    assert main(["train", "--task", "linreg", "--data", str(d), "--steps", "3", "--no-progress",
+                 "--out", str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # as wrapped by the console
+    assert "x.npy (leaf x) is missing" in err and "Fix:" in err
+
+
+def test_mnist_and_digits_are_readable_through_the_data_set_path(tmp_path):
+    from spmdkit._cli import main
+    from spmdkit._tasks import digits, get_task, mnist
+
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for which, n in (("train", 32), ("t10k", 8)):
+        mnist.write_idx(raw / f"{which}-images-idx3-ubyte", rng.integers(0, 255, (n, 28, 28)).astype(np.uint8))
+        mnist.write_idx(raw / f"{which}-labels-idx1-ubyte", rng.integers(0, 10, n).astype(np.uint8))
+    assert main(["data", "write", str(tmp_path / "mnist"), "--task", "mnist", "--data-dir", str(raw)]) == 0
+    task = get_task("mnist", data_dir=str(raw))
+    on_disk = spmdkit.load_dataset(tmp_path / "mnist")
+    for k in ("image", "label"):
+        np.testing.assert_array_equal(on_disk[k], task.train_data[k])
+    train, _ = digits.load()
+    spmdkit.write_dataset(tmp_path / "digits", train)
+    assert spmdkit.Task(name="d", init=task.init, loss_fn=task.loss_fn,
+                        train_data=str(tmp_path / "digits")).num_train == len(train["label"])
+
+
+def test_cli_writes_from_an_npz_and_names_a_missing_one(tmp_path, capsys):
+    from spmdkit._cli import main
+
+    np.savez(tmp_path / "a.npz", x=np.arange(6.0), y=np.arange(6))
+    assert main(["data", "write", str(tmp_path / "ds"), "--npz", str(tmp_path / "a.npz")]) == 0
+    assert spmdkit.load_dataset(tmp_path / "ds")["x"].tolist() == list(np.arange(6.0))
+    assert main(["data", "write", str(tmp_path / "ds2"), "--npz", str(tmp_path / "missing.npz")]) == 2
+    assert "missing.npz: cannot be read" in " ".join(capsys.readouterr().err.split())  # as wrapped by the console

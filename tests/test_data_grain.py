@@ -1,0 +1,110 @@
+"""Training from Grain pipelines (Python >= 3.12, the ``grain`` extra): datasets, loaders,
+their saved iterator state, and SIGKILL + resume."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import spmdkit
+
+grain = pytest.importorskip("grain")  # the oldest environment (Python 3.11) has no Grain
+
+X = np.linspace(-1, 1, 64, dtype=np.float32)
+
+
+def _fit(train_data, steps=8, **kw):
+    import jax.numpy as jnp
+    import optax
+
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+                        loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+                        train_data=train_data)
+    return spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.3), spmdkit.TrainConfig(steps=steps, batch_size=16),
+                       progress=False, **kw)
+
+
+def test_grain_datasets_and_resume_of_their_iterator(tmp_path):
+    source = grain.MapDataset.source([{"x": X[i], "y": 3 * X[i] + 1} for i in range(64)])
+    mapped = source.shuffle(seed=1).batch(16, drop_remainder=True)
+    a = _fit(mapped, steps=10)
+    assert a.summary["status"] == "completed" and a.summary["steps"] == 10
+    iterable = mapped.to_iter_dataset()
+    whole = _fit(iterable, steps=10)  # restarted each epoch (a MapDataset re-shuffles by index instead)
+    ckpt = spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=3)
+    _fit(iterable, steps=6, checkpoint=ckpt)
+    meta = spmdkit.Checkpointer(ckpt).meta(6)
+    assert meta["data"]["batches"] == 6 and meta["data"]["iterator"] is not None
+    resumed = _fit(iterable, steps=10, checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=3,
+                                                                             resume=True))
+    assert resumed.summary["resumed_from_step"] == 6
+    np.testing.assert_array_equal(resumed.params["w"], whole.params["w"])
+
+
+def test_sigkill_and_resume_from_a_grain_pipeline_is_bit_equal(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    try:
+        import _data_kill_program as program
+    finally:
+        sys.path.remove(str(here))
+    ck, total = tmp_path / "ck", 600
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+
+    def start(resume):
+        return subprocess.Popen([sys.executable, str(here / "_data_kill_program.py"), str(ck), str(tmp_path / "p.npz"),
+                                 str(total), str(resume)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+
+    p = start(0)
+    try:
+        deadline = time.time() + 120
+        while p.poll() is None and time.time() < deadline and not any(
+                (spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck))).steps() if ck.exists() else [])[-1:]):
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert p.poll() is None, "the run ended before it was killed; raise total"
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        p = start(1)
+        stdout, stderr = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, stderr[-3000:]
+    resumed_from = int(stdout.split("resumed from step ")[1].split()[0])
+    assert 0 < resumed_from < total
+    with np.load(tmp_path / "p.npz") as got:
+        straight = program.run(None, total, 0)
+        for k in ("w", "b"):
+            np.testing.assert_array_equal(got[k], straight[k])
+
+
+def test_a_grain_data_loader_resumes_from_its_saved_state(tmp_path):
+
+    def loader():
+        sampler = grain.samplers.IndexSampler(num_records=64, shuffle=True, seed=0, num_epochs=None,
+                                              shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True))
+        return grain.DataLoader(data_source=[{"x": X[i], "y": np.float32(3 * X[i] + 1)} for i in range(64)],
+                                sampler=sampler, operations=[grain.transforms.Batch(16, drop_remainder=True)],
+                                worker_count=0)
+
+    whole = _fit(loader(), steps=10)
+    _fit(loader(), steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=3))
+    saved = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path))).meta(6)["data"]
+    assert saved["processes"] == 1 and '"0": 95' in saved["iterator"]["bytes"]  # 6 batches of 16 seen, not more
+    resumed = _fit(loader(), steps=10, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=3, resume=True))
+    np.testing.assert_array_equal(resumed.params["w"], whole.params["w"])
+    with pytest.raises(spmdkit.ConfigError, match="written by 2 process"):
+        from spmdkit._data import PipelineFeed
+        PipelineFeed(loader(), 16).resume({**saved, "processes": 2})
+
