@@ -98,3 +98,20 @@ def test_cli_asked_directory_fails_but_default_only_warns(tmp_path):
     )
     assert defaulted.returncode == 0, defaulted.stderr
     assert "running without the compile cache" in defaulted.stderr
+
+
+def test_a_directory_others_can_write_to_is_refused_and_an_empty_name_is_an_error(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(spmdkit.ConfigError, match="can be written by every user .*plant") as e:
+        spmdkit.enable_compile_cache(shared)
+    assert "chmod 700" in str(e.value) and "--no-compile-cache" in str(e.value)
+    shared.chmod(0o1777)  # sticky and ours: others cannot replace our entries
+    assert spmdkit.enable_compile_cache(shared) == shared
+    spmdkit.disable_compile_cache()
+    with pytest.raises(spmdkit.ConfigError, match="working directory"):
+        spmdkit.enable_compile_cache("")
+    assert jax.config.jax_compilation_cache_dir is None
+    asked = _train(tmp_path, "--compile-cache", "")
+    assert asked.returncode == 2 and "working directory" in asked.stderr, asked.stderr

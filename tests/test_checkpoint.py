@@ -124,16 +124,26 @@ def test_truncated_file_is_named_and_resume_falls_back(task, tmp_path):
     assert any("step 10 is damaged" in m and "falling back" in m for m in messages)
 
 
-def test_damage_without_a_manifest_is_caught_by_the_restore(task, tmp_path):
+def test_a_step_without_a_manifest_is_never_restored_unverified(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
     (tmp_path / "ck" / "manifests" / "10.json").unlink()
-    truncate_largest(tmp_path / "ck", 10)
+    truncate_largest(tmp_path / "ck", 10)  # damage nothing but a manifest could have shown
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
-    with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 could not be read"):
+    with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 is damaged: it has no manifest"):
         ckpt.restore(10, target)
     state, meta = ckpt.restore_latest(target)
     assert meta["step"] == 5
+    from spmdkit._checkpoint import describe_directory
+
+    with pytest.raises(spmdkit.CheckpointError, match="does not exist"):
+        describe_directory(tmp_path / "nonexistent")
+
+
+def test_saves_log_no_ocdbt_merge_warning(task, tmp_path, caplog):
+    caplog.set_level("WARNING")
+    fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
+    assert "OCDBT" not in caplog.text
 
 
 def test_member_count_mismatch_names_the_leaf(task, tmp_path):
@@ -205,7 +215,7 @@ def test_config_errors():
         spmdkit.CheckpointConfig("d", every=0)
     from spmdkit._config import build_run_config
 
-    with pytest.raises(spmdkit.ConfigError, match="need --checkpoint-dir"):
+    with pytest.raises(spmdkit.ConfigError, match="--resume needs --checkpoint-dir"):
         build_run_config({"resume": True})
 
 
@@ -283,3 +293,25 @@ def test_checkpoints_of_the_older_layout_are_named_not_silently_ignored(tmp_path
     with pytest.raises(spmdkit.CheckpointError, match=r"steps \[100\] .*spmdkit_<step>") as e:
         ckpt.restore_latest(target=None)
     assert "--checkpoint-dir" in str(e.value)
+
+
+def test_orbax_file_system_errors_log_their_line_without_a_traceback():
+    import errno
+    import logging
+    import sys
+
+    from spmdkit._checkpoint import _QuietOcdbtMerge
+
+    def record(error):
+        try:
+            raise error
+        except Exception:
+            return logging.LogRecord("absl", logging.ERROR, __file__, 1, "background save failed", None,
+                                     sys.exc_info())
+
+    quiet = _QuietOcdbtMerge()
+    for error in (OSError(errno.EROFS, "Read-only file system"), ValueError("PERMISSION_DENIED: Error writing")):
+        r = record(error)
+        assert quiet.filter(r) and r.exc_info is None and str(error) in r.getMessage()
+    other = record(KeyError("a bug"))
+    assert quiet.filter(other) and other.exc_info is not None  # not a file-system cause: kept whole

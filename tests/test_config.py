@@ -122,7 +122,7 @@ def test_config_values_are_typed_strictly(tmp_path, text, message):
 def test_checkpoint_flags_without_a_directory_name_real_flags():
     with pytest.raises(spmdkit.ConfigError) as e:
         build_run_config({"checkpoint_every": 5, "resume": True})
-    assert "'--checkpoint-every', '--resume'" in str(e.value) and "--every'" not in str(e.value)
+    assert "--checkpoint-every, --resume need --checkpoint-dir" in str(e.value) and "--every'" not in str(e.value)
 
 
 def test_overwrite_and_resume_together_are_refused():

@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -128,7 +129,7 @@ def largest_file(ck, step) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["bytes", "truncate", "delete", "manifest-garbage", "manifest-empty",
-                                    "manifest-cut", "metadata"])
+                                    "manifest-cut", "metadata", "orbax-metadata", "no-manifest"])
 def test_any_damage_falls_back_to_the_newest_intact_step(tmp_path, damage):
     ck = tmp_path / "ck"
     fit(ck, steps=20)
@@ -148,6 +149,10 @@ def test_any_damage_falls_back_to_the_newest_intact_step(tmp_path, damage):
         manifest.write_text("")
     elif damage == "manifest-cut":
         manifest.write_text(manifest.read_text()[:40])
+    elif damage == "orbax-metadata":  # valid JSON, not Orbax's layout: Orbax itself raised on opening
+        (ck / step_name(20) / "_CHECKPOINT_METADATA").write_text("[1, 2]")
+    elif damage == "no-manifest":  # a kill after Orbax's commit, before the checksums: nothing vouches
+        manifest.unlink()
     else:
         (ck / step_name(20) / "meta" / "metadata").write_text("{not json")
     messages: list[str] = []
@@ -173,10 +178,18 @@ def test_checkpoints_verify_finds_changed_bytes(tmp_path, capsys):
 
 # ---- never a non-finite state; params and summary agree ------------------------------
 
-def test_a_diverging_run_saves_and_reports_only_known_good_states(tmp_path):
+@pytest.mark.parametrize("end", ["mid-run", "at-the-last-step"])
+def test_a_diverging_run_saves_and_reports_only_known_good_states(tmp_path, end):
     ck, out = tmp_path / "ck", tmp_path / "out"
     with pytest.raises(spmdkit.NonFiniteLossError) as e:
         fit(ck, steps=50, every=1, keep=50, lr=1e6, out=out)
+    if end == "at-the-last-step":
+        # Every loss of this run is finite, but the one its last state would give is not.
+        bad_loss_at = e.value.step
+        ck, out = tmp_path / "ck2", tmp_path / "out2"
+        with pytest.raises(spmdkit.NonFiniteLossError) as e:
+            fit(ck, steps=bad_loss_at - 1, every=1, keep=50, lr=1e6, out=out)
+        assert e.value.step == bad_loss_at
     summary = json.loads((out / "summary.json").read_text())
     # The loss reported at step k is computed from the state after k - 1 updates: the loss of
     # step e.step came from a bad state, so the newest known-good state is 2 updates back.
@@ -266,6 +279,48 @@ def test_a_read_only_directory_is_an_error_within_seconds(tmp_path, small_fs, mo
     assert time.time() - t0 < 30
 
 
+def test_a_directory_turned_read_only_mid_run_ends_with_no_traceback(tmp_path, small_fs, monkeypatch):
+    ck = (small_fs or tmp_path) / "ck"
+    messages: list[str] = []
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck)), log=messages.append).claim()
+    ckpt.save(1, {"w": jnp.ones(3)}, {})
+    ckpt.close()
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck), resume=True), log=messages.append).claim()
+    if small_fs is not None:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True, timeout=10)
+    else:
+        real_unlink = Path.unlink
+
+        def read_only(self, *a, **k):
+            if self.name == "spmdkit.lock":
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real_unlink(self, *a, **k)
+
+        monkeypatch.setattr(Path, "unlink", read_only)
+    ckpt.close()  # the lock cannot be removed: said, not raised (a dead pid's lock is taken over)
+    assert any("could not remove" in m and "Read-only file system" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("waiter", ["orbax", "user"])
+def test_after_a_failed_save_only_orbax_threads_are_not_waited_for_at_exit(waiter):
+    # Orbax's signalling threads of a save that failed in the background wait up to 20 min.
+    code = textwrap.dedent(f"""
+        import threading, time
+        from spmdkit._checkpoint import _no_hang_at_exit
+        class Waiter(threading.Thread):
+            pass
+        Waiter.__module__ = {'orbax.checkpoint._src.futures.future' if waiter == 'orbax' else '__main__'!r}
+        Waiter(target=time.sleep, args=({300 if waiter == 'orbax' else 4},)).start()
+        _no_hang_at_exit(5)
+        print("main done", flush=True)
+    """)
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env())
+    assert "main done" in out.stdout and time.time() - t0 < 60, out.stderr
+    # Orbax's waiter: ended with the failed save's exit code; a user's thread: waited for, exit 0.
+    assert out.returncode == (5 if waiter == "orbax" else 0), out.stderr
+
+
 # ---- bad input -----------------------------------------------------------------------
 
 def bad_task(**kw):
@@ -306,7 +361,8 @@ def test_params_files_str_paths_and_pickled_arrays(tmp_path):
     (["--checkpoint-dir", "FILE"], "cannot be created"),
     (["--coordinator", "notaport", "--num-processes", "2", "--process-id", "0"], "is not HOST:PORT"),
     (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"], "ids run from 0 to 1"),
-    (["--resume"], "need --checkpoint-dir"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--resume", "--checkpoint-every", "5"], "--checkpoint-every, --resume need --checkpoint-dir"),
 ])
 def test_cli_mistakes_are_clear_errors_with_exit_code_2(tmp_path, capsys, args, message):
     (tmp_path / "FILE").write_text("x")
@@ -370,7 +426,9 @@ def test_killed_during_save_and_restore_then_sigterm_resumes_bit_equal(tmp_path,
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     r = reader(ck)
-    assert r.steps() and all(r.problems(s) == [] for s in r.steps())
+    # A kill between Orbax's commit and the manifest leaves a step a resume skips; nothing else.
+    assert any(r.problems(s) == [] for s in r.steps())
+    assert all(r.problems(s) == [] or "no manifest" in r.problems(s)[0] for s in r.steps())
     # A preemption notice: save at the next step boundary, exit 0, status "preempted".
     p = spawn(procs, train_args(ck, out, total, "--resume"))
     start = newest(ck)
@@ -409,6 +467,20 @@ def test_children_die_with_a_killed_launcher(tmp_path, procs):
             assert launcher.returncode == 128 + signal.SIGTERM
         for i in (0, 1):
             Path(f"{pids}{i}").unlink()
+
+
+def test_a_refusal_on_process_0_ends_every_process_at_once(tmp_path, procs):
+    # Only process 0 takes the lock: the others learn its verdict instead of waiting for it.
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "spmdkit.lock").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    p = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train", "--task",
+                      "linreg", "--steps", "5", "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "o"),
+                      "--no-progress", "--distributed-timeout", "100"])
+    stdout, stderr = p.communicate(timeout=150)  # before the fix: a hang until the heartbeat (330 s)
+    text = stdout + stderr
+    assert p.returncode == 2, text[-3000:]
+    assert "[0] error: another run" in text and "[1] error: another run" in text, text[-3000:]
 
 
 def alive(pid: int) -> bool:
@@ -491,3 +563,27 @@ def test_sigterm_to_the_launcher_is_a_preemption_notice_for_every_process(tmp_pa
     # JAX's preemption service agreed on one step: both processes saved it together.
     assert summary["status"] == "preempted" and newest(ck) == summary["steps"] > 100
     assert reader(ck).problems(summary["steps"]) == []
+
+
+# ---- a resume must continue the same run -----------------------------------------------
+
+def test_a_resume_that_would_not_continue_the_run_is_refused_and_says_how(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    with pytest.raises(spmdkit.ConfigError, match="at step 20, already past this run's 10 steps"):
+        fit(ck, steps=10, resume=True)
+    assert fit(ck, steps=30, resume=True).summary["resumed_from_step"] == 20  # the refusal left no lock
+    cli = ["train", "--task", "linreg", "--steps", "4", "--no-progress", "--checkpoint-dir", str(tmp_path / "c2"),
+           "--out", str(tmp_path / "o")]
+    assert cli_main([*cli, "--lr", "0.05"]) == 0
+    capsys.readouterr()
+    assert cli_main([*cli[:4], "8", *cli[5:], "--lr", "0.5", "--resume"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "written with --lr 0.05, this run has --lr 0.5" in err and "another --checkpoint-dir" in err, err
+
+
+def test_a_grad_accum_fix_fits_the_data():
+    with pytest.raises(spmdkit.ConfigError) as e:
+        spmdkit.fit(linreg.make(), spmdkit.DataParallel(), OPT, spmdkit.TrainConfig(steps=1, batch_size=128,
+                                                                                   grad_accum=256), progress=False)
+    assert "use grad_accum=128" in str(e.value) and "batch_size=256" not in str(e.value)

@@ -10,6 +10,7 @@ the same run loads every program it compiled the first time.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from spmdkit._errors import ConfigError, fix
@@ -44,8 +45,13 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
     Every program compiled from then on is written there (no minimum compile time or
     size), and a later process that compiles the same program on the same devices loads
     it instead. ``directory`` defaults to ``$SPMDKIT_COMPILE_CACHE`` or
-    :func:`default_cache_dir`. The cache runs code it reads: keep it in a directory only
-    you can write (it is created with mode 0o700).
+    :func:`default_cache_dir`. The cache runs code it reads, so a directory another user
+    can write to is refused (see :func:`check_private`); it is created with mode 0o700.
+
+    A damaged entry (a cut-short or changed file) is never run: JAX warns "Error reading
+    persistent compilation cache entry" and compiles afresh, but keeps the file, so the
+    warning comes back on every start. JAX's warning names the program, not the file:
+    delete the cache directory (it holds nothing that is not compiled again).
 
     >>> import tempfile, spmdkit
     >>> path = spmdkit.enable_compile_cache(tempfile.mkdtemp())
@@ -56,6 +62,12 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    if directory is not None and not str(directory).strip():
+        raise ConfigError(fix(
+            "compile cache directory '' is empty: JAX would write compiled programs into the working directory.",
+            "pass a directory (Python: enable_compile_cache(dir) or None for the default; CLI: --compile-cache "
+            "DIR), or run without the cache (CLI: --no-compile-cache, env: SPMDKIT_COMPILE_CACHE=off).",
+        ))
     if directory is None:
         env = cache_dir_from_env()
         directory = env if isinstance(env, Path) else default_cache_dir()
@@ -74,6 +86,7 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
             "pass another directory (Python: enable_compile_cache(dir); CLI: --compile-cache DIR), "
             "or run without the cache (CLI: --no-compile-cache, env: SPMDKIT_COMPILE_CACHE=off).",
         ))
+    check_private(path)
     # A cache that JAX already opened keeps its old directory unless it is reset.
     compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", str(path))
@@ -81,6 +94,30 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
     return path
+
+
+def check_private(path: Path) -> None:
+    """Refuse a cache directory that another user can write to: they could plant a program.
+
+    Accepted: a directory of this user that no one else can write to, or one of this
+    user's with the sticky bit (others may add files there but not replace this user's).
+    """
+    info = path.stat()
+    uid = os.geteuid() if hasattr(os, "geteuid") else info.st_uid
+    mine = info.st_uid == uid
+    shared = bool(info.st_mode & stat.S_IWOTH)
+    sticky = bool(info.st_mode & stat.S_ISVTX)
+    if mine and (not shared or sticky):
+        return
+    why = (f"belongs to user id {info.st_uid}, not to this user ({uid})" if not mine
+           else f"can be written by every user (mode {stat.S_IMODE(info.st_mode):#o}, no sticky bit)")
+    raise ConfigError(fix(
+        f"compile cache directory {str(path)!r} {why}: another user could plant a compiled program there "
+        "that this process would load and run.",
+        f"use a directory of your own that only you can write (chmod 700 {path}), or pass another "
+        "--compile-cache DIR (Python: enable_compile_cache(dir)), or run without the cache "
+        "(--no-compile-cache, env: SPMDKIT_COMPILE_CACHE=off).",
+    ))
 
 
 def disable_compile_cache() -> None:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import socket
+import sys
+import threading
 import time
 import uuid
 import zlib
@@ -180,11 +183,64 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+_VERDICT_BYTES = 4096
 
-        multihost_utils.sync_global_devices(name)
+
+def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
+    """Process 0's ``verdict`` on every process (it alone passes a non-empty one)."""
+    if jax.process_count() == 1:
+        return verdict
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(verdict).encode()[: _VERDICT_BYTES - 8]
+    buf = np.zeros(_VERDICT_BYTES, np.uint8)
+    buf[:8] = np.frombuffer(len(raw).to_bytes(8, "little"), np.uint8)
+    buf[8: 8 + len(raw)] = np.frombuffer(raw, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    size = int.from_bytes(got[:8].tobytes(), "little")
+    try:
+        return json.loads(got[8: 8 + size].tobytes().decode())
+    except ValueError:  # a message cut at the buffer's end
+        return {"error": got[8: 8 + size].tobytes().decode(errors="replace"), "kind": "refused"}
+
+
+_WATCHING: list[bool] = []
+
+
+def _no_hang_at_exit(code: int = 5) -> None:
+    """After a failed save, end the process at exit instead of waiting for Orbax.
+
+    A save that fails in Orbax's background thread can leave Orbax's signalling threads
+    (not daemons) waiting for a commit that will never come, for up to its 20-minute
+    timeout, and Python waits for every such thread before it exits. A daemon watcher
+    sees the main thread finish; if only Orbax's threads remain 2 s later, it flushes the
+    output and ends the process with ``code`` (the CLI's code for a failed save).
+    """
+    if _WATCHING:
+        return
+    _WATCHING.append(True)
+
+    def orbax_only() -> bool:
+        rest = [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+        return bool(rest) and all(type(t).__module__.startswith("orbax") for t in rest)
+
+    def watch() -> None:
+        main = threading.main_thread()
+        while main.is_alive():
+            time.sleep(0.2)
+        deadline = time.time() + 2.0
+        while time.time() < deadline:
+            if not orbax_only():
+                return  # nothing of Orbax's left waiting (or a user's own thread still runs)
+            time.sleep(0.1)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    threading.Thread(target=watch, name="spmdkit-no-hang-at-exit", daemon=True).start()
 
 
 def _os_cause(e: BaseException) -> str:
@@ -194,6 +250,64 @@ def _os_cause(e: BaseException) -> str:
         if getattr(e, "errno", None) == code or name in str(e):
             return f"{name} ({text[:300]})"
     return text[:400]
+
+
+# How a full, read-only or forbidden file system shows in Orbax's and TensorStore's errors.
+_FS_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT)
+_FS_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "PERMISSION_DENIED",
+             "RESOURCE_EXHAUSTED")
+
+
+class _QuietOcdbtMerge(logging.Filter):
+    """Drops Orbax's one warning that every save without OCDBT logs (nothing to merge), and
+    the tracebacks (not the lines) of Orbax's background-save errors caused by the file
+    system (full, read-only, no permission): spmdkit reports those itself, naming the
+    directory, the cause and the fix."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Skipping merge of OCDBT checkpoints" in str(record.msg):
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and (getattr(error, "errno", None) in _FS_ERRNOS or any(m in str(error) for m in _FS_TEXTS)):
+            record.msg = f"{record.msg} ({type(error).__name__}: {error})"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_orbax() -> None:
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _QuietOcdbtMerge) for f in absl_logger.filters):
+        absl_logger.addFilter(_QuietOcdbtMerge())
+
+
+class _ReadableSteps:
+    """Orbax's step names, minus steps whose ``_CHECKPOINT_METADATA`` Orbax cannot read.
+
+    Orbax reads every step's commit time when a manager opens a directory and raises on a
+    metadata file that is JSON but not its layout: one damaged step would stop every
+    resume. Such a step is left out of Orbax's listing and reported as damaged
+    (``unreadable``), so a resume falls back past it like past any other damage.
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.unreadable: dict[int, str] = {}
+
+    def build_name(self, step: int) -> str:
+        return self.inner.build_name(step)
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        return self.inner.find_step(base_path, step)
+
+    def find_all(self, base_path: Any) -> Any:
+        for metadata in self.inner.find_all(base_path):
+            try:
+                metadata.commit_timestamp  # what the manager reads first: raises on a damaged file
+            except Exception as e:  # Orbax raises ValueError, TypeError, KeyError on such files
+                self.unreadable[metadata.step] = (f"Orbax's {step_name(metadata.step)}/_CHECKPOINT_METADATA "
+                                                  f"cannot be read ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            yield metadata
 
 
 class Checkpointer:
@@ -222,11 +336,13 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
                                       "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
+        _quiet_orbax()
+        self._names = _ReadableSteps(ocp.step.standard_name_format(step_prefix=STEP_PREFIX))
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 # Retention is ours: Orbax's keep-N would delete any integer-named directory.
-                max_to_keep=None, enable_async_checkpointing=True, create=True, step_prefix=STEP_PREFIX,
+                max_to_keep=None, enable_async_checkpointing=True, create=True, step_name_format=self._names,
             ),
             item_handlers={
                 "state": ocp.PyTreeCheckpointHandler(use_compression=config.compress, use_ocdbt=config.ocdbt),
@@ -247,12 +363,32 @@ class Checkpointer:
 
     # ---- ownership ---------------------------------------------------------------
     def _claim(self, resume: bool) -> str:
-        """Lock the directory, clear interrupted saves, and settle whose run this is."""
+        """Lock the directory, clear interrupted saves, and settle whose run this is.
+
+        Process 0 decides alone and tells every process (run id, or the error to raise), so
+        a refusal ends every process at once instead of leaving the others waiting for it.
+        """
+        verdict: dict[str, str] = {}
+        if self.primary:
+            try:
+                verdict = {"run_id": self._claim_primary(resume)}
+            except CheckpointError as e:
+                verdict = {"error": str(e), "kind": "save" if isinstance(e, CheckpointSaveError) else "refused"}
+            except Exception as e:  # anything else still ends every process, not only this one
+                verdict = {"error": f"claiming checkpoint directory {self.directory} failed: "
+                                    f"{type(e).__name__}: {str(e)[:400]}", "kind": "refused"}
+        verdict = _from_process_0(verdict)
+        if "error" in verdict:
+            raise (CheckpointSaveError if verdict["kind"] == "save" else CheckpointError)(verdict["error"])
+        return verdict["run_id"]
+
+    def _claim_primary(self, resume: bool) -> str:
         owner_path = self.directory / OWNER_FILE
         owner = None
         if owner_path.exists():
             try:
                 owner = json.loads(owner_path.read_text())
+                owner = owner if isinstance(owner, dict) else {}
             except (OSError, ValueError):
                 owner = {}
         ours = self.steps()
@@ -264,34 +400,31 @@ class Checkpointer:
                 "pass --resume to continue that run, another --checkpoint-dir for a new one, or "
                 "--overwrite-checkpoints to delete that run's checkpoints (CheckpointConfig(resume=True / "
                 "overwrite=True) from Python)."))
-        _sync("spmdkit-ckpt-checked")
         run_id = (owner or {}).get("run_id") if resume else None
         run_id = run_id or uuid.uuid4().hex[:12]
-        if self.primary:
-            try:
-                self._lock(run_id)
-                self._clear_interrupted()
-                if not resume and ours:
-                    for step in ours:
-                        self._remove_step(step)
-                    self.log(f"checkpoints: deleted steps {ours} of the previous run (overwrite asked for)")
-                foreign = sorted(p.name for p in self.directory.iterdir() if not self._is_ours(p.name))
-                if foreign:
-                    self.log(f"checkpoints: leaving {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} spmdkit "
-                             f"did not write alone in {self.directory}: {', '.join(foreign[:5])}")
-                if owner is None or not resume or owner.get("run_id") != run_id:
-                    write_atomic(owner_path, json.dumps(
-                        {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "format": 1}))
-            except OSError as e:
-                self._release()
-                raise CheckpointSaveError(fix(
-                    f"checkpoint directory {self.directory} is not writable: {_os_cause(e)}.",
-                    "free space or fix the permissions, or pass another --checkpoint-dir.")) from None
-            except BaseException:
-                self._release()
-                raise
-        _sync("spmdkit-ckpt-claimed")
-        return run_id
+        try:
+            self._lock(run_id)
+            self._clear_interrupted()
+            if not resume and ours:
+                for step in ours:
+                    self._remove_step(step)
+                self.log(f"checkpoints: deleted steps {ours} of the previous run (overwrite asked for)")
+            foreign = sorted(p.name for p in self.directory.iterdir() if not self._is_ours(p.name))
+            if foreign:
+                self.log(f"checkpoints: leaving {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} spmdkit "
+                         f"did not write alone in {self.directory}: {', '.join(foreign[:5])}")
+            if owner is None or not resume or owner.get("run_id") != run_id:
+                write_atomic(owner_path, json.dumps(
+                    {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "format": 1}))
+        except OSError as e:
+            self._release()
+            raise CheckpointSaveError(fix(
+                f"checkpoint directory {self.directory} is not writable: {_os_cause(e)}.",
+                "free space or fix the permissions, or pass another --checkpoint-dir.")) from None
+        except BaseException:
+            self._release()
+            raise
+        return str(run_id)
 
     def _is_ours(self, name: str) -> bool:
         return (name in (MANIFESTS, OWNER_FILE, LOCK_FILE) or parse_step(name) is not None
@@ -330,8 +463,12 @@ class Checkpointer:
 
     def _release(self) -> None:
         if self._locked:
-            (self.directory / LOCK_FILE).unlink(missing_ok=True)
             self._locked = False
+            try:
+                (self.directory / LOCK_FILE).unlink(missing_ok=True)
+            except OSError as e:  # a directory turned read-only: the next run takes over the lock of a dead pid
+                self.log(f"checkpoints: could not remove {self.directory / LOCK_FILE} ({_os_cause(e)}); "
+                         "the next run takes it over once this process has ended")
 
     def _clear_interrupted(self) -> None:
         for p in sorted(self.directory.iterdir()):
@@ -370,6 +507,7 @@ class Checkpointer:
         self.blocked.append(time.perf_counter() - t0)
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+        _no_hang_at_exit(CheckpointSaveError.exit_code)
         intact = [s for s in self.steps() if s != step]
         return CheckpointSaveError(fix(
             f"saving checkpoint step {step} in {self.directory} failed: {_os_cause(e)}. "
@@ -442,11 +580,20 @@ class Checkpointer:
         return sorted(s for p in self.directory.iterdir() if (s := parse_step(p.name)) is not None and p.is_dir())
 
     def problems(self, step: int) -> list[str]:
-        """What is wrong with a step, from its manifest ([] if intact, or unverifiable: no manifest)."""
+        """What is wrong with a step, from its manifest ([] if intact).
+
+        A step without a manifest counts as damaged: Orbax committed it, but the process
+        was stopped before its files were checksummed, so nothing vouches for its bytes.
+        """
+        if step in self._names.unreadable:
+            return [self._names.unreadable[step]]
         manifest, bad = read_manifest(self.directory, step)
         if bad:
             return [bad]
-        return [] if manifest is None else verify_step(self.directory, step, manifest)
+        if manifest is None:
+            return [f"it has no manifest ({MANIFESTS}/{step}.json): its save was cut short before its files "
+                    "were checksummed, so they cannot be verified"]
+        return verify_step(self.directory, step, manifest)
 
     def meta(self, step: int) -> dict[str, Any]:
         path = self.directory / step_name(step) / "meta" / "metadata"
@@ -567,12 +714,19 @@ class Checkpointer:
 
     def _set_aside(self, steps: list[int]) -> None:
         """Damaged steps newer than the resumed one would block its saves: renamed, not deleted."""
+        verdict: dict[str, str] = {}
         if self.primary:
-            for step in steps:
-                path = self.directory / step_name(step)
-                os.replace(path, path.with_name(f"{_ASIDE}{path.name}-{int(time.time())}"))
-                (self.directory / MANIFESTS / f"{step}.json").unlink(missing_ok=True)
-        _sync("spmdkit-ckpt-aside")
+            try:
+                for step in steps:
+                    path = self.directory / step_name(step)
+                    os.replace(path, path.with_name(f"{_ASIDE}{path.name}-{int(time.time())}"))
+                    (self.directory / MANIFESTS / f"{step}.json").unlink(missing_ok=True)
+            except OSError as e:
+                verdict = {"error": fix(f"damaged checkpoint steps {steps} in {self.directory} cannot be set aside: "
+                                        f"{_os_cause(e)}.", "make the directory writable, or move them away.")}
+        verdict = _from_process_0(verdict)
+        if "error" in verdict:  # every process, not only process 0, stops here
+            raise CheckpointSaveError(verdict["error"])
         self.manager.reload()
 
 
@@ -582,6 +736,8 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
     With ``verify`` every file's checksum is compared with the step's manifest.
     """
     root = Path(directory)
+    if not root.exists():
+        raise CheckpointError(fix(f"{root} does not exist.", "pass the --checkpoint-dir of a run."))
     if not root.is_dir():
         raise CheckpointError(fix(f"{root} is not a directory.", "pass the --checkpoint-dir of a run."))
     rows = []
@@ -603,7 +759,8 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
         if bad:
             row["status"] = f"damaged ({bad})"
         elif manifest is None:
-            row["status"] = "complete, unverified (no manifest)"
+            row["status"] = "incomplete (no manifest: the save was cut short before its files were checksummed; " \
+                            "a resume skips it)"
         else:
             problems = verify_step(root, step, manifest) if verify else [
                 f"file {n}" for n, w in manifest["files"].items() if files.get(n) != w["bytes"]]

@@ -275,7 +275,7 @@ def _setup_compile_cache(args: argparse.Namespace) -> None:
     if choice is False or (not asked and args.command not in _CACHED_COMMANDS):
         return
     try:
-        enable_compile_cache(choice or None)
+        enable_compile_cache(choice if asked else None)
     except SpmdkitError as e:
         if asked:
             raise

@@ -213,6 +213,28 @@ def check_value(key: str, value: Any, source: str) -> None:
             f"write e.g. {example} in a config file, or {_flag(key)} on the command line."))
 
 
+# Options that change what a run computes beyond what a checkpoint checks itself (the task,
+# seed, batch size and every leaf's shape): a resume with another value would not continue
+# the run it claims to continue. The layout (strategy, mesh, rules, devices) may change.
+RESULT_OPTIONS = {"optimizer": OptimizerConfig.name, "lr": OptimizerConfig.lr, "momentum": OptimizerConfig.momentum,
+                  "weight_decay": OptimizerConfig.weight_decay, "grad_accum": TrainConfig.grad_accum,
+                  "bagging": RunConfig.bagging}
+
+
+def changed_options(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(flag, saved value, this run's value)`` of every result-changing option that differs.
+
+    >>> changed_options({"lr": 0.05, "optimizer": "sgd"}, {"lr": 0.5})
+    [('--lr', 0.05, 0.5)]
+    """
+    out = []
+    for key, default in RESULT_OPTIONS.items():
+        then, value = saved.get(key, default), now.get(key, default)
+        if then != value:
+            out.append((_flag(key), then, value))
+    return out
+
+
 def _normalise(key: str) -> str:
     return key.strip().replace("-", "_")
 
@@ -274,7 +296,8 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         ckpt = sections["checkpoint"]
         if ckpt and "directory" not in ckpt:
             raise ConfigError(
-                fix(f"{sorted(_flag(_FLAG_OF[('checkpoint', k)]) for k in ckpt)} need --checkpoint-dir DIR.",
+                fix(f"{', '.join(sorted(_flag(_FLAG_OF[('checkpoint', k)]) for k in ckpt))} "
+                    f"need{'s' if len(ckpt) == 1 else ''} --checkpoint-dir DIR.",
                     "pass --checkpoint-dir (where checkpoints are written and resumed from).")
             )
         checkpoint = CheckpointConfig(**ckpt) if ckpt else None

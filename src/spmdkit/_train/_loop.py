@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
-from spmdkit._config import TrainConfig
+from spmdkit._config import TrainConfig, changed_options
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._process import process_age_s
@@ -109,8 +109,23 @@ class _StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str) -> None:
-    """A resumed run must see the same data order, or it is not the same run."""
+def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_info: dict[str, Any] | None = None,
+                     total: int | None = None) -> None:
+    """A resumed run must see the same data order and hyperparameters, or it is not the same run."""
+    if total is not None and int(meta["step"]) > total:
+        raise ConfigError(fix(
+            f"the newest checkpoint is at step {meta['step']}, already past this run's {total} steps: there is "
+            f"nothing to train, and its parameters are not those of step {total}.",
+            f"pass --steps {meta['step']} or more (TrainConfig(steps=...)) to continue that run, or start a new "
+            "run in another --checkpoint-dir."))
+    changed = changed_options((meta.get("config") or {}), run_info) if run_info and meta.get("config") else []
+    if changed:
+        flag, then, now = changed[0]
+        raise ConfigError(fix(
+            f"the checkpoint at step {meta.get('step')} was written with {flag} {then}, this run has {flag} {now}"
+            + "".join(f", {f} {a} -> {b}" for f, a, b in changed[1:])
+            + "; resuming would not continue the same run.",
+            f"resume with {flag} {then}, or start a new run with {flag} {now} in another --checkpoint-dir."))
     for name, now in (("task", task), ("seed", config.seed), ("batch_size", config.batch_size),
                       ("drop_remainder", config.drop_remainder)):
         then = meta.get(name)
@@ -185,11 +200,16 @@ def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
             fix(f"batch_size={bs} is larger than the training set of task {task.name!r} ({task.num_train} examples).",
                 f"use batch_size={task.num_train} or less (--batch-size).")
         )
-    if bs % config.grad_accum:
+    ga = config.grad_accum
+    if bs % ga:
+        # Only fixes the data allow: a batch of at most num_train rows, or a divisor of this batch.
+        sizes = [m for m in (bs - bs % ga, bs - bs % ga + ga) if 0 < m <= task.num_train]
+        divisor = max(d for d in range(1, ga) if bs % d == 0)
+        options = ([f"batch_size={sizes[0]}"] if sizes else []) + [f"grad_accum={divisor}"]
         raise ConfigError(
-            fix(f"batch_size={bs} is not a multiple of grad_accum={config.grad_accum}: the micro-batches of a "
-                "step must be equal.", f"use batch_size={bs - bs % config.grad_accum or config.grad_accum} or "
-                "another grad_accum (--batch-size, --grad-accum).")
+            fix(f"batch_size={bs} is not a multiple of grad_accum={ga}: the micro-batches of a step must be "
+                f"equal{'' if sizes else f', and no multiple of {ga} fits the {task.num_train} examples'}.",
+                f"use {' or '.join(options)} (--batch-size, --grad-accum).")
         )
     shards = getattr(strategy, "batch_shards", 1)
     if bs % shards:
@@ -220,14 +240,15 @@ def _pipeline_plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) ->
 
 
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
-           ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None]) -> tuple[Any, int]:
+           ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
+           run_info: dict[str, Any] | None = None, total: int | None = None) -> tuple[Any, int]:
     """The initial state and the steps already done: fresh, or the newest intact checkpoint."""
     if ckpt is not None and checkpoint.resume:
         target = strategy.abstract(make_state, key, unbox=True)
         restored = ckpt.restore_latest(target, members=getattr(strategy, "members", None))
         if restored is not None:
             state, meta = restored
-            _check_resumable(meta, config, task.name)
+            _check_resumable(meta, config, task.name, run_info, total)
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
@@ -292,13 +313,14 @@ def fit(
     init_key, _, eval_key = jax.random.split(jax.random.key(config.seed), 3)
     make_state = task_state(task, optimizer)
     ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
-    state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log)
-    if done:  # the data position saved with that state (older checkpoints: none)
-        try:
+    try:
+        state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log, run_info, plan.total)
+        if done:  # the data position saved with that state (older checkpoints: none)
             feed.resume(ckpt.meta(done).get("data"))
-        except ConfigError:
+    except BaseException:
+        if ckpt is not None:
             ckpt.abandon()  # a refused resume leaves the directory unlocked
-            raise
+        raise
     start_step = done
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
 
@@ -367,6 +389,12 @@ def fit(
                 if preempt.reached(done):
                     status = "preempted"
                     break
+            # Every process probes or none does (a probe is a collective step): an interrupt is per process.
+            agreed = ("completed", "preempted") + (("interrupted",) if jax.process_count() == 1 else ())
+            # A one-shot iterator of the user's is not read past the run's last batch.
+            if status in agreed and done > start_step and (ckpt is not None or out is not None) \
+                    and not getattr(feed, "one_shot", False):
+                state, done, status, failure = _confirm_final(step, batches, guard, known, state, done, status)
     except KeyboardInterrupt:
         status = "interrupted"
     except DataError as e:  # bad data mid-run: the last good state is still saved and summarised
@@ -395,8 +423,8 @@ def fit(
     params = to_host(state.params)
     summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
                        params, elapsed, train_seconds, ckpt, run_info)
-    summary["first_step_s"] = first_step_s
-    summary["first_step_in_fit_s"] = None if t_first is None else t_first - entered
+    summary["first_step_s"] = None if first_step_s is None else round(first_step_s, 3)
+    summary["first_step_in_fit_s"] = None if t_first is None else round(t_first - entered, 3)
     if failure is not None:
         summary["error"] = str(failure).splitlines()[0]
     if out is not None and primary:
@@ -405,6 +433,24 @@ def fit(
     if failure is not None:
         raise failure
     return FitResult(state, params, summary, history)
+
+
+def _confirm_final(step, batches, guard, known, state, done, status):
+    """The last state is kept (saved, written) only if known good, like every checkpoint: the
+    loss the next step would compute from it is finite. Otherwise the run diverged at its end
+    and the newest known-good state is kept instead."""
+    try:
+        epoch, host_batch = next(batches)
+    except (StopIteration, DataError):  # a pipeline that ends with the run: only the leaves can be checked
+        return state, done, status, None
+    probe = step(state, host_batch)
+    jax.block_until_ready(probe)  # queued collective steps deadlock XLA:CPU
+    try:
+        guard(StepInfo(done + 1, epoch, state, to_python(probe[1])))
+    except NonFiniteLossError as e:
+        return known.state, known.step, "diverged", e
+    known.confirm(state, done)
+    return state, done, status, None
 
 
 def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int) -> Any:
