@@ -19,6 +19,7 @@ import pytest
 import spmdkit
 from spmdkit._checkpoint import parse_step, step_name
 from spmdkit._tasks import digits, linreg, mlp
+from spmdkit._train._steps import task_state
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_resharding_8_devices_dp_tp_to_4_devices_fsdp_and_to_1_device_in_a_fresh
 
     four = spmdkit.Sharded(spmdkit.make_mesh(data=4, devices=jax.devices()[:4]), "fsdp")
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    state, meta = ckpt.restore(10, four.abstract_state(task.init, opt))
+    state, meta = ckpt.restore(10, four.abstract(task_state(task, opt), unbox=True))
     w1 = state.params["ScanDotReluDot_0"]["W1"]
     assert w1.sharding.spec == jax.P(None, "data", None) and len(w1.sharding.device_set) == 4
     assert meta["strategy"]["mesh"] == {"data": 2, "model": 4}
@@ -76,10 +77,11 @@ def test_resharding_8_devices_dp_tp_to_4_devices_fsdp_and_to_1_device_in_a_fresh
 import spmdkit, numpy as np, optax, jax
 spmdkit.use_host_devices(1)
 from spmdkit._tasks import mlp
+from spmdkit._train._steps import task_state
 task = mlp.make(layers=2, depth=128, embed=64, num_train=256, num_eval=32)
 strategy = spmdkit.DataParallel()
 ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig({str(tmp_path / 'ck')!r}), log=lambda m: None)
-state, _ = ckpt.restore(10, strategy.abstract_state(task.init, optax.adam(1e-3)))
+state, _ = ckpt.restore(10, strategy.abstract(task_state(task, optax.adam(1e-3)), unbox=True))
 saved = spmdkit.load_params({str(tmp_path / 'out' / 'params.npz')!r}, like=jax.device_get(state.params))
 assert jax.device_count() == 1
 for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(saved)):
@@ -111,7 +113,7 @@ def test_truncated_file_is_named_and_resume_falls_back(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
     victim = truncate_largest(tmp_path / "ck", 10)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
+    target = spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True)
     with pytest.raises(spmdkit.CheckpointError) as e:
         ckpt.restore(10, target)
     assert "checkpoint step 10 is damaged" in str(e.value) and str(victim) in str(e.value)
@@ -129,7 +131,7 @@ def test_damage_without_a_manifest_is_caught_by_the_restore(task, tmp_path):
     (tmp_path / "ck" / "manifests" / "10.json").unlink()
     truncate_largest(tmp_path / "ck", 10)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
+    target = spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True)
     with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 could not be read"):
         ckpt.restore(10, target)
     state, meta = ckpt.restore_latest(target)
@@ -174,7 +176,7 @@ def test_divergence_leaves_the_last_good_checkpoint(tmp_path):
                     log=lambda m: None)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     assert max(ckpt.steps()) < e.value.step
-    state, _ = ckpt.restore(max(ckpt.steps()), spmdkit.DataParallel().abstract_state(linreg.init, optax.sgd(40.0)))
+    state, _ = ckpt.restore(max(ckpt.steps()), spmdkit.DataParallel().abstract(task_state(linreg.make(), optax.sgd(40.0)), unbox=True))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
 
 
@@ -187,7 +189,7 @@ def test_restore_never_unpickles(task, tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    state, meta = ckpt.restore(5, spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9)))
+    state, meta = ckpt.restore(5, spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True))
     assert int(state.step) == 5 and meta["task"] == "digits"
 
 

@@ -342,6 +342,15 @@ class CompiledStep:
         return jax.jit(run, in_shardings=(state_sh, batch_sh), out_shardings=out,
                        donate_argnums=(0,) if self.donate else ())
 
+    def lower(self, state: State, batch: Batch) -> Any:
+        """The program ``self(state, batch)`` runs, lowered (``jax.stages.Lowered``: read
+        ``.compile().memory_analysis()`` or ``cost_analysis()``); ``state`` and ``batch``
+        may be ``jax.ShapeDtypeStruct``s (``strategy.abstract``), nothing runs."""
+        s = self.strategy
+        even = batch_rows(batch) % s.batch_shards == 0
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+        return s._traced(lambda: self._build(state, even).lower(state, shapes))
+
     def __call__(self, state: State, batch: Batch):
         s = self.strategy
         n = batch_rows(batch)

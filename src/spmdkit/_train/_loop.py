@@ -7,7 +7,6 @@ it, and eval, metrics, checkpoints and the NaN guard are hooks (``_hooks``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
@@ -27,11 +26,12 @@ from spmdkit._config import TrainConfig
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
+from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
 from spmdkit._train._hooks import (
-    CheckpointHook,
     EvalHook,
+    Hook,
     MetricsHook,
     NaNGuard,
     ProgressHook,
@@ -75,20 +75,6 @@ def iterate_batches(
             idx = order[start : start + batch_size]
             yield epoch, jax.tree.map(lambda x: x[idx], data)
         epoch, skip = epoch + 1, 0
-
-
-def evaluate(strategy: Strategy, eval_fn, params, data: Any, batch_size: int, rng: jax.Array) -> dict[str, Any]:
-    """Exact means over a whole data set, in fixed-size (padded, masked) chunks."""
-    n = num_examples(data)
-    size = min(batch_size, n)
-    totals: dict[str, np.ndarray] = {}
-    for start in range(0, n, size):
-        chunk = jax.tree.map(lambda x: x[start : start + size], data)
-        batch, mask = strategy.put_batch(chunk, size=size, shared=True)
-        for k, v in jax.device_get(eval_fn(params, batch, mask, rng)).items():
-            totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
-    count = totals.pop("count")
-    return to_python({k: v / count for k, v in totals.items()})
 
 
 class _StopRequest:
@@ -160,7 +146,7 @@ def _previous_history(out: Path | None, upto: int) -> list[dict[str, Any]]:
 def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
     if task.report is None:
         return {}
-    members = strategy.member_params(params) if hasattr(strategy, "member_params") else [params]
+    members = strategy.member_params(params) if isinstance(strategy, Ensemble) else [params]
     reports = [task.report(p) for p in members]
     return reports[0] if len(reports) == 1 else {"member_reports": reports}
 
@@ -213,7 +199,7 @@ def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
     if bs % shards:
         warnings.warn(
             f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
-            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
+            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=4)
     per_epoch = task.num_train // bs if config.drop_remainder else math.ceil(task.num_train / bs)
     total = config.steps if config.steps is not None else config.epochs * per_epoch
     return _Plan(bs, per_epoch, total, config.eval_every or per_epoch)
@@ -277,146 +263,229 @@ def fit(
         >>> round(float(result.params["w"]), 2), round(float(result.params["b"]), 2)
         (3.0, 1.0)
     """
-    entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
-    plan = _plan(task, strategy, config)
-    validate_task(task, config.batch_size)
-    out = None if out_dir is None else Path(out_dir)
-    # With several processes (jax.distributed) every one trains; process 0 alone writes.
-    primary = jax.process_index() == 0
-    if out is not None and primary:
-        art.prepare_out_dir(out)
-    init_key, _, eval_key = jax.random.split(jax.random.key(config.seed), 3)
-    make_state = task_state(task, optimizer)
-    ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
-    state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log)
-    start_step = done
+    run = _Run(task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout)
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
+    batches = _batches(task.train_data, run.plan.batch_size, config, _data_streams(strategy), start=run.start_step)
+    state = run.state
+    with run:  # Ctrl-C and SIGTERM stop at a step boundary; the watchdog; the progress bar
+        for i in range(run.start_step, run.plan.total):
+            epoch, batch = next(batches)
+            run.watchdog.started(i + 1)
+            state, aux = step(state, batch)
+            jax.block_until_ready(state)  # queued collective steps deadlock XLA:CPU
+            run_hooks(run.hooks, StepInfo(i + 1, epoch, state, to_python(aux)))  # a hook may end the run
+    return run.finish()
 
-    # A resumed run keeps the history up to its checkpoint and drops what came after.
-    history: list[dict[str, Any]] = _previous_history(out, done) if done else []
-    writer = art.MetricsWriter(None if out is None or not primary else out / "metrics.jsonl")
-    for row in history:
-        writer.write(row)
 
-    def record(row: dict[str, Any]) -> None:
-        history.append(row)
-        writer.write(row)
-        if bar is not None and row["split"] == "train":
-            bar.show(row)
+def _data_streams(strategy: Strategy) -> int:
+    """Independent orders of the data a step takes: one, or one per bagged ensemble member."""
+    return strategy.data_streams if isinstance(strategy, Ensemble) else 1
 
-    bar = ProgressHook(plan.total, f"{task.name} / {strategy.name}", start=done) if progress and primary else None
-    known = KnownGood(state, done)  # checkpoints wait until their state's loss is seen finite
-    hooks = _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known)
-    metrics, evaluator = hooks[0], next((h for h in hooks if isinstance(h, EvalHook)), None)
-    guard = NaNGuard(hint="lower the learning rate (optimizer=; --lr on the command line), or check the data "
-                          "for NaN/inf. The parameters of the last finite loss are kept"
-                          + (f" in {out / 'params.npz'}." if out else "."))
-    status, failure, info = "completed", None, None
-    batches = _batches(task.train_data, plan.batch_size, config, getattr(strategy, "data_streams", 1), start=done)
-    t0, t_first, first_step_s = time.perf_counter(), None, None
-    watch = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else contextlib.nullcontext(None)
-    try:
-        with _StopRequest() as stop, Preemption() as preempt, (bar or contextlib.nullcontext()), watch as dog:
-            for i in range(start_step, plan.total):
-                epoch, host_batch = next(batches)
-                if dog is not None:
-                    dog.started(i + 1)
-                new_state, aux = step(state, host_batch)
-                jax.block_until_ready(new_state)  # queued collective steps deadlock XLA:CPU
-                candidate = StepInfo(i + 1, epoch, new_state, to_python(aux))
-                try:
-                    guard(candidate)
-                except NonFiniteLossError as e:
-                    # The loss of step k comes from the state after k - 1 updates: keep the one before.
-                    status, failure = "diverged", e
-                    state, done = known.state, known.step
-                    known.drop()
-                    break
-                due = known.confirm(state, done)  # this loss came from `state`: it is good
-                if due is not None and ckpt is not None:
-                    try:
-                        ckpt.save(*due)
-                        ckpt_hook(hooks).saved_at = due[0]
-                    except CheckpointSaveError as e:
-                        status, failure = "failed", e
-                        break
-                state, done, info = new_state, i + 1, candidate
-                if dog is not None:
-                    dog.finished(done)
-                if t_first is None:  # excludes compilation from steps/s
-                    t_first, first_step_s = time.perf_counter(), process_age_s()  # start-up cost
-                metrics.add(info)
-                run_hooks(hooks + ([bar] if bar else []), info)
-                if done == plan.total:  # the last step always logs and evaluates
-                    for hook in (metrics, evaluator):
-                        if hook is not None and done % hook.every:
-                            hook(info)
-                if stop.requested:
-                    status = "interrupted"
-                    break
-                if preempt.reached(done):
-                    status = "preempted"
-                    break
-    except KeyboardInterrupt:
-        status = "interrupted"
-    elapsed = time.perf_counter() - t0
-    if status == "interrupted" and evaluator is not None and done and evaluator.last_step != done:
-        evaluator(StepInfo(done, 0, state, {}))  # so an interrupted run still reports where it got
-    writer.close()
-    final = StepInfo(done, 0, state, {}) if done > start_step else None
-    if ckpt is not None:
+
+class _StopRun(Exception):
+    """Raised by a hook to end the run at this step boundary with ``status``."""
+
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
+
+
+class _Each(Hook):
+    """``fn(info)`` after every step."""
+
+    def __init__(self, fn: Callable[[StepInfo], None]):
+        self.fn, self.every = fn, 1
+
+    def __call__(self, info: StepInfo) -> None:
+        self.fn(info)
+
+
+class _NoWatchdog:
+    def started(self, step: int) -> None:
+        pass
+
+    def finished(self, step: int) -> None:
+        pass
+
+
+class HeldCheckpoints(Hook):
+    """fit's checkpoints: every ``every`` steps a save is held in ``known`` until the next
+    step's loss, computed from that state, is seen finite (``fit`` then calls ``save``); a
+    diverged run so keeps its newest known-good checkpoint. ``close`` saves the last state
+    unless the run failed or diverged."""
+
+    def __init__(self, ckpt: Checkpointer, every: int, meta: Callable[[StepInfo], dict[str, Any]], known: KnownGood):
+        self.ckpt, self.every, self.meta, self.known = ckpt, every, meta, known
+        self.saved_at: int | None = None
+
+    def __call__(self, info: StepInfo) -> None:
+        self.known.hold(info.step, info.state, self.meta(info))
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        self.ckpt.save(step, state, meta)
+        self.saved_at = step
+
+    def close(self, info: StepInfo | None, status: str) -> None:
         # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
-        try:
-            if status not in ("diverged", "failed") and final is not None and done != ckpt_hook(hooks).saved_at \
-                    and state_is_finite(state):
-                ckpt.save(done, state, ckpt_hook(hooks).meta(final))
-            ckpt.close()
-        except CheckpointSaveError as e:
-            status, failure = "failed", failure or e
-            ckpt.abandon()
-    eval_seconds = evaluator.seconds if evaluator is not None else 0.0
-    train_seconds = None if t_first is None else time.perf_counter() - t_first - eval_seconds
-    params = to_host(state.params)
-    summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
-                       params, elapsed, train_seconds, ckpt, run_info)
-    summary["first_step_s"] = first_step_s
-    summary["first_step_in_fit_s"] = None if t_first is None else t_first - entered
-    if failure is not None:
-        summary["error"] = str(failure).splitlines()[0]
-    if out is not None and primary:
-        saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
-        _write_artifacts(out, saved, summary, history, task)
-    if failure is not None:
-        raise failure
-    return FitResult(state, params, summary, history)
+        if status not in ("diverged", "failed") and info is not None and info.step != self.saved_at \
+                and state_is_finite(info.state):
+            self.save(info.step, info.state, self.meta(info))
+        self.ckpt.close()
 
 
-def ckpt_hook(hooks: list[Any]) -> CheckpointHook:
-    return next(h for h in hooks if isinstance(h, CheckpointHook))
+class _Run:
+    """One run of ``fit``: its start (fresh or resumed), its hooks, and its end (the final
+    checkpoint, summary and artifacts). ``with run:`` turns the ways a run ends early
+    (NaN, a failed save, Ctrl-C, preemption) into its status."""
+
+    def __init__(self, task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout):
+        self.entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
+        self.task, self.strategy, self.config, self.run_info = task, strategy, config, run_info
+        self.plan = _plan(task, strategy, config)
+        validate_task(task, config.batch_size)
+        self.out = None if out_dir is None else Path(out_dir)
+        # With several processes (jax.distributed) every one trains; process 0 alone writes.
+        self.primary = jax.process_index() == 0
+        if self.out is not None and self.primary:
+            art.prepare_out_dir(self.out)
+        init_key, _, self.eval_key = jax.random.split(jax.random.key(config.seed), 3)
+        self.ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
+        self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
+                                             self.ckpt, config, task, log)
+        self.last = StepInfo(self.start_step, 0, self.state, {})
+        self.status, self.failure, self.t_first, self.first_step_s = "completed", None, None, None
+        self.known = KnownGood(self.state, self.start_step)  # checkpoints wait until their state's loss is seen finite
+        # A resumed run keeps the history up to its checkpoint and drops what came after.
+        self.history = _previous_history(self.out, self.start_step) if self.start_step else []
+        self.writer = art.MetricsWriter(None if self.out is None or not self.primary else self.out / "metrics.jsonl")
+        for row in self.history:
+            self.writer.write(row)
+        self.bar = ProgressHook(self.plan.total, f"{task.name} / {strategy.name}", start=self.start_step) \
+            if progress and self.primary else None
+        self.watchdog = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else _NoWatchdog()
+        self.hooks = self._hooks(checkpoint)
+
+    def _hooks(self, checkpoint: CheckpointConfig | None) -> list[Hook]:
+        """In order: the NaN guard, the step's bookkeeping, checkpoints, metrics, eval, progress, stops."""
+        hint = ("lower the learning rate (optimizer=; --lr on the command line), or check the data for NaN/inf. "
+                "The parameters of the last finite loss are kept" + (f" in {self.out / 'params.npz'}." if self.out else "."))
+        self.metrics = MetricsHook(self._record, every=self.config.log_every)
+        self.evaluator = _eval_hook(self.task, self.strategy, self.config, self.plan, self._record, self.eval_key)
+        self.held = None if self.ckpt is None else HeldCheckpoints(
+            self.ckpt, checkpoint.every, _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info),
+            self.known)
+        optional = [_Each(self._stepped), self.held, _Each(self.metrics.add), self.metrics, self.evaluator, self.bar]
+        return [NaNGuard(hint=hint), *[h for h in optional if h is not None], _Each(self._at_end)]
+
+    def _record(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        self.writer.write(row)
+        if self.bar is not None and row["split"] == "train":
+            self.bar.show(row)
+
+    def _stepped(self, info: StepInfo) -> None:
+        due = self.known.confirm(self.last.state, self.last.step)  # this step's loss came from it: good
+        if due is not None:
+            self.held.save(*due)
+        self.last = info
+        self.watchdog.finished(info.step)
+        if self.t_first is None:  # excludes compilation from steps/s
+            self.t_first, self.first_step_s = time.perf_counter(), process_age_s()  # start-up cost
+
+    def _at_end(self, info: StepInfo) -> None:
+        """The last step always logs and evaluates; a stop request ends the run here."""
+        if info.step == self.plan.total:
+            for hook in (self.metrics, self.evaluator):
+                if hook is not None and info.step % hook.every:
+                    hook(info)
+        if self._stop.requested:
+            raise _StopRun("interrupted")
+        if self._preempt.reached(info.step):
+            raise _StopRun("preempted")
+
+    def __enter__(self) -> _Run:
+        self._stop, self._preempt = _StopRequest(), Preemption()
+        self._contexts = [c for c in (self._stop, self._preempt, self.bar, self.watchdog) if hasattr(c, "__enter__")]
+        for c in self._contexts:
+            c.__enter__()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        for c in reversed(self._contexts):
+            c.__exit__(None, None, None)
+        self.elapsed = time.perf_counter() - self.t0
+        if isinstance(error, NonFiniteLossError):
+            # The loss of step k comes from the state after k - 1 updates: keep the one before.
+            self.status, self.failure = "diverged", error
+            self.last = StepInfo(self.known.step, 0, self.known.state, {})
+            self.known.drop()
+        elif isinstance(error, CheckpointSaveError):
+            self.status, self.failure = "failed", error
+        elif isinstance(error, (KeyboardInterrupt, _StopRun)):
+            self.status = getattr(error, "status", "interrupted")
+        return error is None or self.status != "completed"
+
+    def finish(self) -> FitResult:
+        """Evaluate an interrupted run, save the last state, write the summary and artifacts."""
+        done, state = self.last.step, self.last.state
+        final = StepInfo(done, 0, state, {})
+        if self.status == "interrupted" and self.evaluator is not None and done and self.evaluator.last_step != done:
+            self.evaluator(final)  # so an interrupted run still reports where it got
+        self.writer.close()
+        if self.held is not None:
+            try:
+                self.held.close(final if done > self.start_step else None, self.status)
+            except CheckpointSaveError as e:
+                self.status, self.failure = "failed", self.failure or e
+                self.ckpt.abandon()
+        params = to_host(state.params)
+        summary = self._summary(params)
+        if self.out is not None and self.primary:
+            saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
+            _write_artifacts(self.out, saved, summary, self.history, self.task)
+        if self.failure is not None:
+            raise self.failure
+        return FitResult(state, params, summary, self.history)
+
+    def _summary(self, params: Any) -> dict[str, Any]:
+        eval_seconds = self.evaluator.seconds if self.evaluator is not None else 0.0
+        train_seconds = None if self.t_first is None else time.perf_counter() - self.t_first - eval_seconds
+        summary = _summary(self.task, self.strategy, self.config, self.plan, self.status, self.last.step, self.start_step,
+                           self.history, self.metrics.last_row, params, self.elapsed, train_seconds, self.ckpt,
+                           self.run_info)
+        summary["first_step_s"] = self.first_step_s
+        summary["first_step_in_fit_s"] = None if self.t_first is None else self.t_first - self.entered
+        if self.failure is not None:
+            summary["error"] = str(self.failure).splitlines()[0]
+        return summary
 
 
-def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known=None) -> list[Any]:
-    """fit's hooks: metrics rows first, then eval, then checkpoints."""
-    hooks: list[Any] = [MetricsHook(record, every=config.log_every)]
-    if task.eval_data is not None:
-        eval_step = strategy.evaluate(task_eval_step(task, eval_key))
-        ensemble = task.predictor is not None and getattr(strategy, "members", None)
-        predict = strategy.apply(lambda s, b: task.predictor.predict(s.params, b)) if ensemble else None
+def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | None:
+    """Eval over the task's whole eval set every ``plan.eval_every`` steps (none without eval data)."""
+    if task.eval_data is None:
+        return None
+    eval_step = strategy.evaluate(task_eval_step(task, eval_key))
+    ensemble = task.predictor is not None and isinstance(strategy, Ensemble)
+    predict = strategy.apply(lambda s, b: task.predictor.predict(s.params, b)) if ensemble else None
 
-        def run_eval(state):
-            return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor)
+    def run_eval(state):
+        return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor)
 
-        hooks.append(EvalHook(run_eval, record, every=plan.eval_every))
-    if ckpt is not None:
-        def meta(info: StepInfo) -> dict[str, Any]:
-            return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
-                    "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
-                    "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
-                    "strategy": strategy.describe(), "config": run_info or {},
-                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return EvalHook(run_eval, record, every=plan.eval_every)
 
-        hooks.append(CheckpointHook(ckpt, checkpoint.every, meta, known=known))
-    return hooks
+
+def _checkpoint_meta(task, strategy, config, plan, run_info) -> Callable[[StepInfo], dict[str, Any]]:
+    """What a checkpoint records of the run, to resume it exactly (see ``_check_resumable``)."""
+
+    def meta(info: StepInfo) -> dict[str, Any]:
+        return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
+                "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
+                "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
+                "strategy": strategy.describe(), "config": run_info or {},
+                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    return meta
 
 
 def _summary(task, strategy, config, plan, status, done, start_step, history, last_train, params, elapsed,
@@ -443,7 +512,7 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
             "checkpoint_blocked_s": ckpt.blocked} if ckpt is not None else {}),
         "param_count": art.param_count(params),
         **_task_report(task, strategy, params),
-        **(strategy.summarize(eval_row or {}) if hasattr(strategy, "summarize") else {}),
+        **(strategy.summarize(eval_row or {}) if isinstance(strategy, Ensemble) else {}),
         **({"config": run_info} if run_info else {}),
     }
 
