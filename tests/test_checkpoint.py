@@ -72,6 +72,10 @@ def test_resharding_8_devices_dp_tp_to_4_devices_fsdp_and_to_1_device_in_a_fresh
     assert w1.sharding.spec == jax.P(None, "data", None) and len(w1.sharding.device_set) == 4
     assert meta["strategy"]["mesh"] == {"data": 2, "model": 4}
     assert_bit_equal(jax.device_get(state.params), saved)
+    # The parameters alone (inference) onto the other mesh: a part of the state is a target too.
+    params, _ = ckpt.restore(10, four.abstract(task_state(task, opt), unbox=True).params)
+    assert params["ScanDotReluDot_0"]["W1"].sharding.spec == jax.P(None, "data", None)
+    assert_bit_equal(jax.device_get(params), saved)
 
     script = f"""
 import spmdkit, numpy as np, optax, jax
@@ -91,6 +95,20 @@ print("restored on", jax.device_count(), "device")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "restored on 1 device" in out.stdout
+
+
+def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_path):
+    task, opt = linreg.make(), optax.sgd(0.05)
+    saved = fit(task, spmdkit.DataParallel(), 2, tmp_path / "ck", every=2, opt=opt).params
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    target = spmdkit.Single().abstract(task_state(task, opt), unbox=True).params
+    params, meta = ckpt.restore(2, target)
+    assert meta["step"] == 2 and set(params) == set(saved)
+    assert_bit_equal(jax.device_get(params), saved)
+    assert ckpt.restore_latest(target)[1]["step"] == 2
+    with pytest.raises(spmdkit.CheckpointError, match=r"has no leaf state\['weights'\]") as e:
+        ckpt.restore(2, {"weights": target["weight"]})
+    assert "damaged" not in str(e.value)
 
 
 def test_data_parallel_checkpoint_resumes_sharded(tmp_path):
