@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, MeshError, fix
-from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
+from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree, with_size1_axes
 from spmdkit._types import Params
 
 
@@ -192,7 +192,6 @@ class Ensemble(Placement):
 
     # ---- placement of the user's state and batches (see Placement) --------------
     _row_axis = 1  # apply's outputs are [K, B, ...]
-    _extend_axes = False  # members run under shard_map, where the mesh is the member axis
 
     def shardings(self, abstract_state: Any) -> Any:
         """Every leaf split over the member axis (its leading axis is the member)."""
@@ -228,7 +227,11 @@ class Ensemble(Placement):
         local = over_members(fn, (0, 0 if own else None), self.member_loop)
         out = (P(axis), P(axis)) if kind == "step" else P(axis)
         in_specs = (P(axis), P(axis) if own else P())
-        return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+        # Manual over the members only: a model's sharding constraints (with_sharding_constraint
+        # over 'data', 'model'...) name size-1 axes appended to the mesh (see TraceContext), so
+        # inside a member they constrain nothing and the model runs unchanged.
+        mesh = with_size1_axes(self.mesh, getattr(self, "_extra_axes", ()))
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False, axis_names={axis})
 
     def _with_hyperparams(self, state: Any) -> Any:
         """Member m's value of each named hyperparameter written into the optimizer state."""
