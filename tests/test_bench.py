@@ -212,7 +212,7 @@ def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
             assert isinstance(t["met"], bool) and "flags" in t
 
     data = reports["data"]
-    assert {r["impl"] for r in data["rows"]} == {"spmdkit jit", "spmdkit shard_map", "hand jit", "seed-002 pmap"}
+    assert {r["impl"] for r in data["rows"]} == {"spmdkit jit", "hand jit", "seed-002 pmap"}
     assert all(r["loss_spread"] < 1e-4 for r in data["rows"])  # same loss from the same state and batch
     assert [t["target"] for t in data["targets"]] == ["<= 1.02", "<= 1.0", ">= 0.8"]
     assert all(r["iqr_pct"] >= 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in data["rows"])

@@ -19,6 +19,7 @@ import pytest
 import spmdkit
 from spmdkit._checkpoint import parse_step, step_name
 from spmdkit._tasks import digits, linreg, mlp
+from spmdkit._train._steps import task_state
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +67,25 @@ def test_resharding_8_devices_dp_tp_to_4_devices_fsdp_and_to_1_device_in_a_fresh
 
     four = spmdkit.Sharded(spmdkit.make_mesh(data=4, devices=jax.devices()[:4]), "fsdp")
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    state, meta = ckpt.restore(10, four.abstract_state(task.init, opt))
+    state, meta = ckpt.restore(10, four.abstract(task_state(task, opt), unbox=True))
     w1 = state.params["ScanDotReluDot_0"]["W1"]
     assert w1.sharding.spec == jax.P(None, "data", None) and len(w1.sharding.device_set) == 4
     assert meta["strategy"]["mesh"] == {"data": 2, "model": 4}
     assert_bit_equal(jax.device_get(state.params), saved)
+    # The parameters alone (inference) onto the other mesh: a part of the state is a target too.
+    params, _ = ckpt.restore(10, four.abstract(task_state(task, opt), unbox=True).params)
+    assert params["ScanDotReluDot_0"]["W1"].sharding.spec == jax.P(None, "data", None)
+    assert_bit_equal(jax.device_get(params), saved)
 
     script = f"""
 import spmdkit, numpy as np, optax, jax
 spmdkit.use_host_devices(1)
 from spmdkit._tasks import mlp
+from spmdkit._train._steps import task_state
 task = mlp.make(layers=2, depth=128, embed=64, num_train=256, num_eval=32)
 strategy = spmdkit.DataParallel()
 ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig({str(tmp_path / 'ck')!r}), log=lambda m: None)
-state, _ = ckpt.restore(10, strategy.abstract_state(task.init, optax.adam(1e-3)))
+state, _ = ckpt.restore(10, strategy.abstract(task_state(task, optax.adam(1e-3)), unbox=True))
 saved = spmdkit.load_params({str(tmp_path / 'out' / 'params.npz')!r}, like=jax.device_get(state.params))
 assert jax.device_count() == 1
 for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(saved)):
@@ -89,6 +95,20 @@ print("restored on", jax.device_count(), "device")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "restored on 1 device" in out.stdout
+
+
+def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_path):
+    task, opt = linreg.make(), optax.sgd(0.05)
+    saved = fit(task, spmdkit.DataParallel(), 2, tmp_path / "ck", every=2, opt=opt).params
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    target = spmdkit.Single().abstract(task_state(task, opt), unbox=True).params
+    params, meta = ckpt.restore(2, target)
+    assert meta["step"] == 2 and set(params) == set(saved)
+    assert_bit_equal(jax.device_get(params), saved)
+    assert ckpt.restore_latest(target)[1]["step"] == 2
+    with pytest.raises(spmdkit.CheckpointError, match=r"has no leaf state\['weights'\]") as e:
+        ckpt.restore(2, {"weights": target["weight"]})
+    assert "damaged" not in str(e.value)
 
 
 def test_data_parallel_checkpoint_resumes_sharded(tmp_path):
@@ -111,7 +131,7 @@ def test_truncated_file_is_named_and_resume_falls_back(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 10, tmp_path / "ck")
     victim = truncate_largest(tmp_path / "ck", 10)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
+    target = spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True)
     with pytest.raises(spmdkit.CheckpointError) as e:
         ckpt.restore(10, target)
     assert "checkpoint step 10 is damaged" in str(e.value) and str(victim) in str(e.value)
@@ -129,7 +149,7 @@ def test_a_step_without_a_manifest_is_never_restored_unverified(task, tmp_path):
     (tmp_path / "ck" / "manifests" / "10.json").unlink()
     truncate_largest(tmp_path / "ck", 10)  # damage nothing but a manifest could have shown
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    target = spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9))
+    target = spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True)
     with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 is damaged: it has no manifest"):
         ckpt.restore(10, target)
     state, meta = ckpt.restore_latest(target)
@@ -184,7 +204,7 @@ def test_divergence_leaves_the_last_good_checkpoint(tmp_path):
                     log=lambda m: None)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     assert max(ckpt.steps()) < e.value.step
-    state, _ = ckpt.restore(max(ckpt.steps()), spmdkit.DataParallel().abstract_state(linreg.init, optax.sgd(40.0)))
+    state, _ = ckpt.restore(max(ckpt.steps()), spmdkit.DataParallel().abstract(task_state(linreg.make(), optax.sgd(40.0)), unbox=True))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
 
 
@@ -197,7 +217,7 @@ def test_restore_never_unpickles(task, tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
-    state, meta = ckpt.restore(5, spmdkit.DataParallel().abstract_state(task.init, optax.sgd(0.05, momentum=0.9)))
+    state, meta = ckpt.restore(5, spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True))
     assert int(state.step) == 5 and meta["task"] == "digits"
 
 

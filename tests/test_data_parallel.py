@@ -10,13 +10,13 @@ import pytest
 
 import spmdkit
 from spmdkit._tasks import digits, linreg
+from spmdkit._strategies._compile import place
 from spmdkit._train import iterate_batches
+from spmdkit._train._steps import task_state, task_train_step
 
-IMPLS = ["jit", "shard_map"]
 
-
-def strategy_on(n: int, impl: str = "jit") -> spmdkit.DataParallel:
-    return spmdkit.DataParallel(spmdkit.make_mesh(data=n, devices=jax.devices()[:n]), impl=impl)
+def strategy_on(n: int) -> spmdkit.DataParallel:
+    return spmdkit.DataParallel(spmdkit.make_mesh(data=n, devices=jax.devices()[:n]))
 
 
 def max_diff(a, b) -> float:
@@ -26,11 +26,10 @@ def max_diff(a, b) -> float:
 # ---- seed 002 --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_seed002_linreg_on_eight_devices_finds_the_line(impl):
+def test_seed002_linreg_on_eight_devices_finds_the_line():
     task = linreg.make()
     result = spmdkit.fit(
-        task, strategy_on(8, impl), optax.sgd(0.005), spmdkit.TrainConfig(steps=1000, batch_size=128),
+        task, strategy_on(8), optax.sgd(0.005), spmdkit.TrainConfig(steps=1000, batch_size=128),
         progress=False,
     )
     s = result.summary
@@ -61,84 +60,73 @@ def digits_task():
     return digits.make()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("task_name", ["linreg", "digits"])
-def test_same_parameters_on_1_2_4_8_devices(task_name, impl, digits_task):
+def test_same_parameters_on_1_2_4_8_devices(task_name, digits_task):
     task = digits_task if task_name == "digits" else linreg.make()
     opt = optax.sgd(0.05, momentum=0.9) if task_name == "digits" else optax.sgd(0.005)
     config = spmdkit.TrainConfig(steps=50, batch_size=64, eval_every=1000)
     reference = spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False)
     assert reference.summary["device_count"] == 1
     for n in (2, 4, 8):
-        result = spmdkit.fit(task, strategy_on(n, impl), opt, config, progress=False)
+        result = spmdkit.fit(task, strategy_on(n), opt, config, progress=False)
         assert result.summary["device_count"] == n
-        assert max_diff(result.params, reference.params) <= TOLERANCE, (n, impl)
+        assert max_diff(result.params, reference.params) <= TOLERANCE, n
         assert result.summary["eval_loss"] == pytest.approx(reference.summary["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("n", [2, 8])
 def test_each_step_from_the_same_state_matches_one_device(n, digits_task):
-    """Batch 32 (which includes an epoch's padded last batch at step 45)."""
+    """Batch 32, through the epoch's partial last batch of 30 at step 45 (on 8 devices uneven: run whole)."""
     task, opt = digits_task, optax.sgd(0.05, momentum=0.9)
     single, multi = spmdkit.Single(), strategy_on(n)
-    single_step = single.train_step(task.loss_fn, opt)
-    multi_step = multi.train_step(task.loss_fn, opt)
-    state = single.init_state(task.init, opt, jax.random.key(0))
+    train_step = task_train_step(task, opt)
+    single_step, multi_step = single.step(train_step), multi.step(train_step)
+    state = single.init(task_state(task, opt), jax.random.key(0), unbox=True)
     replicated = jax.NamedSharding(multi.mesh, jax.P())
     batches = iterate_batches(task.train_data, 32, 0, False)
+    sizes = []
     for step in range(46):
         _, host = next(batches)
-        rng = jax.random.key(step)
-        ref, ref_m = single_step(state, *single.put_batch(host, size=32), rng)
-        got, got_m = multi_step(jax.device_put(state, replicated), *multi.put_batch(host, size=32), rng)
+        sizes.append(len(host["label"]))
+        ref, ref_m = single_step(state, host)
+        got, got_m = multi_step(jax.device_put(state, replicated), host)
         assert max_diff(ref.params, got.params) <= STEP_TOLERANCE, step
         assert float(got_m["loss"]) == pytest.approx(float(ref_m["loss"]), rel=1e-5, abs=1e-6)
         state = ref
+    assert sizes[44] == 30
 
 
 # ---- uneven batches ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_uneven_batch_of_13_on_4_devices_matches_one_device(impl):
+def test_uneven_batch_of_13_on_4_devices_matches_one_device():
     rng = np.random.default_rng(0)
     batch = {"x": rng.standard_normal((13, 3), dtype=np.float32), "y": rng.standard_normal(13).astype(np.float32)}
 
-    def loss_fn(p, b, key):
+    def loss_fn(p, b):
         err = b["x"] @ p["w"] + p["b"] - b["y"]
         return jnp.mean(err**2), {"abs": jnp.mean(jnp.abs(err))}
 
-    params = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.float32(0.3)}
-    (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, None)
+    def train_step(p, b):  # new = old - grad, so the update is the gradient
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+        return jax.tree.map(lambda x, g: x - g, p, grads), {"loss": loss, **aux}
 
-    opt = optax.sgd(1.0)  # new = old - grad, so the update is the gradient
-    strategy = strategy_on(4, impl)
-    state = strategy.init_state(lambda k: params, opt, jax.random.key(0))
-    placed, mask = strategy.put_batch(batch)
-    assert placed["x"].shape == (16, 3) and int(mask.sum()) == 13
-    new, metrics = strategy.train_step(loss_fn, opt)(state, placed, mask, jax.random.key(1))
-    grads = jax.tree.map(lambda a, b: a - b, params, strategy.host_params(new))
+    params = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.float32(0.3)}
+    (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    strategy = strategy_on(4)
+    new, metrics = strategy.step(train_step)(strategy.init(lambda k: params, 0), batch)
+    grads = jax.tree.map(lambda a, b: a - b, params, jax.device_get(new))
     assert float(metrics["loss"]) == pytest.approx(float(ref_loss), rel=1e-6)
     assert float(metrics["abs"]) == pytest.approx(float(ref_aux["abs"]), rel=1e-6)
     assert max_diff(grads, ref_grads) < 1e-6
-
-    sums = strategy.eval_step(loss_fn)(new.params, placed, mask, jax.random.key(2))
-    assert float(sums["count"]) == 13.0
-
-
-def test_put_batch_pads_to_requested_size_and_splits():
-    strategy = strategy_on(8)
-    placed, mask = strategy.put_batch({"x": np.ones((20, 2), np.float32)}, size=32)
-    assert placed["x"].shape == (32, 2) and int(mask.sum()) == 20
-    assert placed["x"].sharding.spec == jax.P("data")
-    assert len(placed["x"].addressable_shards) == 8
-    full, none = strategy.put_batch({"x": np.ones((16, 2), np.float32)})
-    assert none is None and full["x"].shape == (16, 2)
+    means = strategy.evaluate(lambda p, b: loss_fn(p, b)[0])(new, batch)
+    assert float(means) == pytest.approx(float(loss_fn(jax.device_get(new), batch)[0]), rel=1e-6)
 
 
 def test_state_is_replicated_on_every_device():
     strategy = strategy_on(4)
-    state = strategy.init_state(lambda k: {"w": jnp.ones((3, 3))}, optax.adam(1e-3), jax.random.key(0))
+    opt = optax.adam(1e-3)
+    state = strategy.init(lambda k: (p := {"w": jnp.ones((3, 3))}, opt.init(p)), jax.random.key(0))
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 4
 
@@ -146,7 +134,7 @@ def test_state_is_replicated_on_every_device():
 def test_data_parallel_on_a_mesh_with_a_model_axis_splits_only_data():
     strategy = spmdkit.DataParallel(spmdkit.make_mesh(data=4, model=2))
     assert strategy.batch_shards == 4
-    placed, _ = strategy.put_batch({"x": np.ones((8, 2), np.float32)})
+    placed = place({"x": np.ones((8, 2), np.float32)}, strategy._batch_sharding(even=True))
     assert placed["x"].sharding.spec == jax.P("data")
 
 
@@ -155,5 +143,7 @@ def test_errors():
         spmdkit.DataParallel(spmdkit.make_mesh(x=8))
     with pytest.raises(spmdkit.ConfigError, match="impl='pmap'"):
         spmdkit.DataParallel(impl="pmap")
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)impl='shard_map'.*no packed shard_map all-reduce"):
+        spmdkit.DataParallel(impl="shard_map")
     with pytest.raises(spmdkit.ConfigError, match=r"(?s)strategy='ring' is not known.*\['data', 'ensemble', 'sharded', 'single'\]"):
         spmdkit.get_strategy("ring")

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import spmdkit
+from spmdkit._strategies._base import to_host
 from spmdkit._strategies.ensemble import placement
 from spmdkit._tasks import digits, linreg
 from spmdkit._train import iterate_batches
+from spmdkit._train._steps import task_state, task_train_step
+
+OPT = optax.sgd(0.05, momentum=0.9)
 
 TOLERANCE = 1e-5
 
@@ -26,23 +31,19 @@ def max_diff(a, b) -> float:
 
 def train_both(task, ensemble: spmdkit.Ensemble, steps: int = 20):
     """The ensemble, and each member trained alone on one device from the same key."""
-    opt = optax.sgd(0.05, momentum=0.9)
-    init_key = jax.random.key(7)
-    state = ensemble.init_state(task.init, opt, init_key)
-    step = ensemble.train_step(task.loss_fn, opt)
+    init_key, make_state, train_step = jax.random.key(7), task_state(task, OPT), task_train_step(task, OPT)
+    state = ensemble.init(make_state, init_key, unbox=True)
+    step = ensemble.step(train_step)
     single = spmdkit.Single()
-    single_step = single.train_step(task.loss_fn, opt)
+    single_step = single.step(train_step)
     keys = ensemble.member_keys(init_key)
-    alone = [single.init_state(task.init, opt, keys[m]) for m in range(ensemble.members)]
+    alone = [single.init(make_state, keys[m], unbox=True) for m in range(ensemble.members)]
     batches = iterate_batches(task.train_data, 32, 0, False)
-    for i in range(steps):
+    for _ in range(steps):
         _, host = next(batches)
-        rng = jax.random.key(100 + i)
-        state, _ = step(state, *ensemble.put_batch(host, size=32), rng)
-        member_rngs = jax.random.split(rng, ensemble.members)
-        batch, mask = single.put_batch(host, size=32)
-        alone = [single_step(s, batch, mask, member_rngs[m])[0] for m, s in enumerate(alone)]
-    return ensemble.host_params(state), [single.host_params(s) for s in alone]
+        state, _ = step(state, host)
+        alone = [single_step(s, host)[0] for s in alone]
+    return to_host(state.params), [to_host(s.params) for s in alone]
 
 
 @pytest.mark.parametrize(
@@ -63,18 +64,19 @@ def test_each_member_equals_the_same_member_trained_alone(task, members, devices
 
 def test_member_state_is_sharded_over_the_member_axis():
     ens = spmdkit.Ensemble(members=16)
-    state = ens.init_state(lambda k: {"w": jax.random.normal(k, (3,))}, optax.adam(1e-3), jax.random.key(0))
-    w = state.params["w"]
+    state = ens.init(lambda k: {"w": jax.random.normal(k, (3,)), "opt": optax.adam(1e-3).init(jnp.ones(3))}, 0)
+    w = state["w"]
     assert w.shape == (16, 3) and w.sharding.spec == jax.P("member")
     assert {s.data.shape for s in w.addressable_shards} == {(2, 3)}
 
 
 def test_ensemble_probability_is_the_mean_of_member_probabilities(task):
     ens = spmdkit.Ensemble(members=8)
-    state = ens.init_state(task.init, optax.sgd(0.1), jax.random.key(3))
+    state = ens.init(task_state(task, OPT), jax.random.key(3), unbox=True)
     batch = jax.tree.map(lambda x: x[:20], task.eval_data)
-    got = np.asarray(ens.predict_fn(task.predictor.predict)(state.params, ens.put_batch(batch, shared=True)[0]))
-    host_params = ens.member_params(ens.host_params(state))
+    probs = ens.apply(lambda s, b: task.predictor.predict(s.params, b))(state, batch)  # [K, B, C]
+    got = np.mean(np.asarray(probs), axis=0)  # the mean is the caller's line, as fit's eval writes it
+    host_params = ens.member_params(to_host(state.params))
     expected = np.mean([np.asarray(task.predictor.predict(p, batch)) for p in host_params], axis=0)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
@@ -100,10 +102,17 @@ def test_bagging_gives_each_member_its_own_order(task):
         next(iterate_batches(task.train_data, 16, 0, False, stream=m))[1] for m in range(4)
     ))
     assert not np.array_equal(host["label"][0], host["label"][1])
-    placed, mask = ens.put_batch(jax.tree.map(lambda x: x[:, :13], host), size=16)
-    assert placed["image"].shape == (4, 16, 8, 8, 1) and mask.shape == (4, 16) and int(mask.sum()) == 52
-    result = spmdkit.fit(task, ens, optax.sgd(0.05, momentum=0.9),
-                         spmdkit.TrainConfig(steps=30, batch_size=16), progress=False)
+    # A step takes [K, b, ...]: member m steps on its own rows (13: any size, nothing padded).
+    own = jax.tree.map(lambda x: x[:, :13], host)
+    state = ens.init(task_state(task, OPT), jax.random.key(0), unbox=True)
+    new, aux = ens.step(task_train_step(task, OPT))(state, own)
+    single = spmdkit.Single()
+    for m in range(4):
+        alone = jax.tree.map(lambda x: x[m], jax.device_get(state))
+        ref, ref_aux = single.step(task_train_step(task, OPT))(alone, jax.tree.map(lambda x: x[m], own))
+        assert max_diff(ens.member_params(to_host(new.params))[m], to_host(ref.params)) <= TOLERANCE
+        assert float(aux["loss"][m]) == pytest.approx(float(ref_aux["loss"]), rel=1e-5)
+    result = spmdkit.fit(task, ens, OPT, spmdkit.TrainConfig(steps=30, batch_size=16), progress=False)
     assert result.summary["bagging"] is True and len(result.summary["member_accuracy"]) == 4
 
 
@@ -129,25 +138,24 @@ def test_errors():
     assert "members=12 cannot be placed on the 8 devices" in msg and "12 is not a multiple of 8" in msg
     assert "e.g. 8, 16" in msg
     ens = spmdkit.Ensemble(members=8)
-    state = spmdkit.Ensemble(members=4).init_state(lambda k: {"w": jax.numpy.zeros(2)}, optax.sgd(0.1), jax.random.key(0))
+    state = spmdkit.Ensemble(members=4).init(lambda k: {"w": jax.numpy.zeros(2)}, 0)
     with pytest.raises(spmdkit.MembersMismatchError) as e:
         ens.place_state(jax.device_get(state))
     assert "holds 4 member(s), but this ensemble has members=8" in str(e.value)
     assert "use members=4 to continue" in str(e.value)
     placed = spmdkit.Ensemble(members=4).place_state(jax.device_get(state))
-    assert placed.params["w"].sharding.spec == jax.P("member")
+    assert placed["w"].sharding.spec == jax.P("member")
 
 
 @pytest.mark.parametrize("loop", ["map", "vmap"])
 def test_member_loops_agree_with_unroll(task, loop):
-    opt = optax.sgd(0.05, momentum=0.9)
     host = jax.tree.map(lambda x: x[:16], task.train_data)
     results = []
     for how in ("unroll", loop):
         ens = spmdkit.Ensemble(members=4, devices=jax.devices()[:2], member_loop=how)
-        state = ens.init_state(task.init, opt, jax.random.key(0))
-        state, metrics = ens.train_step(task.loss_fn, opt)(state, *ens.put_batch(host), jax.random.key(1))
-        results.append((ens.host_params(state), np.asarray(metrics["member_loss"])))
+        state = ens.init(task_state(task, OPT), jax.random.key(0), unbox=True)
+        state, metrics = ens.step(task_train_step(task, OPT))(state, host)
+        results.append((to_host(state.params), np.asarray(metrics["loss"])))
     assert max_diff(results[0][0], results[1][0]) < 1e-5
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
 

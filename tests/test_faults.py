@@ -30,6 +30,7 @@ from spmdkit._checkpoint import CheckpointSaveError, parse_step, step_name
 from spmdkit._cli import main as cli_main
 from spmdkit._tasks import linreg
 from spmdkit._train._validate import TaskError, validate_task
+from spmdkit._train._steps import task_state
 
 CLI = [sys.executable, "-m", "spmdkit._cli"]
 OPT = optax.sgd(0.05)
@@ -68,7 +69,7 @@ def fit(ck, steps=40, every=10, keep=3, resume=False, overwrite=False, lr=0.05, 
 
 
 def target():
-    return spmdkit.DataParallel().abstract_state(linreg.init, OPT)
+    return spmdkit.DataParallel().abstract(task_state(linreg.make(), OPT), unbox=True)
 
 
 def reader(ck, log=None):

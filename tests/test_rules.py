@@ -48,9 +48,19 @@ class Annotated(nn.Module):
         return x @ w
 
 
+def train_state(init, opt):
+    """``make_state`` of the state fit trains, from a params init and an optimizer."""
+
+    def make_state(rng):
+        params = init(rng)
+        return spmdkit.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+
+    return make_state
+
+
 def plan(module, rules, mesh):
     strategy = spmdkit.Sharded(mesh, rules)
-    return strategy.plan(lambda k: module.init(k, jnp.ones((2, module.shape[0])))["params"], optax.sgd(0.1))
+    return strategy.plan(train_state(lambda k: module.init(k, jnp.ones((2, module.shape[0])))["params"], optax.sgd(0.1)))
 
 
 def test_error_logical_name_without_rule():
@@ -106,7 +116,7 @@ def test_warning_lists_the_largest_replicated_parameters():
     module = MostlyPlain()
     with pytest.warns(ReplicationWarning) as record:
         spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp").plan(
-            lambda k: module.init(k, jnp.ones((2, 8)))["params"], optax.sgd(0.1)
+            train_state(lambda k: module.init(k, jnp.ones((2, 8)))["params"], optax.sgd(0.1))
         )
     msg = str(record[0].message)
     assert "state.params['big'] (256, 256)" in msg and "replicated on every device" in msg

@@ -14,6 +14,17 @@ import spmdkit
 from spmdkit._inspect import array_layout, layout_report
 from spmdkit._rules import AxisRules
 from spmdkit._tasks import mlp
+from spmdkit._train._steps import task_state, task_train_step
+
+
+def train_state(init, opt):
+    """``make_state`` of the state fit trains, from a params init and an optimizer."""
+
+    def make_state(rng):
+        params = init(rng)
+        return spmdkit.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+
+    return make_state
 
 # ---- seed 003: the same specs, directly and through logical rules ----------------
 
@@ -47,7 +58,7 @@ class DirectMLP(nn.Module):
 def seed_layout(module, rules):
     x = jnp.ones((8, 64))
     strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), rules)
-    layout = strategy.plan(lambda k: module.init(k, x)["params"], optax.adam(1e-3))
+    layout = strategy.plan(train_state(lambda k: module.init(k, x)["params"], optax.adam(1e-3)))
     return strategy, {leaf.path: leaf.spec for leaf in layout.leaves}
 
 
@@ -66,17 +77,18 @@ def test_seed003_direct_and_logical_specs_agree_and_run():
     # init (directly sharded) + one train step + inference
     task = mlp.make(layers=4, depth=128, embed=64, num_train=64, num_eval=16)
     opt = optax.adam(1e-3)
-    state = strategy.init_state(task.init, opt, jax.random.key(0))
+    state = strategy.init(task_state(task, opt), jax.random.key(0), unbox=True)
     w = state.params["ScanDotReluDot_0"]["W1"]
     assert w.sharding.spec == P(None, None, "model")
     assert {s.data.shape for s in w.addressable_shards} == {(4, 64, 32)}  # 128 / 4 per device
-    batch, mask = strategy.put_batch(jax.tree.map(lambda x: x[:8], task.train_data))
-    new, metrics = strategy.train_step(task.loss_fn, opt)(state, batch, mask, jax.random.key(1))
+    batch = jax.tree.map(lambda x: x[:8], task.train_data)
+    new, metrics = strategy.step(task_train_step(task, opt))(state, batch)
     assert int(new.step) == 1 and np.isfinite(float(metrics["loss"]))
     assert new.params["ScanDotReluDot_0"]["W2"].sharding.spec == P(None, "model", None)
     model = mlp.MLP(4, 128, True)
-    y = jax.jit(lambda p, x: model.apply({"params": p}, x), out_shardings=strategy._batch)(new.params, batch["x"])
-    assert y.shape == (8, 64) and y.sharding.spec == P("data")
+    y = strategy.apply(lambda s, b: model.apply({"params": s.params}, b["x"]))(new, batch)
+    want = model.apply({"params": jax.device_get(new.params)}, batch["x"])
+    assert y.shape == (8, 64) and np.allclose(y, want, atol=1e-5)
 
 
 # ---- layout invariance -------------------------------------------------------------
@@ -108,12 +120,6 @@ def test_every_layout_trains_to_the_single_device_parameters(small_mlp, one_devi
     for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(one_device.params)):
         assert float(np.max(np.abs(a - b))) <= TOLERANCE
     assert result.summary["eval_loss"] == pytest.approx(one_device.summary["eval_loss"], rel=1e-4)
-
-
-def test_uneven_batch_is_padded_over_the_batch_axes(small_mlp):
-    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=4, model=2), "dp+tp")
-    batch, mask = strategy.put_batch(jax.tree.map(lambda x: x[:13], small_mlp.train_data))
-    assert batch["x"].shape == (16, 64) and int(mask.sum()) == 13
 
 
 # ---- scan vs loop ------------------------------------------------------------------

@@ -148,3 +148,36 @@ def test_hooks_work_alone_around_a_users_loop(tmp_path):
     np.testing.assert_array_equal(restored["w"], state["w"])
     with pytest.raises(spmdkit.NonFiniteLossError, match="at step 6"):
         NaNGuard()(StepInfo(6, 0, state, {"loss": float("nan")}))
+
+
+def test_users_own_loop_with_only_the_checkpoint_hook_resumes_exactly(tmp_path):
+    """Own loop + CheckpointHook; a second run restores the newest step and continues."""
+    strategy = spmdkit.DataParallel()
+    batch = {"x": RNG.normal(size=(8, 4)).astype(np.float32)}
+
+    def make_state(rng):
+        return {"w": jax.random.normal(rng, (4,)), "step": jnp.zeros((), jnp.int32)}
+
+    def train_step(state, batch):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w - 1.0) ** 2))(state["w"])
+        return {"w": state["w"] - 0.05 * g, "step": state["step"] + 1}, {"loss": loss}
+
+    def run(until, directory, resume=False):
+        ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(directory), resume=resume), log=lambda m: None)
+        state, start = strategy.init(make_state, 0), 0
+        if resume:
+            state, meta = ckpt.restore_latest(strategy.abstract(make_state))
+            start = meta["step"]
+        hook = CheckpointHook(ckpt, every=2, meta=lambda info: {"loss": info.metrics.get("loss")})
+        step = strategy.step(train_step)
+        for i in range(start, until):
+            state, aux = step(state, batch)
+            run_hooks([hook], StepInfo(i + 1, 0, state, to_python(aux)))
+        hook.close(StepInfo(until, 0, state, {}), "completed")  # saves the last step too
+        return state, start
+
+    straight, _ = run(6, tmp_path / "straight")
+    run(3, tmp_path / "ck")  # "crashes" after step 3
+    resumed, start = run(6, tmp_path / "ck", resume=True)
+    assert start == 3 and int(resumed["step"]) == 6
+    np.testing.assert_array_equal(np.asarray(resumed["w"]), np.asarray(straight["w"]))

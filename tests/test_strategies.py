@@ -79,6 +79,22 @@ def test_sharding_constraints_run_unchanged_on_single_and_data_parallel():
     assert out.shape == (5, 8)
 
 
+@pytest.mark.parametrize("loop", ["unroll", "vmap"])
+def test_sharding_constraints_run_unchanged_in_every_ensemble_member(loop):
+    # Members are manual over the member axis; the model's constraints over 'data' and 'model'
+    # apply within a member (size-1 axes there), so each member is Single's run from its key.
+    ens = spmdkit.Ensemble(4, devices=jax.devices()[:2], member_loop=loop)
+    make_state, train_step, predict = constrained_program()
+    state = ens.init(make_state, jax.random.key(0))
+    state, aux = ens.step(train_step)(state, {"x": X})
+    out = np.asarray(ens.apply(predict)(state, {"x": X[:5]}))
+    single = spmdkit.Single()
+    for m, key in enumerate(ens.member_keys(jax.random.key(0))):
+        alone, alone_aux = single.step(train_step)(single.init(make_state, key), {"x": X})
+        np.testing.assert_allclose(float(aux["loss"][m]), float(alone_aux["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(out[m], np.asarray(single.apply(predict)(alone, {"x": X[:5]})), rtol=1e-5, atol=1e-6)
+
+
 # ---- the Python boundary: rules formats, meshes, options ------------------------------
 def test_rules_accept_flax_tuples_and_dicts():
     mesh = spmdkit.make_mesh(data=2, model=4)

@@ -13,7 +13,8 @@ import pytest
 
 import spmdkit
 from spmdkit._tasks import linreg
-from spmdkit._train import evaluate, iterate_batches
+from spmdkit._train import evaluate_task, iterate_batches
+from spmdkit._train._steps import task_eval_step
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -85,8 +86,10 @@ def test_epochs_and_drop_remainder_set_the_length():
 def test_evaluate_is_the_exact_mean_over_uneven_chunks():
     task = linreg.make()
     strategy = spmdkit.DataParallel()
-    params = {"weight": jnp.float32(1.5), "bias": jnp.float32(0.25)}
-    means = evaluate(strategy, strategy.eval_step(task.loss_fn), params, task.eval_data, 50, jax.random.key(0))
+    state = spmdkit.TrainState(jnp.int32(0), {"weight": jnp.float32(1.5), "bias": jnp.float32(0.25)}, None)
+    eval_step = strategy.evaluate(task_eval_step(task, jax.random.key(0)))
+    # chunks of 50: the last one is uneven (and does not split over the 8 devices)
+    means = evaluate_task(state, task.eval_data, 50, eval_step)
     x, y = task.eval_data["x"], task.eval_data["y"]
     assert means["loss"] == pytest.approx(float(np.mean((1.5 * x + 0.25 - y) ** 2)), rel=1e-6)
 

@@ -18,6 +18,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -92,6 +93,27 @@ def leaf_table(state: Any) -> dict[str, list]:
         jax.tree_util.keystr(path): [list(np.shape(leaf)), str(np.dtype(leaf.dtype))]
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
     }
+
+
+_KEY = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
+
+
+def part_of(saved: dict[str, list], want: dict[str, list]) -> tuple[str, list[str]] | None:
+    """Where a saved state holds exactly the leaves ``want`` names, when ``want`` is a part
+    of it: the path prefix and its keys (``(".params", ["params"])`` for the parameters
+    alone), or None."""
+    if not want or set(want) == set(saved):
+        return None
+    first = next(iter(want))
+    for path in saved:
+        if not path.endswith(first):
+            continue
+        prefix = path[: len(path) - len(first)]
+        under = {p for p in saved if p.startswith(prefix)}
+        keys = [m.group(1) or m.group(2) for m in _KEY.finditer(prefix)]
+        if under == {prefix + w for w in want} and "".join(m.group(0) for m in _KEY.finditer(prefix)) == prefix:
+            return prefix, keys
+    return None
 
 
 def step_name(step: int) -> str:
@@ -610,6 +632,9 @@ class Checkpointer:
         """The saved leaves have the target's paths and shapes; the first difference is named."""
         saved = self.meta(step).get("leaves", {})
         want = leaf_table(target)
+        part = part_of(saved, want)
+        if part is not None:  # a part of the saved state (the parameters alone): compare with that part
+            saved = {p[len(part[0]):]: v for p, v in saved.items() if p.startswith(part[0])}
         for path, (shape, dtype) in want.items():
             if path not in saved:
                 what = "optimizer" if path.startswith(".opt_state") else "model (task and options)"
@@ -636,17 +661,33 @@ class Checkpointer:
             )
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified first."""
+        """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified first.
+
+        ``target`` is the whole saved state or a part of it: ``strategy.abstract(make_state).params``
+        restores the parameters alone (inference), onto any mesh.
+        """
         problems = self.problems(step)
         if problems:
             raise CheckpointError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
                                       "resume from an earlier step (spmdkit does so with --resume)."))
         try:
+            saved = self.meta(step).get("leaves")
+        except CheckpointError:
+            saved = None  # the restore below reports what is wrong with the step
+        part = part_of(saved, leaf_table(target)) if saved else None
+        keys = part[1] if part else []
+        if saved and set(saved) != set(leaf_table(target)):
+            self.check_target(step, target)  # not the saved state, nor a part of it: name the difference
+        item = target
+        for key in reversed(keys):
+            item = {key: item}
+        try:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(
-                        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                        partial_restore=bool(keys),
                     ),
                     meta=ocp.args.JsonRestore(),
                 ),
@@ -656,7 +697,10 @@ class Checkpointer:
                 fix(f"checkpoint step {step} could not be read: {type(e).__name__}: {str(e)[:300]}",
                     "resume from an earlier step (spmdkit does so with --resume).")
             ) from None
-        return restored["state"], restored["meta"]
+        state = restored["state"]
+        for key in keys:
+            state = state[key]
+        return state, restored["meta"]
 
     def restore_latest(self, target: Any, members: int | None = None) -> tuple[Any, dict[str, Any]] | None:
         """The newest intact step restored onto ``target``, falling back past damaged ones (and saying which)."""

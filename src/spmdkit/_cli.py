@@ -181,7 +181,7 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file of options (keys mirror the flags)")
     p.add_argument("--task", choices=sorted(TASKS), help="what to train (default: linreg)")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), help="where it runs (default: data)")
-    p.add_argument("--impl", choices=IMPLS, help="data-parallel implementation (default auto: jit in one process, shard_map across processes)")
+    p.add_argument("--impl", choices=IMPLS, help="data-parallel implementation (auto = jit: the whole step compiled with NamedSharding)")
     p.add_argument("--members", type=_positive_int, help="ensemble size (default: one per device)")
     p.add_argument("--bagging", action="store_true", help="ensemble: each member its own data order")
     p.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")

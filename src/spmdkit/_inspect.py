@@ -26,15 +26,16 @@ def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransf
     The step is lowered and compiled from abstract values only: no array of the model
     is allocated and no step runs.
     """
-    layout = strategy.plan(task.init, optimizer)
+    from spmdkit._train._steps import task_state, task_train_step
+
+    make_state = task_state(task, optimizer)
+    layout = strategy.plan(make_state)
     params = [leaf for leaf in layout.leaves if leaf.path.startswith("state.params")]
     others = [leaf for leaf in layout.leaves if not leaf.path.startswith("state.params")]
     size = -(-batch_size // strategy.batch_shards) * strategy.batch_shards
-    batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype, sharding=strategy._batch), task.train_data
-    )
-    step = strategy.train_step(task.loss_fn, optimizer)
-    compiled = step.lower(layout.abstract, batch, None, jax.random.key(0)).compile()
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), task.train_data)
+    step = strategy.step(task_train_step(task, optimizer))
+    compiled = step.lower(layout.abstract, batch).compile()
     mem = _analysis(compiled.memory_analysis())
     cost = _analysis(compiled.cost_analysis()) or {}
     memory = {

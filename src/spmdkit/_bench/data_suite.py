@@ -3,7 +3,8 @@
 Same devices, model, optimizer and global batch for every case; each call starts
 from a host (numpy) batch, as in a training loop, and is synced before the next.
 
-- ``spmdkit jit`` / ``spmdkit shard_map``: ``DataParallel(impl=...)``: put_batch + step.
+- ``spmdkit jit``: ``DataParallel().step`` of the task's single-device train step (what
+  ``fit`` runs), from a host batch.
 - ``hand jit``: ``jax.jit`` of a plain step with the same NamedShardings, batch put
   with ``jax.device_put`` (what a user would write without spmdkit).
 - ``seed-002 pmap``: ``jax.pmap`` + ``lax.pmean`` of the gradients, parameters and
@@ -27,6 +28,7 @@ from spmdkit._bench._timing import case_row, geomean, machine, measure, ratio, t
 from spmdkit._bench.report import collect
 from spmdkit._strategies import DataParallel, Single
 from spmdkit._tasks import digits, linreg
+from spmdkit._train._steps import task_state, task_train_step
 
 TARGET_HAND = 1.02
 TARGET_PMAP = 1.0
@@ -64,13 +66,11 @@ def _seed_pmap(task, opt, n, state):
 
 
 def _spmdkit(strategy, task, opt, state):
-    step = strategy.train_step(task.loss_fn, opt)
+    step = strategy.step(task_train_step(task, opt))
     placed = jax.device_put(state, NamedSharding(strategy.mesh, P()))
-    rng = jax.random.key(0)
 
     def call(host):
-        batch, mask = strategy.put_batch(host)
-        new_state, metrics = step(placed, batch, mask, rng)
+        new_state, metrics = step(placed, host)
         return new_state, metrics["loss"]
 
     return call
@@ -115,11 +115,10 @@ def _digits_step(batch_size: int):
     task = digits.make()
     opt = optax.sgd(0.05, momentum=0.9)
     strategy = Single()
-    state = strategy.init_state(task.init, opt, jax.random.key(0))
-    batch, mask = strategy.put_batch(jax.tree.map(lambda x: x[:batch_size], task.train_data))
-    rng = jax.random.key(1)
-    compiled = strategy.train_step(task.loss_fn, opt).lower(state, batch, mask, rng).compile()
-    return (lambda: jax.block_until_ready(compiled(state, batch, mask, rng))), _flops(compiled)
+    state = strategy.init(task_state(task, opt), jax.random.key(0), unbox=True)
+    batch = jax.device_put(jax.tree.map(lambda x: x[:batch_size], task.train_data), jax.devices()[0])
+    compiled = strategy.step(task_train_step(task, opt)).lower(state, batch).compile()
+    return (lambda: jax.block_until_ready(compiled(state, batch))), _flops(compiled)
 
 
 def _single_device_flops(quick: bool, rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -166,11 +165,10 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     for name, (task, opt, batch_size) in workloads.items():
         batch_size = batch_size // n * n
         host = jax.tree.map(lambda x: np.ascontiguousarray(x[:batch_size]), task.train_data)
-        ref = DataParallel(impl="jit")
-        state = ref.init_state(task.init, opt, jax.random.key(0))
+        ref = DataParallel()
+        state = ref.init(task_state(task, opt), jax.random.key(0), unbox=True)
         cases = {
             "spmdkit jit": _spmdkit(ref, task, opt, state),
-            "spmdkit shard_map": _spmdkit(DataParallel(impl="shard_map"), task, opt, state),
             "hand jit": _hand_jit(task, opt, ref.mesh, state),
             "seed-002 pmap": _seed_pmap(task, opt, n, state),
         }
@@ -200,10 +198,8 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
                     "loss_spread": spread,
                 }
             )
-        best = min(("spmdkit jit", "spmdkit shard_map"), key=lambda k: times["cases"][k]["median"])
         ratios_hand.append(ratio(times, "spmdkit jit", "hand jit"))
         ratios_pmap.append(ratio(times, "spmdkit jit", "seed-002 pmap"))
-        rows[-4]["faster_impl"] = best  # noted on the first row of the workload
     flops, flops_run = _single_device_flops(quick, rounds)
     runs["single-device step vs GEMM"] = flops_run
     report = {

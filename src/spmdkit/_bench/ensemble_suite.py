@@ -25,6 +25,7 @@ from spmdkit._bench.report import collect
 from spmdkit._strategies import Ensemble, Single
 from spmdkit._strategies.ensemble import MEMBER_LOOPS
 from spmdkit._tasks import digits
+from spmdkit._train._steps import task_state, task_train_step
 
 MEMBERS = 8
 DEFAULT_LOOP = inspect.signature(Ensemble).parameters["member_loop"].default
@@ -32,20 +33,18 @@ TARGET_ONE_DEVICE = 1.0  # ensemble time / sequential time on the same single de
 
 
 def _ensemble_case(ensemble: Ensemble, task, opt, host):
-    state = ensemble.init_state(task.init, opt, jax.random.key(0))
-    step = ensemble.train_step(task.loss_fn, opt)
-    rng = jax.random.key(1)
+    state = ensemble.init(task_state(task, opt), jax.random.key(0), unbox=True)
+    step = ensemble.step(task_train_step(task, opt))
 
     def call():
-        batch, mask = ensemble.put_batch(host)
-        return jax.block_until_ready(step(state, batch, mask, rng))
+        return jax.block_until_ready(step(state, host))
 
     return call
 
 
 def _sequential_case(task, opt, host, members: int):
     single = Single()
-    states = [single.init_state(task.init, opt, k) for k in jax.random.split(jax.random.key(0), members)]
+    states = [single.init(task_state(task, opt), k, unbox=True) for k in jax.random.split(jax.random.key(0), members)]
     sharding = NamedSharding(single.mesh, P())
 
     def plain(state, batch):

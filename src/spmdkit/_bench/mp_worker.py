@@ -14,7 +14,7 @@ hand-written here, so each can be measured before any becomes the strategy's def
   pass of the first;
 - ``--grad-dtype bf16|f16``: the buffers are reduced in that dtype (half the bytes);
 - ``--accum K``: K micro-batches per step, their gradients summed before one reduction
-  (the hand-written steps unroll the micro-batches; the strategy uses its own loop);
+  (the hand-written steps unroll the micro-batches; the strategy runs fit's step, a scan);
 - ``--threads T``: this process may use T cores (``os.sched_setaffinity``, process i
   gets cores i*T..i*T+T-1): XLA:CPU sizes its intra-op thread pool from the affinity;
 - ``--xla-flags``: appended to ``XLA_FLAGS`` (e.g. ``--xla_cpu_multi_thread_eigen=false``);
@@ -174,19 +174,22 @@ def run_jax(a: argparse.Namespace) -> list[float]:
     opt = optax.sgd(0.01)
     init = lambda k: net.init(k, jnp.asarray(x[:1]))["params"]  # noqa: E731
     if a.allreduce == "strategy":
+        from spmdkit._tasks import Task
+        from spmdkit._train._steps import task_state, task_train_step
 
         def loss_fn(params, b, rng):
             logits = net.apply({"params": params}, b["x"])
             return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean(), {}
 
+        host = {"x": x, "y": y}
+        task = Task(name=a.model, init=init, loss_fn=loss_fn, train_data=host)
         strategy = DataParallel(impl=a.impl)
-        state = strategy.init_state(init, opt, jax.random.key(0))
-        train = strategy.train_step(loss_fn, opt, accum=a.accum)
-        host, rng = {"x": x, "y": y}, jax.random.key(1)
+        state = strategy.init(task_state(task, opt), jax.random.key(0), unbox=True)
+        train = strategy.step(task_train_step(task, opt, a.accum))  # the step fit runs
 
         def step():
             nonlocal state
-            state, _ = train(state, *strategy.put_batch(host), rng)
+            state, _ = train(state, host)
             return state
 
         return _timed(step, a.steps, jax.block_until_ready)

@@ -21,6 +21,7 @@ from spmdkit._mesh import make_mesh
 from spmdkit._rules import DEFAULT_MESH, AxisRules
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._tasks import mlp
+from spmdkit._train._steps import task_state, task_train_step
 
 TARGET = 1.02
 LAYOUTS = ("dp", "fsdp", "tp", "dp+tp", "fsdp+tp")
@@ -28,7 +29,7 @@ LAYOUTS = ("dp", "fsdp", "tp", "dp+tp", "fsdp+tp")
 
 def _hand_jit(task, opt, strategy: Sharded, state):
     """What a user writes with jax.jit directly: same shardings, same contexts."""
-    shardings = strategy.layout.shardings
+    shardings = jax.tree.map(lambda x: x.sharding, state)
 
     def step(state, batch):
         loss, grads = jax.value_and_grad(lambda p: task.loss_fn(p, batch, None)[0])(state.params)
@@ -59,16 +60,13 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     rows, ratios, runs = [], [], {}
     for name in LAYOUTS:
         strategy = Sharded(make_mesh(**DEFAULT_MESH[name]), AxisRules.preset(name))
-        state = strategy.init_state(task.init, opt, jax.random.key(0))
-        step = strategy.train_step(task.loss_fn, opt)
-        batch, mask = strategy.put_batch(host)
-        seconds, compiled = _compile_seconds(step, state, batch, mask, jax.random.key(1))
+        state = strategy.init(task_state(task, opt), jax.random.key(0), unbox=True)
+        step = strategy.step(task_train_step(task, opt))
+        seconds, compiled = _compile_seconds(step, state, host)
         mem = compiled.memory_analysis()
-        rng = jax.random.key(1)
 
-        def ours(step=step, strategy=strategy, state=state):
-            b, m = strategy.put_batch(host)
-            return jax.block_until_ready(step(state, b, m, rng))
+        def ours(step=step, state=state):
+            return jax.block_until_ready(step(state, host))
 
         hand_call = _hand_jit(task, opt, strategy, state)
         times = measure(
@@ -99,10 +97,9 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         for scan in (True, False):
             t = mlp.make(layers=n_layers, depth=256, embed=64, scan=scan, num_train=32, num_eval=32)
             strategy = Sharded(make_mesh(data=2, model=4), AxisRules.preset("dp+tp"))
-            state = strategy.init_state(t.init, opt, jax.random.key(0))
-            b, m = strategy.put_batch(t.train_data)
+            state = strategy.init(task_state(t, opt), jax.random.key(0), unbox=True)
             entry["scan_s" if scan else "loop_s"], _ = _compile_seconds(
-                strategy.train_step(t.loss_fn, opt), state, b, m, jax.random.key(1)
+                strategy.step(task_train_step(t, opt)), state, t.train_data
             )
         compile_rows.append(entry)
     geo = geomean(ratios)

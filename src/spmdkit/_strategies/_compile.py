@@ -110,6 +110,15 @@ def unbox_tree(tree: Any) -> Any:
     return meta.unbox(tree)
 
 
+def with_size1_axes(mesh: Mesh, extra_axes: tuple[str, ...]) -> Mesh:
+    """``mesh`` with size-1 axes ``extra_axes`` appended (the same devices)."""
+    if not extra_axes:
+        return mesh
+    names = tuple(mesh.axis_names) + tuple(extra_axes)
+    devices = mesh.devices.reshape(*mesh.devices.shape, *(1 for _ in extra_axes))
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
 class TraceContext:
     """What the user's function is traced under: the mesh (so ``with_sharding_constraint``
     resolves), Flax logical rules (``nn.with_logical_constraint``) and NNX's eager
@@ -121,11 +130,7 @@ class TraceContext:
     """
 
     def __init__(self, mesh: Mesh, rules: Any = None, extra_axes: tuple[str, ...] = ()):
-        if extra_axes:
-            devices = mesh.devices.reshape(*mesh.devices.shape, *(1 for _ in extra_axes))
-            names = tuple(mesh.axis_names) + tuple(extra_axes)
-            mesh = Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
-        self._abstract = mesh.abstract_mesh
+        self._abstract = with_size1_axes(mesh, extra_axes).abstract_mesh
         self._rules = rules
         self._entered: list[list[Any]] = []  # re-entrant: each trace enters fresh contexts
 
@@ -174,9 +179,6 @@ class Placement:
     batch_shards: int
     # Outputs of apply carry the examples on this axis (ensembles: 1, after the members).
     _row_axis = 0
-    # Strategies whose mesh the user did not shape for the model add size-1 axes a
-    # model's sharding constraints name (see TraceContext).
-    _extend_axes = True
 
     # ---- hooks ------------------------------------------------------------------
     def _make(self, make_state: MakeState) -> Callable[[jax.Array], State]:
@@ -219,14 +221,6 @@ class Placement:
                 extra = getattr(self, "_extra_axes", ())
                 if axis is None or axis in extra or axis in self.mesh.axis_names:
                     raise
-                if not self._extend_axes:
-                    raise MeshError(
-                        fix(f"the model constrains an array over mesh axis {axis!r} "
-                            f"(with_sharding_constraint / nn.with_partitioning), but {type(self).__name__} runs it "
-                            f"on the axes {list(self.mesh.axis_names)} only ({e}).",
-                            "use logical names (nn.with_logical_partitioning, nn.with_logical_constraint: without "
-                            "rules they constrain nothing), or train this model with Sharded/DataParallel.")
-                    ) from None
                 self._extra_axes = extra + (axis,)
 
     def _abstract_boxed(self, make: Callable[[jax.Array], State], rng: jax.Array) -> State:
@@ -382,6 +376,15 @@ class CompiledStep:
         out = (state_sh, s._aux_sharding()) if self.kind == "step" else s._aux_sharding()
         return jax.jit(run, in_shardings=(state_sh, batch_sh), out_shardings=out,
                        donate_argnums=(0,) if self.donate else ())
+
+    def lower(self, state: State, batch: Batch) -> Any:
+        """The program ``self(state, batch)`` runs, lowered (``jax.stages.Lowered``: read
+        ``.compile().memory_analysis()`` or ``cost_analysis()``); ``state`` and ``batch``
+        may be ``jax.ShapeDtypeStruct``s (``strategy.abstract``), nothing runs."""
+        s = self.strategy
+        even = batch_rows(batch) % s.batch_shards == 0
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+        return s._traced(lambda: self._build(state, even).lower(state, shapes))
 
     def __call__(self, state: State, batch: Batch):
         s = self.strategy

@@ -2,9 +2,12 @@
 
 Every leaf of the train state carries a leading member axis of size K, sharded over
 the ``member`` mesh axis: each device holds K/d members and steps them in one program
-(``member_loop``: unrolled, ``lax.map`` or ``vmap``). Members share the batch (the seed's ensemble) or, with ``bagging``, each
-draws its own order of the data. The ensemble's prediction is the mean of the
-members' probabilities, a ``psum`` over the member axis (the seed's ``pmean``).
+(``member_loop``: unrolled, ``lax.map`` or ``vmap``). Members share the batch or, with
+``bagging``, each draws its own order of the data (``data_streams``). ``apply`` returns
+every member's outputs; combining them (a mean of probabilities) is the caller's line.
+
+Beyond the Strategy contract an ensemble has members: ``data_streams``,
+``member_params`` and ``summarize`` are what ``fit`` asks of an :class:`Ensemble`.
 """
 
 from __future__ import annotations
@@ -19,23 +22,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, MeshError, fix
-from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree
-from spmdkit._strategies._base import (
-    EvalFn,
-    LossFn,
-    Params,
-    Predictor,
-    StepFn,
-    TrainState,
-    accumulated_sum_grads,
-    as_sums,
-    place_batch,
-    put_global,
-    to_host,
-    init_train_state,
-    masked_sums,
-    with_sharding,
-)
+from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree, with_size1_axes
+from spmdkit._types import Params
 
 
 MEMBER_LOOPS = ("unroll", "map", "vmap")
@@ -130,9 +118,6 @@ class Ensemble(Placement):
         >>> ens = spmdkit.Ensemble(members=16)
         >>> ens.describe()["members_per_device"] * ens.describe()["device_count"]
         16
-        >>> state = ens.init_state(lambda k: {"w": jax.random.normal(k, ())}, optax.sgd(0.1), jax.random.key(0))
-        >>> state.params["w"].shape
-        (16,)
     """
 
     name = "ensemble"
@@ -187,11 +172,6 @@ class Ensemble(Placement):
         self.data_streams = members if bagging else 1
         self._per_member = NamedSharding(mesh, P(axis))
         self._replicated = NamedSharding(mesh, P())
-        self._init = jax.jit(
-            lambda init_fn, optimizer, keys: jax.vmap(lambda k: init_train_state(init_fn, optimizer, k))(keys),
-            static_argnums=(0, 1),
-            out_shardings=self._per_member,
-        )
 
     @property
     def batch_shards(self) -> int:
@@ -212,7 +192,6 @@ class Ensemble(Placement):
 
     # ---- placement of the user's state and batches (see Placement) --------------
     _row_axis = 1  # apply's outputs are [K, B, ...]
-    _extend_axes = False  # members run under shard_map, where the mesh is the member axis
 
     def shardings(self, abstract_state: Any) -> Any:
         """Every leaf split over the member axis (its leading axis is the member)."""
@@ -248,7 +227,11 @@ class Ensemble(Placement):
         local = over_members(fn, (0, 0 if own else None), self.member_loop)
         out = (P(axis), P(axis)) if kind == "step" else P(axis)
         in_specs = (P(axis), P(axis) if own else P())
-        return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+        # Manual over the members only: a model's sharding constraints (with_sharding_constraint
+        # over 'data', 'model'...) name size-1 axes appended to the mesh (see TraceContext), so
+        # inside a member they constrain nothing and the model runs unchanged.
+        mesh = with_size1_axes(self.mesh, getattr(self, "_extra_axes", ()))
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=False, axis_names={axis})
 
     def _with_hyperparams(self, state: Any) -> Any:
         """Member m's value of each named hyperparameter written into the optimizer state."""
@@ -319,15 +302,7 @@ class Ensemble(Placement):
         """Member m is initialised with ``member_keys(rng)[m]``."""
         return jax.random.split(rng, self.members)
 
-    def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-        return self._init(init_fn, optimizer, self.member_keys(rng))
-
-    def abstract_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Any:
-        keys = self.member_keys(jax.random.key(0))
-        shapes = jax.eval_shape(lambda k: jax.vmap(lambda one: init_train_state(init_fn, optimizer, one))(k), keys)
-        return with_sharding(shapes, self._per_member)
-
-    def place_state(self, state: Any) -> TrainState:
+    def place_state(self, state: Any) -> Any:
         """Put an existing (e.g. restored) state on the mesh, checking its member count."""
         self._check_leading(state)
         return jax.device_put(state, self._per_member)
@@ -347,25 +322,12 @@ class Ensemble(Placement):
                     )
                 )
 
-    def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
-        if self.bagging and not shared:
-            # [K, b, ...]: member m's own batch; padded along the example axis.
-            n = jax.tree_util.tree_leaves(batch)[0].shape[1]
-            target = max(n, size or n)
-            if n == target:
-                return put_global(batch, self._per_member), None
-            pad = lambda x: np.concatenate([x, np.zeros((x.shape[0], target - n, *x.shape[2:]), x.dtype)], 1)  # noqa: E731
-            mask = np.broadcast_to(np.arange(target) < n, (self.members, target))
-            return put_global(jax.tree.map(pad, batch), self._per_member), put_global(np.asarray(mask), self._per_member)
-        return place_batch(batch, size, 1, self._replicated)
-
-    def host_params(self, state: TrainState) -> Params:
-        return to_host(state.params)
-
     def member_params(self, params: Params) -> list[Params]:
+        """Stacked ``[K, ...]`` parameters as K single-model pytrees."""
         return [jax.tree.map(lambda x, m=m: x[m], params) for m in range(self.members)]
 
     def summarize(self, eval_metrics: dict[str, Any]) -> dict[str, Any]:
+        """The members' and the ensemble's accuracy from an eval row, for a run's summary."""
         out: dict[str, Any] = {"members": self.members}
         if "member_accuracy" in eval_metrics:
             members = eval_metrics["member_accuracy"]
@@ -376,91 +338,6 @@ class Ensemble(Placement):
             if "member_accuracy" in eval_metrics:
                 out["ensemble_gain"] = out["ensemble_accuracy"] - out["mean_member_accuracy"]
         return out
-
-    # ---- compiled steps ---------------------------------------------------------
-    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
-        axis, shared = self.axis, not self.bagging
-        data_axis = None if shared else 0
-
-        def one(state: TrainState, batch, mask, key):
-            def objective(p):
-                s, a, c = masked_sums(loss_fn, p, batch, mask, key)
-                return s / c, (s, a, c)
-
-            if accum > 1:
-                grads, (s, a, c) = accumulated_sum_grads(loss_fn, accum)(state.params, batch, mask, key)
-                grads = jax.tree.map(lambda g: g / c, grads)
-            else:
-                grads, (s, a, c) = jax.grad(objective, has_aux=True)(state.params)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            new = state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-            return new, {"loss": s / c, **{k: v / c for k, v in a.items()}}
-
-        def local(state, batch, mask, keys):
-            return over_members(one, (0, data_axis, data_axis, 0), self.member_loop)(state, batch, mask, keys)
-
-        data = P() if shared else P(axis)
-        per_device = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(P(axis), data, data, P(axis)),
-            out_specs=(P(axis), P(axis)),
-            check_vma=False,
-        )
-
-        def step(state, batch, mask, rng):
-            new, per_member = per_device(state, batch, mask, jax.random.split(rng, self.members))
-            metrics = {k: jnp.mean(v) for k, v in per_member.items()}
-            metrics.update({f"member_{k}": v for k, v in per_member.items()})
-            return new, metrics
-
-        m, r = self._per_member, self._replicated
-        d = r if shared else m
-        return jax.jit(step, in_shardings=(m, d, d, r), out_shardings=(m, r))
-
-    def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
-        axis, k = self.axis, self.members
-
-        def local(params, batch, mask, keys):
-            sums = over_members(
-                lambda p, key: as_sums(*masked_sums(loss_fn, p, batch, mask, key)), (0, 0), self.member_loop
-            )(params, keys)
-            if predictor is None:
-                return sums, {}
-            probs = over_members(predictor.predict, (0, None), self.member_loop)(params, batch)
-            mean_probs = jax.lax.psum(jnp.sum(probs, 0), axis) / k
-            scores = predictor.score(mean_probs, batch)
-            w = jnp.ones(mean_probs.shape[0]) if mask is None else mask.astype(mean_probs.dtype)
-            return sums, {f"ensemble_{name}": jnp.sum(v * w) for name, v in scores.items()}
-
-        per_device = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(P(axis), P(), P(), P(axis)),
-            out_specs=(P(axis), P()),
-            check_vma=False,
-        )
-
-        def evaluate(params, batch, mask, rng):
-            member, ensemble = per_device(params, batch, mask, jax.random.split(rng, k))
-            count = member.pop("count")[0]
-            out = {"count": count, **{name: jnp.mean(v) for name, v in member.items()}}
-            out.update({f"member_{name}": v for name, v in member.items()})
-            return {**out, **ensemble}
-
-        m, r = self._per_member, self._replicated
-        return jax.jit(evaluate, in_shardings=(m, r, r, r), out_shardings=r)
-
-    def predict_fn(self, predict: Callable[[Params, Any], jax.Array]) -> Callable[[Params, Any], jax.Array]:
-        """Compiled ``(stacked params, batch) -> mean of the members' probabilities``."""
-        axis, k = self.axis, self.members
-
-        def local(params, batch):
-            probs = over_members(predict, (0, None), self.member_loop)(params, batch)
-            return jax.lax.psum(jnp.sum(probs, 0), axis) / k
-
-        per_device = jax.shard_map(local, mesh=self.mesh, in_specs=(P(axis), P()), out_specs=P(), check_vma=False)
-        return jax.jit(per_device, in_shardings=(self._per_member, self._replicated), out_shardings=self._replicated)
 
     def __repr__(self) -> str:
         return f"Ensemble(members={self.members}, mesh={dict(self.mesh.shape)}, bagging={self.bagging})"

@@ -13,34 +13,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 from flax.core import meta
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, fix
-from spmdkit._strategies._compile import Placement, auto_mesh
+from spmdkit._strategies._compile import Placement, as_key, auto_mesh
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec
-from spmdkit._strategies._base import (
-    EvalFn,
-    LossFn,
-    Params,
-    Predictor,
-    StepFn,
-    TrainState,
-    boxed_abstract_state,
-    eval_sums,
-    init_train_state,
-    OneModel,
-    place_batch,
-    update_step,
-)
+from spmdkit._types import MakeState
 
 
 class LeafLayout(NamedTuple):
@@ -145,7 +130,7 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
         )
 
 
-class Sharded(OneModel, Placement):
+class Sharded(Placement):
     """Parameters and optimizer state split over a mesh by logical axis rules.
 
     ``replicate_unknown=True`` replicates arrays whose logical names no rule maps (by
@@ -171,7 +156,6 @@ class Sharded(OneModel, Placement):
     """
 
     name = "sharded"
-    data_streams = 1
 
     def __init__(self, mesh: Mesh, rules: Any, *, batch_name: str = "batch", state_axes: Any = None,
                  replicate_unknown: bool | None = None):
@@ -187,7 +171,6 @@ class Sharded(OneModel, Placement):
         self._batch = NamedSharding(mesh, P(batch_axes))
         self._replicated = NamedSharding(mesh, P())
         self.layout: Layout | None = None
-        self._inits: dict[Any, Any] = {}  # (init_fn, optimizer) -> jitted sharded init
         self._known: dict[Any, Any] = {}  # state treedef -> shardings, from init / shardings()
 
     @property
@@ -241,63 +224,10 @@ class Sharded(OneModel, Placement):
         return self._batch if even else self._replicated
 
     # ---- layout ---------------------------------------------------------------
-    def plan(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Layout:
-        """Every leaf's layout, validated, from an abstract init (nothing is allocated)."""
-        with self._tracing():  # the model's forward pass may constrain activations
-            boxed = boxed_abstract_state(init_fn, optimizer)
-        layout = plan_layout(boxed, self.rules, self.mesh)
-        warn_if_mostly_replicated(layout, self.rules, self.mesh)
-        self.layout = layout
-        return layout
-
-    def abstract_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation) -> Any:
-        return self.plan(init_fn, optimizer).abstract
-
-    def init_state(self, init_fn: Callable[[jax.Array], Params], optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-        layout = self.plan(init_fn, optimizer)
-        key = (init_fn, optimizer)
-        if key not in self._inits:
-            self._inits[key] = jax.jit(init_train_state, static_argnums=(0, 1), out_shardings=layout.shardings)
-        init = self._inits[key]
-        with self._tracing():
-            return init(init_fn, optimizer, rng)
-
-    def put_batch(self, batch: Any, size: int | None = None, *, shared: bool = False):
-        return place_batch(batch, size, self.batch_shards, self._batch)
-
-    # ---- compiled steps ---------------------------------------------------------
-    def _tracing(self):
-        """Contexts for tracing: logical constraints resolve against this mesh and rules."""
-        return _TraceContext(self.mesh, self.rules)
-
-    def _layout_shardings(self) -> Any:
-        if self.layout is None:
-            raise LayoutError(
-                fix("Sharded.train_step/eval_step were called before the layout is known.",
-                    "call strategy.init_state(...) (or strategy.plan(init_fn, optimizer)) first.")
-            )
-        return self.layout.shardings
-
-    def train_step(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, accum: int = 1) -> StepFn:
-        state_sh, b, r = self._layout_shardings(), self._batch, self._replicated
-        inner = update_step(loss_fn, optimizer, accum=accum)
-
-        def step(*args):
-            with self._tracing():
-                return inner(*args)
-
-        return jax.jit(step, in_shardings=(state_sh, b, b, r), out_shardings=(state_sh, r))
-
-    def eval_step(self, loss_fn: LossFn, predictor: Predictor | None = None) -> EvalFn:
-        params_sh = self._layout_shardings().params
-        b, r = self._batch, self._replicated
-        inner = eval_sums(loss_fn)
-
-        def evaluate(*args):
-            with self._tracing():
-                return inner(*args)
-
-        return jax.jit(evaluate, in_shardings=(params_sh, b, b, r), out_shardings=r)
+    def plan(self, make_state: MakeState, rng: Any = 0) -> Layout:
+        """Every leaf's layout of ``make_state(rng)``'s state, validated, with its path,
+        logical names and bytes per device; nothing is allocated (``jax.eval_shape``)."""
+        return self.layout_of(self._abstract_boxed(make_state, as_key(rng)))
 
     def __repr__(self) -> str:
         return f"Sharded(mesh={dict(self.mesh.shape)}, rules={self.rules.name!r})"
@@ -412,26 +342,3 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
                 "names per array, None to replicate).")
         )
     return state
-
-
-class _TraceContext:
-    """``use_abstract_mesh`` + ``nn.logical_axis_rules``: legal inside jit tracing.
-
-    NNX's eager sharding is switched off: spmdkit places the variables itself (jit
-    ``out_shardings``), from the names NNX records as metadata.
-    """
-
-    def __init__(self, mesh: Mesh, rules: AxisRules):
-        self._contexts = [
-            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
-            nn.logical_axis_rules(rules.flax_rules()),
-            nnx.use_eager_sharding(False),
-        ]
-
-    def __enter__(self):
-        for c in self._contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self._contexts):
-            c.__exit__(*exc)

@@ -10,7 +10,7 @@ from spmdkit._train._hooks import (
     StepInfo,
     run_hooks,
 )
-from spmdkit._train._loop import FitResult, evaluate, fit, iterate_batches
+from spmdkit._train._loop import FitResult, evaluate_task, fit, iterate_batches
 
 __all__ = [
     "CheckpointHook",
@@ -20,7 +20,7 @@ __all__ = [
     "NaNGuard",
     "ProgressHook",
     "StepInfo",
-    "evaluate",
+    "evaluate_task",
     "fit",
     "iterate_batches",
     "load_params",

@@ -7,7 +7,6 @@ it, and eval, metrics, checkpoints and the NaN guard are hooks (``_hooks``).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
@@ -25,15 +24,16 @@ import optax
 
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
-from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
+from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
+from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import Task, num_examples
 from spmdkit._train import _artifacts as art
 from spmdkit._train._hooks import (
-    CheckpointHook,
     EvalHook,
+    Hook,
     MetricsHook,
     NaNGuard,
     ProgressHook,
@@ -157,7 +157,7 @@ def _previous_history(out: Path | None, upto: int) -> list[dict[str, Any]]:
 def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
     if task.report is None:
         return {}
-    members = strategy.member_params(params) if hasattr(strategy, "member_params") else [params]
+    members = strategy.member_params(params) if isinstance(strategy, Ensemble) else [params]
     reports = [task.report(p) for p in members]
     return reports[0] if len(reports) == 1 else {"member_reports": reports}
 
@@ -301,156 +301,22 @@ def fit(
         >>> round(float(result.params["w"]), 2), round(float(result.params["b"]), 2)
         (3.0, 1.0)
     """
-    entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
-    feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
-    plan = _plan(task, strategy, config) if task.num_train is not None else _pipeline_plan(task, strategy, config, feed)
-    validate_task(task, config.batch_size, feed.example())
-    out = None if out_dir is None else Path(out_dir)
-    # With several processes (jax.distributed) every one trains; process 0 alone writes.
-    primary = jax.process_index() == 0
-    if out is not None and primary:
-        art.prepare_out_dir(out)
-    init_key, _, eval_key = jax.random.split(jax.random.key(config.seed), 3)
-    make_state = task_state(task, optimizer)
-    ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
-    try:
-        state, done = _start(strategy, make_state, init_key, checkpoint, ckpt, config, task, log, run_info, plan.total)
-        if done:  # the data position saved with that state (older checkpoints: none)
-            feed.resume(ckpt.meta(done).get("data"))
-    except BaseException:
-        if ckpt is not None:
-            ckpt.abandon()  # a refused resume leaves the directory unlocked
-        raise
-    start_step = done
+    run = _Run(task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout)
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
-
-    # A resumed run keeps the history up to its checkpoint and drops what came after.
-    history: list[dict[str, Any]] = _previous_history(out, done) if done else []
-    writer = art.MetricsWriter(None if out is None or not primary else out / "metrics.jsonl")
-    for row in history:
-        writer.write(row)
-
-    def record(row: dict[str, Any]) -> None:
-        history.append(row)
-        writer.write(row)
-        if bar is not None and row["split"] == "train":
-            bar.show(row)
-
-    bar = ProgressHook(plan.total, f"{task.name} / {strategy.name}", start=done) if progress and primary else None
-    known = KnownGood(state, done)  # checkpoints wait until their state's loss is seen finite
-    hooks = _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known, feed)
-    metrics, evaluator = hooks[0], next((h for h in hooks if isinstance(h, EvalHook)), None)
-    guard = NaNGuard(hint="lower the learning rate (optimizer=; --lr on the command line), or check the data "
-                          "for NaN/inf. The parameters of the last finite loss are kept"
-                          + (f" in {out / 'params.npz'}." if out else "."))
-    status, failure, info = "completed", None, None
-    batches = _feed_batches(feed, strategy, config, done)
-    t0, t_first, first_step_s = time.perf_counter(), None, None
-    watch = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else contextlib.nullcontext(None)
+    batches = _feed_batches(run.feed, strategy, config, run.start_step)
+    state = run.state
     try:
-        with _StopRequest() as stop, Preemption() as preempt, (bar or contextlib.nullcontext()), watch as dog:
-            for i in range(start_step, plan.total):
-                epoch, host_batch = next(batches)
-                if dog is not None:
-                    dog.started(i + 1)
-                new_state, aux = step(state, host_batch)
-                jax.block_until_ready(new_state)  # queued collective steps deadlock XLA:CPU
-                candidate = StepInfo(i + 1, epoch, new_state, to_python(aux))
-                try:
-                    guard(candidate)
-                except NonFiniteLossError as e:
-                    # The loss of step k comes from the state after k - 1 updates: keep the one before.
-                    status, failure = "diverged", e
-                    state, done = known.state, known.step
-                    known.drop()
-                    break
-                due = known.confirm(state, done)  # this loss came from `state`: it is good
-                if due is not None and ckpt is not None:
-                    try:
-                        ckpt.save(*due)
-                        ckpt_hook(hooks).saved_at = due[0]
-                    except CheckpointSaveError as e:
-                        status, failure = "failed", e
-                        break
-                state, done, info = new_state, i + 1, candidate
-                if dog is not None:
-                    dog.finished(done)
-                if t_first is None:  # excludes compilation from steps/s
-                    t_first, first_step_s = time.perf_counter(), process_age_s()  # start-up cost
-                metrics.add(info)
-                run_hooks(hooks + ([bar] if bar else []), info)
-                if done == plan.total:  # the last step always logs and evaluates
-                    for hook in (metrics, evaluator):
-                        if hook is not None and done % hook.every:
-                            hook(info)
-                if stop.requested:
-                    status = "interrupted"
-                    break
-                if preempt.reached(done):
-                    status = "preempted"
-                    break
-            # Every process probes or none does (a probe is a collective step): an interrupt is per process.
-            agreed = ("completed", "preempted") + (("interrupted",) if jax.process_count() == 1 else ())
-            # A one-shot iterator of the user's is not read past the run's last batch.
-            if status in agreed and done > start_step and (ckpt is not None or out is not None) \
-                    and not getattr(feed, "one_shot", False):
-                state, done, status, failure = _confirm_final(step, batches, guard, known, state, done, status)
-    except KeyboardInterrupt:
-        status = "interrupted"
-    except DataError as e:  # bad data mid-run: the last good state is still saved and summarised
-        status, failure = "failed", e
+        with run:  # Ctrl-C and SIGTERM stop at a step boundary; the watchdog; the progress bar
+            for i in range(run.start_step, run.plan.total):
+                epoch, batch = next(batches)
+                run.watchdog.started(i + 1)
+                state, aux = step(state, batch)
+                jax.block_until_ready(state)  # queued collective steps deadlock XLA:CPU
+                run_hooks(run.hooks, StepInfo(i + 1, epoch, state, to_python(aux)))  # a hook may end the run
+        return run.finish(step, batches)
     finally:
         if isinstance(batches, Prefetch):
             batches.close()
-    elapsed = time.perf_counter() - t0
-    if status == "interrupted" and evaluator is not None and done and evaluator.last_step != done:
-        evaluator(StepInfo(done, 0, state, {}))  # so an interrupted run still reports where it got
-    writer.close()
-    final = StepInfo(done, 0, state, {}) if done > start_step else None
-    if ckpt is not None:
-        # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
-        try:
-            # A run ended by bad data still saves its last good state; a failed save does not retry.
-            if status != "diverged" and not isinstance(failure, CheckpointSaveError) and final is not None and done != ckpt_hook(hooks).saved_at \
-                    and state_is_finite(state):
-                ckpt.save(done, state, ckpt_hook(hooks).meta(final))
-            ckpt.close()
-        except CheckpointSaveError as e:
-            status, failure = "failed", failure or e
-            ckpt.abandon()
-    eval_seconds = evaluator.seconds if evaluator is not None else 0.0
-    train_seconds = None if t_first is None else time.perf_counter() - t_first - eval_seconds
-    params = to_host(state.params)
-    summary = _summary(task, strategy, config, plan, status, done, start_step, history, metrics.last_row,
-                       params, elapsed, train_seconds, ckpt, run_info)
-    summary["first_step_s"] = None if first_step_s is None else round(first_step_s, 3)
-    summary["first_step_in_fit_s"] = None if t_first is None else round(t_first - entered, 3)
-    if failure is not None:
-        summary["error"] = str(failure).splitlines()[0]
-    if out is not None and primary:
-        saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
-        _write_artifacts(out, saved, summary, history, task)
-    if failure is not None:
-        raise failure
-    return FitResult(state, params, summary, history)
-
-
-def _confirm_final(step, batches, guard, known, state, done, status):
-    """The last state is kept (saved, written) only if known good, like every checkpoint: the
-    loss the next step would compute from it is finite. Otherwise the run diverged at its end
-    and the newest known-good state is kept instead."""
-    try:
-        epoch, host_batch = next(batches)
-    except (StopIteration, DataError):  # a pipeline that ends with the run: only the leaves can be checked
-        return state, done, status, None
-    probe = step(state, host_batch)
-    jax.block_until_ready(probe)  # queued collective steps deadlock XLA:CPU
-    try:
-        guard(StepInfo(done + 1, epoch, state, to_python(probe[1])))
-    except NonFiniteLossError as e:
-        return known.state, known.step, "diverged", e
-    known.confirm(state, done)
-    return state, done, status, None
 
 
 def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int) -> Any:
@@ -465,34 +331,248 @@ def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int) -> 
     return Prefetch(batches, config.prefetch, place)
 
 
-def ckpt_hook(hooks: list[Any]) -> CheckpointHook:
-    return next(h for h in hooks if isinstance(h, CheckpointHook))
+class _StopRun(Exception):
+    """Raised by a hook to end the run at this step boundary with ``status``."""
+
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
 
 
-def _hooks(task, strategy, config, plan, record, eval_key, ckpt, checkpoint, run_info, known=None,
-           feed=None) -> list[Any]:
-    """fit's hooks: metrics rows first, then eval, then checkpoints."""
-    hooks: list[Any] = [MetricsHook(record, every=config.log_every)]
-    if task.eval_data is not None:
-        eval_step = strategy.evaluate(task_eval_step(task, eval_key))
-        ensemble = task.predictor is not None and getattr(strategy, "members", None)
-        predict = strategy.apply(lambda s, b: task.predictor.predict(s.params, b)) if ensemble else None
+class _Each(Hook):
+    """``fn(info)`` after every step."""
 
-        def run_eval(state):
-            return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor)
+    def __init__(self, fn: Callable[[StepInfo], None]):
+        self.fn, self.every = fn, 1
 
-        hooks.append(EvalHook(run_eval, record, every=plan.eval_every))
-    if ckpt is not None:
-        def meta(info: StepInfo) -> dict[str, Any]:
-            return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
-                    "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
-                    "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
-                    "strategy": strategy.describe(), "config": run_info or {},
-                    "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    **({"data": feed.state(info.step)} if feed is not None else {})}
+    def __call__(self, info: StepInfo) -> None:
+        self.fn(info)
 
-        hooks.append(CheckpointHook(ckpt, checkpoint.every, meta, known=known))
-    return hooks
+
+class _NoWatchdog:
+    def started(self, step: int) -> None:
+        pass
+
+    def finished(self, step: int) -> None:
+        pass
+
+
+class HeldCheckpoints(Hook):
+    """fit's checkpoints: every ``every`` steps a save is held in ``known`` until the next
+    step's loss, computed from that state, is seen finite (``fit`` then calls ``save``); a
+    diverged run so keeps its newest known-good checkpoint. ``close`` saves the last state
+    unless the run failed or diverged."""
+
+    def __init__(self, ckpt: Checkpointer, every: int, meta: Callable[[StepInfo], dict[str, Any]], known: KnownGood):
+        self.ckpt, self.every, self.meta, self.known = ckpt, every, meta, known
+        self.saved_at: int | None = None
+
+    def __call__(self, info: StepInfo) -> None:
+        self.known.hold(info.step, info.state, self.meta(info))
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        self.ckpt.save(step, state, meta)
+        self.saved_at = step
+
+    def close(self, info: StepInfo | None, status: str, failure: BaseException | None = None) -> None:
+        # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
+        # A run ended by bad data still saves its last good state; a failed save does not retry.
+        if status != "diverged" and not isinstance(failure, CheckpointSaveError) and info is not None \
+                and info.step != self.saved_at and state_is_finite(info.state):
+            self.save(info.step, info.state, self.meta(info))
+        self.ckpt.close()
+
+
+class _Run:
+    """One run of ``fit``: its start (fresh or resumed), its hooks, and its end (the final
+    checkpoint, summary and artifacts). ``with run:`` turns the ways a run ends early
+    (NaN, a failed save, Ctrl-C, preemption) into its status."""
+
+    def __init__(self, task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout):
+        self.entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
+        self.task, self.strategy, self.config, self.run_info = task, strategy, config, run_info
+        self.feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
+        self.plan = _plan(task, strategy, config) if task.num_train is not None else \
+            _pipeline_plan(task, strategy, config, self.feed)
+        validate_task(task, config.batch_size, self.feed.example())
+        self.out = None if out_dir is None else Path(out_dir)
+        # With several processes (jax.distributed) every one trains; process 0 alone writes.
+        self.primary = jax.process_index() == 0
+        if self.out is not None and self.primary:
+            art.prepare_out_dir(self.out)
+        init_key, _, self.eval_key = jax.random.split(jax.random.key(config.seed), 3)
+        self.ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
+        try:
+            self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
+                                                 self.ckpt, config, task, log, run_info, self.plan.total)
+            if self.start_step:  # the data position saved with that state (older checkpoints: none)
+                self.feed.resume(self.ckpt.meta(self.start_step).get("data"))
+        except BaseException:
+            if self.ckpt is not None:
+                self.ckpt.abandon()  # a refused resume leaves the directory unlocked
+            raise
+        self.last = StepInfo(self.start_step, 0, self.state, {})
+        self.status, self.failure, self.t_first, self.first_step_s = "completed", None, None, None
+        self.known = KnownGood(self.state, self.start_step)  # checkpoints wait until their state's loss is seen finite
+        # A resumed run keeps the history up to its checkpoint and drops what came after.
+        self.history = _previous_history(self.out, self.start_step) if self.start_step else []
+        self.writer = art.MetricsWriter(None if self.out is None or not self.primary else self.out / "metrics.jsonl")
+        for row in self.history:
+            self.writer.write(row)
+        self.bar = ProgressHook(self.plan.total, f"{task.name} / {strategy.name}", start=self.start_step) \
+            if progress and self.primary else None
+        self.watchdog = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else _NoWatchdog()
+        self.hooks = self._hooks(checkpoint)
+
+    def _hooks(self, checkpoint: CheckpointConfig | None) -> list[Hook]:
+        """In order: the NaN guard, the step's bookkeeping, checkpoints, metrics, eval, progress, stops."""
+        hint = ("lower the learning rate (optimizer=; --lr on the command line), or check the data for NaN/inf. "
+                "The parameters of the last finite loss are kept" + (f" in {self.out / 'params.npz'}." if self.out else "."))
+        self.metrics = MetricsHook(self._record, every=self.config.log_every)
+        self.evaluator = _eval_hook(self.task, self.strategy, self.config, self.plan, self._record, self.eval_key)
+        self.held = None if self.ckpt is None else HeldCheckpoints(
+            self.ckpt, checkpoint.every,
+            _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed), self.known)
+        optional = [_Each(self._stepped), self.held, _Each(self.metrics.add), self.metrics, self.evaluator, self.bar]
+        self.guard = NaNGuard(hint=hint)
+        return [self.guard, *[h for h in optional if h is not None], _Each(self._at_end)]
+
+    def _record(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        self.writer.write(row)
+        if self.bar is not None and row["split"] == "train":
+            self.bar.show(row)
+
+    def _stepped(self, info: StepInfo) -> None:
+        due = self.known.confirm(self.last.state, self.last.step)  # this step's loss came from it: good
+        if due is not None:
+            self.held.save(*due)
+        self.last = info
+        self.watchdog.finished(info.step)
+        if self.t_first is None:  # excludes compilation from steps/s
+            self.t_first, self.first_step_s = time.perf_counter(), process_age_s()  # start-up cost
+
+    def _at_end(self, info: StepInfo) -> None:
+        """The last step always logs and evaluates; a stop request ends the run here."""
+        if info.step == self.plan.total:
+            for hook in (self.metrics, self.evaluator):
+                if hook is not None and info.step % hook.every:
+                    hook(info)
+        if self._stop.requested:
+            raise _StopRun("interrupted")
+        if self._preempt.reached(info.step):
+            raise _StopRun("preempted")
+
+    def __enter__(self) -> _Run:
+        self._stop, self._preempt = _StopRequest(), Preemption()
+        self._contexts = [c for c in (self._stop, self._preempt, self.bar, self.watchdog) if hasattr(c, "__enter__")]
+        for c in self._contexts:
+            c.__enter__()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        for c in reversed(self._contexts):
+            c.__exit__(None, None, None)
+        self.elapsed = time.perf_counter() - self.t0
+        if isinstance(error, NonFiniteLossError):
+            # The loss of step k comes from the state after k - 1 updates: keep the one before.
+            self.status, self.failure = "diverged", error
+            self.last = StepInfo(self.known.step, 0, self.known.state, {})
+            self.known.drop()
+        elif isinstance(error, (CheckpointSaveError, DataError)):  # bad data: the last good state is still kept
+            self.status, self.failure = "failed", error
+        elif isinstance(error, (KeyboardInterrupt, _StopRun)):
+            self.status = getattr(error, "status", "interrupted")
+        return error is None or self.status != "completed"
+
+    def finish(self, step: Callable[..., Any], batches: Iterator[Any]) -> FitResult:
+        """Confirm the last state, evaluate an interrupted run, save the last state, write the
+        summary and artifacts."""
+        self._confirm_final(step, batches)
+        done, state = self.last.step, self.last.state
+        final = StepInfo(done, 0, state, {})
+        if self.status == "interrupted" and self.evaluator is not None and done and self.evaluator.last_step != done:
+            self.evaluator(final)  # so an interrupted run still reports where it got
+        self.writer.close()
+        if self.held is not None:
+            try:
+                self.held.close(final if done > self.start_step else None, self.status, self.failure)
+            except CheckpointSaveError as e:
+                self.status, self.failure = "failed", self.failure or e
+                self.ckpt.abandon()
+        params = to_host(state.params)
+        summary = self._summary(params)
+        if self.out is not None and self.primary:
+            saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
+            _write_artifacts(self.out, saved, summary, self.history, self.task)
+        if self.failure is not None:
+            raise self.failure
+        return FitResult(state, params, summary, self.history)
+
+    def _confirm_final(self, step: Callable[..., Any], batches: Iterator[Any]) -> None:
+        """The last state is kept (saved, written) only if known good, like every checkpoint: the
+        loss the next step would compute from it is finite. Otherwise the run diverged at its end
+        and the newest known-good state is kept instead."""
+        # Every process probes or none does (a probe is a collective step): an interrupt is per process.
+        agreed = ("completed", "preempted") + (("interrupted",) if jax.process_count() == 1 else ())
+        # A one-shot iterator of the user's is not read past the run's last batch.
+        if self.status not in agreed or self.last.step <= self.start_step or (self.ckpt is None and self.out is None) \
+                or getattr(self.feed, "one_shot", False):
+            return
+        try:
+            epoch, host_batch = next(batches)
+        except (StopIteration, DataError):  # a pipeline that ends with the run: only the leaves can be checked
+            return
+        probe = step(self.last.state, host_batch)
+        jax.block_until_ready(probe)  # queued collective steps deadlock XLA:CPU
+        try:
+            self.guard(StepInfo(self.last.step + 1, epoch, self.last.state, to_python(probe[1])))
+        except NonFiniteLossError as e:
+            self.status, self.failure = "diverged", e
+            self.last = StepInfo(self.known.step, 0, self.known.state, {})
+            return
+        self.known.confirm(self.last.state, self.last.step)
+
+    def _summary(self, params: Any) -> dict[str, Any]:
+        eval_seconds = self.evaluator.seconds if self.evaluator is not None else 0.0
+        train_seconds = None if self.t_first is None else time.perf_counter() - self.t_first - eval_seconds
+        summary = _summary(self.task, self.strategy, self.config, self.plan, self.status, self.last.step, self.start_step,
+                           self.history, self.metrics.last_row, params, self.elapsed, train_seconds, self.ckpt,
+                           self.run_info)
+        summary["first_step_s"] = None if self.first_step_s is None else round(self.first_step_s, 3)
+        summary["first_step_in_fit_s"] = None if self.t_first is None else round(self.t_first - self.entered, 3)
+        if self.failure is not None:
+            summary["error"] = str(self.failure).splitlines()[0]
+        return summary
+
+
+def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | None:
+    """Eval over the task's whole eval set every ``plan.eval_every`` steps (none without eval data)."""
+    if task.eval_data is None:
+        return None
+    eval_step = strategy.evaluate(task_eval_step(task, eval_key))
+    ensemble = task.predictor is not None and isinstance(strategy, Ensemble)
+    predict = strategy.apply(lambda s, b: task.predictor.predict(s.params, b)) if ensemble else None
+
+    def run_eval(state):
+        return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor)
+
+    return EvalHook(run_eval, record, every=plan.eval_every)
+
+
+def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Callable[[StepInfo], dict[str, Any]]:
+    """What a checkpoint records of the run, to resume it exactly (see ``_check_resumable``)."""
+
+    def meta(info: StepInfo) -> dict[str, Any]:
+        return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
+                "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
+                "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
+                "strategy": strategy.describe(), "config": run_info or {},
+                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **({"data": feed.state(info.step)} if feed is not None else {})}
+
+    return meta
 
 
 def _summary(task, strategy, config, plan, status, done, start_step, history, last_train, params, elapsed,
@@ -519,7 +599,7 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
             "checkpoint_blocked_s": ckpt.blocked} if ckpt is not None else {}),
         "param_count": art.param_count(params),
         **_task_report(task, strategy, params),
-        **(strategy.summarize(eval_row or {}) if hasattr(strategy, "summarize") else {}),
+        **(strategy.summarize(eval_row or {}) if isinstance(strategy, Ensemble) else {}),
         **({"config": run_info} if run_info else {}),
     }
 
