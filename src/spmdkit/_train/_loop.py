@@ -73,20 +73,6 @@ def iterate_batches(
         yield epoch, jax.tree.map(lambda x: x[idx], data)
 
 
-def evaluate(strategy: Strategy, eval_fn, params, data: Any, batch_size: int, rng: jax.Array) -> dict[str, Any]:
-    """Exact means over a whole data set, in fixed-size (padded, masked) chunks."""
-    n = num_examples(data)
-    size = min(batch_size, n)
-    totals: dict[str, np.ndarray] = {}
-    for start in range(0, n, size):
-        chunk = jax.tree.map(lambda x: x[start : start + size], data)
-        batch, mask = strategy.put_batch(chunk, size=size, shared=True)
-        for k, v in jax.device_get(eval_fn(params, batch, mask, rng)).items():
-            totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
-    count = totals.pop("count")
-    return to_python({k: v / count for k, v in totals.items()})
-
-
 class _StopRequest:
     """First Ctrl-C: finish the current step, then stop. Second: stop at once."""
 
