@@ -218,6 +218,24 @@ def test_static_broadcasted_argnums():
         pf(jnp.ones(16), 2.0)
 
 
+def test_static_argument_keyed_with_its_type():
+    # 1, 1.0 and True are == and hash alike but trace to different programs (as in jax.pmap).
+    x = np.arange(N, dtype=np.int32)
+    p = spmdkit.pmap(lambda x, s: x * jnp.asarray(s), static_broadcasted_argnums=1)
+    assert p(x, 2).dtype == jnp.int32
+    assert p(x, 2.0).dtype == jnp.float32
+    assert p(x, 2.0).dtype == jnp.float32  # the repeat-call path too
+    assert p(x, 2).dtype == jnp.int32
+    q = spmdkit.pmap(lambda x, flag: x - 100 if flag is True else x + 1, static_broadcasted_argnums=1)
+    np.testing.assert_array_equal(q(x, 1), x + 1)
+    np.testing.assert_array_equal(q(x, True), x - 100)
+    np.testing.assert_array_equal(q(x, True), x - 100)
+    np.testing.assert_array_equal(q(x, 1), x + 1)
+    lowered = q.lower(x, 1).compile()
+    with pytest.raises(spmdkit.SignatureError, match="differ from the ones this was lowered"):
+        lowered(x, True)
+
+
 # ---- property: spmdkit.pmap == jax.vmap ----------------------------------------
 
 FUNCTIONS = {

@@ -135,7 +135,7 @@ class _ParallelMap:
             dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static)
         flat, treedef = jax.tree_util.tree_flatten((dyn_args, kwargs))
         try:
-            fast = self._fast.get((treedef, static_vals) if self._static else treedef)
+            fast = self._fast.get((treedef, _typed(static_vals)) if self._static else treedef)
         except TypeError:  # an unhashable static argument: the checked path says so
             fast = None
         if fast is None or not _still_fits(flat, fast):
@@ -150,7 +150,7 @@ class _ParallelMap:
             call = _Call(fast.plan, flat, treedef, static_vals, fast.n)
             out, compiled = self._recover(call, compiled, placed, e)
             if compiled is not fast.compiled:  # the function nests after all: validate again
-                self._fast.pop((treedef, static_vals) if self._static else treedef, None)
+                self._fast.pop((treedef, _typed(static_vals)) if self._static else treedef, None)
         if compiled.checked is None:
             return out
         return self._finish(compiled, out, _Call(fast.plan, flat, treedef, static_vals, fast.n))
@@ -160,7 +160,7 @@ class _ParallelMap:
         compiled = self._compiled(call)
         out, compiled = self._run(call, compiled, self._placed(compiled, call.flat, call))
         out = self._finish(compiled, out, call)
-        key = (call.treedef, call.static_vals) if self._static else call.treedef
+        key = (call.treedef, _typed(call.static_vals)) if self._static else call.treedef
         self._fast[key] = _Fast(
             call.plan, compiled, call.n, tuple((i, call.plan.axes[i]) for i in call.plan.mapped),
             compiled.spans_processes, _signature(call.flat) if compiled.nested else None,
@@ -199,7 +199,7 @@ class _ParallelMap:
             static_vals = tuple(args[i] for i in self._static)
             dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static)
         flat, treedef = flattened or jax.tree_util.tree_flatten((dyn_args, kwargs))
-        key = (treedef, static_vals)
+        key = (treedef, _typed(static_vals))
         try:
             plan = self._plans.get(key)
         except TypeError:
@@ -696,6 +696,13 @@ def _still_fits(flat: list[Any], fast: _Fast) -> bool:
     except (AttributeError, IndexError, TypeError):
         return False  # not an array, or too few axes: the checked path says what is wrong
     return True
+
+
+def _typed(static_vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Static arguments as cache keys: ``1``, ``1.0`` and ``True`` are equal and hash alike
+    but trace to different programs (int, float, ``flag is True``), so each is keyed with
+    its type, as jax.jit does."""
+    return tuple((type(v), v) for v in static_vals)
 
 
 def _freeze(spec: Any) -> Any:
