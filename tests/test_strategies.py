@@ -256,6 +256,41 @@ def test_ensemble_refuses_a_single_model_state_before_tracing():
         assert "ensemble.init(make_state, rng)" in msg
 
 
+def test_ensemble_refuses_another_strategys_state_whose_leading_sizes_are_k():
+    # One model whose every leaf happens to start with K = 4: leading sizes cannot tell,
+    # the layout can (a state placed by DataParallel/Sharded is not split over members).
+    ens = spmdkit.Ensemble(4)
+    one_model = lambda rng: {"w": jnp.eye(4), "b": jnp.zeros(4)}  # noqa: E731
+    predict = ens.apply(lambda s, b: b["x"] @ s["w"] + s["b"])
+    x = {"x": np.ones((3, 4), np.float32)}
+    assert predict(ens.init(lambda r: one_model(r), 0), x).shape == (4, 3, 4)
+    for other in (spmdkit.Single(), spmdkit.DataParallel(),
+                  spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        with pytest.raises(spmdkit.MembersMismatchError) as e:
+            predict(other.init(one_model, 0), x)
+        msg = str(e.value)
+        assert "is laid out by another strategy" in msg and "one model's state" in msg
+        assert "ensemble.init(make_state, rng)" in msg
+
+
+def test_another_strategy_refuses_an_ensembles_state():
+    ens = spmdkit.Ensemble(4)
+    members = ens.init(make_linear, 0)
+    for other in (spmdkit.Single(), spmdkit.DataParallel(),
+                  spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        other.init(make_linear, 0)  # Sharded: this structure laid out before
+        for call in (other.step(linear_step), other.apply(lambda s, b: b["x"] @ s["w"])):
+            with pytest.raises(spmdkit.LayoutError) as e:
+                call(members, batch_of(16))
+            msg = str(e.value)
+            assert isinstance(e.value, ValueError)
+            assert "state['w'] has shape (4, 8, 2)" in msg and "an ensemble's state" in msg
+            assert "jax.tree.map(lambda x: x[i], state)" in msg
+    one = jax.tree.map(lambda x: x[1], members)  # the fix the message gives
+    out = spmdkit.DataParallel().apply(lambda s, b: b["x"] @ s["w"])(one, batch_of(16))
+    np.testing.assert_allclose(out, X[:16] @ np.asarray(members["w"][1]), rtol=1e-5)
+
+
 def test_a_string_in_aux_or_output_is_named():
     strategy = spmdkit.DataParallel()
     state = strategy.init(make_linear, 0)

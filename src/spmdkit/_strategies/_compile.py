@@ -21,8 +21,9 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, StepOutputError, TreeMismatchError,
-                             fix)
+from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SpmdkitError, StepOutputError,
+                             TreeMismatchError, fix)
+from spmdkit._rules import LayoutError
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
 
 # How JAX reports a constraint naming a mesh axis the context mesh lacks (0.10 and 0.12).
@@ -203,6 +204,28 @@ class Placement:
 
     def _check_state(self, state: State, leaves: list[Any]) -> None:
         """Refuse a state this strategy cannot run, before tracing (ensembles: member axis)."""
+
+    def _foreign_state(self, state: State) -> None:
+        """After jit refused the state's layout: if every leaf is split along a leading axis
+        of one size over a 1-D mesh that is not ours, it is an ensemble's state; say so."""
+        found = []
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            sh = getattr(x, "sharding", None)
+            if not (isinstance(sh, NamedSharding) and sh.mesh != self.mesh and len(sh.mesh.axis_names) == 1
+                    and np.ndim(x) and sh.spec and sh.spec[0] == sh.mesh.axis_names[0]):
+                return
+            found.append((path, x))
+        if not found or len({x.shape[0] for _, x in found}) != 1:
+            return
+        path, x = found[0]
+        k, axis = x.shape[0], x.sharding.mesh.axis_names[0]
+        raise LayoutError(
+            fix(f"state{jax.tree_util.keystr(path)} has shape {x.shape}, split along its leading axis over mesh "
+                f"axis {axis!r} ({dict(x.sharding.mesh.shape)}), as is every leaf: this is an ensemble's state "
+                f"({k} members stacked on a leading member axis), which {type(self).__name__} does not run.",
+                "run it with the ensemble that made it (ensemble.step / ensemble.apply), or take one member: "
+                "jax.tree.map(lambda x: x[i], state).")
+        )
 
     # ---- shared machinery -------------------------------------------------------
     def _context(self) -> TraceContext:
@@ -410,7 +433,13 @@ class CompiledStep:
                 self._compiled[k] = self._build(state, even, keep)
             return self._compiled[k](state, placed)
 
-        out = s._traced(run)
+        try:
+            out = s._traced(run)
+        except ValueError as e:
+            # jit refuses a state committed to another layout: say whose it looks like.
+            if not isinstance(e, SpmdkitError) and "does not match the sharding" in str(e):
+                s._foreign_state(state)
+            raise
         if self.kind == "apply":
             _check_per_example(out, n, s._row_axis)
         return out
