@@ -236,6 +236,16 @@ def test_static_argument_keyed_with_its_type():
         lowered(x, True)
 
 
+@pytest.mark.parametrize("value,what", [(np.array(["a"] * N), "numpy dtype <U1"), ("abc", "is a str")])
+def test_an_argument_jax_cannot_hold_is_named_by_its_argument(value, what):
+    p = spmdkit.pmap(lambda x, y: x, in_axes=(0, 0 if np.ndim(value) else None))
+    with pytest.raises(spmdkit.MappedAxisError) as e:
+        p(np.ones(N), value)
+    msg = str(e.value)
+    assert msg.startswith("args[1] ") and what in msg and "flat[" not in msg
+    assert isinstance(e.value, TypeError)
+
+
 # ---- property: spmdkit.pmap == jax.vmap ----------------------------------------
 
 FUNCTIONS = {

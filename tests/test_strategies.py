@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -299,6 +301,31 @@ def test_a_string_in_aux_or_output_is_named():
     assert isinstance(e.value, TypeError)
     with pytest.raises(spmdkit.StepOutputError, match=r"output\['name'\]"):
         strategy.apply(lambda s, b: {"y": b["x"], "name": "x"})(state, batch_of(16))
+
+
+@pytest.mark.parametrize("value", [np.array(["a", "b"]), np.str_("a"), np.array([object()]),
+                                   np.datetime64("2020-01-01"), np.zeros(1, dtype=[("a", "f4")])[0]],
+                         ids=["str-array", "str_", "object", "datetime64", "void"])
+def test_a_numpy_string_or_object_in_aux_or_output_is_named(value):
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(make_linear, 0)
+    with pytest.raises(spmdkit.StepOutputError, match=rf"aux\['v'\] = .* of numpy dtype {re.escape(str(value.dtype))}"):
+        strategy.step(lambda s, b: (s, {"v": value}))(state, batch_of(16))
+    with pytest.raises(spmdkit.StepOutputError, match=r"output\['tag'\] = .* of numpy dtype"):
+        strategy.apply(lambda s, b: {"y": b["x"], "tag": value})(state, batch_of(16))
+
+
+@pytest.mark.parametrize("rows", [16, 5])
+def test_a_string_batch_leaf_is_named(rows):
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(make_linear, 0)
+    batch = {**batch_of(rows), "id": np.array(["a"] * rows)}
+    with pytest.raises(spmdkit.SpmdkitError) as e:
+        strategy.apply(lambda s, b: b["x"] @ s["w"], rowwise=True)(state, batch)
+    assert isinstance(e.value, TypeError)
+    msg = str(e.value)
+    assert f"batch['id'] has numpy dtype <U1 (shape ({rows},))" in msg
+    assert "drop batch['id']" in msg and "integers" in msg
 
 
 @pytest.mark.parametrize("strategy", [spmdkit.DataParallel(), spmdkit.Ensemble(2, devices=jax.devices()[:2])],

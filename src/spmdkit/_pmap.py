@@ -35,6 +35,7 @@ from spmdkit._errors import (
     AxisNameError,
     MappedAxisError,
     MappedAxisIndexError,
+    MappedAxisTypeError,
     ReplicationError,
     SignatureError,
     SpmdkitError,
@@ -55,7 +56,7 @@ from spmdkit._pmap_parts import (
     _to_global,
     _unbound_message,
 )
-from spmdkit._tree import broadcast_prefix, keystr
+from spmdkit._tree import bad_dtype, broadcast_prefix, keystr
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -248,6 +249,8 @@ class _ParallelMap:
             return self._run(call, nested, self._placed(nested, call.flat, call))
         if isinstance(error, SpmdkitError):
             raise error
+        if isinstance(error, TypeError):
+            _check_dtypes(call)
         # jit refuses (or trips over) an array committed to another layout: one
         # device, or another mesh. pmap moves such arrays; so do we, on this slow
         # path only, and let any other error through unchanged.
@@ -703,6 +706,25 @@ def _typed(static_vals: tuple[Any, ...]) -> tuple[Any, ...]:
     but trace to different programs (int, float, ``flag is True``), so each is keyed with
     its type, as jax.jit does."""
     return tuple((type(v), v) for v in static_vals)
+
+
+def _check_dtypes(call: _Call) -> None:
+    """After jit raised a TypeError: name an argument JAX cannot hold (strings, objects)."""
+    for i, x in enumerate(call.flat):
+        dtype = bad_dtype(x)
+        if dtype is not None:
+            what = f"has numpy dtype {dtype} (shape {np.shape(x)})"
+        elif isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or hasattr(
+                x, "__jax_array__"):
+            continue
+        else:
+            what = f"is a {type(x).__name__}, not an array"
+        raise MappedAxisTypeError(
+            fix(f"{call.plan.paths[i]} {what}; arguments go to the devices, which hold numbers and bools only.",
+                f"drop {call.plan.paths[i]} from the arguments (keep it on the host, or make it static with "
+                "static_broadcasted_argnums), or encode it as integers (e.g. np.unique(values, "
+                "return_inverse=True)[1]).")
+        )
 
 
 def _freeze(spec: Any) -> Any:

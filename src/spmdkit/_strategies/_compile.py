@@ -21,9 +21,10 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SpmdkitError, StepOutputError,
-                             TreeMismatchError, fix)
+from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
+                             StepOutputError, TreeMismatchError, fix)
 from spmdkit._rules import LayoutError
+from spmdkit._tree import bad_dtype
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
 
 # How JAX reports a constraint naming a mesh axis the context mesh lacks (0.10 and 0.12).
@@ -410,14 +411,18 @@ class CompiledStep:
         s = self.strategy
         n = batch_rows(batch)
         even = n % s.batch_shards == 0
-        rows = n
+        rows, given = n, batch
         if not even and self.rowwise:
             # Rows are independent (the caller says so): pad, run split, drop the padding.
             rows, even = -(-n // s.batch_shards) * s.batch_shards, True
             batch = pad_rows(batch, n, rows)
         # Otherwise an uneven global batch is placed whole on every device: the program is
         # the same single-device program, so the result is exact (only less parallel).
-        placed = place(batch, s._batch_sharding_for(self.kind, even))
+        try:
+            placed = place(batch, s._batch_sharding_for(self.kind, even))
+        except TypeError:
+            _check_batch_dtypes(given)
+            raise
         leaves, treedef = jax.tree.flatten(state)
         if self.donate:
             _DONATING[0] = True
@@ -482,14 +487,29 @@ def _check_not_deleted(state: State, leaves: list[Any]) -> None:
 def _check_values(tree: Any, what: str, name: str) -> None:
     """Every leaf an array or a number: strings and objects cannot leave a compiled step."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) and bad_dtype(x) is None:
             continue
+        kind = f"numpy dtype {x.dtype}" if bad_dtype(x) is not None else f"type {type(x).__name__}"
         raise StepOutputError(
-            fix(f"{name!r} returned {what}{jax.tree_util.keystr(path)} = {x!r} of type {type(x).__name__}; "
+            fix(f"{name!r} returned {what}{jax.tree_util.keystr(path)} = {x!r} of {kind}; "
                 "only arrays and numbers can leave a compiled step.",
                 f"return arrays (e.g. jnp.asarray(value)); keep strings and other Python objects out of "
                 f"{what} (build them from the returned arrays after the call).")
         )
+
+
+def _check_batch_dtypes(batch: Batch) -> None:
+    """After placing the batch failed: name a leaf JAX cannot hold (strings, objects)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        dtype = bad_dtype(x)
+        if dtype is not None:
+            where = "batch" + jax.tree_util.keystr(path)
+            raise SignatureError(
+                fix(f"{where} has numpy dtype {dtype} (shape {x.shape}); a batch reaches the devices, which "
+                    "hold numbers and bools only.",
+                    f"drop {where} from the batch (keep it on the host beside the call), or encode it as "
+                    "integers (e.g. ids = np.unique(values, return_inverse=True)[1]).")
+            )
 
 
 def _dtype(x: Any) -> Any:
