@@ -293,6 +293,27 @@ def test_another_strategy_refuses_an_ensembles_state():
     np.testing.assert_allclose(out, X[:16] @ np.asarray(members["w"][1]), rtol=1e-5)
 
 
+def test_sharded_compiled_apply_refuses_a_same_structure_state_of_other_shapes():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    sharded = lambda: spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model")),  # noqa: E731
+                                      state_axes={"w": (None, "hidden")})
+    f = lambda s, b: jnp.tanh(b["x"] @ s["w"])  # noqa: E731
+    x = {"x": X[:5, :3]}
+    sh = sharded()
+    apply = sh.apply(f, rowwise=True)
+    s8 = sh.init(lambda r: {"w": jax.random.normal(r, (3, 8))}, 0)
+    np.testing.assert_allclose(apply(s8, x), f(jax.device_get(s8), x), rtol=1e-5)
+    s12 = sh.init(lambda r: {"w": jax.random.normal(r, (3, 12))}, 0)  # laid out too: runs
+    np.testing.assert_allclose(apply(s12, x), f(jax.device_get(s12), x), rtol=1e-5)
+    np.testing.assert_allclose(apply(jax.device_get(s8), x), f(jax.device_get(s8), x), rtol=1e-5)
+    host6 = {"w": np.ones((3, 6), np.float32)}
+    for call in (apply, sharded().apply(f, rowwise=True)):  # compiled before, and fresh
+        with pytest.raises(spmdkit.LayoutError, match="got a state this strategy has not laid out"):
+            call(host6, x)
+    with pytest.raises(spmdkit.LayoutError, match=r"state\['w'\] has shape \(3, 6\), but this strategy laid out"):
+        apply(host6, x)
+
+
 def test_a_string_in_aux_or_output_is_named():
     strategy = spmdkit.DataParallel()
     state = strategy.init(make_linear, 0)
