@@ -246,6 +246,17 @@ def test_an_argument_jax_cannot_hold_is_named_by_its_argument(value, what):
     assert isinstance(e.value, TypeError)
 
 
+def test_too_few_devices_given_with_devices_says_to_pass_more():
+    p = spmdkit.pmap(lambda x: x + 1, devices=jax.devices()[4:])
+    with pytest.raises(spmdkit.MappedAxisError) as e:
+        p(np.ones((N, 2)))
+    msg = str(e.value)
+    assert "size 8 along mapped axis 0, but 4 device(s) were given with devices=" in msg
+    assert "pass as many devices as the mapped size in devices=" in msg and "smaller leading axis" in msg
+    assert "use_host_devices" not in msg  # 8 devices exist: simulating more is not the fix
+    np.testing.assert_array_equal(p(np.ones((4, 2))), np.full((4, 2), 2.0))
+
+
 # ---- property: spmdkit.pmap == jax.vmap ----------------------------------------
 
 FUNCTIONS = {

@@ -365,15 +365,22 @@ class _ParallelMap:
         if 1 <= n <= available:
             return
         where = "device(s) were given with devices=" if self._devices else "local device(s) are available"
+        if self._devices is not None and 1 <= n <= len(jax.local_devices(backend=self._backend)):
+            # The machine has enough: devices= is what limits the map.
+            remedy = (f"pass as many devices as the mapped size in devices= (e.g. "
+                      f"devices=jax.local_devices()[:{n}]), or map a smaller leading axis: reshape it to "
+                      f"[{available}, per_device, ...] with spmdkit.shard(x, {available}).")
+        else:
+            remedy = (f"reshape it to [{available}, per_device, ...] with spmdkit.shard(x), or "
+                      f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
+                      f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
+                      f"SPMDKIT_HOST_DEVICES={max(n, 1)}).")
         raise MappedAxisError(
             fix(
                 f"{plan.paths[first]} has size {n} along mapped axis {plan.axes[first]}, "
                 f"but {available} {where}"
                 + (" and a mapped axis of size 0 maps to no device." if n < 1 else "."),
-                f"reshape it to [{available}, per_device, ...] with spmdkit.shard(x), or "
-                f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
-                f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
-                f"SPMDKIT_HOST_DEVICES={max(n, 1)}).",
+                remedy,
             )
         )
 
