@@ -356,8 +356,14 @@ class Placement:
         depends only on row i of the batch: a forward pass in inference mode). An uneven
         batch is then padded up to a multiple of the devices by repeating its last row
         (not zeros, so a function that divides by row values stays finite), run split
-        over the devices, and the padding rows are dropped. A function that mixes rows
-        gives wrong rows under ``rowwise=True``.
+        over the devices, and the padding rows are dropped.
+
+        Warning: ``rowwise=True`` on a function that mixes rows (a softmax over the batch,
+        a batch mean or std, BatchNorm in training mode) gives silently wrong rows, but only
+        for batches that do not split evenly: tests with even batch sizes never reveal it.
+        Test the declaration once with an uneven batch against the default (exact) apply,
+        or pass ``rowwise="check"``: it runs both on every uneven batch and raises
+        ``BatchSizeError`` if they differ (a debugging aid: twice the work).
 
         Example:
             >>> import jax, jax.numpy as jnp, numpy as np, spmdkit
@@ -368,10 +374,39 @@ class Placement:
             (5,)
         """
         check_callable(fn, "fn", "(state, batch) -> outputs [B, ...]")
+        if rowwise == "check":
+            return _RowwiseCheck(self._compiled(fn, "apply", False, True), self._compiled(fn, "apply", False, False))
         if not isinstance(rowwise, bool):
-            raise TypeError(fix(f"rowwise={rowwise!r} must be True or False.",
+            raise TypeError(fix(f"rowwise={rowwise!r} must be True, False or \"check\".",
                                 "pass rowwise=True only if fn treats every row of the batch on its own."))
         return self._compiled(fn, "apply", False, rowwise)
+
+
+class _RowwiseCheck:
+    """``apply(fn, rowwise="check")``: the padded, split path checked against the exact one."""
+
+    def __init__(self, rowwise: CompiledStep, exact: CompiledStep):
+        self.rowwise, self.exact = rowwise, exact
+        self.__wrapped__ = exact.fn
+
+    def __call__(self, state: State, batch: Batch) -> Any:
+        out = self.rowwise(state, batch)
+        n, shards = batch_rows(batch), self.exact.strategy.batch_shards
+        if n % shards == 0:
+            return out  # nothing padded: both paths are one program
+        want = self.exact(state, batch)
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(out)[0], jax.tree.leaves(want)):
+            a, b = np.asarray(a), np.asarray(b)
+            if not np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True):
+                err = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+                raise BatchSizeError(
+                    fix(f"apply(fn, rowwise=\"check\"): on a batch of {n} rows (padded to a multiple of "
+                        f"{shards}), output{jax.tree_util.keystr(path)} differs from the exact apply by up to "
+                        f"{err:.3g}: fn mixes rows (a softmax over the batch, batch statistics), so "
+                        "rowwise=True would give wrong rows for uneven batches.",
+                        "use the default apply(fn) (exact for any batch), or make fn treat rows independently.")
+                )
+        return out
 
 
 class CompiledStep:
