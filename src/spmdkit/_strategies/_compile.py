@@ -344,7 +344,7 @@ class Placement:
         check_callable(fn, "fn", "(state, batch) -> values")
         return self._compiled(fn, "eval", False)
 
-    def apply(self, fn: ApplyFn, *, rowwise: bool = False) -> Callable[[State, Batch], Any]:
+    def apply(self, fn: ApplyFn, *, rowwise: bool | str = False) -> Callable[[State, Batch], Any]:
         """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B, exactly B
         rows back.
 
