@@ -218,6 +218,45 @@ def test_static_broadcasted_argnums():
         pf(jnp.ones(16), 2.0)
 
 
+def test_static_argument_keyed_with_its_type():
+    # 1, 1.0 and True are == and hash alike but trace to different programs (as in jax.pmap).
+    x = np.arange(N, dtype=np.int32)
+    p = spmdkit.pmap(lambda x, s: x * jnp.asarray(s), static_broadcasted_argnums=1)
+    assert p(x, 2).dtype == jnp.int32
+    assert p(x, 2.0).dtype == jnp.float32
+    assert p(x, 2.0).dtype == jnp.float32  # the repeat-call path too
+    assert p(x, 2).dtype == jnp.int32
+    q = spmdkit.pmap(lambda x, flag: x - 100 if flag is True else x + 1, static_broadcasted_argnums=1)
+    np.testing.assert_array_equal(q(x, 1), x + 1)
+    np.testing.assert_array_equal(q(x, True), x - 100)
+    np.testing.assert_array_equal(q(x, True), x - 100)
+    np.testing.assert_array_equal(q(x, 1), x + 1)
+    lowered = q.lower(x, 1).compile()
+    with pytest.raises(spmdkit.SignatureError, match="differ from the ones this was lowered"):
+        lowered(x, True)
+
+
+@pytest.mark.parametrize("value,what", [(np.array(["a"] * N), "numpy dtype <U1"), ("abc", "is a str")])
+def test_an_argument_jax_cannot_hold_is_named_by_its_argument(value, what):
+    p = spmdkit.pmap(lambda x, y: x, in_axes=(0, 0 if np.ndim(value) else None))
+    with pytest.raises(spmdkit.MappedAxisError) as e:
+        p(np.ones(N), value)
+    msg = str(e.value)
+    assert msg.startswith("args[1] ") and what in msg and "flat[" not in msg
+    assert isinstance(e.value, TypeError)
+
+
+def test_too_few_devices_given_with_devices_says_to_pass_more():
+    p = spmdkit.pmap(lambda x: x + 1, devices=jax.devices()[4:])
+    with pytest.raises(spmdkit.MappedAxisError) as e:
+        p(np.ones((N, 2)))
+    msg = str(e.value)
+    assert "size 8 along mapped axis 0, but 4 device(s) were given with devices=" in msg
+    assert "pass as many devices as the mapped size in devices=" in msg and "smaller leading axis" in msg
+    assert "use_host_devices" not in msg  # 8 devices exist: simulating more is not the fix
+    np.testing.assert_array_equal(p(np.ones((4, 2))), np.full((4, 2), 2.0))
+
+
 # ---- property: spmdkit.pmap == jax.vmap ----------------------------------------
 
 FUNCTIONS = {

@@ -344,6 +344,23 @@ def test_rowwise_apply_pads_an_uneven_batch_runs_split_and_equals_single(rows):
         spmdkit.DataParallel().apply(lambda s, b: jnp.sum(b["x"]), rowwise=True)(state, {"x": x})
 
 
+def test_rowwise_check_catches_a_function_that_mixes_rows_on_an_uneven_batch():
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(lambda rng: {"w": jnp.ones((3,))}, 0)
+    softmax = lambda s, b: jax.nn.softmax(b["x"] @ s["w"], axis=0)  # noqa: E731  mixes rows
+    rowwise = lambda s, b: jnp.tanh(b["x"] @ s["w"])  # noqa: E731
+    x = np.random.default_rng(0).normal(size=(13, 3)).astype(np.float32)
+    even = {"x": x[:8]}
+    checked = strategy.apply(softmax, rowwise="check")
+    np.testing.assert_allclose(checked(state, even), strategy.apply(softmax)(state, even), rtol=1e-5)
+    with pytest.raises(spmdkit.BatchSizeError) as e:  # wrong only for uneven batches: caught there
+        checked(state, {"x": x[:5]})
+    msg = str(e.value)
+    assert "batch of 5 rows" in msg and "fn mixes rows" in msg and "default apply(fn)" in msg
+    out = strategy.apply(rowwise, rowwise="check")(state, {"x": x})
+    np.testing.assert_allclose(out, np.tanh(x.sum(1)), rtol=1e-5)
+
+
 def test_padding_repeats_the_last_row():
     from spmdkit._strategies._compile import pad_rows
 

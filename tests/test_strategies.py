@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -272,6 +274,62 @@ def test_ensemble_refuses_a_single_model_state_before_tracing():
         assert "ensemble.init(make_state, rng)" in msg
 
 
+def test_ensemble_refuses_another_strategys_state_whose_leading_sizes_are_k():
+    # One model whose every leaf happens to start with K = 4: leading sizes cannot tell,
+    # the layout can (a state placed by DataParallel/Sharded is not split over members).
+    ens = spmdkit.Ensemble(4)
+    one_model = lambda rng: {"w": jnp.eye(4), "b": jnp.zeros(4)}  # noqa: E731
+    predict = ens.apply(lambda s, b: b["x"] @ s["w"] + s["b"])
+    x = {"x": np.ones((3, 4), np.float32)}
+    assert predict(ens.init(lambda r: one_model(r), 0), x).shape == (4, 3, 4)
+    for other in (spmdkit.Single(), spmdkit.DataParallel(),
+                  spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        with pytest.raises(spmdkit.MembersMismatchError) as e:
+            predict(other.init(one_model, 0), x)
+        msg = str(e.value)
+        assert "is laid out by another strategy" in msg and "one model's state" in msg
+        assert "ensemble.init(make_state, rng)" in msg
+
+
+def test_another_strategy_refuses_an_ensembles_state():
+    ens = spmdkit.Ensemble(4)
+    members = ens.init(make_linear, 0)
+    for other in (spmdkit.Single(), spmdkit.DataParallel(),
+                  spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        other.init(make_linear, 0)  # Sharded: this structure laid out before
+        for call in (other.step(linear_step), other.apply(lambda s, b: b["x"] @ s["w"])):
+            with pytest.raises(spmdkit.LayoutError) as e:
+                call(members, batch_of(16))
+            msg = str(e.value)
+            assert isinstance(e.value, ValueError)
+            assert "state['w'] has shape (4, 8, 2)" in msg and "an ensemble's state" in msg
+            assert "jax.tree.map(lambda x: x[i], state)" in msg
+    one = jax.tree.map(lambda x: x[1], members)  # the fix the message gives
+    out = spmdkit.DataParallel().apply(lambda s, b: b["x"] @ s["w"])(one, batch_of(16))
+    np.testing.assert_allclose(out, X[:16] @ np.asarray(members["w"][1]), rtol=1e-5)
+
+
+def test_sharded_compiled_apply_refuses_a_same_structure_state_of_other_shapes():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    sharded = lambda: spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model")),  # noqa: E731
+                                      state_axes={"w": (None, "hidden")})
+    f = lambda s, b: jnp.tanh(b["x"] @ s["w"])  # noqa: E731
+    x = {"x": X[:5, :3]}
+    sh = sharded()
+    apply = sh.apply(f, rowwise=True)
+    s8 = sh.init(lambda r: {"w": jax.random.normal(r, (3, 8))}, 0)
+    np.testing.assert_allclose(apply(s8, x), f(jax.device_get(s8), x), rtol=1e-5)
+    s12 = sh.init(lambda r: {"w": jax.random.normal(r, (3, 12))}, 0)  # laid out too: runs
+    np.testing.assert_allclose(apply(s12, x), f(jax.device_get(s12), x), rtol=1e-5)
+    np.testing.assert_allclose(apply(jax.device_get(s8), x), f(jax.device_get(s8), x), rtol=1e-5)
+    host6 = {"w": np.ones((3, 6), np.float32)}
+    for call in (apply, sharded().apply(f, rowwise=True)):  # compiled before, and fresh
+        with pytest.raises(spmdkit.LayoutError, match="got a state this strategy has not laid out"):
+            call(host6, x)
+    with pytest.raises(spmdkit.LayoutError, match=r"state\['w'\] has shape \(3, 6\), but this strategy laid out"):
+        apply(host6, x)
+
+
 def test_a_string_in_aux_or_output_is_named():
     strategy = spmdkit.DataParallel()
     state = strategy.init(make_linear, 0)
@@ -280,6 +338,31 @@ def test_a_string_in_aux_or_output_is_named():
     assert isinstance(e.value, TypeError)
     with pytest.raises(spmdkit.StepOutputError, match=r"output\['name'\]"):
         strategy.apply(lambda s, b: {"y": b["x"], "name": "x"})(state, batch_of(16))
+
+
+@pytest.mark.parametrize("value", [np.array(["a", "b"]), np.str_("a"), np.array([object()]),
+                                   np.datetime64("2020-01-01"), np.zeros(1, dtype=[("a", "f4")])[0]],
+                         ids=["str-array", "str_", "object", "datetime64", "void"])
+def test_a_numpy_string_or_object_in_aux_or_output_is_named(value):
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(make_linear, 0)
+    with pytest.raises(spmdkit.StepOutputError, match=rf"aux\['v'\] = .* of numpy dtype {re.escape(str(value.dtype))}"):
+        strategy.step(lambda s, b: (s, {"v": value}))(state, batch_of(16))
+    with pytest.raises(spmdkit.StepOutputError, match=r"output\['tag'\] = .* of numpy dtype"):
+        strategy.apply(lambda s, b: {"y": b["x"], "tag": value})(state, batch_of(16))
+
+
+@pytest.mark.parametrize("rows", [16, 5])
+def test_a_string_batch_leaf_is_named(rows):
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(make_linear, 0)
+    batch = {**batch_of(rows), "id": np.array(["a"] * rows)}
+    with pytest.raises(spmdkit.SpmdkitError) as e:
+        strategy.apply(lambda s, b: b["x"] @ s["w"], rowwise=True)(state, batch)
+    assert isinstance(e.value, TypeError)
+    msg = str(e.value)
+    assert f"batch['id'] has numpy dtype <U1 (shape ({rows},))" in msg
+    assert "drop batch['id']" in msg and "integers" in msg
 
 
 @pytest.mark.parametrize("strategy", [spmdkit.DataParallel(), spmdkit.Ensemble(2, devices=jax.devices()[:2])],

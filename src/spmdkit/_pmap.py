@@ -35,6 +35,7 @@ from spmdkit._errors import (
     AxisNameError,
     MappedAxisError,
     MappedAxisIndexError,
+    MappedAxisTypeError,
     ReplicationError,
     SignatureError,
     SpmdkitError,
@@ -55,7 +56,7 @@ from spmdkit._pmap_parts import (
     _to_global,
     _unbound_message,
 )
-from spmdkit._tree import broadcast_prefix, keystr
+from spmdkit._tree import bad_dtype, broadcast_prefix, keystr
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -135,7 +136,7 @@ class _ParallelMap:
             dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static)
         flat, treedef = jax.tree_util.tree_flatten((dyn_args, kwargs))
         try:
-            fast = self._fast.get((treedef, static_vals) if self._static else treedef)
+            fast = self._fast.get((treedef, _typed(static_vals)) if self._static else treedef)
         except TypeError:  # an unhashable static argument: the checked path says so
             fast = None
         if fast is None or not _still_fits(flat, fast):
@@ -150,7 +151,7 @@ class _ParallelMap:
             call = _Call(fast.plan, flat, treedef, static_vals, fast.n)
             out, compiled = self._recover(call, compiled, placed, e)
             if compiled is not fast.compiled:  # the function nests after all: validate again
-                self._fast.pop((treedef, static_vals) if self._static else treedef, None)
+                self._fast.pop((treedef, _typed(static_vals)) if self._static else treedef, None)
         if compiled.checked is None:
             return out
         return self._finish(compiled, out, _Call(fast.plan, flat, treedef, static_vals, fast.n))
@@ -160,7 +161,7 @@ class _ParallelMap:
         compiled = self._compiled(call)
         out, compiled = self._run(call, compiled, self._placed(compiled, call.flat, call))
         out = self._finish(compiled, out, call)
-        key = (call.treedef, call.static_vals) if self._static else call.treedef
+        key = (call.treedef, _typed(call.static_vals)) if self._static else call.treedef
         self._fast[key] = _Fast(
             call.plan, compiled, call.n, tuple((i, call.plan.axes[i]) for i in call.plan.mapped),
             compiled.spans_processes, _signature(call.flat) if compiled.nested else None,
@@ -199,7 +200,7 @@ class _ParallelMap:
             static_vals = tuple(args[i] for i in self._static)
             dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static)
         flat, treedef = flattened or jax.tree_util.tree_flatten((dyn_args, kwargs))
-        key = (treedef, static_vals)
+        key = (treedef, _typed(static_vals))
         try:
             plan = self._plans.get(key)
         except TypeError:
@@ -248,6 +249,8 @@ class _ParallelMap:
             return self._run(call, nested, self._placed(nested, call.flat, call))
         if isinstance(error, SpmdkitError):
             raise error
+        if isinstance(error, TypeError):
+            _check_dtypes(call)
         # jit refuses (or trips over) an array committed to another layout: one
         # device, or another mesh. pmap moves such arrays; so do we, on this slow
         # path only, and let any other error through unchanged.
@@ -362,15 +365,22 @@ class _ParallelMap:
         if 1 <= n <= available:
             return
         where = "device(s) were given with devices=" if self._devices else "local device(s) are available"
+        if self._devices is not None and 1 <= n <= len(jax.local_devices(backend=self._backend)):
+            # The machine has enough: devices= is what limits the map.
+            remedy = (f"pass as many devices as the mapped size in devices= (e.g. "
+                      f"devices=jax.local_devices()[:{n}]), or map a smaller leading axis: reshape it to "
+                      f"[{available}, per_device, ...] with spmdkit.shard(x, {available}).")
+        else:
+            remedy = (f"reshape it to [{available}, per_device, ...] with spmdkit.shard(x), or "
+                      f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
+                      f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
+                      f"SPMDKIT_HOST_DEVICES={max(n, 1)}).")
         raise MappedAxisError(
             fix(
                 f"{plan.paths[first]} has size {n} along mapped axis {plan.axes[first]}, "
                 f"but {available} {where}"
                 + (" and a mapped axis of size 0 maps to no device." if n < 1 else "."),
-                f"reshape it to [{available}, per_device, ...] with spmdkit.shard(x), or "
-                f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
-                f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
-                f"SPMDKIT_HOST_DEVICES={max(n, 1)}).",
+                remedy,
             )
         )
 
@@ -696,6 +706,32 @@ def _still_fits(flat: list[Any], fast: _Fast) -> bool:
     except (AttributeError, IndexError, TypeError):
         return False  # not an array, or too few axes: the checked path says what is wrong
     return True
+
+
+def _typed(static_vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Static arguments as cache keys: ``1``, ``1.0`` and ``True`` are equal and hash alike
+    but trace to different programs (int, float, ``flag is True``), so each is keyed with
+    its type, as jax.jit does."""
+    return tuple((type(v), v) for v in static_vals)
+
+
+def _check_dtypes(call: _Call) -> None:
+    """After jit raised a TypeError: name an argument JAX cannot hold (strings, objects)."""
+    for i, x in enumerate(call.flat):
+        dtype = bad_dtype(x)
+        if dtype is not None:
+            what = f"has numpy dtype {dtype} (shape {np.shape(x)})"
+        elif isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or hasattr(
+                x, "__jax_array__"):
+            continue
+        else:
+            what = f"is a {type(x).__name__}, not an array"
+        raise MappedAxisTypeError(
+            fix(f"{call.plan.paths[i]} {what}; arguments go to the devices, which hold numbers and bools only.",
+                f"drop {call.plan.paths[i]} from the arguments (keep it on the host, or make it static with "
+                "static_broadcasted_argnums), or encode it as integers (e.g. np.unique(values, "
+                "return_inverse=True)[1]).")
+        )
 
 
 def _freeze(spec: Any) -> Any:

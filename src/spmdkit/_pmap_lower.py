@@ -82,7 +82,9 @@ class Compiled:
         dyn = args
         if pm._static:
             static_vals = tuple(args[i] for i in pm._static if i < len(args))
-            if static_vals != call.static_vals:
+            # Typed: 1, 1.0 and True are equal but compile differently (see _pmap._typed).
+            typed = [(type(v), v) for v in static_vals]
+            if typed != [(type(v), v) for v in call.static_vals]:
                 raise SignatureError(
                     fix(
                         f"static arguments {static_vals!r} differ from the ones this was lowered "

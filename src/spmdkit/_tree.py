@@ -5,10 +5,21 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from spmdkit._errors import TreeMismatchError, fix
 
 KeyPath = tuple[Any, ...]
+
+
+def bad_dtype(x: Any) -> Any:
+    """The dtype of a numpy array or scalar that JAX cannot hold (strings, objects, dates,
+    records), or None: numbers and bools (bfloat16 and the other ml_dtypes too) are fine."""
+    if not isinstance(x, (np.ndarray, np.generic)):
+        return None
+    dtype = x.dtype
+    return None if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number) else dtype
 
 
 def keystr(root: str, path: KeyPath) -> str:

@@ -21,8 +21,10 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, StepOutputError, TreeMismatchError,
-                             fix)
+from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
+                             StepOutputError, TreeMismatchError, fix)
+from spmdkit._rules import LayoutError
+from spmdkit._tree import bad_dtype
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
 
 # How JAX reports a constraint naming a mesh axis the context mesh lacks (0.10 and 0.12).
@@ -206,6 +208,28 @@ class Placement:
     def _check_state(self, state: State, leaves: list[Any]) -> None:
         """Refuse a state this strategy cannot run, before tracing (ensembles: member axis)."""
 
+    def _foreign_state(self, state: State) -> None:
+        """After jit refused the state's layout: if every leaf is split along a leading axis
+        of one size over a 1-D mesh that is not ours, it is an ensemble's state; say so."""
+        found = []
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            sh = getattr(x, "sharding", None)
+            if not (isinstance(sh, NamedSharding) and sh.mesh != self.mesh and len(sh.mesh.axis_names) == 1
+                    and np.ndim(x) and sh.spec and sh.spec[0] == sh.mesh.axis_names[0]):
+                return
+            found.append((path, x))
+        if not found or len({x.shape[0] for _, x in found}) != 1:
+            return
+        path, x = found[0]
+        k, axis = x.shape[0], x.sharding.mesh.axis_names[0]
+        raise LayoutError(
+            fix(f"state{jax.tree_util.keystr(path)} has shape {x.shape}, split along its leading axis over mesh "
+                f"axis {axis!r} ({dict(x.sharding.mesh.shape)}), as is every leaf: this is an ensemble's state "
+                f"({k} members stacked on a leading member axis), which {type(self).__name__} does not run.",
+                "run it with the ensemble that made it (ensemble.step / ensemble.apply), or take one member: "
+                "jax.tree.map(lambda x: x[i], state).")
+        )
+
     # ---- shared machinery -------------------------------------------------------
     def _context(self) -> TraceContext:
         return TraceContext(self.mesh, self._rules(), getattr(self, "_extra_axes", ()))
@@ -314,7 +338,7 @@ class Placement:
         check_callable(fn, "fn", "(state, batch) -> values")
         return self._compiled(fn, "eval", False)
 
-    def apply(self, fn: ApplyFn, *, rowwise: bool = False) -> Callable[[State, Batch], Any]:
+    def apply(self, fn: ApplyFn, *, rowwise: bool | str = False) -> Callable[[State, Batch], Any]:
         """``fn(state, batch) -> per-example outputs [B, ...]`` for any batch size B, exactly B
         rows back.
 
@@ -326,8 +350,14 @@ class Placement:
         depends only on row i of the batch: a forward pass in inference mode). An uneven
         batch is then padded up to a multiple of the devices by repeating its last row
         (not zeros, so a function that divides by row values stays finite), run split
-        over the devices, and the padding rows are dropped. A function that mixes rows
-        gives wrong rows under ``rowwise=True``.
+        over the devices, and the padding rows are dropped.
+
+        Warning: ``rowwise=True`` on a function that mixes rows (a softmax over the batch,
+        a batch mean or std, BatchNorm in training mode) gives silently wrong rows, but only
+        for batches that do not split evenly: tests with even batch sizes never reveal it.
+        Test the declaration once with an uneven batch against the default (exact) apply,
+        or pass ``rowwise="check"``: it runs both on every uneven batch and raises
+        ``BatchSizeError`` if they differ (a debugging aid: twice the work).
 
         Example:
             >>> import jax, jax.numpy as jnp, numpy as np, spmdkit
@@ -338,10 +368,39 @@ class Placement:
             (5,)
         """
         check_callable(fn, "fn", "(state, batch) -> outputs [B, ...]")
+        if rowwise == "check":
+            return _RowwiseCheck(self._compiled(fn, "apply", False, True), self._compiled(fn, "apply", False, False))
         if not isinstance(rowwise, bool):
-            raise TypeError(fix(f"rowwise={rowwise!r} must be True or False.",
+            raise TypeError(fix(f"rowwise={rowwise!r} must be True, False or \"check\".",
                                 "pass rowwise=True only if fn treats every row of the batch on its own."))
         return self._compiled(fn, "apply", False, rowwise)
+
+
+class _RowwiseCheck:
+    """``apply(fn, rowwise="check")``: the padded, split path checked against the exact one."""
+
+    def __init__(self, rowwise: CompiledStep, exact: CompiledStep):
+        self.rowwise, self.exact = rowwise, exact
+        self.__wrapped__ = exact.fn
+
+    def __call__(self, state: State, batch: Batch) -> Any:
+        out = self.rowwise(state, batch)
+        n, shards = batch_rows(batch), self.exact.strategy.batch_shards
+        if n % shards == 0:
+            return out  # nothing padded: both paths are one program
+        want = self.exact(state, batch)
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(out)[0], jax.tree.leaves(want)):
+            a, b = np.asarray(a), np.asarray(b)
+            if not np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True):
+                err = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+                raise BatchSizeError(
+                    fix(f"apply(fn, rowwise=\"check\"): on a batch of {n} rows (padded to a multiple of "
+                        f"{shards}), output{jax.tree_util.keystr(path)} differs from the exact apply by up to "
+                        f"{err:.3g}: fn mixes rows (a softmax over the batch, batch statistics), so "
+                        "rowwise=True would give wrong rows for uneven batches.",
+                        "use the default apply(fn) (exact for any batch), or make fn treat rows independently.")
+                )
+        return out
 
 
 class CompiledStep:
@@ -390,14 +449,18 @@ class CompiledStep:
         s = self.strategy
         n = batch_rows(batch)
         even = n % s.batch_shards == 0
-        rows = n
+        rows, given = n, batch
         if not even and self.rowwise:
             # Rows are independent (the caller says so): pad, run split, drop the padding.
             rows, even = -(-n // s.batch_shards) * s.batch_shards, True
             batch = pad_rows(batch, n, rows)
         # Otherwise an uneven global batch is placed whole on every device: the program is
         # the same single-device program, so the result is exact (only less parallel).
-        placed = place(batch, s._batch_sharding_for(self.kind, even))
+        try:
+            placed = place(batch, s._batch_sharding_for(self.kind, even))
+        except TypeError:
+            _check_batch_dtypes(given)
+            raise
         leaves, treedef = jax.tree.flatten(state)
         if self.donate:
             _DONATING[0] = True
@@ -413,7 +476,13 @@ class CompiledStep:
                 self._compiled[k] = self._build(state, even, keep)
             return self._compiled[k](state, placed)
 
-        out = s._traced(run)
+        try:
+            out = s._traced(run)
+        except ValueError as e:
+            # jit refuses a state committed to another layout: say whose it looks like.
+            if not isinstance(e, SpmdkitError) and "does not match the sharding" in str(e):
+                s._foreign_state(state)
+            raise
         if self.kind == "apply":
             _check_per_example(out, n, s._row_axis)
         return out
@@ -456,14 +525,29 @@ def _check_not_deleted(state: State, leaves: list[Any]) -> None:
 def _check_values(tree: Any, what: str, name: str) -> None:
     """Every leaf an array or a number: strings and objects cannot leave a compiled step."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) and bad_dtype(x) is None:
             continue
+        kind = f"numpy dtype {x.dtype}" if bad_dtype(x) is not None else f"type {type(x).__name__}"
         raise StepOutputError(
-            fix(f"{name!r} returned {what}{jax.tree_util.keystr(path)} = {x!r} of type {type(x).__name__}; "
+            fix(f"{name!r} returned {what}{jax.tree_util.keystr(path)} = {x!r} of {kind}; "
                 "only arrays and numbers can leave a compiled step.",
                 f"return arrays (e.g. jnp.asarray(value)); keep strings and other Python objects out of "
                 f"{what} (build them from the returned arrays after the call).")
         )
+
+
+def _check_batch_dtypes(batch: Batch) -> None:
+    """After placing the batch failed: name a leaf JAX cannot hold (strings, objects)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        dtype = bad_dtype(x)
+        if dtype is not None:
+            where = "batch" + jax.tree_util.keystr(path)
+            raise SignatureError(
+                fix(f"{where} has numpy dtype {dtype} (shape {x.shape}); a batch reaches the devices, which "
+                    "hold numbers and bools only.",
+                    f"drop {where} from the batch (keep it on the host beside the call), or encode it as "
+                    "integers (e.g. ids = np.unique(values, return_inverse=True)[1]).")
+            )
 
 
 def _dtype(x: Any) -> Any:

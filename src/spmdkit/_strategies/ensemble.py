@@ -106,6 +106,12 @@ class Ensemble(Placement):
     the caller's line of code. ``hyperparams={"learning_rate": [...]}`` gives each
     member its own value of an ``optax.inject_hyperparams`` hyperparameter.
 
+    A state without a leading member axis of size K raises ``MembersMismatchError``, as
+    does one laid out by another strategy (device arrays not split over the member axis).
+    A host (numpy) or uncommitted state carries no layout, so one model whose every leaf
+    happens to start with K rows (``{"w": eye(K), "b": zeros(K)}``) cannot be told from K
+    members and is run as K members: build ensemble states with ``init``.
+
     Example:
         >>> import jax, jax.numpy as jnp, optax, spmdkit
         >>> ens = spmdkit.Ensemble(members=4)
@@ -288,6 +294,25 @@ class Ensemble(Placement):
                     f"build it with ensemble.init(make_state, rng) (member m from "
                     f"jax.random.split(rng, {self.members})[m]), or stack {self.members} single-model states: "
                     "jax.tree.map(lambda *xs: jnp.stack(xs), *states).")
+            )
+
+    def _foreign_state(self, state: Any) -> None:
+        # After jit refused the state's layout. Committed arrays not split along their
+        # leading axis were laid out by another strategy: one model's state, even where
+        # every leaf's leading size happens to be K.
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            sh = getattr(x, "sharding", None)
+            if not isinstance(x, jax.Array) or not x.committed or (
+                    isinstance(sh, NamedSharding) and sh.spec and sh.spec[0] is not None):
+                continue
+            raise MembersMismatchError(
+                fix(f"state{jax.tree_util.keystr(path)} (shape {x.shape}) is laid out by another strategy "
+                    f"({sh}): not split over the member axis, so it is one model's state, not the "
+                    f"{self.members} members' states Ensemble(members={self.members}) keeps stacked on a "
+                    "leading axis.",
+                    f"build it with ensemble.init(make_state, rng), or stack {self.members} single-model "
+                    "states: jax.tree.map(lambda *xs: jnp.stack(xs), *states); an ensemble's state restored "
+                    "elsewhere goes back with ensemble.place_state(state).")
             )
 
     def _check_members(self, state: Any) -> None:

@@ -172,6 +172,7 @@ class Sharded(Placement):
         self._replicated = NamedSharding(mesh, P())
         self.layout: Layout | None = None
         self._known: dict[Any, Any] = {}  # state treedef -> shardings, from init / shardings()
+        self._known_shapes: dict[Any, set[tuple]] = {}  # treedef -> the leaves' shapes laid out
 
     @property
     def batch_shards(self) -> int:
@@ -199,7 +200,9 @@ class Sharded(Placement):
         boxed = _with_state_axes(abstract_state, self.state_axes)
         layout = plan_layout(boxed, self.rules, self.mesh)
         warn_if_mostly_replicated(layout, self.rules, self.mesh)
-        self._known[jax.tree.structure(layout.shardings)] = layout.shardings
+        treedef = jax.tree.structure(layout.shardings)
+        self._known[treedef] = layout.shardings
+        self._known_shapes.setdefault(treedef, set()).add(tuple(leaf.shape for leaf in layout.leaves))
         self.layout = layout  # the last layout planned, for inspection
         return layout
 
@@ -218,6 +221,25 @@ class Sharded(Placement):
             fix("Sharded.step/apply got a state this strategy has not laid out.",
                 "create it with strategy.init(make_state, rng), or restore it into "
                 "strategy.shardings(abstract_state) / strategy.abstract(make_state).")
+        )
+
+    def _check_state(self, state: Any, leaves: list[Any]) -> None:
+        # Every call (shapes only): a compiled step is cached by structure, so a state of a
+        # laid-out structure but other shapes would reach a program laid out for the others.
+        known = self._known_shapes.get(jax.tree.structure(state))
+        if known is None or tuple(np.shape(x) for x in leaves) in known or all(
+                isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
+                for x in leaves):
+            return
+        self._foreign_state(state)  # an ensemble's state (members stacked) is named as such
+        shapes = max(known)  # one laid-out version, to name a leaf that differs
+        path, x, want = next(((p, x, s) for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(state)[0], shapes)
+                              if np.shape(x) != s))
+        raise LayoutError(
+            fix(f"Sharded.step/apply got a state this strategy has not laid out: state{jax.tree_util.keystr(path)} "
+                f"has shape {np.shape(x)}, but this strategy laid out that leaf with shape {want}.",
+                "create it with strategy.init(make_state, rng), or restore it into "
+                "strategy.shardings(abstract_state) / strategy.abstract(make_state) for its shapes.")
         )
 
     def _batch_sharding(self, even: bool) -> NamedSharding:
