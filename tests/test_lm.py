@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import spmdkit
+from spmdkit._train._steps import task_state
 from spmdkit._cli import main
 from spmdkit._sample import load_lm
 from spmdkit._tasks import lm
@@ -142,7 +143,7 @@ def test_every_lm_name_needs_a_rule(task):
     del rules["heads"]
     strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), rules)
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)\['layers'\]\['key'\].*logical axis 'heads'"):
-        strategy.plan(task.init, optax.adamw(1e-3))
+        strategy.plan(task_state(task, optax.adamw(1e-3)))
 
 
 def test_own_text_dir(tmp_path):
