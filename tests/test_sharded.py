@@ -204,3 +204,9 @@ def test_nnx_with_partitioning_is_laid_out_by_the_rules_and_trains_like_one_devi
     reference = spmdkit.fit(task, spmdkit.Single(), optax.adam(1e-3), config, progress=False)
     for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(reference.params)):
         assert float(np.max(np.abs(a - b))) <= TOLERANCE
+
+
+def test_plan_with_the_older_init_and_optimizer_arguments_says_what_it_takes():
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")
+    with pytest.raises(TypeError, match=r"takes the function that builds the whole state"):
+        strategy.plan(lambda rng: {"w": jax.numpy.zeros(3)}, optax.sgd(0.1))

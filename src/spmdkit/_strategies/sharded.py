@@ -249,6 +249,12 @@ class Sharded(Placement):
     def plan(self, make_state: MakeState, rng: Any = 0) -> Layout:
         """Every leaf's layout of ``make_state(rng)``'s state, validated, with its path,
         logical names and bytes per device; nothing is allocated (``jax.eval_shape``)."""
+        if hasattr(rng, "init") and hasattr(rng, "update"):  # the older plan(init_fn, optimizer)
+            raise TypeError(fix(
+                "Sharded.plan(make_state, rng) takes the function that builds the whole state, not "
+                f"(init_fn, optimizer): its second argument is a PRNG key or seed, not {type(rng).__name__}.",
+                "build the optimizer state inside make_state, e.g. plan(lambda rng: "
+                "TrainState.create(apply_fn=..., params=init_fn(rng), tx=optimizer))."))
         return self.layout_of(self._abstract_boxed(make_state, as_key(rng)))
 
     def __repr__(self) -> str:
