@@ -4,9 +4,6 @@ yield each process's share train as the arrays do."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,24 +12,13 @@ import numpy as np
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _data_mp_program as program  # noqa: E402
+from _launch_two import launch_two  # noqa: E402
 
 sys.path.remove(str(HERE))
 
 
 def _launch(*args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
-    command = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "4", "--",
-               sys.executable, str(HERE / "_data_mp_program.py"), *args]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
-            proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "process 1 of 2 devices 8" in stdout + stderr
+    launch_two(HERE / "_data_mp_program.py", *args, timeout=300)
 
 
 def _expected_rows(data_dir, k):

@@ -178,23 +178,23 @@ class _Plan(NamedTuple):
     eval_every: int
 
 
-def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
-    """The run's length and sizes, validated before anything is built."""
-    bs = config.batch_size
-    if bs > task.num_train:
+def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
+    """The run's length and sizes, validated before anything is built. A pipeline's length
+    is its own (``feed.steps_per_epoch`` None: unknown, so the run needs ``steps``)."""
+    bs, ga, n = config.batch_size, config.grad_accum, task.num_train
+    if n is not None and bs > n:
         raise ConfigError(
-            fix(f"batch_size={bs} is larger than the training set of task {task.name!r} ({task.num_train} examples).",
-                f"use batch_size={task.num_train} or less (--batch-size).")
+            fix(f"batch_size={bs} is larger than the training set of task {task.name!r} ({n} examples).",
+                f"use batch_size={n} or less (--batch-size).")
         )
-    ga = config.grad_accum
     if bs % ga:
         # Only fixes the data allow: a batch of at most num_train rows, or a divisor of this batch.
-        sizes = [m for m in (bs - bs % ga, bs - bs % ga + ga) if 0 < m <= task.num_train]
+        sizes = [m for m in (bs - bs % ga, bs - bs % ga + ga) if 0 < m and (n is None or m <= n)]
         divisor = max(d for d in range(1, ga) if bs % d == 0)
         options = ([f"batch_size={sizes[0]}"] if sizes else []) + [f"grad_accum={divisor}"]
         raise ConfigError(
             fix(f"batch_size={bs} is not a multiple of grad_accum={ga}: the micro-batches of a step must be "
-                f"equal{'' if sizes else f', and no multiple of {ga} fits the {task.num_train} examples'}.",
+                f"equal{'' if sizes else f', and no multiple of {ga} fits the {n} examples'}.",
                 f"use {' or '.join(options)} (--batch-size, --grad-accum).")
         )
     shards = getattr(strategy, "batch_shards", 1)
@@ -202,25 +202,13 @@ def _plan(task: Task, strategy: Any, config: TrainConfig) -> _Plan:
         warnings.warn(
             f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
             f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
-    per_epoch = task.num_train // bs if config.drop_remainder else math.ceil(task.num_train / bs)
-    total = config.steps if config.steps is not None else config.epochs * per_epoch
-    return _Plan(bs, per_epoch, total, config.eval_every or per_epoch)
-
-
-def _pipeline_plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
-    """The plan of a run from a pipeline: its length is its own (``steps_per_epoch`` None: unknown)."""
-    bs, per_epoch = config.batch_size, feed.steps_per_epoch
-    if per_epoch is None and config.steps is None:
+    if n is not None:
+        per_epoch = n // bs if config.drop_remainder else math.ceil(n / bs)
+    elif feed.steps_per_epoch is None and config.steps is None:
         raise ConfigError(fix(f"task {task.name!r} trains from a pipeline of unknown length, so epochs={config.epochs} "
                               "cannot be counted.", "give the run's length in steps (TrainConfig(steps=...); --steps)."))
-    if bs % config.grad_accum:
-        raise ConfigError(fix(f"batch_size={bs} is not a multiple of grad_accum={config.grad_accum}: the micro-batches "
-                              "of a step must be equal.", "change one of them (--batch-size, --grad-accum)."))
-    shards = getattr(strategy, "batch_shards", 1)
-    if bs % shards:
-        warnings.warn(
-            f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
-            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
+    else:
+        per_epoch = feed.steps_per_epoch
     total = config.steps if config.steps is not None else config.epochs * per_epoch
     return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total)
 
@@ -378,8 +366,7 @@ class _Run:
         self.entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
         self.task, self.strategy, self.config, self.run_info = task, strategy, config, run_info
         self.feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
-        self.plan = _plan(task, strategy, config) if task.num_train is not None else \
-            _pipeline_plan(task, strategy, config, self.feed)
+        self.plan = _plan(task, strategy, config, self.feed)
         validate_task(task, config.batch_size, self.feed.example())
         self.out = None if out_dir is None else Path(out_dir)
         # With several processes (jax.distributed) every one trains; process 0 alone writes.

@@ -1,0 +1,26 @@
+"""Run a test program under ``spmdkit launch -n 2`` with 4 devices per process: a hard
+timeout, and the launcher and both workers killed with SIGKILL if it is still running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def launch_two(program: Path, *args: str, timeout: float) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+    command = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "4", "--",
+               sys.executable, str(program), *args]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "process 1 of 2 devices 8" in stdout + stderr
