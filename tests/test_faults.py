@@ -416,7 +416,9 @@ def test_killed_during_save_and_restore_then_sigterm_resumes_bit_equal(tmp_path,
     rng = random.Random(1)
     deadline = time.time() + 240
     p = spawn(procs, train_args(ck, out, total))
-    while newest(ck) < 25 and p.poll() is None and time.time() < deadline:
+    # Past step 25 and with one step's manifest written, so an intact step exists before the kills.
+    while (newest(ck) < 25 or not any((ck / "manifests").glob("*.json"))) and p.poll() is None \
+            and time.time() < deadline:
         time.sleep(0.02)
     time.sleep(rng.uniform(0.0, 0.3))  # saves take most of each step's time here: mostly mid-save
     os.killpg(p.pid, signal.SIGKILL)
