@@ -85,7 +85,7 @@ def _print_summary(summary: dict[str, Any], out: Path, console: Console) -> None
     table.add_column("")
     table.add_column("value", justify="right")
     keys = ["final_train_loss", "eval_loss", "eval_bits_per_byte", "eval_accuracy", "mean_member_accuracy", "ensemble_accuracy",
-            "w", "b", "wall_time_s", "steps_per_sec", "params_digest"]
+            "w", "b", "epochs", "examples_seen", "wall_time_s", "steps_per_sec", "params_digest"]
     for k in keys:
         if summary.get(k) is not None:
             v = summary[k]

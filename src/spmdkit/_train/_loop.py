@@ -173,9 +173,21 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
 
 class _Plan(NamedTuple):
     batch_size: int
-    steps_per_epoch: int
+    steps_per_epoch: int  # the run's length when the data's is unknown
     total: int
     eval_every: int
+    epoch_examples: int | None = None  # examples in one epoch; None: a pipeline of unknown length
+
+    def epochs(self, done: int) -> float | None:
+        """Passes over the data after ``done`` steps; None when an epoch's length is unknown."""
+        return None if self.epoch_examples is None else done / self.steps_per_epoch
+
+    def examples(self, done: int) -> int:
+        """Examples trained on in ``done`` steps (an epoch's short last batch counted as it is)."""
+        if self.epoch_examples is None:
+            return done * self.batch_size
+        full, part = divmod(done, self.steps_per_epoch)
+        return full * self.epoch_examples + min(part * self.batch_size, self.epoch_examples)
 
 
 def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
@@ -210,7 +222,8 @@ def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
     else:
         per_epoch = feed.steps_per_epoch
     total = config.steps if config.steps is not None else config.epochs * per_epoch
-    return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total)
+    examples = None if per_epoch is None else n if n is not None and not config.drop_remainder else per_epoch * bs
+    return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total, examples)
 
 
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
@@ -540,7 +553,8 @@ def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Calla
     def meta(info: StepInfo) -> dict[str, Any]:
         return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
                 "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
-                "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
+                "epoch": info.epoch if info.metrics else None if plan.epoch_examples is None
+                else info.step // plan.steps_per_epoch,
                 "strategy": strategy.describe(), "config": run_info or {},
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **({"data": feed.state(info.step)} if feed is not None else {})}
@@ -558,7 +572,9 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
         **strategy.describe(),
         "steps": done,
         "steps_planned": plan.total,
-        "epochs": done / plan.steps_per_epoch,
+        "epochs": plan.epochs(done),  # None for a pipeline of unknown length: no epoch to count in
+        "examples_seen": plan.examples(done),
+        "batches_seen": done,
         "batch_size": plan.batch_size,
         "seed": config.seed,
         "final_train_loss": last_train.get("loss"),
