@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmdkit._data import is_pipeline
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._tasks._base import Task
 
@@ -31,7 +32,7 @@ def _unbox(tree: Any) -> Any:
 
 def _check_data(task: Task) -> None:
     for split, data in (("train_data", task.train_data), ("eval_data", task.eval_data)):
-        if data is None or task.num_train is None and split == "train_data":  # a pipeline: checked per batch
+        if data is None or is_pipeline(data):  # a pipeline: checked per batch
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
             kind = np.asarray(leaf).dtype.kind
