@@ -59,11 +59,15 @@ class CalibrationError(SpmdkitError, ValueError):
 
 
 class CalibrationFileError(SpmdkitError, OSError):
-    """A target file cannot be written, read, or is not a target file."""
+    """The target file cannot be written (``--out`` in a missing, read-only or full place)."""
+
+    exit_code = 5  # the CLI's code for an I/O failure
 
 
 class CalibrationRunError(SpmdkitError, RuntimeError):
     """The processes that measure the inter-host link failed or timed out."""
+
+    exit_code = 4  # the CLI's code for a lost peer process
 
 
 # --- the cost model (target-schema.md) ------------------------------------------------
@@ -107,7 +111,7 @@ def coefficients(target: dict[str, Any], kind: str, link: str) -> dict[str, floa
         return own
     if link in target.get("links", {}):
         return target["links"][link]
-    raise CalibrationFileError(fix(f"the target has no figures for link {link!r} (kind {kind!r}).",
+    raise CalibrationError(fix(f"the target has no figures for link {link!r} (kind {kind!r}).",
                                    "calibrate it with spmdkit calibrate --processes 2."))
 
 
@@ -246,17 +250,17 @@ def check_out(out: str | os.PathLike | None) -> str | None:
         return None
     path = os.fspath(out)
     if os.path.isdir(path):
-        raise CalibrationFileError(fix(f"--out {path}: is a directory.", "pass a file name, e.g. --out target.json."))
+        raise CalibrationFileError(fix(f"out={path!r} (--out) is a directory.", "pass a file name, e.g. --out target.json."))
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise CalibrationFileError(fix(f"--out {path}: directory {parent} does not exist.",
+        raise CalibrationFileError(fix(f"out={path!r} (--out): directory {parent} does not exist.",
                                        f"create it (mkdir -p {parent}) or pass another path."))
     try:
         fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-calibrate-")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise CalibrationFileError(fix(f"--out {path}: cannot write in {parent} ({e.strerror or e}).",
+        raise CalibrationFileError(fix(f"out={path!r} (--out): cannot write in {parent} ({e.strerror or e}).",
                                        "pass a path in a directory you can write to.")) from None
     return path
 
@@ -280,12 +284,12 @@ def load_target_json(path: str) -> dict[str, Any]:
         with open(path) as fh:
             target = json.load(fh)
     except OSError as e:
-        raise CalibrationFileError(fix(f"cannot read the target file {path}: {e.strerror or e}.",
+        raise CalibrationError(fix(f"cannot read the target file {path}: {e.strerror or e}.",
                                        "pass a file written by spmdkit calibrate --out FILE.")) from None
     except ValueError as e:
-        raise CalibrationFileError(fix(f"{path} is not JSON ({e}).", "pass a file written by spmdkit calibrate.")) from None
+        raise CalibrationError(fix(f"{path} is not JSON ({e}).", "pass a file written by spmdkit calibrate.")) from None
     if not isinstance(target, dict) or target.get("format") != FORMAT or target.get("version") != VERSION:
-        raise CalibrationFileError(fix(f"{path} is not a {FORMAT} file of version {VERSION}.",
+        raise CalibrationError(fix(f"{path} is not a {FORMAT} file of version {VERSION}.",
                                        "pass a file written by spmdkit calibrate --out FILE."))
     return target
 
@@ -385,7 +389,7 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
     }
     rows = prediction_errors(target, points)
     target["measurements"] = [{k: r[k] for k in ("kind", "link", "n", "bytes", "seconds", "predicted", "rel_err",
-                                                 "iqr_rel", "reps", "rounds", "flags")} for r in rows]
+                                                 "iqr_rel", "min_seconds", "reps", "rounds", "flags")} for r in rows]
     # Optional fields (a reader may ignore them): how well the fit explains the points, and why.
     target["fit_quality"] = error_summary(rows)
     target["compute_detail"] = compute["detail"]
@@ -398,8 +402,24 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
         f"peak_flops and memory_bandwidth: per device with all {devices_per_host} devices computing at once",
         "fit: alpha, beta >= 0 by least squares on the relative error; links[*] = the all_reduce fit",
     ]
-    target["warnings"] = list(warnings)
+    target["warnings"] = merge_warnings(warnings)
     return target
+
+
+def merge_warnings(warnings: Sequence[str]) -> list[str]:
+    """One line per distinct message: ``"GROUP: message"`` lines that repeat across groups are counted.
+
+    Example:
+        >>> merge_warnings(["a n=2 4 B: busy", "a n=2 8 B: busy", "a n=2 8 B: x: spread 20%"])
+        ['busy (2 of 2 measurement groups)', 'a n=2 8 B: x: spread 20%']
+    """
+    split = [w.split(": ", 1) if ": " in w else ["", w] for w in warnings]
+    groups = {group for group, _ in split if group}
+    counts: dict[str, int] = {}
+    for _, msg in split:
+        counts[msg] = counts.get(msg, 0) + 1
+    merged = [f"{msg} ({k} of {len(groups)} measurement groups)" for msg, k in counts.items() if k > 1]
+    return merged + [w for w, (_, msg) in zip(warnings, split) if counts[msg] == 1]
 
 
 def _check_devices(devices: int | None):

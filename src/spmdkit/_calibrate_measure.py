@@ -96,6 +96,17 @@ def _choose_reps(fn: Callable, x: jax.Array, mesh: Mesh, target_s: float) -> int
     return int(min(MAX_REPS, max(1, round(target_s / max(per, 1e-9)))))
 
 
+def _settle(programs: dict[str, Callable], mesh: Mesh, n: int, nbytes: int, target_s: float) -> None:
+    """Run every program for a while before timing: the first collectives between processes
+    pay for connections and buffers (measured: the first size 4-10x slower than later ones)."""
+    e = _elements(nbytes, n)
+    x = {kind: _filled(mesh, e // n if kind == "all_gather" else e) for kind in programs}
+    reps = _replicated_int(mesh, 16)
+    for _ in range(max(3, int(0.1 / target_s))):
+        for kind, fn in programs.items():
+            jax.block_until_ready(fn(x[kind], reps))
+
+
 def measure_collectives(
     devices: Sequence[jax.Device],
     group_sizes: Sequence[int],
@@ -120,6 +131,7 @@ def measure_collectives(
     for n in group_sizes:
         mesh = Mesh(np.asarray(devices, dtype=object).reshape(count // n, n), ("rest", "group"))
         programs = {kind: _program(kind, mesh, n) for kind in kinds}
+        _settle(programs, mesh, n, min(sizes), target_s)
         for nbytes in sizes:
             e = _elements(nbytes, n)
             full = _filled(mesh, e)
@@ -133,7 +145,7 @@ def measure_collectives(
             for k, r in zip(kinds, reps):
                 c = run["cases"][k]
                 points.append({"kind": k, "link": link, "n": n, "bytes": e * 4, "seconds": c["median"],
-                               "iqr_rel": c.get("iqr_rel"), "reps": r, "rounds": rounds, "flags": c["flags"]})
+                               "iqr_rel": c.get("iqr_rel"), "min_seconds": c.get("min"), "reps": r, "rounds": rounds, "flags": c["flags"]})
             warnings += [f"{link} n={n} {e * 4} B: {w}" for w in run["warnings"]]
             log(f"{link}: n={n}, {e * 4} B: " + ", ".join(f"{k} {run['cases'][k]['median'] * 1e6:.0f} us" for k in kinds))
             del full, part, inputs, cases
