@@ -145,23 +145,25 @@ def fit_alpha_beta(kind: str, points: Sequence[tuple[int, float, float]]) -> dic
         >>> round(fit["alpha"], 12), round(fit["beta"], 15)
         (1e-05, 2e-09)
     """
-    rows, ys = [], []
+    raw, times = [], []
     for i, (n, nbytes, seconds) in enumerate(points):
         if n < 2:
             continue  # one device: nothing on any link
         if not (seconds > 0 and math.isfinite(seconds)):
             raise CalibrationError(fix(f"{kind}: point {i} (n={n}, {nbytes} bytes) has time {seconds!r}.",
                                        "pass positive, finite seconds."))
-        s, w = steps_and_wire(kind, n, nbytes)
-        rows.append([s / seconds, w / seconds])
-        ys.append(1.0)
-    if len({(round(r[0] * 1e12), round(r[1] * 1e12)) for r in rows}) < 2:
-        raise CalibrationError(fix(f"{kind}: {len(rows)} usable point(s) cannot fix two unknowns (alpha, beta).",
+        raw.append(steps_and_wire(kind, n, nbytes))
+        times.append(seconds)
+    model = np.asarray(raw, dtype=np.float64).reshape(-1, 2)
+    # Two unknowns need two points whose (steps, wire bytes) are not proportional.
+    if len(raw) < 2 or np.linalg.matrix_rank(model / np.maximum(model.max(axis=0), 1e-300)) < 2:
+        raise CalibrationError(fix(f"{kind}: {len(raw)} usable point(s) cannot fix two unknowns (alpha, beta).",
                                    "measure at least two distinct payload sizes with n >= 2 devices."))
-    a = np.asarray(rows, dtype=np.float64)
+    rows, ys = model / np.asarray(times)[:, None], np.ones(len(times))
+    a = rows
     # Columns differ by ~1e6 in scale (steps vs bytes): normalise, solve, scale back.
     scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
-    x = _nnls2(a / scale, np.asarray(ys)) / scale
+    x = _nnls2(a / scale, ys) / scale
     return {"alpha": float(x[0]), "beta": float(x[1])}
 
 
@@ -521,4 +523,4 @@ def check(path: str, *, sizes: Sequence[int] | None = None, rounds: int | None =
     errs = [abs(r["rel_err"]) for r in rows]
     return {"file": path, "coefficients": coeffs, "rows": rows, "max_rel_err": max(errs),
             "median_rel_err": statistics.median(errs), "limit": ACCEPT_REL_ERR,
-            "ok": max(errs) <= ACCEPT_REL_ERR, "warnings": warnings}
+            "ok": max(errs) <= ACCEPT_REL_ERR, "warnings": merge_warnings(warnings)}
