@@ -128,26 +128,30 @@ def measure_collectives(
     points: list[dict[str, Any]] = []
     warnings: list[str] = []
     count = len(devices)
+    meshes = {n: Mesh(np.asarray(devices, dtype=object).reshape(count // n, n), ("rest", "group")) for n in group_sizes}
+    programs = {n: {kind: _program(kind, meshes[n], n) for kind in kinds} for n in group_sizes}
     for n in group_sizes:
-        mesh = Mesh(np.asarray(devices, dtype=object).reshape(count // n, n), ("rest", "group"))
-        programs = {kind: _program(kind, mesh, n) for kind in kinds}
-        _settle(programs, mesh, n, min(sizes), target_s)
-        for nbytes in sizes:
-            e = _elements(nbytes, n)
+        _settle(programs[n], meshes[n], n, min(sizes), target_s)
+    # Sizes outer, axis sizes inner: the machine's drift hits the axis sizes of one payload alike.
+    for nbytes in sizes:
+        for n in group_sizes:
+            mesh, e = meshes[n], _elements(nbytes, n)
             full = _filled(mesh, e)
             part = _filled(mesh, e // n) if "all_gather" in kinds else None
             inputs = {kind: part if kind == "all_gather" else full for kind in kinds}
-            reps = [_choose_reps(programs[k], inputs[k], mesh, target_s) for k in kinds]
+            reps = [_choose_reps(programs[n][k], inputs[k], mesh, target_s) for k in kinds]
             # Both processes of an inter-host run must loop the same number of times.
             reps = [int(r) for r in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(reps, np.int32)))]
-            cases = {k: _timed_call(programs[k], inputs[k], _replicated_int(mesh, r), r) for k, r in zip(kinds, reps)}
+            cases = {k: _timed_call(programs[n][k], inputs[k], _replicated_int(mesh, r), r) for k, r in zip(kinds, reps)}
             run = measure(cases, rounds=rounds, warmup=1, self_timed=True, idle_seconds=0.05)
             for k, r in zip(kinds, reps):
                 c = run["cases"][k]
                 points.append({"kind": k, "link": link, "n": n, "bytes": e * 4, "seconds": c["median"],
-                               "iqr_rel": c.get("iqr_rel"), "min_seconds": c.get("min"), "reps": r, "rounds": rounds, "flags": c["flags"]})
+                               "iqr_rel": c.get("iqr_rel"), "min_seconds": c.get("min"), "reps": r, "rounds": rounds,
+                               "flags": c["flags"]})
             warnings += [f"{link} n={n} {e * 4} B: {w}" for w in run["warnings"]]
-            log(f"{link}: n={n}, {e * 4} B: " + ", ".join(f"{k} {run['cases'][k]['median'] * 1e6:.0f} us" for k in kinds))
+            log(f"{link}: n={n}, {e * 4} B: "
+                + ", ".join(f"{k} {run['cases'][k]['median'] * 1e6:.0f} us" for k in kinds))
             del full, part, inputs, cases
     return points, warnings
 
