@@ -463,10 +463,13 @@ def calibrate(
     file to ``out`` if given (checked writable first). The per-point predictions and errors
     are in ``measurements``, their summary in ``fit_quality``.
 
-    Example (a smoke run: 2 devices, two sizes, one process)::
-
-        target = spmdkit.calibrate(devices=2, processes=1, sizes=[4096, 65536], quick=True)
-        target["collectives"]["all_reduce"]["intra_host"]   # {"alpha": ..., "beta": ...}
+    Example (a smoke run: 2 simulated devices, two sizes, one process, one round):
+        >>> import spmdkit
+        >>> target = spmdkit.calibrate(devices=2, processes=1, sizes=[4096, 65536], rounds=1, quick=True)
+        >>> sorted(target["collectives"]["all_reduce"]["intra_host"])
+        ['alpha', 'beta']
+        >>> sorted({(m["kind"], m["bytes"]) for m in target["measurements"]})[:2]
+        [('all_gather', 4096), ('all_gather', 65536)]
     """
     check_processes(processes)
     sizes = check_sizes(sizes, quick)
