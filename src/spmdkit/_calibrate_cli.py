@@ -49,7 +49,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="3 sizes, largest mesh axis only, 3 rounds: a smoke run")
     p.add_argument("--timeout", type=float, metavar="S", help="seconds before the 2-process run is killed "
                    "(3600; --quick: 600)")
-    p.add_argument("--check", metavar="FILE", help="instead: re-measure the 2-process all-reduce and compare it "
+    p.add_argument("--check", metavar="FILE", help="instead: re-measure the 2-process all-reduce (at FILE's sizes unless --sizes) and compare it "
                    f"with FILE's prediction (exit 0 when every size is within {100 * ACCEPT_REL_ERR:.0f}%%, else 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
