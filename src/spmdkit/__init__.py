@@ -11,6 +11,7 @@ from spmdkit._devices import (
     use_host_devices,
 )
 from spmdkit._cache import disable_compile_cache, enable_compile_cache
+from spmdkit._calibrate import calibrate
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
 from spmdkit._data import (
@@ -131,6 +132,7 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "TreeMismatchError",
+    "calibrate",
     "device_table",
     "disable_compile_cache",
     "enable_compile_cache",
