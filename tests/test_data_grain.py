@@ -108,3 +108,43 @@ def test_a_grain_data_loader_resumes_from_its_saved_state(tmp_path):
         from spmdkit._data import PipelineFeed
         PipelineFeed(loader(), 16).resume({**saved, "processes": 2})
 
+
+
+def test_grain_batches_are_fits_array_order_read_per_batch_and_resume_on_any_process_count(tmp_path):
+    from spmdkit._data import ArrayFeed, PipelineFeed
+
+    d = spmdkit.write_dataset(tmp_path / "ds", {"x": X, "y": 3 * X + 1})
+    batches = spmdkit.grain_batches(d, 16, seed=2)
+    assert isinstance(batches, grain.MapDataset) and len(batches) == 4
+    order = ArrayFeed({"x": X}, 16, 2, True)
+    for k in (0, 3, 4, 9):  # into later epochs, reshuffled as fit reshuffles arrays
+        idx = order.indices(k)[1]
+        np.testing.assert_array_equal(batches[k]["x"], X[idx])
+        halves = [spmdkit.grain_batches(d, 16, seed=2, process_index=p, process_count=2)[k]["x"] for p in (0, 1)]
+        np.testing.assert_array_equal(np.concatenate(halves), X[idx])  # each process reads only its half
+    np.testing.assert_array_equal(batches.map(lambda b: b["x"] * 2)[1], 2 * X[order.indices(1)[1]])
+
+    def fit(data):
+        import jax.numpy as jnp
+        import optax
+
+        task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+                            loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+                            train_data=data)
+        return spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.3),
+                           spmdkit.TrainConfig(steps=6, batch_size=16, seed=2, prefetch=2), progress=False)
+
+    from_grain, from_arrays = fit(batches), fit(str(d))
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(from_grain.params[k], from_arrays.params[k])
+
+    # A checkpoint written by 2 processes resumes in 1 by global position; anything else is refused.
+    written_by_two = PipelineFeed(spmdkit.grain_batches(d, 16, seed=2), 16).state(4) | {"processes": 2}
+    PipelineFeed(batches, 16).resume(written_by_two)
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)seed.: 2.*seed.: 5"):
+        PipelineFeed(spmdkit.grain_batches(d, 16, seed=5), 16).resume(written_by_two)
+    plain = grain.MapDataset.source([{"x": X[i], "y": X[i]} for i in range(64)]).batch(16)
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)written by 2 process.*this run has 1.*grain_batches"):
+        PipelineFeed(plain, 16).resume(PipelineFeed(plain, 16).state(4) | {"processes": 2})
+    with pytest.raises(spmdkit.ConfigError, match="batch_size=15 over 2 process"):
+        spmdkit.grain_batches(d, 15, process_index=0, process_count=2)

@@ -20,6 +20,7 @@ from spmdkit._data import (
     DatasetFileError,
     DatasetLayoutError,
     DatasetSource,
+    grain_batches,
     load_dataset,
     write_dataset,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "DatasetFileError",
     "DatasetLayoutError",
     "DatasetSource",
+    "grain_batches",
     "load_dataset",
     "write_dataset",
     "ENV_HOST_DEVICES",

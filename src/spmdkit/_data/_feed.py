@@ -157,6 +157,9 @@ class PipelineFeed:
         self.indexable = not self.one_shot and hasattr(source, "__getitem__") and hasattr(source, "__len__")
         self.num_examples = None
         self.steps_per_epoch = len(source) if self.indexable else None
+        # A random-access pipeline whose global order spmdkit fixes (grain_batches): batch k is the same
+        # global batch on any number of processes, so a checkpoint resumes on any.
+        self.order = getattr(source, "spmdkit_order", None) if self.indexable else None
         if self.steps_per_epoch == 0:
             raise DataError(fix(f"{name} is empty.", "pass a pipeline that yields at least one batch."))
         self._first: tuple[Any, Any] | None = None  # (treedef, [(path, shape, dtype)])
@@ -298,21 +301,30 @@ class PipelineFeed:
             yield epoch, self._place(self._check(batch, k))
 
     def state(self, step: int) -> dict[str, Any]:
-        return {"kind": self.kind, "batches": step, "processes": self.processes, **self._states.get(step, {})}
+        order = {} if self.order is None else {"order": self.order}
+        return {"kind": self.kind, "batches": step, "processes": self.processes, **order, **self._states.get(step, {})}
 
     def resume(self, saved: dict[str, Any] | None) -> None:
         if saved is not None and saved.get("kind") != self.kind:
             raise ConfigError(fix(f"the checkpoint was written training from {saved.get('kind')}; this run trains "
                                   "from a pipeline: the data order would differ.",
                                   "resume with the same training data, or start a new run elsewhere."))
+        saved_order = (saved or {}).get("order")
+        if saved_order is not None and saved_order != self.order:
+            raise ConfigError(fix(
+                f"the checkpoint was written reading {saved_order}; this run's pipeline reads "
+                f"{self.order or 'another pipeline'}: the data order would differ.",
+                "resume with the same grain_batches arguments (data set, batch_size, seed, drop_remainder), or "
+                "start a new run elsewhere."))
         then = (saved or {}).get("processes", self.processes)
-        if then != self.processes:
+        if then != self.processes and saved_order is None:
             raise ConfigError(fix(
                 f"the checkpoint was written by {then} process(es) reading their own shares of a pipeline; this run "
-                f"has {self.processes}: each process's pipeline would yield other rows, so the data order would "
-                "differ from the run's.",
-                f"resume with {then} process(es), or train from arrays or an on-disk data set (--data DIR), whose "
-                "order is the same on any number of processes."))
+                f"has {self.processes}: each process's pipeline (and its saved iterator state) would yield other "
+                "rows, so the data order would differ from the run's.",
+                f"resume with {then} process(es); or read the data with spmdkit.grain_batches(DIR, batch_size) "
+                "(a Grain MapDataset whose global order spmdkit fixes) or from arrays or an on-disk data set "
+                "(--data DIR), whose order is the same on any number of processes."))
         self._saved = saved
 
 
