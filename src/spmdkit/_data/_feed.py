@@ -12,12 +12,15 @@ it after ``step`` batches.
 - A pipeline: any iterable of batches (a list, a generator, an iterator, a Grain
   ``MapDataset``/``IterDataset``/``DataLoader``). Each yields this process's rows of
   every global batch (``batch_size / process_count`` rows; with one process, the
-  global batch), as a Grain loader sharded by JAX process does.
+  global batch), as a Grain loader sharded by JAX process does. A random-access one
+  (a Grain ``MapDataset``) is read by global batch number; an iterator's state
+  (``get_state``) is saved per process, every process's gathered into the checkpoint.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -50,6 +53,18 @@ def resolve_train_data(data: Any) -> Any:
         raise DataError(fix(f"train_data is the function {name!r}; spmdkit does not guess how to call it.",
                             f"pass what it returns: train_data={name}() (an iterable of batches), or the arrays."))
     return data
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order (every process must call it)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    padded = np.zeros(1 << max(8, int(sizes.max() - 1).bit_length()), np.uint8)  # few sizes: few compilations
+    padded[:data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(gathered[p, :int(n)]).decode()) for p, n in enumerate(sizes)]
 
 
 def num_rows(tree: Any) -> int:
@@ -241,12 +256,13 @@ class PipelineFeed:
             for k in itertools.count(start):
                 yield k // n, self.source[k] if grain_like else self.source[k % n]
         saved = self._saved or {}
-        if start and saved.get("iterator") is not None and saved.get("batches") == start:
+        mine = (saved.get("iterators") or {}).get(str(jax.process_index())) if "iterators" in saved else saved
+        if start and (mine or {}).get("iterator") is not None and saved.get("batches") == start:
             it = iter(self.source)
             if hasattr(it, "set_state"):  # a Grain iterator: restored, nothing re-read
-                state = saved["iterator"]
+                state = mine["iterator"]
                 it.set_state(state["bytes"].encode() if isinstance(state, dict) and set(state) == {"bytes"} else state)
-                yield from self._stream(it, int(saved.get("epoch", 0)), start, int(saved.get("epoch_start", 0)))
+                yield from self._stream(it, int(mine.get("epoch", 0)), start, int(mine.get("epoch_start", 0)))
                 return
         if start and self.one_shot:
             raise DataExhaustedError(fix(
@@ -275,7 +291,7 @@ class PipelineFeed:
                 epoch, self._epoch_start, it = epoch + 1, k, iter(self.source)
                 continue
             k += 1
-            if self.processes == 1 and hasattr(it, "get_state"):
+            if hasattr(it, "get_state"):
                 self._remember(k, epoch, it.get_state())
             yield epoch, batch
 
@@ -301,8 +317,15 @@ class PipelineFeed:
             yield epoch, self._place(self._check(batch, k))
 
     def state(self, step: int) -> dict[str, Any]:
+        """The data position after ``step`` batches. With several processes every process calls it
+        at the same step (a checkpoint is saved by all): each one's iterator state is gathered,
+        keyed by process index, into the metadata process 0 writes."""
         order = {} if self.order is None else {"order": self.order}
-        return {"kind": self.kind, "batches": step, "processes": self.processes, **order, **self._states.get(step, {})}
+        head = {"kind": self.kind, "batches": step, "processes": self.processes, **order}
+        if self.processes == 1 or self.indexable:  # one process, or read by global position: nothing per process
+            return {**head, **self._states.get(step, {})}
+        states = gather_json(self._states.get(step))
+        return {**head, "iterators": {str(p): s for p, s in enumerate(states)}}
 
     def resume(self, saved: dict[str, Any] | None) -> None:
         if saved is not None and saved.get("kind") != self.kind:
