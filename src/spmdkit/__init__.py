@@ -21,6 +21,7 @@ from spmdkit._data import (
     DatasetFileError,
     DatasetLayoutError,
     DatasetSource,
+    grain_batches,
     load_dataset,
     write_dataset,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "DatasetFileError",
     "DatasetLayoutError",
     "DatasetSource",
+    "grain_batches",
     "load_dataset",
     "write_dataset",
     "ENV_HOST_DEVICES",
