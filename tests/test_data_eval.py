@@ -94,3 +94,11 @@ def test_two_processes_read_only_their_eval_rows_and_agree_with_one(tmp_path):
             assert sorted(got["reads"].tolist()) == sorted(set().union(*halves[3 * p: 3 * p + 3]) | tail)
             for key in ("array_loss", "pipeline_loss", "fit_eval_loss"):
                 np.testing.assert_allclose(got[key], one[key], rtol=1e-5, err_msg=key)
+
+
+def test_an_eval_set_the_model_cannot_read_is_named_before_training():
+    arrays = program.eval_arrays()
+    task = program.task({"x": np.ones((6, 5), np.float32), "y": arrays["y"][:6]})  # 5 features, trained on 4
+    with pytest.raises(spmdkit.TaskError, match=r"fails on eval_data, whose examples are \['x'\] \(5,\), "
+                                                r"\['y'\] \(2,\) \(training examples: \['x'\] \(4,\)"):
+        spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=8), progress=False)
