@@ -115,8 +115,8 @@ def check_splits_match(train: Any, eval_data: Any, train_name: str, eval_name: s
     if set(want) != set(got):
         names = lambda leaves: ", ".join(sorted(leaves)) or "none"  # noqa: E731
         raise DatasetLayoutError(fix(
-            f"{eval_name} has leaves {names(got)}; {train_name} has {names(want)} (missing {names(set(want) - set(got))}"
-            f", extra {names(set(got) - set(want))}).", remedy))
+            f"{eval_name} has leaves {names(got)}; {train_name} has {names(want)} "
+            f"(missing {names(set(want) - set(got))}, extra {names(set(got) - set(want))}).", remedy))
     for leaf, (shape, dtype) in want.items():
         other, other_dtype = got[leaf]
         if other != shape or other_dtype.kind != dtype.kind:
