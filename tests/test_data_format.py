@@ -118,7 +118,7 @@ def test_cli_writes_checks_and_trains_from_a_data_set(tmp_path, capsys):
                  "--prefetch", "1"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
-    (d / "x.npy").unlink()
+    (d / "train" / "x.npy").unlink()  # the task's data is written as DIR/train and DIR/eval
     assert main(["train", "--task", "linreg", "--data", str(d), "--steps", "3", "--no-progress",
                  "--out", str(out)]) == 2
     err = " ".join(capsys.readouterr().err.split())  # as wrapped by the console
@@ -137,7 +137,7 @@ def test_mnist_and_digits_are_readable_through_the_data_set_path(tmp_path):
         mnist.write_idx(raw / f"{which}-labels-idx1-ubyte", rng.integers(0, 10, n).astype(np.uint8))
     assert main(["data", "write", str(tmp_path / "mnist"), "--task", "mnist", "--data-dir", str(raw)]) == 0
     task = get_task("mnist", data_dir=str(raw))
-    on_disk = spmdkit.load_dataset(tmp_path / "mnist")
+    on_disk = spmdkit.load_dataset(tmp_path / "mnist" / "train")
     for k in ("image", "label"):
         np.testing.assert_array_equal(on_disk[k], task.train_data[k])
     train, _ = digits.load()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -169,3 +171,28 @@ def test_users_plain_apply_fn_and_params_pytree():
                          spmdkit.TrainConfig(steps=300, batch_size=24), progress=False)
     np.testing.assert_allclose(result.params["w"], true_w, atol=1e-3)
     np.testing.assert_allclose(result.params["b"], [0.5], atol=1e-3)
+
+
+def test_summary_counts_epochs_only_when_an_epoch_has_a_length(tmp_path, capsys):
+    from rich.console import Console
+
+    from spmdkit._train_cli import _print_summary
+
+    task = linreg.make(num_points=40)
+    known = spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.01), spmdkit.TrainConfig(steps=5, batch_size=16),
+                        progress=False).summary
+    assert known["epochs"] == pytest.approx(5 / 3)  # 3 batches an epoch: 16 + 16 + 8 examples
+    assert (known["examples_seen"], known["batches_seen"]) == (40 + 32, 5)
+
+    def endless():  # a pipeline of unknown length: an epoch is not a thing it has
+        while True:
+            yield jax.tree.map(lambda x: x[:16], task.train_data)
+
+    piped = spmdkit.fit(dataclasses.replace(task, train_data=endless()), spmdkit.Single(), optax.sgd(0.01),
+                        spmdkit.TrainConfig(steps=5, batch_size=16), out_dir=tmp_path, progress=False).summary
+    written = json.loads((tmp_path / "summary.json").read_text())
+    for summary in (piped, written):
+        assert summary["epochs"] is None and (summary["examples_seen"], summary["batches_seen"]) == (80, 5)
+    _print_summary(piped, Path("run"), Console(width=200))
+    table = capsys.readouterr().out
+    assert "examples_seen" in table and "80" in table and "epochs" not in table

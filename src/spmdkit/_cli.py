@@ -189,7 +189,9 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--bagging", action="store_true", help="ensemble: each member its own data order")
     p.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
     p.add_argument("--data", metavar="DIR", help="train on this data set directory (spmdkit data write) instead of "
-                   "the task's training set; the task's model and eval set stay")
+                   "the task's training set, and evaluate on its held-out split DIR/eval if it has one")
+    p.add_argument("--eval-data", metavar="DIR", help="evaluate on this data set directory instead (same leaves as "
+                   "the training set)")
     p.add_argument("--prefetch", type=int, metavar="N", help="batches read and placed ahead of the step (2; 0: none)")
     _add_layout_options(p)
     _add_mlp_options(p)
@@ -232,7 +234,8 @@ def _add_data_parser(sub, common: argparse.ArgumentParser) -> None:
     source = w.add_mutually_exclusive_group(required=True)
     source.add_argument("--task", choices=sorted(TASKS), help="a built-in task's data (digits, mnist...)")
     source.add_argument("--npz", metavar="FILE", help="arrays from an .npz file, one leaf per array name")
-    w.add_argument("--split", choices=("train", "eval"), default="train", help="which split of --task (train)")
+    w.add_argument("--split", choices=("train", "eval"), help="write only this split of --task, as a single data "
+                   "set in DIR (default: both, as DIR/train and DIR/eval)")
     w.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
     w.add_argument("--overwrite", action="store_true", help="replace an existing data set in DIR")
     c = verbs.add_parser("check", help="check a data set directory (sizes, shapes, dtypes; --verify: CRC-32)")
@@ -512,12 +515,20 @@ def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
 def _cmd_data(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._data import load_dataset, write_dataset
 
+    from spmdkit._data._splits import check_splits_match, data_splits, is_split_dir, write_splits
+
     if args.verb == "check":
-        data = load_dataset(args.directory, verify=args.verify)
         import jax
 
-        for path, x in jax.tree_util.tree_flatten_with_path(data)[0]:
-            console.print(f"{jax.tree_util.keystr(path)}: shape {x.shape} dtype {x.dtype}", highlight=False)
+        splits = data_splits(args.directory) if is_split_dir(args.directory) else (args.directory,)
+        sets = [load_dataset(d, verify=args.verify) for d in splits]
+        for d, data in zip(splits, sets):
+            for path, x in jax.tree_util.tree_flatten_with_path(data)[0]:
+                where = f"{d}: " if len(splits) == 2 else ""
+                console.print(f"{where}{jax.tree_util.keystr(path)}: shape {x.shape} dtype {x.dtype}", highlight=False)
+        if len(sets) == 2:
+            check_splits_match(*sets, str(splits[0]), str(splits[1]),
+                               f"write both splits again: spmdkit data write {args.directory} --task NAME --overwrite.")
         console.print(f"{args.directory}: intact{' (CRC-32 verified)' if args.verify else ''}", highlight=False)
         return 0
     if args.npz:
@@ -535,7 +546,12 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
         from spmdkit._tasks import get_task
 
         task = get_task(args.task, data_dir=args.data_dir)
-        arrays = task.train_data if args.split == "train" else task.eval_data
+        if args.split is None and task.eval_data is not None:
+            out = write_splits(args.out, task.train_data, task.eval_data, overwrite=args.overwrite)
+            console.print(f"wrote {out / 'train'} ({task.num_train} examples) and {out / 'eval'} ({task.num_eval}): "
+                          f"train and evaluate with spmdkit train --task {args.task} --data {out}", highlight=False)
+            return 0
+        arrays = task.eval_data if args.split == "eval" else task.train_data
     out = write_dataset(args.out, arrays, overwrite=args.overwrite)
     console.print(f"wrote {out}: train with spmdkit train --task {args.task or 'NAME'} --data {out}", highlight=False)
     return 0

@@ -114,6 +114,7 @@ class RunConfig:
     replicate_unknown: bool = False
     data_dir: str | None = None
     data: str | None = None  # a data set directory (spmdkit.write_dataset) the task trains on instead
+    eval_data: str | None = None  # a data set directory the task evaluates on instead
     # Task options (mlp): None means the task's own default.
     layers: int | None = None
     depth: int | None = None
@@ -145,6 +146,7 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "bagging": (None, "bagging"),
     "data_dir": (None, "data_dir"),
     "data": (None, "data"),
+    "eval_data": (None, "eval_data"),
     "mesh": (None, "mesh"),
     "rules": (None, "rules"),
     "replicate_unknown": (None, "replicate_unknown"),
@@ -177,7 +179,7 @@ _POSITIVE = {"members", "layers", "depth", "embed", "host_devices", "steps", "ep
              "d_model", "heads", "seq_len", "text_bytes"}
 _NON_NEGATIVE = {"prefetch"}
 _FLOATS = {"lr", "momentum", "weight_decay"}
-_STRINGS = {"task", "strategy", "impl", "data_dir", "data", "mesh", "rules", "out", "optimizer", "checkpoint_dir",
+_STRINGS = {"task", "strategy", "impl", "data_dir", "data", "eval_data", "mesh", "rules", "out", "optimizer", "checkpoint_dir",
             "precision", "remat", "text_dir"}
 _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', "data_dir": '"data/mnist"',
              "checkpoint_dir": '"ck"'}

@@ -12,11 +12,13 @@ import jax
 from rich.console import Console
 from rich.table import Table
 
-from spmdkit._config import build_run_config, check_keys, load_toml, strategy_options, task_options
-from spmdkit._errors import NonFiniteLossError
+from spmdkit._config import RunConfig, build_run_config, check_keys, load_toml, strategy_options, task_options
+from spmdkit._data import is_pipeline, load_dataset
+from spmdkit._data._splits import check_splits_match, data_splits, eval_split
+from spmdkit._errors import DataError, NonFiniteLossError, fix
 from spmdkit._launch import ENV_RESUME
 from spmdkit._strategies import get_strategy
-from spmdkit._tasks import get_task, task_defaults
+from spmdkit._tasks import TASKS, Task, get_task, task_defaults
 from spmdkit._train import fit
 
 EXIT_DIVERGED = 3
@@ -46,9 +48,7 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
         # Restarted by spmdkit launch --max-restarts: continue the run, never start it over.
         options["resume"], options["overwrite_checkpoints"] = True, False
     run = build_run_config(options)
-    task = get_task(run.task, data_dir=run.data_dir, **task_options(run))
-    if run.data is not None:  # the task's model and eval set, trained on the data set in run.data
-        task = dataclasses.replace(task, train_data=run.data)
+    task = build_task(run)
     strategy = get_strategy(run.strategy, run.impl, **strategy_options(run))
     info = strategy.describe()
     console.print(
@@ -76,6 +76,46 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
     return EXIT_INTERRUPTED if result.summary["status"] == "interrupted" else 0
 
 
+def build_task(run: RunConfig) -> Task:
+    """The task to train: its own data, or ``--data DIR`` (with its held-out split
+    ``DIR/eval``, or ``--eval-data DIR2``, or else the task's own eval set)."""
+    options = task_options(run)
+    if run.data is None and run.eval_data is None:
+        return get_task(run.task, data_dir=run.data_dir, **options)
+    if run.data is None:
+        task = get_task(run.task, data_dir=run.data_dir, **options)
+        held_out = load_dataset(eval_split(run.eval_data))
+        _check_eval(task.train_data, held_out, f"--task {run.task}'s training set", f"--eval-data {run.eval_data}", run)
+        return dataclasses.replace(task, eval_data=held_out)
+    train_dir, eval_dir = data_splits(run.data, run.eval_data, run.task)
+    train = load_dataset(train_dir)
+    module = TASKS[run.task]
+    if eval_dir is not None:
+        held_out = load_dataset(eval_dir)
+        _check_eval(train, held_out, f"the training split {train_dir}",
+                    f"--eval-data {eval_dir}" if run.eval_data else f"the eval split {eval_dir}", run)
+        if hasattr(module, "from_data") and not options:  # the model alone: the task's own files are not read
+            return module.from_data(train, held_out)
+        return dataclasses.replace(get_task(run.task, data_dir=run.data_dir, **options), train_data=train,
+                                   eval_data=held_out)
+    if getattr(module, "NEEDS_DATA_DIR", False) and run.data_dir is None:
+        raise DataError(fix(
+            f"--data {run.data} is a single data set (no eval split), and --task {run.task}'s own eval set needs "
+            "--data-dir.",
+            f"write the data set with its held-out split: spmdkit data write {run.data} --task {run.task} "
+            f"--data-dir RAW --overwrite (DIR/train and DIR/eval); or pass --eval-data DIR2, or --data-dir RAW."))
+    task = get_task(run.task, data_dir=run.data_dir, **options)
+    if task.eval_data is not None and not is_pipeline(task.eval_data):
+        _check_eval(train, task.eval_data, f"the training set {train_dir}", f"--task {run.task}'s own eval set", run)
+    return dataclasses.replace(task, train_data=train)
+
+
+def _check_eval(train: Any, held_out: Any, train_name: str, eval_name: str, run: RunConfig) -> None:
+    check_splits_match(train, held_out, train_name, eval_name,
+                       f"write both splits from one source: spmdkit data write DIR --task {run.task} --overwrite, "
+                       "then --data DIR; or pass --eval-data DIR2 holding the training set's leaves.")
+
+
 def _jsonable_options(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if isinstance(v, (str, int, float, bool)) or v is None}
 
@@ -85,7 +125,7 @@ def _print_summary(summary: dict[str, Any], out: Path, console: Console) -> None
     table.add_column("")
     table.add_column("value", justify="right")
     keys = ["final_train_loss", "eval_loss", "eval_bits_per_byte", "eval_accuracy", "mean_member_accuracy", "ensemble_accuracy",
-            "w", "b", "wall_time_s", "steps_per_sec", "params_digest"]
+            "w", "b", "epochs", "examples_seen", "wall_time_s", "steps_per_sec", "params_digest"]
     for k in keys:
         if summary.get(k) is not None:
             v = summary[k]

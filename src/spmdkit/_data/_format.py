@@ -13,6 +13,17 @@ The arrays are read lazily (``np.load(mmap_mode="r")``): only the rows a batch n
 are paged in, so a data set may be larger than memory, and in several processes each
 reads only its own rows. The manifest is written last, so a directory without one is
 an interrupted write, never a silently shorter data set.
+
+A data set with a held-out split keeps each split in a subdirectory, each a data set
+as above with the same leaves and per-example shapes (``spmdkit data write DIR --task
+NAME`` writes it from a task's data; ``spmdkit.write_dataset`` twice from arrays)::
+
+    DIR/train/manifest.json, DIR/train/*.npy    trained on:   spmdkit train --data DIR
+    DIR/eval/manifest.json,  DIR/eval/*.npy     evaluated on (or --eval-data DIR2)
+
+From Python: ``Task(train_data=DIR / "train", eval_data=DIR / "eval")``. A single data
+set (``DIR/manifest.json``) given as ``--data DIR`` is trained on and the task's own
+eval set (or ``--eval-data DIR2``) is evaluated on.
 """
 
 from __future__ import annotations
@@ -117,6 +128,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise DatasetFileError(fix(f"data set directory {directory} does not exist.",
                                    "point --data (load_dataset) at a directory written by spmdkit.write_dataset "
                                    "or `spmdkit data write`."))
+    if not path.is_file() and (directory / "train" / MANIFEST).is_file():
+        raise DatasetFileError(fix(f"{path} is missing: {directory} holds a training split ({directory / 'train'}) "
+                                   "and perhaps an eval split, each a data set of its own.",
+                                   f"pass {directory / 'train'} as train_data and {directory / 'eval'} as eval_data "
+                                   f"(the command line takes --data {directory} as it is)."))
     if not path.is_file():
         raise DatasetFileError(fix(f"{path} is missing: {directory} is not a data set, or its write was "
                                    "interrupted (the manifest is written last).",

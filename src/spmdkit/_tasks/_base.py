@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from spmdkit._data import is_pipeline, resolve_train_data
+from spmdkit._data._eval import resolve_eval_data
 from spmdkit._errors import DataError, fix
 from spmdkit._types import LossFn, Params, Predictor
 
@@ -35,7 +36,12 @@ class Task:
     Data sets are pytrees (usually dicts) of arrays sharing their leading (example)
     axis. ``train_data`` may also be a data set directory (:func:`spmdkit.write_dataset`;
     read lazily) or a pipeline of batches: a list, generator or iterator of batches, or
-    a Grain ``MapDataset`` / ``IterDataset`` / ``DataLoader`` (``num_train`` is then None). ``report(params)`` may add entries to the summary. ``defaults`` holds option
+    a Grain ``MapDataset`` / ``IterDataset`` / ``DataLoader`` (``num_train`` is then None).
+    ``eval_data`` takes the same, except that a pipeline must be finite and start over
+    each time it is iterated (eval reads the whole set every ``eval_every`` steps); its
+    last batch may be short. With several processes each reads only its rows of an
+    eval set of arrays or a directory, and a pipeline yields each process's share.
+    ``report(params)`` may add entries to the summary. ``defaults`` holds option
     values the task trains well with (``lr``, ``steps``...); flags and config files
     override them. ``predictor`` (classifiers) tells an ensemble how to average its
     members' probabilities and score the average.
@@ -78,8 +84,9 @@ class Task:
             check_examples(train, "train_data")
         object.__setattr__(self, "train_data", train)
         if self.eval_data is not None:
-            object.__setattr__(self, "eval_data", _as_numpy(self.eval_data))
-            check_examples(self.eval_data, "eval_data")
+            object.__setattr__(self, "eval_data", resolve_eval_data(self.eval_data))
+            if not is_pipeline(self.eval_data):
+                check_examples(self.eval_data, "eval_data")
 
     # ---- the task's functions in one shape, whatever form the user wrote them in ----
     def variables(self, rng: jax.Array) -> tuple[Params, Any]:
@@ -128,8 +135,11 @@ class Task:
         return None if is_pipeline(self.train_data) else num_examples(self.train_data)
 
     @property
-    def num_eval(self) -> int:
-        return 0 if self.eval_data is None else num_examples(self.eval_data)
+    def num_eval(self) -> int | None:
+        """Examples in the eval set; None for a pipeline (counted when it is read)."""
+        if self.eval_data is None:
+            return 0
+        return None if is_pipeline(self.eval_data) else num_examples(self.eval_data)
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:

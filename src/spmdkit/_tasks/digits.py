@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from spmdkit._errors import DataError, fix
 from spmdkit._types import Predictor
 from spmdkit._tasks._base import Task
 
@@ -32,6 +35,13 @@ def classification_task(
     name: str, model: nn.Module, train: dict, test: dict, defaults: dict
 ) -> Task:
     """A softmax classifier task for any Flax module on ``{"image", "label"}`` data."""
+    for split, data in (("training", train), ("eval", test)):
+        if data is not None and (not isinstance(data, Mapping) or not {"image", "label"} <= set(data)):
+            leaves = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+            raise DataError(fix(f"task {name!r}: its {split} data hold {leaves}; it reads 'image' [N, rows, cols, 1] "
+                                "and 'label' [N] (class ids).",
+                                f"write the data set from the task (spmdkit data write DIR --task {name}), or with "
+                                "leaves named image and label."))
     example = jnp.zeros((1, *train["image"].shape[1:]), jnp.float32)
 
     def init(rng):
@@ -79,4 +89,9 @@ DEFAULTS = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "steps": 300, "batc
 def make(data_dir: str | None = None) -> Task:
     """The digits task; the data ships with scikit-learn, so ``data_dir`` is not used."""
     train, test = load()
+    return classification_task("digits", CNN(), train, test, defaults=DEFAULTS)
+
+
+def from_data(train: dict, test: dict | None) -> Task:
+    """The digits task on given splits (a data set directory's ``train`` and ``eval``)."""
     return classification_task("digits", CNN(), train, test, defaults=DEFAULTS)

@@ -137,14 +137,24 @@ def load(data_dir: str | Path) -> tuple[dict, dict]:
     return split["train"], split["test"]
 
 
+NEEDS_DATA_DIR = True  # its own data sets are files the user supplies (--data-dir)
+
+
 def make(data_dir: str | None = None) -> Task:
     if data_dir is None:
         raise DataError(
             fix(
                 "--task mnist needs --data-dir DIR: the directory with the MNIST IDX files "
                 f"({', '.join(FILES.values())}, optionally .gz) or mnist.npz. Nothing is downloaded.",
-                "pass --data-dir (or data-dir = \"...\" in the config file).",
+                "pass --data-dir (or data-dir = \"...\" in the config file), or train from a data set written "
+                "once from those files: spmdkit data write DIR --task mnist --data-dir RAW, then --data DIR.",
             )
         )
     train, test = load(data_dir)
+    return classification_task("mnist", CNN(), train, test, defaults=DEFAULTS)
+
+
+def from_data(train: dict, test: dict | None) -> Task:
+    """The MNIST CNN on given splits (``spmdkit data write DIR --task mnist`` then
+    ``spmdkit train --task mnist --data DIR``): no IDX files are read."""
     return classification_task("mnist", CNN(), train, test, defaults=DEFAULTS)

@@ -25,11 +25,12 @@ import optax
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
+from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
-from spmdkit._tasks._base import Task, num_examples
+from spmdkit._tasks._base import Task
 from spmdkit._train import _artifacts as art
 from spmdkit._train._hooks import (
     EvalHook,
@@ -149,33 +150,51 @@ def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
 
 
 def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..., Any],
-                  predict: Callable[..., Any] | None = None, predictor: Any = None) -> dict[str, Any]:
-    """Means over a whole data set, in chunks of ``batch_size`` (the last one as it is).
+                  predict: Callable[..., Any] | None = None, predictor: Any = None, *,
+                  strategy: Any = None) -> dict[str, Any]:
+    """Means over a whole eval set: arrays, a data set directory or a finite pipeline.
 
+    Arrays are read in chunks of ``batch_size`` (see :func:`spmdkit._data.eval_chunks`:
+    with several processes each reads only its rows); a pipeline's batches are its own.
     ``eval_step(state, chunk)`` returns the chunk's means; they are weighted by the
-    chunk's rows. With ``predict`` (an ensemble's ``apply`` of the predictor) the mean
-    of the members' probabilities is scored as ``ensemble_<metric>``.
+    chunk's rows, so none is dropped or counted twice. ``strategy`` (by default
+    ``eval_step``'s) says where chunks go. With ``predict`` (an ensemble's ``apply`` of
+    the predictor) the mean of the members' probabilities is scored as ``ensemble_<metric>``.
     """
-    n = num_examples(data)
-    size = min(batch_size, n)
+    strategy = strategy if strategy is not None else getattr(eval_step, "strategy", None)
+    where = getattr(strategy, "_batch_sharding_for", None)
+    sharding_for = None if where is None else (lambda even: where("eval", even))
     totals: dict[str, Any] = {}
-    for start in range(0, n, size):
-        chunk = jax.tree.map(lambda x: x[start : start + size], data)
-        rows = num_examples(chunk)
+    n = 0
+    for rows, chunk in eval_chunks(resolve_eval_data(data), batch_size, getattr(strategy, "batch_shards", 1),
+                                   sharding_for):
+        n += rows
         for k, v in jax.device_get(eval_step(state, chunk)).items():
             totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64) * rows
         if predict is not None:
-            probs = np.mean(np.asarray(jax.device_get(predict(state, chunk))), axis=0)  # members' mean
-            for name, v in predictor.score(probs, chunk).items():
+            probs = np.mean(np.asarray(to_host(predict(state, chunk))), axis=0)  # members' mean
+            for name, v in predictor.score(probs, to_host(chunk)).items():
                 totals[f"ensemble_{name}"] = totals.get(f"ensemble_{name}", 0.0) + float(np.sum(v))
     return with_member_means(to_python({k: v / n for k, v in totals.items()}))
 
 
 class _Plan(NamedTuple):
     batch_size: int
-    steps_per_epoch: int
+    steps_per_epoch: int  # the run's length when the data's is unknown
     total: int
     eval_every: int
+    epoch_examples: int | None = None  # examples in one epoch; None: a pipeline of unknown length
+
+    def epochs(self, done: int) -> float | None:
+        """Passes over the data after ``done`` steps; None when an epoch's length is unknown."""
+        return None if self.epoch_examples is None else done / self.steps_per_epoch
+
+    def examples(self, done: int) -> int:
+        """Examples trained on in ``done`` steps (an epoch's short last batch counted as it is)."""
+        if self.epoch_examples is None:
+            return done * self.batch_size
+        full, part = divmod(done, self.steps_per_epoch)
+        return full * self.epoch_examples + min(part * self.batch_size, self.epoch_examples)
 
 
 def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
@@ -210,7 +229,8 @@ def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
     else:
         per_epoch = feed.steps_per_epoch
     total = config.steps if config.steps is not None else config.epochs * per_epoch
-    return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total)
+    examples = None if per_epoch is None else n if n is not None and not config.drop_remainder else per_epoch * bs
+    return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total, examples)
 
 
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
@@ -531,7 +551,8 @@ def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | Non
     predict = strategy.apply(lambda s, b: task.predictor.predict(s.params, b)) if ensemble else None
 
     def run_eval(state):
-        return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor)
+        return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor,
+                             strategy=strategy)
 
     return EvalHook(run_eval, record, every=plan.eval_every)
 
@@ -542,7 +563,8 @@ def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Calla
     def meta(info: StepInfo) -> dict[str, Any]:
         return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
                 "drop_remainder": config.drop_remainder, "grad_accum": config.grad_accum,
-                "epoch": info.step // plan.steps_per_epoch if not info.metrics else info.epoch,
+                "epoch": info.epoch if info.metrics else None if plan.epoch_examples is None
+                else info.step // plan.steps_per_epoch,
                 "strategy": strategy.describe(), "config": run_info or {},
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **({"data": feed.state(info.step)} if feed is not None else {})}
@@ -560,7 +582,9 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
         **strategy.describe(),
         "steps": done,
         "steps_planned": plan.total,
-        "epochs": done / plan.steps_per_epoch,
+        "epochs": plan.epochs(done),  # None for a pipeline of unknown length: no epoch to count in
+        "examples_seen": plan.examples(done),
+        "batches_seen": done,
         "batch_size": plan.batch_size,
         "seed": config.seed,
         "final_train_loss": last_train.get("loss"),

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmdkit._data import is_pipeline
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._tasks._base import Task
 
@@ -31,7 +32,7 @@ def _unbox(tree: Any) -> Any:
 
 def _check_data(task: Task) -> None:
     for split, data in (("train_data", task.train_data), ("eval_data", task.eval_data)):
-        if data is None or task.num_train is None and split == "train_data":  # a pipeline: checked per batch
+        if data is None or is_pipeline(data):  # a pipeline: checked per batch
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
             kind = np.asarray(leaf).dtype.kind
@@ -151,3 +152,28 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
             raise TaskError(fix(
                 f"task {task.name!r}: metric aux[{name!r}] has shape {getattr(value, 'shape', type(value))}; "
                 "metrics are scalar means over the batch.", f"return jnp.mean(...) for {name!r}."))
+    _check_eval(task, params, batch_size)
+
+
+def _check_eval(task: Task, params: Any, batch_size: int) -> None:
+    """The eval set fits the model (abstractly), so a mismatch is named before training,
+    not at the first eval. A pipeline's batches are checked as they are read."""
+    if task.eval_data is None or is_pipeline(task.eval_data):
+        return
+    n = min(batch_size, task.num_eval)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), task.eval_data)
+    model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0)) if task.stateful else None
+    try:
+        jax.eval_shape(lambda p, s, b, k: task.eval_loss(p, s, b, k), params, model_state, batch, jax.random.key(0))
+    except Exception as e:
+        raise TaskError(fix(
+            f"task {task.name!r}: {'eval_fn' if task.eval_fn else 'loss_fn'} fails on eval_data, whose examples "
+            f"are {_shapes(batch)} (training examples: "
+            f"{_shapes(task.train_data) if task.num_train else 'from a pipeline'}): {type(e).__name__}: {str(e)[:300]}",
+            "give eval_data the leaves and per-example shapes of train_data (the model evaluates what it trains on)."
+        )) from None
+
+
+def _shapes(tree: Any) -> str:
+    return ", ".join(f"{jax.tree_util.keystr(p)} {tuple(np.shape(x)[1:])}" for p, x in
+                     jax.tree_util.tree_flatten_with_path(tree)[0])
