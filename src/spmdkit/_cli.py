@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub, common)
     _add_data_parser(sub, common)
     _add_inspect_parser(sub, common)
+    from spmdkit._plan_cli import add_plan_parser
+
+    add_plan_parser(sub, common, _positive_int, _add_lm_options)
     p = sub.add_parser(
         "launch",
         help="run a command in P local processes joined by jax.distributed",
@@ -289,7 +292,7 @@ def _setup_devices(args: argparse.Namespace) -> None:
         from spmdkit._config import load_toml
 
         n = load_toml(args.config).get("host_devices")
-    n = n or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
+    n = n or getattr(args, "devices", None) or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
     if args.command == "launch":
         return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
@@ -458,6 +461,12 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._plan_cli import cmd_plan
+
+    return cmd_plan(args, console)
+
+
 def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._checkpoint import describe_directory
 
@@ -536,6 +545,7 @@ _COMMANDS = {
     "launch": _cmd_launch,
     "checkpoints": _cmd_checkpoints,
     "inspect": _cmd_inspect,
+    "plan": _cmd_plan,
     "devices": _cmd_devices,
     "demo": _cmd_demo,
     "bench": _cmd_bench,
