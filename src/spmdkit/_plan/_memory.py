@@ -29,9 +29,16 @@ def batch_bytes(batch: Any) -> int:
     return sum(math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch))
 
 
+def param_leaves(layout: Any) -> list[Any]:
+    """The parameters among a layout's leaves (``.params`` / ``['params']`` of the state;
+    every leaf when the state names none)."""
+    found = [leaf for leaf in layout.leaves if ".params" in leaf.path or "['params']" in leaf.path]
+    return found or list(layout.leaves)
+
+
 def analytic_bytes(layout: Any, batch: Any, batch_shards: int, activations: int | None) -> dict[str, int | None]:
     """Parameters, gradients, optimizer state (in and out), batch and activations, per device."""
-    params = sum(leaf.bytes_per_device for leaf in layout.leaves if ".params" in leaf.path)
+    params = sum(leaf.bytes_per_device for leaf in param_leaves(layout))
     state = sum(leaf.bytes_per_device for leaf in layout.leaves)
     out = {"params": params, "optimizer_and_rest": state - params, "new_state": state, "gradients": params,
            "batch": batch_bytes(batch) // max(batch_shards, 1), "activations": activations}

@@ -31,6 +31,10 @@ def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(front, key=lambda r: r["memory"]["per_device"])
 
 
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
+          "collective_permute": "CP"}
+
+
 def _by_kind(row: dict[str, Any]) -> dict[tuple[str, str], dict[str, float]]:
     out: dict[tuple[str, str], dict[str, float]] = {}
     for c in row.get("collectives", []):
@@ -79,17 +83,20 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
     budget = plan["memory_budget"]
     table = Table(title=f"{plan['devices']} devices, {plan['processes']} process(es), global batch {plan['global_batch']}"
                   + (f", budget {_mib(budget)} MiB per device" if budget else ""))
-    for col in ("#", "candidate", "step ms [overlap, serial]", "compute ms", "comm ms", "MiB/device",
+    console.print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all, CP collective "
+                  "permute; :axes x count per step", highlight=False)
+    for col in ("#", "candidate", "step ms", "compute ms", "comm ms", "MiB/device",
                 "analytic/compiled", "collectives", "flags"):
         table.add_column(col, justify="left" if col in ("candidate", "collectives", "flags") else "right")
     for r in plan["candidates"]:
         if r["status"] == "pruned":
             continue
         mem = r["memory"]
-        flags = [escape(f"replicated {f['path']}") for f in r.get("replicated", [])]
+        rep = r.get("replicated", [])
+        flags = [f"{len(rep)} large param(s) replicated"] if rep else []
         if r["status"] == "over_budget":
             flags.insert(0, "[red]over budget[/]")
-        kinds = ", ".join(f"{k} {a} x{int(v['count'])}" for (k, a), v in sorted(_by_kind(r).items()))
+        kinds = ", ".join(f"{_SHORT[k]}:{a} x{int(v['count'])}" for (k, a), v in sorted(_by_kind(r).items()))
         table.add_row(str(r.get("rank", "-")), escape(r["label"]), f"{_ms(r['step_s_overlapped'])}-{_ms(r['step_s_serial'])}",
                       _ms(r["compute_s"]), _ms(r["comm_s"]), _mib(mem["per_device"]),
                       f"{_mib(mem['analytic']['total'])}/{_mib(mem['compiled']['total'])}", kinds or "none",
@@ -98,6 +105,11 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
     pruned = [r for r in plan["candidates"] if r["status"] != "ok"]
     for r in pruned:
         console.print(f"excluded {r['label']}: {r['reason']}", highlight=False, markup=False)
+    for r in plan["candidates"]:
+        if r.get("replicated"):
+            names = ", ".join(f"{f['path']} {tuple(f['shape'])} ({f['bytes'] / 2**20:.2f} MiB)" for f in r["replicated"])
+            console.print(f"{r['label']}: rules {r['rules']!r} leave these large parameters replicated on every "
+                          f"device: {names}", highlight=False, markup=False)
     front = pareto(plan["candidates"])
     if front:
         console.print("Pareto frontier (memory vs step time): " + " | ".join(

@@ -17,7 +17,7 @@ from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
 from spmdkit._plan._cost import collective_costs, step_time
 from spmdkit._plan._hlo import analyse
-from spmdkit._plan._memory import analytic_bytes, compiled_bytes
+from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
 from spmdkit._strategies.sharded import Sharded, _is_box
@@ -58,11 +58,12 @@ def conflicts(leaves: list[tuple], rules: AxisRules) -> list[dict[str, Any]]:
     return found
 
 
-def replicated(layout: Any, mesh_size: int) -> list[dict[str, Any]]:
-    """Large parameters every device holds whole although the mesh has several devices."""
-    params = [leaf for leaf in layout.leaves if ".params" in leaf.path]
+def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, Any]]:
+    """Large parameters every device holds whole, under rules that shard parameters (data
+    parallelism replicates them by design)."""
+    params = param_leaves(layout)
     total = sum(leaf.bytes for leaf in params) or 1
-    if mesh_size == 1:
+    if mesh_size == 1 or not any(axes is not None for name, axes in rules.table if name != "batch"):
         return []
     return [{"path": leaf.path, "shape": list(leaf.shape), "logical": list(leaf.logical or ()), "bytes": leaf.bytes}
             for leaf in params if not any(leaf.spec) and leaf.bytes >= LARGE_SHARE * total]
@@ -91,7 +92,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         row["compile_s"] = time.perf_counter() - started
     except SpmdkitError as e:
         return {**row, "status": "pruned", "reason": str(e).splitlines()[0]}
-    row["replicated"] = replicated(layout, strategy.mesh.size)
+    row["replicated"] = replicated(layout, strategy.mesh.size, rules)
     program = analyse(compiled.as_text(), dict(strategy.mesh.shape))
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
