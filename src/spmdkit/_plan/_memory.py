@@ -1,7 +1,8 @@
 """Per-device memory of a train step, counted from the layout (and the model, when known).
 
-The analytic count: the state passed in and the new state returned (the step does not
-donate), gradients laid out like the parameters, the batch's share, and, for the built-in
+The analytic count: the state passed in, the new state returned (the step does not
+donate) or the gradients (laid out like the parameters), whichever is larger, since the
+fused optimizer update turns one into the other; the batch's share; and, for the built-in
 ``lm``, the activations its remat policy keeps for the backward pass. The compiled
 program's own figure (``memory_analysis``: arguments + outputs + temporaries - aliased)
 is the other estimate; the plan reports the larger and the margin between them. XLA:CPU
@@ -42,7 +43,10 @@ def analytic_bytes(layout: Any, batch: Any, batch_shards: int, activations: int 
     state = sum(leaf.bytes_per_device for leaf in layout.leaves)
     out = {"params": params, "optimizer_and_rest": state - params, "new_state": state, "gradients": params,
            "batch": batch_bytes(batch) // max(batch_shards, 1), "activations": activations}
-    out["total"] = sum(v for v in out.values() if v is not None)
+    # The new state is written from the gradients by the optimizer's elementwise update, which
+    # XLA fuses into the gradients' last use: each gradient dies as its update is written, so
+    # gradients and new state peak at the larger of the two, not at their sum.
+    out["total"] = state + max(state, params) + out["batch"] + (activations or 0)
     return out
 
 

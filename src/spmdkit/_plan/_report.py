@@ -74,7 +74,8 @@ def explain(plan: dict[str, Any]) -> list[str]:
             f"{'+' if run['compute_s'] >= win['compute_s'] else ''}{_ms(run['compute_s'] - win['compute_s'])} ms, "
             f"collectives {'+' if run['comm_s'] >= win['comm_s'] else ''}{_ms(run['comm_s'] - win['comm_s'])} ms"
             + (f", most of it {worst[0][0]} over {worst[0][1]} +{_ms(worst[1])} ms" if worst and worst[1] > 0 else "")
-            + f"), memory {_mib(run['memory']['per_device'] - win['memory']['per_device'])} MiB per device more")
+            + f"), memory {'+' if run['memory']['per_device'] >= win['memory']['per_device'] else ''}"
+            f"{_mib(run['memory']['per_device'] - win['memory']['per_device'])} MiB per device")
     return lines
 
 
