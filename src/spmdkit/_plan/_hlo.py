@@ -172,6 +172,22 @@ _NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast",
                "conditional", "partition-id", "replica-id"}
 
 
+def _traffic(ins: _Instr, shapes: dict[str, str]) -> int:
+    """Bytes an instruction reads and writes. An update in place (a dynamic-update-slice, or a
+    fusion whose output has the type of one of its operands, as a scan writing its layer's
+    slice of a stacked array) touches only its other operands' bytes, not the whole buffer."""
+    sizes = [(shapes.get(x, ""), shape_bytes(shapes.get(x, ""))) for x in ins.operands]
+    out = shape_bytes(ins.type)
+    base = ins.type.split("{")[0]
+    if ins.op in ("dynamic-update-slice", "fusion") and any(t.split("{")[0] == base and b == out for t, b in sizes):
+        others = sum(b for t, b in sizes if not (t.split("{")[0] == base and b == out))
+        if ins.op == "dynamic-update-slice" or others < out:
+            return 2 * others
+    if ins.op == "dynamic-slice":
+        return 2 * out
+    return out + sum(b for _, b in sizes)
+
+
 def groups_of(attrs: str, n_devices: int) -> list[list[int]] | None:
     """The device groups of a collective's ``replica_groups`` (or permute pairs), or None."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
@@ -239,7 +255,7 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
                 dot_flops += t * f
                 extra_flops += (t - o) * f
             if comp not in fused and ins.op not in _NO_TRAFFIC and not ins.op.endswith("-done"):
-                traffic = shape_bytes(ins.type) + sum(shape_bytes(shapes[comp].get(x, "")) for x in ins.operands)
+                traffic = _traffic(ins, shapes[comp])
                 extra_bytes += (t - o) * traffic
             base = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
             if base not in KINDS or t == 0:
