@@ -120,7 +120,7 @@ def user_plan(tmp_path_factory):
     make_state, train_step, batch = _user_program()
     rules = ("dp", "fsdp+tp", str(d / "replicate.toml"), str(d / "clash.toml"))
     return spmdkit.plan(make_state, train_step, batch, rules=rules, target="h100x8", memory_per_device=100_000,
-                        measure=2, measure_steps=2)
+                        measure=2, measure_steps=2, measure_rounds=1)
 
 
 def test_plan_on_a_users_step_ranks_flags_and_excludes(user_plan):

@@ -65,7 +65,10 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
                    help="accumulation steps to try at the same global batch, e.g. 1,2,4 (1)")
     p.add_argument("--batch-size", type=positive_int, help="global batch (the task's)")
     p.add_argument("--measure", type=int, default=0, metavar="K", help="also run the K best for real and compare (0)")
-    p.add_argument("--measure-steps", type=positive_int, default=5, metavar="S", help="timed steps per --measure run (5)")
+    p.add_argument("--measure-steps", type=positive_int, default=5, metavar="S",
+                   help="--measure: timed steps per candidate per round (5)")
+    p.add_argument("--measure-rounds", type=positive_int, default=3, metavar="R",
+                   help="--measure: rounds in which the candidates take turns (3)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--png", metavar="FILE", help="also draw the memory/time frontier as a PNG")
     p.add_argument("--layers", type=positive_int, help="mlp, lm: number of layers (mlp 4, lm 2)")
@@ -142,7 +145,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     result = plan(make_state, None, batch, memory_per_device=args.memory_per_device, target=args.target,
                   rules=args.rules, remat=tuple(remat), accum=args.grad_accum, step_for=step_for,
                   processes=args.processes, dtype=dtype, activations=activations, measure=args.measure,
-                  measure_steps=args.measure_steps, progress=lambda s: console.print(f"compiling {s}", highlight=False, markup=False))
+                  measure_steps=args.measure_steps,
+                  measure_rounds=args.measure_rounds, progress=lambda s: console.print(f"compiling {s}", highlight=False, markup=False))
     result["task"] = args.task
     print_plan(result, console)
     if args.json:

@@ -67,6 +67,9 @@ class Target:
     memory_per_device: float | None = None
     collectives: dict[str, dict[str, Link]] = field(default_factory=dict)
     measurements: list[Any] = field(default_factory=list)
+    # Optional (default 0): seconds of fixed cost per operation a device executes (kernel
+    # launch, thunk dispatch); small models on CPU spend much of a step there.
+    op_overhead: float = 0.0
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype (``"float32"``, ``"bfloat16"``), else float32's."""
@@ -104,6 +107,8 @@ class Target:
                                   for kind, links in self.collectives.items()}
         if self.measurements:
             out["measurements"] = list(self.measurements)
+        if self.op_overhead:
+            out["op_overhead"] = self.op_overhead
         return out
 
 
@@ -171,6 +176,7 @@ def from_json(data: Any, where: str = "target") -> Target:
         peak_flops=peak, memory_bandwidth=_number(data, "memory_bandwidth", where),
         links=links, memory_per_device=None if memory is None else _number(data, "memory_per_device", where),
         collectives=collectives, measurements=list(data.get("measurements") or []),
+        op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
     )
 
 
@@ -212,7 +218,8 @@ def _best_seconds(fn, repeats: int = 5) -> float:
 
 
 def measure_cpu(size: int = 512) -> tuple[float, float]:
-    """``(f32 FLOP/s, bytes/s)`` of this process's first CPU device: a matmul and a copy."""
+    """``(f32 FLOP/s, bytes/s)`` of this process's first CPU device: a matmul, and a sum that
+    reads 32 MB (a copy would mostly time the page faults of its fresh output)."""
     import jax
     import jax.numpy as jnp
 
@@ -220,32 +227,79 @@ def measure_cpu(size: int = 512) -> tuple[float, float]:
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
     flops = 2 * size**3 / _best_seconds(lambda: matmul(a))
-    big = jax.device_put(jnp.ones((4 * 2**20,), jnp.float32), device)  # 16 MB: past the caches
-    copy = jax.jit(lambda x: x * 2.0)
-    bandwidth = 2 * big.nbytes / _best_seconds(lambda: copy(big))
-    return flops, bandwidth
+    big = jax.device_put(jnp.ones((8 * 2**20,), jnp.float32), device)
+    total = jax.jit(jnp.sum)
+    return flops, big.nbytes / _best_seconds(lambda: total(big))
+
+
+def measure_all_reduce(n: int, loops: int = 20) -> Link | None:
+    """Alpha-beta of an all-reduce over the first ``n`` devices of this process, from a small
+    and a 1 MB psum (each ``loops`` times inside one program: nothing queues up)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    if n < 2 or len(jax.local_devices()) < n:
+        return None
+    from spmdkit._mesh import make_mesh
+
+    mesh = make_mesh(devices=jax.local_devices()[:n], link=n)
+    body = lambda a: jax.lax.fori_loop(0, loops, lambda i, v: jax.lax.psum(v, "link") * (1.0 / n), a)  # noqa: E731
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
+    seconds = []
+    for per_device in (8, 2**18):
+        x = jax.device_put(jnp.ones((n * per_device,), jnp.float32), NamedSharding(mesh, P("link")))
+        seconds.append(_best_seconds(lambda: program(x), repeats=3) / loops)
+    steps, wire = 2 * (n - 1), 2 * (n - 1) / n * 4 * (2**18 - 8)
+    return Link(alpha=seconds[0] / steps, beta=max(seconds[1] - seconds[0], 0.0) / wire)
+
+
+def measure_op_overhead(n: int, loops: int = 200) -> float:
+    """Seconds per operation on each of ``n`` simulated devices running at once: a loop of tiny
+    matmuls (which XLA does not fuse) over a mesh of ``n``, no collective."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from spmdkit._mesh import make_mesh
+
+    n = max(min(n, len(jax.local_devices())), 1)
+    mesh = make_mesh(devices=jax.local_devices()[:n], link=n)
+
+    def body(a):  # each trip: two dots and the loop's own compare and add
+        return jax.lax.fori_loop(0, loops, lambda i, v: (v @ v) @ v * 0.5, a)
+
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
+    x = jax.device_put(jnp.eye(4 * n, 4, dtype=jnp.float32), NamedSharding(mesh, P("link")))
+    return _best_seconds(lambda: program(x), repeats=3) / (loops * 4)
 
 
 def cpu_target(devices: int = 1) -> Target:
     """This machine as a target: simulated devices share its cores, so each device's rates
-    are the process's measured rates divided by ``devices``; the link is a memory copy."""
+    are the process's measured rates divided by ``devices``; the link is an all-reduce among
+    them, measured (or, with one device or too few, assumed)."""
     import platform
 
     import jax
 
     flops, bandwidth = measure_cpu()
     n = max(int(devices), 1)
+    link = measure_all_reduce(n)
+    overhead = measure_op_overhead(n)
+    how = (f"all-reduce measured: alpha {link.alpha:.3g} s, beta {link.beta:.3g} s/B" if link else
+           f"link alpha {CPU_ALPHA:g} s assumed (spmdkit calibrate measures it)")
     return Target(
         name=f"cpu ({platform.node()}, {n} simulated device(s))",
         source=f"measured at plan time on {platform.node()}, jax {jax.__version__}: f32 matmul {flops / 1e9:.1f} "
-               f"GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s per process, divided among {n} device(s); "
-               f"link alpha {CPU_ALPHA:g} s assumed (spmdkit calibrate measures it)",
+               f"GFLOP/s, read {bandwidth / 1e9:.1f} GB/s per process, divided among {n} device(s); {how}; "
+               f"{overhead * 1e6:.2f} us per operation",
         devices_per_host=n,
         peak_flops={"float32": flops / n},
         memory_bandwidth=bandwidth / n,
-        links={"intra_host": Link(CPU_ALPHA, 1.0 / bandwidth), "inter_host": Link(*CPU_INTER_HOST)},
+        links={"intra_host": link or Link(CPU_ALPHA, 1.0 / bandwidth), "inter_host": Link(*CPU_INTER_HOST)},
+        op_overhead=overhead,
     )
 
 
 __all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
-           "load_target"]
+           "load_target", "measure_all_reduce", "measure_cpu", "measure_op_overhead"]

@@ -21,32 +21,33 @@ from spmdkit._strategies.sharded import Sharded
 from spmdkit._target import Target
 
 
-def _runner(make_state: Callable, train_step: Callable | None, step_for: Callable | None, batch: Any, rng: Any,
-            steps: int) -> Callable[[dict[str, Any]], tuple[list[float], int | None]]:
+def _preparer(make_state: Callable, train_step: Callable | None, step_for: Callable | None, batch: Any,
+              rng: Any) -> Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int]]:
     from spmdkit._mesh import make_mesh
     from spmdkit._plan._memory import compiled_bytes
 
-    def run_one(row: dict[str, Any]) -> tuple[list[float], int | None]:
+    def prepare(row: dict[str, Any]) -> tuple[Callable[[int], list[float]], int]:
         strategy = Sharded(make_mesh(**row["mesh"]), rules_table(row["rules"]))
         fn = step_for(row["remat"], row["accum"]) if step_for else train_step
         state = strategy.init(make_state, rng, unbox=True)
         real = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
                             batch)
+        real = jax.device_put(real, strategy._batch_sharding(True))  # placed once, as a prefetched batch is
         step = strategy.step(fn)
-        times = time_steps(step, state, real, steps)
+        time_steps(step, state, real, 2)  # compile and warm up
         stats = jax.devices()[0].memory_stats() or {}
         memory = stats.get("peak_bytes_in_use")
         if memory is None:  # XLA:CPU keeps no memory statistics: the program that ran, as compiled
             memory = compiled_bytes(step.lower(state, real).compile())["total"]
-        return times, memory
+        return (lambda steps: time_steps(step, state, real, steps)), memory
 
-    return run_one
+    return prepare
 
 
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None, processes: int = 1,
-         dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 5,
+         dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 5, measure_rounds: int = 3,
          activations: Callable[[Candidate, int, int], int] | None = None,
          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Rank the sharded layouts of ``make_state``/``train_step`` on this process's devices.
@@ -55,8 +56,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     rules table names (``rules``: presets, ``"hsdp+tp"``, TOML files), times ``remat``
     and ``accum`` (which need ``step_for(remat, accum) -> train_step``). ``batch`` is the
     global batch (arrays or ``jax.ShapeDtypeStruct``). Each is compiled, never run,
-    unless ``measure=K``: then the K best run ``measure_steps`` steps each and the plan
-    gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
+    unless ``measure=K``: then the K best run, taking turns ``measure_rounds`` times
+    ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
 
     Returns a dict: ``candidates`` (ranked ``ok`` ones first, each with ``step_s``, its
     range ``step_s_overlapped``..``step_s_serial``, ``memory``, ``collectives``, flags
@@ -78,7 +79,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     result["frontier"] = [r["label"] for r in pareto(result["candidates"])]
     result["why"] = explain(result)
     if measure:
-        result["measured"] = _measure(result, measure, _runner(make_state, train_step, step_for, batch, rng, measure_steps))
+        result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng),
+                                      measure_steps, rounds=measure_rounds)
     return result
 
 

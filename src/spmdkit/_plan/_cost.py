@@ -27,10 +27,11 @@ def collective_costs(program: Program, target: Target, devices_per_host: int) ->
     return out
 
 
-def step_time(flops: float, bytes_accessed: float, comm_seconds: float, target: Target, dtype: str) -> dict[str, float]:
-    """Compute time (a roofline: the slower of FLOPs and memory traffic) and the step's range
-    ``[overlapped, not overlapped]`` with the collectives."""
-    compute = max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth)
+def step_time(flops: float, bytes_accessed: float, comm_seconds: float, target: Target, dtype: str,
+              ops: int = 0) -> dict[str, float]:
+    """Compute time (a roofline: the slower of FLOPs and memory traffic, plus the target's fixed
+    cost per operation) and the step's range ``[overlapped, not overlapped]`` with the collectives."""
+    compute = max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
     low, high = max(compute, comm_seconds), compute + comm_seconds
     return {"compute_s": compute, "comm_s": comm_seconds, "step_s_overlapped": low, "step_s_serial": high,
             "step_s": math.sqrt(low * high) if low > 0 else high}

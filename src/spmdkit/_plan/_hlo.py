@@ -45,6 +45,7 @@ class Program(NamedTuple):
     extra_flops: float  # matmul FLOPs XLA's cost_analysis leaves out (loop bodies counted once)
     extra_bytes: float  # likewise for bytes accessed
     unknown_loops: int  # loops without a known trip count (counted once)
+    ops: int = 0  # operations (kernels) one device executes per step, loop trips included
 
 
 def shape_bytes(text: str) -> int:
@@ -247,6 +248,7 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
     n_devices = math.prod(mesh_shape.values())
     found: dict[tuple, list[Any]] = {}
     dot_flops = extra_flops = extra_bytes = 0.0
+    ops = 0
     for comp, instrs in comps.items():
         t, o = true.get(comp, 0), once.get(comp, 0)
         for ins in instrs:
@@ -255,6 +257,7 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
                 dot_flops += t * f
                 extra_flops += (t - o) * f
             if comp not in fused and ins.op not in _NO_TRAFFIC and not ins.op.endswith("-done"):
+                ops += t
                 traffic = _traffic(ins, shapes[comp])
                 extra_bytes += (t - o) * traffic
             base = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
@@ -270,4 +273,4 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
             entry_[0] += t
     collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2]) for k, v in found.items()]
     collectives.sort(key=lambda c: -c.bytes * c.count)
-    return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown)
+    return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops)

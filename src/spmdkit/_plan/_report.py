@@ -173,18 +173,26 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def measure(plan: dict[str, Any], k: int, run_one: Callable[[dict[str, Any]], tuple[list[float], int | None]]) -> dict:
-    """Run the ``k`` best candidates for real; predicted vs measured step time and memory."""
+def measure(plan: dict[str, Any], k: int, prepare: Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int]],
+            steps: int, rounds: int = 3) -> dict[str, Any]:
+    """Run the ``k`` best candidates for real: predicted vs measured step time and memory.
+
+    ``prepare(row) -> (run(steps) -> seconds per step, memory)``. The candidates take turns,
+    ``rounds`` times ``steps`` steps each, so a change in the machine's load falls on all alike."""
     rows = [r for r in plan["candidates"] if r["status"] == "ok"][:k]
+    prepared = [prepare(r) for r in rows]
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(rounds):
+        for i, (run, _) in enumerate(prepared):
+            times[i].extend(run(steps))
     out = []
-    for r in rows:
-        times, memory = run_one(r)
+    for r, (_, memory), t in zip(rows, prepared, times):
         out.append({"label": r["label"], "rank": r["rank"], "predicted_s": r["step_s"],
                     "predicted_range_s": [r["step_s_overlapped"], r["step_s_serial"]],
-                    "measured_s": statistics.median(times), "measured_spread_s": [min(times), max(times)],
+                    "measured_s": statistics.median(t), "measured_spread_s": [min(t), max(t)], "steps": len(t),
                     "predicted_memory": r["memory"]["per_device"], "measured_memory": memory})
     fastest = min(out, key=lambda m: m["measured_s"]) if out else None
-    return {"runs": out, "spearman": spearman([m["predicted_s"] for m in out], [m["measured_s"] for m in out]),
+    return {"runs": out, "rounds": rounds, "spearman": spearman([m["predicted_s"] for m in out], [m["measured_s"] for m in out]),
             "measured_fastest": fastest["label"] if fastest else None,
             "measured_fastest_predicted_rank": fastest["rank"] if fastest else None}
 
@@ -205,15 +213,11 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                   highlight=False, markup=False)
 
 
-def time_steps(step: Callable, state: Any, batch: Any, steps: int, warmup: int = 2) -> list[float]:
+def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> list[float]:
     """Seconds per step, each step waited for (simulated devices deadlock on queued collectives)."""
-    for _ in range(warmup):
-        state, aux = step(state, batch)
-        jax.block_until_ready((state, aux))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        state, aux = step(state, batch)
-        jax.block_until_ready((state, aux))
+        jax.block_until_ready(step(state, batch))
         times.append(time.perf_counter() - start)
     return times
