@@ -232,25 +232,42 @@ def measure_cpu(size: int = 512) -> tuple[float, float]:
     return flops, big.nbytes / _best_seconds(lambda: total(big))
 
 
-def measure_all_reduce(n: int, loops: int = 20) -> Link | None:
-    """Alpha-beta of an all-reduce over the first ``n`` devices of this process, from a small
-    and a 1 MB psum (each ``loops`` times inside one program: nothing queues up)."""
+def _collective_program(kind: str, n: int, loops: int):
+    """A program that runs ``loops`` collectives of ``kind`` over a 1-D mesh of ``n`` devices,
+    each device's block of the same size before and after (nothing queues up: one dispatch)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit._mesh import make_mesh
+
+    mesh = make_mesh(devices=jax.local_devices()[:n], link=n)
+    one = {
+        "all_reduce": lambda v: jax.lax.psum(v, "link") * (1.0 / n),
+        "all_gather": lambda v: jax.lax.all_gather(v[: v.shape[0] // n], "link", tiled=True),
+        "reduce_scatter": lambda v: jax.numpy.tile(jax.lax.psum_scatter(v, "link", tiled=True), n) * (1.0 / n),
+    }[kind]
+    body = lambda a: jax.lax.fori_loop(0, loops, lambda i, v: one(v), a)  # noqa: E731
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
+
+
+def measure_collective(kind: str, n: int, loops: int = 20) -> Link | None:
+    """Alpha-beta of ``kind`` over the first ``n`` devices of this process, from a small and a
+    1 MB payload (``B`` as :func:`collective_time` takes it), or None with fewer devices."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     if n < 2 or len(jax.local_devices()) < n:
         return None
-    from spmdkit._mesh import make_mesh
-
-    mesh = make_mesh(devices=jax.local_devices()[:n], link=n)
-    body = lambda a: jax.lax.fori_loop(0, loops, lambda i, v: jax.lax.psum(v, "link") * (1.0 / n), a)  # noqa: E731
-    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
+    mesh, program = _collective_program(kind, n, loops)
     seconds = []
-    for per_device in (8, 2**18):
+    sizes = (8 * n, 2**18)  # float32 elements per device
+    for per_device in sizes:
         x = jax.device_put(jnp.ones((n * per_device,), jnp.float32), NamedSharding(mesh, P("link")))
         seconds.append(_best_seconds(lambda: program(x), repeats=3) / loops)
-    steps, wire = 2 * (n - 1), 2 * (n - 1) / n * 4 * (2**18 - 8)
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    wire = share * 4 * (sizes[1] - sizes[0])  # B: the reduced array, the gathered output, the scattered input
     return Link(alpha=seconds[0] / steps, beta=max(seconds[1] - seconds[0], 0.0) / wire)
 
 
@@ -284,9 +301,11 @@ def cpu_target(devices: int = 1) -> Target:
 
     flops, bandwidth = measure_cpu()
     n = max(int(devices), 1)
-    link = measure_all_reduce(n)
+    measured = {kind: measure_collective(kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
+    link = measured["all_reduce"]
     overhead = measure_op_overhead(n)
-    how = (f"all-reduce measured: alpha {link.alpha:.3g} s, beta {link.beta:.3g} s/B" if link else
+    how = ("collectives measured (alpha s, beta s/B): " + ", ".join(
+        f"{kind} {ab.alpha:.3g}, {ab.beta:.3g}" for kind, ab in measured.items() if ab) if link else
            f"link alpha {CPU_ALPHA:g} s assumed (spmdkit calibrate measures it)")
     return Target(
         name=f"cpu ({platform.node()}, {n} simulated device(s))",
@@ -297,9 +316,10 @@ def cpu_target(devices: int = 1) -> Target:
         peak_flops={"float32": flops / n},
         memory_bandwidth=bandwidth / n,
         links={"intra_host": link or Link(CPU_ALPHA, 1.0 / bandwidth), "inter_host": Link(*CPU_INTER_HOST)},
+        collectives={kind: {"intra_host": ab} for kind, ab in measured.items() if ab},
         op_overhead=overhead,
     )
 
 
 __all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
-           "load_target", "measure_all_reduce", "measure_cpu", "measure_op_overhead"]
+           "load_target", "measure_collective", "measure_cpu", "measure_op_overhead"]
