@@ -70,6 +70,16 @@ def test_collectives_in_a_loop_are_counted_per_trip():
     assert [(c.kind, c.axes, c.count) for c in program.collectives] == [("all_reduce", ("data",), 5)]
 
 
+def test_link_is_inter_host_when_a_group_spans_processes():
+    from spmdkit._plan._cost import link_of
+    from spmdkit._plan._hlo import Collective
+
+    over_data = Collective("all_reduce", 64, 2, ("data",), 1, ((0, 4), (1, 5), (2, 6), (3, 7)), "ar")
+    over_model = Collective("all_reduce", 64, 4, ("model",), 1, ((0, 1, 2, 3), (4, 5, 6, 7)), "ar")
+    assert link_of(over_data, 8) == link_of(over_model, 8) == "intra_host"  # one process
+    assert (link_of(over_data, 4), link_of(over_model, 4)) == ("inter_host", "intra_host")  # 2 processes x 4
+
+
 # ---------------------------------------------------------------- candidates
 def test_candidates_enumerated_and_pruned_with_reasons():
     assert sorted(factorisations(8, 2)) == [(2, 4), (4, 2)]

@@ -92,6 +92,9 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         row["compile_s"] = time.perf_counter() - started
     except SpmdkitError as e:
         return {**row, "status": "pruned", "reason": str(e).splitlines()[0]}
+    except Exception as e:  # noqa: BLE001 - one layout JAX or XLA refuses must not end the plan
+        return {**row, "status": "pruned", "reason": f"does not compile: {type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[0][:300]}"}
     row["replicated"] = replicated(layout, strategy.mesh.size, rules)
     program = analyse(compiled.as_text(), dict(strategy.mesh.shape))
     cost = compiled.cost_analysis()
