@@ -266,7 +266,7 @@ def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
 _DEFAULT_DEVICES = {"demo": 8, "bench": 8, "inspect": 8}
 # Commands that keep compiled programs for the next start unless told otherwise (bench
 # does not: it measures compilation too).
-_CACHED_COMMANDS = {"train", "demo", "inspect"}
+_CACHED_COMMANDS = {"train", "demo", "inspect", "plan"}
 
 
 def _setup_compile_cache(args: argparse.Namespace) -> None:

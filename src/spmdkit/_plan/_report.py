@@ -39,7 +39,8 @@ def _by_kind(row: dict[str, Any]) -> dict[tuple[str, str], dict[str, float]]:
     out: dict[tuple[str, str], dict[str, float]] = {}
     for c in row.get("collectives", []):
         key = (c["kind"], "+".join(c["axes"]) or "-")
-        slot = out.setdefault(key, {"seconds": 0.0, "bytes": 0.0, "count": 0})
+        slot = out.setdefault(key, {"seconds": 0.0, "bytes": 0.0, "count": 0, "across_hosts": False})
+        slot["across_hosts"] = slot["across_hosts"] or c.get("link") == "inter_host"
         slot["seconds"] += c["seconds"]
         slot["bytes"] += c["bytes"] * c["count"]
         slot["count"] += c["count"]
@@ -57,8 +58,9 @@ def explain(plan: dict[str, Any]) -> list[str]:
              f"{_mib(win['memory']['per_device'])} MiB per device"]
     paid = sorted(_by_kind(win).items(), key=lambda kv: -kv[1]["seconds"])
     if paid:
-        lines.append("  pays: " + "; ".join(f"{kind} over {axes} x{int(v['count'])} ({v['bytes'] / 2**20:.2f} MiB, "
-                                            f"{_ms(v['seconds'])} ms)" for (kind, axes), v in paid[:4]))
+        lines.append("  pays: " + "; ".join(
+            f"{kind} over {axes}{' (across hosts)' if v['across_hosts'] else ''} x{int(v['count'])} "
+            f"({v['bytes'] / 2**20:.2f} MiB, {_ms(v['seconds'])} ms)" for (kind, axes), v in paid[:4]))
     else:
         lines.append("  pays: no collective at all")
     others = {key for r in ok[1:] for key in _by_kind(r)}
