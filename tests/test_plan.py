@@ -165,7 +165,7 @@ def test_plan_memory_within_10_percent_of_compiled_and_over_budget_excluded(user
 def test_plan_measure_compares_predicted_and_measured(user_plan):
     runs = user_plan["measured"]["runs"]
     assert [m["rank"] for m in runs] == [1, 2]
-    assert all(m["measured_s"] > 0 and m["measured_memory"] > 0 for m in runs)
+    assert all(m["measured_s"] > 0 and m["measured_memory"] > 0 and m["measured_memory_source"] for m in runs)
     assert user_plan["measured"]["spearman"] is None  # fewer than 3 runs: no rank correlation claimed
 
 

@@ -22,11 +22,11 @@ from spmdkit._target import Target
 
 
 def _preparer(make_state: Callable, train_step: Callable | None, step_for: Callable | None, batch: Any,
-              rng: Any) -> Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int]]:
+              rng: Any) -> Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]]:
     from spmdkit._mesh import make_mesh
     from spmdkit._plan._memory import compiled_bytes
 
-    def prepare(row: dict[str, Any]) -> tuple[Callable[[int], list[float]], int]:
+    def prepare(row: dict[str, Any]) -> tuple[Callable[[int], list[float]], int, str]:
         strategy = Sharded(make_mesh(**row["mesh"]), rules_table(row["rules"]))
         fn = step_for(row["remat"], row["accum"]) if step_for else train_step
         state = strategy.init(make_state, rng, unbox=True)
@@ -38,8 +38,9 @@ def _preparer(make_state: Callable, train_step: Callable | None, step_for: Calla
         stats = jax.devices()[0].memory_stats() or {}
         memory = stats.get("peak_bytes_in_use")
         if memory is None:  # XLA:CPU keeps no memory statistics: the program that ran, as compiled
-            memory = compiled_bytes(step.lower(state, real).compile())["total"]
-        return (lambda steps: time_steps(step, state, real, steps)), memory
+            return (lambda steps: time_steps(step, state, real, steps)), compiled_bytes(
+                step.lower(state, real).compile())["total"], "compiled (XLA:CPU keeps no allocator statistics)"
+        return (lambda steps: time_steps(step, state, real, steps)), memory, "device allocator peak"
 
     return prepare
 

@@ -175,24 +175,26 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def measure(plan: dict[str, Any], k: int, prepare: Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int]],
+def measure(plan: dict[str, Any], k: int,
+            prepare: Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]],
             steps: int, rounds: int = 3) -> dict[str, Any]:
     """Run the ``k`` best candidates for real: predicted vs measured step time and memory.
 
-    ``prepare(row) -> (run(steps) -> seconds per step, memory)``. The candidates take turns,
+    ``prepare(row) -> (run(steps) -> seconds per step, memory, where the memory figure comes from)``. The candidates take turns,
     ``rounds`` times ``steps`` steps each, so a change in the machine's load falls on all alike."""
     rows = [r for r in plan["candidates"] if r["status"] == "ok"][:k]
     prepared = [prepare(r) for r in rows]
     times: list[list[float]] = [[] for _ in rows]
     for _ in range(rounds):
-        for i, (run, _) in enumerate(prepared):
+        for i, (run, _, _) in enumerate(prepared):
             times[i].extend(run(steps))
     out = []
-    for r, (_, memory), t in zip(rows, prepared, times):
+    for r, (_, memory, source), t in zip(rows, prepared, times):
         out.append({"label": r["label"], "rank": r["rank"], "predicted_s": r["step_s"],
                     "predicted_range_s": [r["step_s_overlapped"], r["step_s_serial"]],
                     "measured_s": statistics.median(t), "measured_spread_s": [min(t), max(t)], "steps": len(t),
-                    "predicted_memory": r["memory"]["per_device"], "measured_memory": memory})
+                    "predicted_memory": r["memory"]["per_device"], "measured_memory": memory,
+                    "measured_memory_source": source})
     fastest = min(out, key=lambda m: m["measured_s"]) if out else None
     return {"runs": out, "rounds": rounds, "spearman": spearman([m["predicted_s"] for m in out], [m["measured_s"] for m in out]),
             "measured_fastest": fastest["label"] if fastest else None,
@@ -208,6 +210,9 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                       f"{_ms(m['measured_s'])} ({_ms(m['measured_spread_s'][0])}-{_ms(m['measured_spread_s'][1])})",
                       _mib(m["predicted_memory"]), "n/a" if m["measured_memory"] is None else _mib(m["measured_memory"]))
     console.print(table)
+    sources = sorted({m["measured_memory_source"] for m in measured["runs"]})
+    if sources:
+        console.print(f"measured memory: {', '.join(sources)}", highlight=False)
     rho = measured["spearman"]
     console.print(f"Spearman rank correlation of predicted and measured step times: "
                   f"{'n/a (fewer than 3 runs)' if rho is None else f'{rho:.3f}'}; measured fastest: "
