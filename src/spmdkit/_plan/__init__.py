@@ -22,12 +22,12 @@ from spmdkit._target import Target
 
 
 def _preparer(make_state: Callable, train_step: Callable | None, step_for: Callable | None, batch: Any,
-              rng: Any) -> Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]]:
+              rng: Any, state_axes: Any) -> Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]]:
     from spmdkit._mesh import make_mesh
     from spmdkit._plan._memory import compiled_bytes
 
     def prepare(row: dict[str, Any]) -> tuple[Callable[[int], list[float]], int, str]:
-        strategy = Sharded(make_mesh(**row["mesh"]), rules_table(row["rules"]))
+        strategy = Sharded(make_mesh(**row["mesh"]), rules_table(row["rules"]), state_axes=state_axes)
         fn = step_for(row["remat"], row["accum"]) if step_for else train_step
         state = strategy.init(make_state, rng, unbox=True)
         real = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
@@ -49,14 +49,15 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None, processes: int = 1,
          dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 5, measure_rounds: int = 3,
-         activations: Callable[[Candidate, int, int], int] | None = None,
+         activations: Callable[[Candidate, int, int], int] | None = None, state_axes: Any = None,
          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Rank the sharded layouts of ``make_state``/``train_step`` on this process's devices.
 
     Candidates are the factorisations of ``jax.device_count()`` over the mesh axes each
     rules table names (``rules``: presets, ``"hsdp+tp"``, TOML files), times ``remat``
     and ``accum`` (which need ``step_for(remat, accum) -> train_step``). ``batch`` is the
-    global batch (arrays or ``jax.ShapeDtypeStruct``). Each is compiled, never run,
+    global batch (arrays or ``jax.ShapeDtypeStruct``); ``state_axes`` names the dimensions
+    of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`. Each is compiled, never run,
     unless ``measure=K``: then the K best run, taking turns ``measure_rounds`` times
     ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
 
@@ -76,11 +77,11 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     """
     result = _plan(make_state, train_step, batch, memory_per_device=memory_per_device, target=target, rules=rules,
                    remat=remat, accum=accum, step_for=step_for, processes=processes, dtype=dtype, rng=rng,
-                   activations=activations, progress=progress)
+                   activations=activations, state_axes=state_axes, progress=progress)
     result["frontier"] = [r["label"] for r in pareto(result["candidates"])]
     result["why"] = explain(result)
     if measure:
-        result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng),
+        result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng, state_axes),
                                       measure_steps, rounds=measure_rounds)
     return result
 

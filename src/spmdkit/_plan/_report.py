@@ -19,7 +19,8 @@ def _mib(n: float) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.3f}"
+    ms = s * 1e3
+    return f"{ms:.3f}" if abs(ms) >= 0.01 or ms == 0 else f"{ms:.2g}"
 
 
 def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

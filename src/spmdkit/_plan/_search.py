@@ -20,7 +20,7 @@ from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
-from spmdkit._strategies.sharded import Sharded, _is_box
+from spmdkit._strategies.sharded import Sharded, _is_box, _with_state_axes
 from spmdkit._target import Target, load_target
 
 # A replicated parameter is flagged when it holds at least this share of the parameters.
@@ -31,10 +31,10 @@ def _abstract(batch: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
 
 
-def logical_leaves(make_state: Callable, rng: Any) -> list[tuple[str, tuple, int, tuple]]:
+def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[tuple[str, tuple, int, tuple]]:
     """``(path, shape, bytes, logical names)`` of every annotated leaf; rules do not matter."""
     probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
-    boxed = probe._abstract_boxed(make_state, as_key(rng))
+    boxed = _with_state_axes(probe._abstract_boxed(make_state, as_key(rng)), state_axes)
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
         if isinstance(leaf, nn.LogicallyPartitioned):
@@ -71,7 +71,8 @@ def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, 
 
 def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch: Any, target: Target,
              budget: float | None, devices_per_host: int, dtype: str, rng: Any,
-             leaves: list[tuple], activations: Callable[[Candidate, int, int], int] | None) -> dict[str, Any]:
+             leaves: list[tuple], activations: Callable[[Candidate, int, int], int] | None,
+             state_axes: Any = None) -> dict[str, Any]:
     """One candidate compiled (never run) and priced; ``status`` ok, pruned or over_budget."""
     rules = rules_table(cand.rules)
     row: dict[str, Any] = {"label": cand.label, "mesh": dict(cand.mesh), "rules": cand.rules, "remat": cand.remat,
@@ -83,7 +84,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         return {**row, "status": "pruned", "reason": f"rules map logical names {first['names']} of {first['path']} "
                 f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else "")}
     try:
-        strategy = Sharded(make_mesh(**dict(cand.mesh)), rules)
+        strategy = Sharded(make_mesh(**dict(cand.mesh)), rules, state_axes=state_axes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReplicationWarning)
             layout = strategy.plan(make_state, rng)
@@ -122,7 +123,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
          processes: int = 1, dtype: str = "float32", rng: Any = 0,
-         activations: Callable[[Candidate, int, int], int] | None = None,
+         activations: Callable[[Candidate, int, int], int] | None = None, state_axes: Any = None,
          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every layout of ``make_state``'s state and ``train_step`` on this process's devices,
     compiled ahead of time and priced against ``target``; nothing runs.
@@ -148,7 +149,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     abstract_batch = _abstract(batch)
     rows_in_batch = jax.tree.leaves(abstract_batch)[0].shape[0]
     candidates, early = enumerate_candidates(n, tuple(rules), tuple(remat), tuple(accum), rows_in_batch)
-    leaves = logical_leaves(make_state, rng)
+    leaves = logical_leaves(make_state, rng, state_axes)
     results = [{"label": c.label, "mesh": dict(c.mesh), "rules": c.rules, "remat": c.remat, "accum": c.accum,
                 "status": "pruned", "reason": why} for c, why in early]
     for i, cand in enumerate(candidates):
@@ -156,7 +157,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
             progress(f"[{i + 1}/{len(candidates)}] {cand.label}")
         step = step_for(cand.remat, cand.accum) if step_for else train_step
         results.append(evaluate(cand, make_state, step, abstract_batch, target, budget, devices_per_host, dtype,
-                                rng, leaves, activations))
+                                rng, leaves, activations, state_axes))
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["step_s"])
     for rank, r in enumerate(ok, 1):
         r["rank"] = rank
