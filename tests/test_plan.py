@@ -194,3 +194,11 @@ def test_cli_plan_lm_json(tmp_path, capsys):
     assert abs(mem["per_device"] / mem["compiled"]["total"] - 1) <= 0.10
     assert rows["tp [model=8]"]["status"] == "pruned" and "cannot split evenly" in rows["tp [model=8]"]["reason"]
     assert "winner: fsdp [data=8]" in capsys.readouterr().out
+
+
+def test_cli_plan_bad_target_names_the_fix(tmp_path, capsys):
+    code = main(["plan", "--task", "mlp", "--devices", "8", "--layers", "1", "--depth", "16", "--embed", "8",
+                 "--rules", "dp", "--target", str(tmp_path / "nope.json")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nope.json" in err and "h100x8" in err
