@@ -33,7 +33,7 @@ def process_share(data_dir, steps):
     return [{k: np.asarray(v[r]) for k, v in data.items()} for r in rows]
 
 
-def run(data_dir, steps, ckpt_dir, resume, pipeline=False):
+def run(data_dir, steps, ckpt_dir, resume, pipeline=False, grain=False):
     import jax
     import jax.numpy as jnp
     import optax
@@ -53,6 +53,8 @@ def run(data_dir, steps, ckpt_dir, resume, pipeline=False):
             return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2), {}
 
         data = process_share(data_dir, steps) if pipeline else str(data_dir)
+        if grain:  # a Grain MapDataset of this process's rows, read a batch at a time
+            data = spmdkit.grain_batches(data_dir, 16, seed=3)
         task = spmdkit.Task(name="mp-data", init=init, loss_fn=loss_fn, train_data=data)
         ckpt = None if ckpt_dir is None else spmdkit.CheckpointConfig(str(ckpt_dir), every=2, resume=bool(resume))
         result = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.1, momentum=0.9),
@@ -76,4 +78,11 @@ if __name__ == "__main__":
     if not int(sys.argv[5]):  # the same run from a list of this process's shares
         piped = run(sys.argv[1], int(sys.argv[3]), None, 0, pipeline=True)
         np.savez(f"{sys.argv[2]}.pipeline.{jax.process_index()}.npz", **piped)
+        try:
+            import grain  # noqa: F401
+        except ImportError:  # Python 3.11: no Grain
+            pass
+        else:  # checkpointed, to be resumed by one process
+            from_grain = run(sys.argv[1], int(sys.argv[3]), f"{sys.argv[4]}_grain", 0, grain=True)
+            np.savez(f"{sys.argv[2]}.grain.{jax.process_index()}.npz", **from_grain)
     print("process", jax.process_index(), "of", jax.process_count(), "devices", jax.device_count())

@@ -10,12 +10,17 @@ import sys
 from pathlib import Path
 
 
-def launch_two(program: Path, *args: str, timeout: float) -> None:
+def start_two(program: Path, *args: str) -> subprocess.Popen:
+    """The launcher started in its own session (``os.killpg(proc.pid, SIGKILL)`` ends it and both workers)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
     command = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "4", "--",
                sys.executable, str(program), *args]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+
+
+def launch_two(program: Path, *args: str, timeout: float) -> None:
+    proc = start_two(program, *args)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:

@@ -111,7 +111,12 @@ def test_a_first_batch_the_loss_cannot_read_is_named_before_training():
 def test_resuming_a_run_from_other_data_is_refused_and_leaves_the_directory_usable(tmp_path):
     ckpt = spmdkit.CheckpointConfig(str(tmp_path), every=2)
     _fit(DATA, steps=4, checkpoint=ckpt)
+    refused, accepted = [], []
     with pytest.raises(spmdkit.ConfigError, match="this run trains from a pipeline"):
-        _fit(_batches(), steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True))
-    resumed = _fit(DATA, steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True))
+        _fit(_batches(), steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True),
+             log=refused.append)
+    assert not any("resumed from step" in line for line in refused), refused  # logged only once accepted
+    resumed = _fit(DATA, steps=6, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True),
+                   log=accepted.append)
     assert resumed.summary["resumed_from_step"] == 4
+    assert any("resumed from step 4" in line for line in accepted), accepted

@@ -29,6 +29,25 @@ def test_round_trip_is_lazy_and_exact(tmp_path):
     spmdkit.write_dataset(d, ARRAYS, overwrite=True)
 
 
+def test_batched_reads_equal_per_example_reads(tmp_path):
+    source = spmdkit.DatasetSource(spmdkit.write_dataset(tmp_path / "ds", ARRAYS))
+    idx = np.array([7, 2, 9, 2, 0, 5])  # unsorted, with a repeat
+    batch, listed = source.rows(idx), source._getitems(idx)
+    assert source.__getitems__ is not None and len(listed) == len(idx)
+    for pos, i in enumerate(idx):
+        one = source[int(i)]
+        for path, want in ((("image",), one["image"]), (("label",), one["label"]), (("meta", "w"), one["meta"]["w"])):
+            got, item = batch, listed[pos]
+            for k in path:
+                got, item = got[k], item[k]
+            assert got.dtype == want.dtype and item.dtype == want.dtype
+            np.testing.assert_array_equal(got[pos], want)
+            np.testing.assert_array_equal(item, want)
+    assert source.rows([])["image"].shape == (0, 2, 2)
+    with pytest.raises(IndexError, match="example 10 of .* holds 10"):
+        source.rows([3, 10])
+
+
 def test_bad_inputs_are_named(tmp_path):
     with pytest.raises(spmdkit.DataError, match="same number of examples"):
         spmdkit.write_dataset(tmp_path / "a", {"x": np.ones(3), "y": np.ones(4)})

@@ -108,3 +108,99 @@ def test_a_grain_data_loader_resumes_from_its_saved_state(tmp_path):
         from spmdkit._data import PipelineFeed
         PipelineFeed(loader(), 16).resume({**saved, "processes": 2})
 
+
+
+def test_grain_batches_are_fits_array_order_read_per_batch_and_resume_on_any_process_count(tmp_path):
+    from spmdkit._data import ArrayFeed, PipelineFeed
+
+    d = spmdkit.write_dataset(tmp_path / "ds", {"x": X, "y": 3 * X + 1})
+    batches = spmdkit.grain_batches(d, 16, seed=2)
+    assert isinstance(batches, grain.MapDataset) and len(batches) == 4
+    order = ArrayFeed({"x": X}, 16, 2, True)
+    for k in (0, 3, 4, 9):  # into later epochs, reshuffled as fit reshuffles arrays
+        idx = order.indices(k)[1]
+        np.testing.assert_array_equal(batches[k]["x"], X[idx])
+        halves = [spmdkit.grain_batches(d, 16, seed=2, process_index=p, process_count=2)[k]["x"] for p in (0, 1)]
+        np.testing.assert_array_equal(np.concatenate(halves), X[idx])  # each process reads only its half
+    np.testing.assert_array_equal(batches.map(lambda b: b["x"] * 2)[1], 2 * X[order.indices(1)[1]])
+
+    def fit(data):
+        import jax.numpy as jnp
+        import optax
+
+        task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+                            loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+                            train_data=data)
+        return spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.3),
+                           spmdkit.TrainConfig(steps=6, batch_size=16, seed=2, prefetch=2), progress=False)
+
+    from_grain, from_arrays = fit(batches), fit(str(d))
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(from_grain.params[k], from_arrays.params[k])
+
+    # A checkpoint written by 2 processes resumes in 1 by global position; anything else is refused.
+    written_by_two = PipelineFeed(spmdkit.grain_batches(d, 16, seed=2), 16).state(4) | {"processes": 2}
+    PipelineFeed(batches, 16).resume(written_by_two)
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)seed.: 2.*seed.: 5"):
+        PipelineFeed(spmdkit.grain_batches(d, 16, seed=5), 16).resume(written_by_two)
+    plain = grain.MapDataset.source([{"x": X[i], "y": X[i]} for i in range(64)]).batch(16)
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)written by 2 process.*this run has 1.*grain_batches"):
+        PipelineFeed(plain, 16).resume(PipelineFeed(plain, 16).state(4) | {"processes": 2})
+    with pytest.raises(spmdkit.ConfigError, match="batch_size=15 over 2 process"):
+        spmdkit.grain_batches(d, 15, process_index=0, process_count=2)
+
+
+def test_two_processes_killed_and_resumed_continue_each_iterator_from_its_saved_state(tmp_path):
+    """2 processes, each with its own Grain iterator: SIGKILL mid-run, resume with 2 -> the parameters
+    of the uninterrupted run, every process's iterator state restored (not re-read from the start)."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    try:
+        from _launch_two import start_two
+    finally:
+        sys.path.remove(str(here))
+    ck, out, total = tmp_path / "ck", str(tmp_path / "p"), 300
+    program = here / "_data_kill_program.py"
+
+    def steps():  # the intact ones: a step killed before its manifest was written cannot be resumed
+        if not ck.exists():
+            return []
+        reader = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck)))
+        return [s for s in reader.steps() if not reader.problems(s)]
+
+    p = start_two(program, str(ck), out, str(total), "0", "mp")
+    try:
+        deadline = time.time() + 240
+        while p.poll() is None and time.time() < deadline and not steps():
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert p.poll() is None, "the run ended before it was killed; raise total" + p.stderr.read()[-2000:]
+        os.killpg(p.pid, signal.SIGKILL)  # the launcher and both workers
+        p.wait(timeout=30)
+        saved = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(ck))).meta(steps()[-1])["data"]
+        assert saved["processes"] == 2 and sorted(saved["iterators"]) == ["0", "1"]
+        assert all(s["iterator"] is not None for s in saved["iterators"].values())
+        p = start_two(program, str(ck), out, str(total), "1", "mp")
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, stderr[-3000:]
+    resumed_from = int(stdout.split("resumed from step ")[1].split()[0])
+    assert 0 < resumed_from < total
+    with np.load(f"{out}.straight.npz") as straight:
+        for proc in (0, 1):
+            with np.load(f"{out}.{proc}.npz") as got:
+                for k in ("w", "b"):
+                    np.testing.assert_array_equal(got[k], straight[k])
+                # Restored, the iterator reads from the checkpoint on (8 examples a batch, plus at most two
+                # epochs of 4 batches read ahead: Grain's and the first-batch check's); read again from the
+                # start and skipped, it would read all `total` batches and more.
+                assert int(got["reads"]) <= 8 * (total - resumed_from + 8) < 8 * total, (int(got["reads"]),
+                                                                                          resumed_from)

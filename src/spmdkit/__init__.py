@@ -11,6 +11,7 @@ from spmdkit._devices import (
     use_host_devices,
 )
 from spmdkit._cache import disable_compile_cache, enable_compile_cache
+from spmdkit._calibrate import calibrate
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
 from spmdkit._data import (
@@ -20,6 +21,7 @@ from spmdkit._data import (
     DatasetFileError,
     DatasetLayoutError,
     DatasetSource,
+    grain_batches,
     load_dataset,
     write_dataset,
 )
@@ -84,6 +86,7 @@ __all__ = [
     "DatasetFileError",
     "DatasetLayoutError",
     "DatasetSource",
+    "grain_batches",
     "load_dataset",
     "write_dataset",
     "ENV_HOST_DEVICES",
@@ -133,6 +136,7 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "TreeMismatchError",
+    "calibrate",
     "device_table",
     "disable_compile_cache",
     "enable_compile_cache",

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     from spmdkit._plan_cli import add_plan_parser
 
     add_plan_parser(sub, common, _positive_int, _add_lm_options)
+    from spmdkit._calibrate_cli import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     p = sub.add_parser(
         "launch",
         help="run a command in P local processes joined by jax.distributed",
@@ -264,6 +267,7 @@ def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
 # Commands that run on 8 simulated devices unless told otherwise: they are about
 # showing or measuring many devices on a machine that has one CPU.
 _DEFAULT_DEVICES = {"demo": 8, "bench": 8, "inspect": 8}
+_DEFAULT_DEVICES["calibrate"] = 8  # the intra_host link: a mesh of 8 simulated devices
 # Commands that keep compiled programs for the next start unless told otherwise (bench
 # does not: it measures compilation too).
 _CACHED_COMMANDS = {"train", "demo", "inspect", "plan"}
@@ -508,6 +512,12 @@ def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     return launch(cmd, args.processes, args.host_devices_per_process, max_restarts=max(args.max_restarts, 0))
 
 
+def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._calibrate_cli import run_calibrate
+
+    return run_calibrate(args, console)
+
+
 def _cmd_data(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._data import load_dataset, write_dataset
 
@@ -543,6 +553,7 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
 _COMMANDS = {
     "data": _cmd_data,
     "launch": _cmd_launch,
+    "calibrate": _cmd_calibrate,
     "checkpoints": _cmd_checkpoints,
     "inspect": _cmd_inspect,
     "plan": _cmd_plan,

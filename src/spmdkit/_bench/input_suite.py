@@ -5,8 +5,11 @@ on all local devices, one compiled step, synced every step as ``fit`` does. The 
 are fed by:
 
 - (a) ``arrays``: the in-memory arrays, shuffled and batched by spmdkit (``fit``'s default);
-- (b) ``grain``: a Grain pipeline over the on-disk data set (``write_dataset``),
-  ``MapDataset.source(DatasetSource(dir)).shuffle(seed).batch(B)``, no prefetch;
+- (b) ``grain``: a Grain pipeline over the on-disk data set (``write_dataset``), built
+  as the README recommends: ``spmdkit.grain_batches(dir, B, seed=seed)``, a Grain
+  ``MapDataset`` whose element k is global batch k read with one slice per leaf, no
+  prefetch (Grain's per-example ``MapDataset.source(DatasetSource(dir)).shuffle(seed)
+  .batch(B)`` reads, shuffles and stacks 256 examples one by one per batch);
 - (c) ``grain + prefetch``: (b) with spmdkit's prefetch (``TrainConfig.prefetch``):
   batches read and put on the devices by a thread while the step runs.
 
@@ -28,7 +31,7 @@ import optax
 
 from spmdkit._bench._timing import case_row, machine, measure, ratio, target
 from spmdkit._bench.report import collect
-from spmdkit._data import ArrayFeed, DatasetSource, PipelineFeed, Prefetch, to_devices, write_dataset
+from spmdkit._data import ArrayFeed, PipelineFeed, Prefetch, grain_batches, to_devices, write_dataset
 from spmdkit._strategies import DataParallel
 from spmdkit._tasks import digits
 
@@ -56,9 +59,7 @@ def _has_grain() -> bool:
 def _pipeline(directory: str, batch_size: int, seed: int) -> Any:
     if not _has_grain():  # Python 3.11 (no Grain): the same data set read directly
         return None
-    import grain
-
-    return grain.MapDataset.source(DatasetSource(directory)).shuffle(seed=seed).batch(batch_size, drop_remainder=True)
+    return grain_batches(directory, batch_size, seed=seed)
 
 
 def _sources(train: dict, directory: str, batch_size: int, strategy: Any) -> dict[str, Any]:
@@ -146,6 +147,8 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         ],
         "notes": [
             f"batch {batch_size} on {strategy.batch_shards} device(s); prefetch {PREFETCH} batches",
+            "(b), (c): spmdkit.grain_batches(dir, batch_size, seed=0), a Grain MapDataset of whole batches (one read "
+            "per leaf per batch), read by index as fit reads it",
             f"prefetch bought: steps/s of (c) / (b) = {prefetch_gain['median']:.3f} (median of paired ratios)",
         ] + ([] if _has_grain() else ["Grain is not installed (Python < 3.12?): (b) and (c) read the on-disk data "
                                       "set through memory maps instead of a Grain pipeline"]),

@@ -14,6 +14,7 @@ from spmdkit._data._errors import (
 from spmdkit._errors import DataError
 from spmdkit._data._feed import ArrayFeed, PipelineFeed, is_pipeline, open_feed, resolve_train_data
 from spmdkit._data._format import DatasetSource, is_dataset_dir, load_dataset, write_dataset
+from spmdkit._data._grain import grain_batches
 from spmdkit._data._prefetch import Prefetch, to_devices
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "DatasetSource",
     "PipelineFeed",
     "Prefetch",
+    "grain_batches",
     "is_dataset_dir",
     "is_pipeline",
     "load_dataset",

@@ -12,12 +12,15 @@ it after ``step`` batches.
 - A pipeline: any iterable of batches (a list, a generator, an iterator, a Grain
   ``MapDataset``/``IterDataset``/``DataLoader``). Each yields this process's rows of
   every global batch (``batch_size / process_count`` rows; with one process, the
-  global batch), as a Grain loader sharded by JAX process does.
+  global batch), as a Grain loader sharded by JAX process does. A random-access one
+  (a Grain ``MapDataset``) is read by global batch number; an iterator's state
+  (``get_state``) is saved per process, every process's gathered into the checkpoint.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -50,6 +53,18 @@ def resolve_train_data(data: Any) -> Any:
         raise DataError(fix(f"train_data is the function {name!r}; spmdkit does not guess how to call it.",
                             f"pass what it returns: train_data={name}() (an iterable of batches), or the arrays."))
     return data
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order (every process must call it)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    padded = np.zeros(1 << max(8, int(sizes.max() - 1).bit_length()), np.uint8)  # few sizes: few compilations
+    padded[:data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(gathered[p, :int(n)]).decode()) for p, n in enumerate(sizes)]
 
 
 def num_rows(tree: Any) -> int:
@@ -157,6 +172,9 @@ class PipelineFeed:
         self.indexable = not self.one_shot and hasattr(source, "__getitem__") and hasattr(source, "__len__")
         self.num_examples = None
         self.steps_per_epoch = len(source) if self.indexable else None
+        # A random-access pipeline whose global order spmdkit fixes (grain_batches): batch k is the same
+        # global batch on any number of processes, so a checkpoint resumes on any.
+        self.order = getattr(source, "spmdkit_order", None) if self.indexable else None
         if self.steps_per_epoch == 0:
             raise DataError(fix(f"{name} is empty.", "pass a pipeline that yields at least one batch."))
         self._first: tuple[Any, Any] | None = None  # (treedef, [(path, shape, dtype)])
@@ -238,12 +256,13 @@ class PipelineFeed:
             for k in itertools.count(start):
                 yield k // n, self.source[k] if grain_like else self.source[k % n]
         saved = self._saved or {}
-        if start and saved.get("iterator") is not None and saved.get("batches") == start:
+        mine = (saved.get("iterators") or {}).get(str(jax.process_index())) if "iterators" in saved else saved
+        if start and (mine or {}).get("iterator") is not None and saved.get("batches") == start:
             it = iter(self.source)
             if hasattr(it, "set_state"):  # a Grain iterator: restored, nothing re-read
-                state = saved["iterator"]
+                state = mine["iterator"]
                 it.set_state(state["bytes"].encode() if isinstance(state, dict) and set(state) == {"bytes"} else state)
-                yield from self._stream(it, int(saved.get("epoch", 0)), start, int(saved.get("epoch_start", 0)))
+                yield from self._stream(it, int(mine.get("epoch", 0)), start, int(mine.get("epoch_start", 0)))
                 return
         if start and self.one_shot:
             raise DataExhaustedError(fix(
@@ -272,7 +291,7 @@ class PipelineFeed:
                 epoch, self._epoch_start, it = epoch + 1, k, iter(self.source)
                 continue
             k += 1
-            if self.processes == 1 and hasattr(it, "get_state"):
+            if hasattr(it, "get_state"):
                 self._remember(k, epoch, it.get_state())
             yield epoch, batch
 
@@ -298,21 +317,37 @@ class PipelineFeed:
             yield epoch, self._place(self._check(batch, k))
 
     def state(self, step: int) -> dict[str, Any]:
-        return {"kind": self.kind, "batches": step, "processes": self.processes, **self._states.get(step, {})}
+        """The data position after ``step`` batches. With several processes every process calls it
+        at the same step (a checkpoint is saved by all): each one's iterator state is gathered,
+        keyed by process index, into the metadata process 0 writes."""
+        order = {} if self.order is None else {"order": self.order}
+        head = {"kind": self.kind, "batches": step, "processes": self.processes, **order}
+        if self.processes == 1 or self.indexable:  # one process, or read by global position: nothing per process
+            return {**head, **self._states.get(step, {})}
+        states = gather_json(self._states.get(step))
+        return {**head, "iterators": {str(p): s for p, s in enumerate(states)}}
 
     def resume(self, saved: dict[str, Any] | None) -> None:
         if saved is not None and saved.get("kind") != self.kind:
             raise ConfigError(fix(f"the checkpoint was written training from {saved.get('kind')}; this run trains "
                                   "from a pipeline: the data order would differ.",
                                   "resume with the same training data, or start a new run elsewhere."))
+        saved_order = (saved or {}).get("order")
+        if saved_order is not None and saved_order != self.order:
+            raise ConfigError(fix(
+                f"the checkpoint was written reading {saved_order}; this run's pipeline reads "
+                f"{self.order or 'another pipeline'}: the data order would differ.",
+                "resume with the same grain_batches arguments (data set, batch_size, seed, drop_remainder), or "
+                "start a new run elsewhere."))
         then = (saved or {}).get("processes", self.processes)
-        if then != self.processes:
+        if then != self.processes and saved_order is None:
             raise ConfigError(fix(
                 f"the checkpoint was written by {then} process(es) reading their own shares of a pipeline; this run "
-                f"has {self.processes}: each process's pipeline would yield other rows, so the data order would "
-                "differ from the run's.",
-                f"resume with {then} process(es), or train from arrays or an on-disk data set (--data DIR), whose "
-                "order is the same on any number of processes."))
+                f"has {self.processes}: each process's pipeline (and its saved iterator state) would yield other "
+                "rows, so the data order would differ from the run's.",
+                f"resume with {then} process(es); or read the data with spmdkit.grain_batches(DIR, batch_size) "
+                "(a Grain MapDataset whose global order spmdkit fixes) or from arrays or an on-disk data set "
+                "(--data DIR), whose order is the same on any number of processes."))
         self._saved = saved
 
 

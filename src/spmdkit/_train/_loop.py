@@ -215,14 +215,18 @@ def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
 
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
            ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
-           run_info: dict[str, Any] | None = None, total: int | None = None) -> tuple[Any, int]:
-    """The initial state and the steps already done: fresh, or the newest intact checkpoint."""
+           run_info: dict[str, Any] | None = None, total: int | None = None,
+           feed: Any = None) -> tuple[Any, int]:
+    """The initial state and the steps already done: fresh, or the newest intact checkpoint
+    (with ``feed`` moved to its data position; a refused resume logs no resume)."""
     if ckpt is not None and checkpoint.resume:
         target = strategy.abstract(make_state, key, unbox=True)
         restored = ckpt.restore_latest(target, members=getattr(strategy, "members", None))
         if restored is not None:
             state, meta = restored
             _check_resumable(meta, config, task.name, run_info, total)
+            if feed is not None and int(meta["step"]):  # the data position saved with that state (older: none)
+                feed.resume(meta.get("data"))
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
@@ -377,9 +381,7 @@ class _Run:
         self.ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
         try:
             self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
-                                                 self.ckpt, config, task, log, run_info, self.plan.total)
-            if self.start_step:  # the data position saved with that state (older checkpoints: none)
-                self.feed.resume(self.ckpt.meta(self.start_step).get("data"))
+                                                 self.ckpt, config, task, log, run_info, self.plan.total, self.feed)
         except BaseException:
             if self.ckpt is not None:
                 self.ckpt.abandon()  # a refused resume leaves the directory unlocked

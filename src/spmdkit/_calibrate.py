@@ -1,0 +1,529 @@
+"""``spmdkit calibrate``: this machine's hardware target file, measured.
+
+The planner prices a layout with a small model of the hardware (``spmdkit plan
+--target FILE``): a GEMM rate, a memory bandwidth and, per collective and per link, an
+alpha-beta cost, time = s(n) * alpha + w(n, B) * beta (steps and wire bytes of a ring
+algorithm, n devices, payload B bytes). This module measures those figures here:
+
+- ``intra_host``: the N simulated CPU devices of one process. XLA:CPU's collectives
+  within a process are memory copies between device buffers plus a rendezvous of the
+  devices' threads, and all N devices share this machine's cores: the figure is what
+  a collective over a mesh axis costs on simulated devices with every device busy,
+  not the speed of any interconnect.
+- ``inter_host``: 2 processes x 1 device joined by ``jax.distributed`` (gloo over
+  loopback TCP), each process on its own core: the closest this machine comes to two
+  hosts.
+
+Every collective runs ``reps`` times inside one compiled program (a loop whose every
+iteration depends on the last, so nothing is hoisted), the way a collective runs inside
+a training step, without a dispatch per call. Cases are timed with the house method
+(:mod:`spmdkit._bench._timing`: warm-up, interleaved rounds, medians). alpha and beta
+are fitted per kind and link by non-negative least squares on the *relative* error, so
+4 KiB and 64 MiB points count alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from spmdkit._errors import SpmdkitError, fix
+
+FORMAT = "spmdkit-target"
+VERSION = 1
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+LINKS = ("intra_host", "inter_host")
+KiB, MiB = 1024, 1024 * 1024
+DEFAULT_SIZES = tuple(4 * KiB * 4**k for k in range(8))  # 4 KiB .. 64 MiB, x4 apart
+QUICK_SIZES = (4 * KiB, 64 * KiB, 1 * MiB)
+ACCEPT_REL_ERR = 0.25  # the 2-process all-reduce must be predicted within this
+ENV_STRIP = ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")
+
+
+class CalibrationError(SpmdkitError, ValueError):
+    """``spmdkit calibrate`` was asked for something it cannot measure or fit."""
+
+
+class CalibrationFileError(SpmdkitError, OSError):
+    """The target file cannot be written (``--out`` in a missing, read-only or full place)."""
+
+    exit_code = 5  # the CLI's code for an I/O failure
+
+
+class CalibrationRunError(SpmdkitError, RuntimeError):
+    """The processes that measure the inter-host link failed or timed out."""
+
+    exit_code = 4  # the CLI's code for a lost peer process
+
+
+# --- the cost model (target-schema.md) ------------------------------------------------
+
+
+def steps_and_wire(kind: str, n: int, nbytes: float) -> tuple[float, float]:
+    """``(s(n), w(n, B))`` of a ring algorithm: steps and bytes on the wire per device.
+
+    Example:
+        >>> steps_and_wire("all_reduce", 4, 1000.0)
+        (6, 1500.0)
+        >>> steps_and_wire("all_gather", 2, 1000.0)
+        (1, 500.0)
+    """
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n * nbytes
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1, (n - 1) / n * nbytes
+    if kind == "collective_permute":
+        return 1, nbytes
+    raise CalibrationError(fix(f"unknown collective kind {kind!r}.", f"use one of {KINDS + ('collective_permute',)}."))
+
+
+def predict(coeffs: dict[str, float], kind: str, nbytes: float, n: int) -> float:
+    """Seconds for one collective: ``s(n) * alpha + w(n, B) * beta`` (0 for n == 1).
+
+    Example:
+        >>> predict({"alpha": 1e-5, "beta": 1e-9}, "all_reduce", 1e6, 2)
+        0.00102
+    """
+    if n <= 1:
+        return 0.0
+    s, w = steps_and_wire(kind, n, nbytes)
+    return s * coeffs["alpha"] + w * coeffs["beta"]
+
+
+def coefficients(target: dict[str, Any], kind: str, link: str) -> dict[str, float]:
+    """The (alpha, beta) the target gives ``kind`` on ``link``: its own entry, else the link's."""
+    own = target.get("collectives", {}).get(kind, {}).get(link)
+    if own is not None:
+        return own
+    if link in target.get("links", {}):
+        return target["links"][link]
+    raise CalibrationError(fix(f"the target has no figures for link {link!r} (kind {kind!r}).",
+                                   "calibrate it with spmdkit calibrate --processes 2."))
+
+
+def _nnls2(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min ||a @ x - y|| over x >= 0 for two unknowns: the free optimum, else the best edge."""
+    x, *_ = np.linalg.lstsq(a, y, rcond=None)
+    if np.all(x >= 0):
+        return x
+    best, best_err = np.zeros(2), float(np.sum(y**2))
+    for j in range(2):
+        col = a[:, j]
+        denom = float(col @ col)
+        if denom > 0:
+            cand = np.zeros(2)
+            cand[j] = max(0.0, float(col @ y) / denom)
+            err = float(np.sum((a @ cand - y) ** 2))
+            if err < best_err:
+                best, best_err = cand, err
+    return best
+
+
+def fit_alpha_beta(kind: str, points: Sequence[tuple[int, float, float]]) -> dict[str, float]:
+    """Fit ``{"alpha", "beta"}`` (both >= 0) to ``(n, bytes, seconds)`` points of one kind and link.
+
+    Least squares on the relative error (``predicted / measured - 1``), so a 4 KiB point,
+    where alpha dominates, counts as much as a 64 MiB one, where beta does.
+
+    Example:
+        >>> pts = [(2, b, 2 * 1e-5 + b * 2e-9) for b in (4096, 65536, 2**20, 2**24)]
+        >>> fit = fit_alpha_beta("all_reduce", pts)  # s(2) = 2, w(2, B) = B
+        >>> round(fit["alpha"], 12), round(fit["beta"], 15)
+        (1e-05, 2e-09)
+    """
+    raw, times = [], []
+    for i, (n, nbytes, seconds) in enumerate(points):
+        if n < 2:
+            continue  # one device: nothing on any link
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise CalibrationError(fix(f"{kind}: point {i} (n={n}, {nbytes} bytes) has time {seconds!r}.",
+                                       "pass positive, finite seconds."))
+        raw.append(steps_and_wire(kind, n, nbytes))
+        times.append(seconds)
+    model = np.asarray(raw, dtype=np.float64).reshape(-1, 2)
+    # Two unknowns need two points whose (steps, wire bytes) are not proportional.
+    if len(raw) < 2 or np.linalg.matrix_rank(model / np.maximum(model.max(axis=0), 1e-300)) < 2:
+        raise CalibrationError(fix(f"{kind}: {len(raw)} usable point(s) cannot fix two unknowns (alpha, beta).",
+                                   "measure at least two distinct payload sizes with n >= 2 devices."))
+    rows, ys = model / np.asarray(times)[:, None], np.ones(len(times))
+    a = rows
+    # Columns differ by ~1e6 in scale (steps vs bytes): normalise, solve, scale back.
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
+    x = _nnls2(a / scale, ys) / scale
+    return {"alpha": float(x[0]), "beta": float(x[1])}
+
+
+def prediction_errors(target: dict[str, Any], measurements: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every measured point with the target's prediction and the relative error (pred / meas - 1).
+
+    Example:
+        >>> t = {"links": {"inter_host": {"alpha": 1e-5, "beta": 1e-9}}}
+        >>> m = [{"kind": "all_reduce", "link": "inter_host", "n": 2, "bytes": 1e6, "seconds": 0.00102}]
+        >>> abs(prediction_errors(t, m)[0]["rel_err"]) < 1e-9
+        True
+    """
+    rows = []
+    for m in measurements:
+        pred = predict(coefficients(target, m["kind"], m["link"]), m["kind"], m["bytes"], m["n"])
+        rows.append({**m, "predicted": pred, "rel_err": pred / m["seconds"] - 1.0})
+    return rows
+
+
+def error_summary(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{kind: {link: {"points", "max_rel_err", "median_rel_err"}}}`` (absolute relative errors).
+
+    Example:
+        >>> rows = [{"kind": "all_reduce", "link": "inter_host", "rel_err": e} for e in (0.1, -0.3, 0.05)]
+        >>> error_summary(rows)["all_reduce"]["inter_host"]
+        {'points': 3, 'max_rel_err': 0.3, 'median_rel_err': 0.1}
+    """
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["link"]), []).append(abs(r["rel_err"]))
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (kind, link), errs in groups.items():
+        out.setdefault(kind, {})[link] = {"points": len(errs), "max_rel_err": max(errs),
+                                          "median_rel_err": statistics.median(errs)}
+    return out
+
+
+# --- input checks --------------------------------------------------------------------
+
+_SUFFIX = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB, "g": 1024 * MiB,
+           "gb": 1024 * MiB, "gib": 1024 * MiB}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4096``, ``4K``, ``64KiB``, ``1M``, ``64MiB`` (binary units).
+
+    Example:
+        >>> parse_size("64KiB"), parse_size("1M"), parse_size("4096")
+        (65536, 1048576, 4096)
+    """
+    m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SUFFIX:
+        raise CalibrationError(fix(f"--sizes {text!r} is not a size in bytes.",
+                                   "pass sizes like 4096, 64K, 1M or 64MiB (binary units)."))
+    return int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+
+
+def check_sizes(sizes: Sequence[int] | None, quick: bool) -> list[int]:
+    """Sorted distinct payload sizes in bytes; names a non-positive one."""
+    if sizes is None:
+        return list(QUICK_SIZES if quick else DEFAULT_SIZES)
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise CalibrationError(fix(f"sizes={sizes!r} is not a list of byte counts.", "pass e.g. sizes=[4096, 2**20]."))
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s <= 0:
+            raise CalibrationError(fix(f"sizes[{i}] = {s!r}: payload sizes must be whole numbers of bytes > 0.",
+                                       "pass e.g. sizes=[4096, 65536, 2**20] (CLI: --sizes 4K 64K 1M)."))
+    out = sorted({int(s) for s in sizes})
+    if len(out) < 2:
+        raise CalibrationError(fix(f"sizes={list(sizes)}: one distinct size cannot separate alpha from beta.",
+                                   "pass at least two sizes, e.g. 4096 and 1048576 (CLI: --sizes 4K 1M)."))
+    return out
+
+
+def check_processes(processes: int) -> int:
+    if isinstance(processes, bool) or processes not in (1, 2):
+        raise CalibrationError(fix(f"processes={processes!r}: calibrate measures 1 process (intra_host only) or 2 "
+                                   "(intra_host and inter_host, 1 device each).",
+                                   "pass processes=1 or 2 (CLI: --processes 1 or 2)."))
+    return processes
+
+
+def check_out(out: str | os.PathLike | None) -> str | None:
+    """The output path, checked writable before minutes of measuring."""
+    if out is None:
+        return None
+    path = os.fspath(out)
+    if os.path.isdir(path):
+        raise CalibrationFileError(fix(f"out={path!r} (--out) is a directory.", "pass a file name, e.g. --out target.json."))
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CalibrationFileError(fix(f"out={path!r} (--out): directory {parent} does not exist.",
+                                       f"create it (mkdir -p {parent}) or pass another path."))
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-calibrate-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CalibrationFileError(fix(f"out={path!r} (--out): cannot write in {parent} ({e.strerror or e}).",
+                                       "pass a path in a directory you can write to.")) from None
+    return path
+
+
+def write_target(path: str, target: dict[str, Any]) -> None:
+    """Write the JSON file whole or not at all (a temporary file renamed into place)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".spmdkit-calibrate-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(target, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CalibrationFileError(fix(f"cannot write the target file {path}: {e.strerror or e}.",
+                                       "free disk space or pass another --out.")) from None
+
+
+def load_target_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            target = json.load(fh)
+    except OSError as e:
+        raise CalibrationError(fix(f"cannot read the target file {path}: {e.strerror or e}.",
+                                       "pass a file written by spmdkit calibrate --out FILE.")) from None
+    except ValueError as e:
+        raise CalibrationError(fix(f"{path} is not JSON ({e}).", "pass a file written by spmdkit calibrate.")) from None
+    if not isinstance(target, dict) or target.get("format") != FORMAT or target.get("version") != VERSION:
+        raise CalibrationError(fix(f"{path} is not a {FORMAT} file of version {VERSION}.",
+                                       "pass a file written by spmdkit calibrate --out FILE."))
+    return target
+
+
+# --- running the measurements --------------------------------------------------------
+
+
+def _defaults(quick: bool, rounds: int | None) -> tuple[int, float]:
+    """(rounds, seconds one timed call should last)."""
+    if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
+        raise CalibrationError(fix(f"rounds={rounds!r}: need a whole number >= 1.", "pass e.g. rounds=7 (CLI: --rounds 7)."))
+    return rounds or (3 if quick else 7), 0.005 if quick else 0.02
+
+
+def group_sizes(count: int, quick: bool) -> list[int]:
+    """Mesh-axis sizes to measure on ``count`` devices: powers of two that divide it, and itself.
+
+    Example:
+        >>> group_sizes(8, quick=False), group_sizes(8, quick=True), group_sizes(6, quick=False)
+        ([2, 4, 8], [8], [2, 6])
+    """
+    if count < 2:
+        return []
+    if quick:
+        return [count]
+    return sorted({2**k for k in range(1, count.bit_length()) if count % 2**k == 0} | {count})
+
+
+def run_two_processes(sizes: Sequence[int], kinds: Sequence[str], rounds: int, target_s: float,
+                      timeout: float) -> tuple[list[dict[str, Any]], list[str]]:
+    """The inter-host points: 2 local processes x 1 device under ``spmdkit launch``.
+
+    A hard ``timeout`` (seconds): the launcher and both processes are then killed with
+    SIGKILL (JAX catches SIGTERM after ``jax.distributed.initialize``).
+    """
+    with tempfile.TemporaryDirectory(prefix="spmdkit-calibrate-") as tmp:
+        out = os.path.join(tmp, "inter_host.json")
+        command = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--",
+                   sys.executable, "-m", "spmdkit._calibrate_worker", "--out", out, "--rounds", str(rounds),
+                   "--target-seconds", str(target_s), "--timeout", str(int(max(60, timeout))),
+                   "--sizes", *map(str, sizes), "--kinds", *kinds]
+        env = {k: v for k, v in os.environ.items() if k not in ENV_STRIP}
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise CalibrationRunError(fix(f"the 2-process measurement did not finish in {timeout:.0f} s; killed.",
+                                          "run on a less busy machine, measure fewer --sizes, or raise the "
+                                          "timeout (calibrate(timeout=...)).")) from None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join(stderr.strip().splitlines()[-15:])
+            raise CalibrationRunError(fix(f"the 2-process measurement failed (exit code {proc.returncode}):\n{tail}",
+                                          "check that two processes can join with jax.distributed here "
+                                          "(spmdkit launch -n 2 -- spmdkit devices), or pass --processes 1."))
+        with open(out) as fh:
+            result = json.load(fh)
+    return result["measurements"], result["warnings"]
+
+
+def _fit_all(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    collectives: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in KINDS:
+        for link in LINKS:
+            mine = [(p["n"], p["bytes"], p["seconds"]) for p in points if p["kind"] == kind and p["link"] == link]
+            if mine:
+                collectives.setdefault(kind, {})[link] = fit_alpha_beta(kind, mine)
+    return collectives
+
+
+def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devices_per_host: int,
+                 processes: int, warnings: Sequence[str]) -> dict[str, Any]:
+    """The target dict (target-schema.md) from measured points and compute figures."""
+    import jax
+
+    collectives = _fit_all(points)
+    links = {link: dict(collectives["all_reduce"][link]) for link in LINKS if link in collectives.get("all_reduce", {})}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    host = platform.node() or "this host"
+    target: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": f"{host}: {devices_per_host} simulated CPU devices"
+        + (" + 2 processes x 1 device (jax.distributed, gloo)" if processes == 2 else "") + ", calibrated",
+        "source": f"calibrated on {host} {now}, jax {jax.__version__}",
+        "devices_per_host": devices_per_host,
+        "peak_flops": compute["peak_flops"],
+        "memory_bandwidth": compute["memory_bandwidth"],
+        "links": links,
+        "collectives": collectives,
+    }
+    rows = prediction_errors(target, points)
+    target["measurements"] = [{k: r[k] for k in ("kind", "link", "n", "bytes", "seconds", "predicted", "rel_err",
+                                                 "iqr_rel", "min_seconds", "reps", "rounds", "flags")} for r in rows]
+    # Optional fields (a reader may ignore them): how well the fit explains the points, and why.
+    target["fit_quality"] = error_summary(rows)
+    target["compute_detail"] = compute["detail"]
+    target["notes"] = [
+        f"intra_host: {devices_per_host} simulated CPU devices in one process sharing {os.cpu_count()} cores; "
+        "XLA:CPU collectives within a process are memory copies plus a rendezvous of the devices' threads, "
+        "measured with every device of the mesh busy (mesh axes of n devices, all groups at once)",
+        "inter_host: 2 processes x 1 device on this machine, jax.distributed with gloo over loopback TCP",
+        "every collective timed inside one compiled loop (no per-call dispatch), median of interleaved rounds",
+        f"peak_flops and memory_bandwidth: per device with all {devices_per_host} devices computing at once",
+        "fit: alpha, beta >= 0 by least squares on the relative error; links[*] = the all_reduce fit",
+    ]
+    target["warnings"] = merge_warnings(warnings)
+    return target
+
+
+def merge_warnings(warnings: Sequence[str]) -> list[str]:
+    """One line per distinct message: ``"GROUP: message"`` lines that repeat across groups are counted.
+
+    Example:
+        >>> merge_warnings(["a n=2 4 B: busy", "a n=2 8 B: busy", "a n=2 8 B: x: spread 20%"])
+        ['busy (2 of 2 measurement groups)', 'a n=2 8 B: x: spread 20%']
+    """
+    split = [w.split(": ", 1) if ": " in w else ["", w] for w in warnings]
+    groups = {group for group, _ in split if group}
+    counts: dict[str, int] = {}
+    for _, msg in split:
+        counts[msg] = counts.get(msg, 0) + 1
+    merged = [f"{msg} ({k} of {len(groups)} measurement groups)" for msg, k in counts.items() if k > 1]
+    return merged + [w for w, (_, msg) in zip(warnings, split) if counts[msg] == 1]
+
+
+def _check_devices(devices: int | None):
+    import jax
+
+    if jax.process_count() > 1:
+        raise CalibrationError(fix("calibrate runs in one process; this one is part of a jax.distributed job.",
+                                   "run spmdkit calibrate on its own: it starts its own 2 processes."))
+    have = jax.devices()
+    if devices is None:
+        return have
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise CalibrationError(fix(f"devices={devices!r}: need a whole number >= 1.", "pass e.g. devices=8."))
+    if devices > len(have):
+        raise CalibrationError(fix(f"devices={devices}: this process has only {len(have)} device(s).",
+                                   f"call spmdkit.use_host_devices({devices}) before any JAX work "
+                                   f"(CLI: --devices {devices})."))
+    return have[:devices]
+
+
+def calibrate(
+    *,
+    devices: int | None = None,
+    processes: int = 2,
+    sizes: Sequence[int] | None = None,
+    rounds: int | None = None,
+    quick: bool = False,
+    out: str | os.PathLike | None = None,
+    timeout: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure this machine and return its hardware target (the dict ``spmdkit plan --target`` reads).
+
+    Times all_reduce (psum), all_gather, reduce_scatter (psum_scatter) and all_to_all at
+    ``sizes`` bytes (default 4 KiB .. 64 MiB, x4 apart; ``quick``: 4 KiB, 64 KiB, 1 MiB) on the
+    first ``devices`` devices of this process (``intra_host``) and, with ``processes=2``,
+    across 2 processes x 1 device (``inter_host``); fits alpha and beta per kind and link;
+    measures the float32/bfloat16 GEMM rate and the memory bandwidth per device. Writes the
+    file to ``out`` if given (checked writable first). The per-point predictions and errors
+    are in ``measurements``, their summary in ``fit_quality``.
+
+    Example (a smoke run: 2 simulated devices, two sizes, one process, one round):
+        >>> import spmdkit
+        >>> target = spmdkit.calibrate(devices=2, processes=1, sizes=[4096, 65536], rounds=1, quick=True)
+        >>> sorted(target["collectives"]["all_reduce"]["intra_host"])
+        ['alpha', 'beta']
+        >>> sorted({(m["kind"], m["bytes"]) for m in target["measurements"]})[:2]
+        [('all_gather', 4096), ('all_gather', 65536)]
+    """
+    check_processes(processes)
+    sizes = check_sizes(sizes, quick)
+    rounds, target_s = _defaults(quick, rounds)
+    path = check_out(out)
+    if timeout is not None and not timeout > 0:
+        raise CalibrationError(fix(f"timeout={timeout!r}: need seconds > 0.", "pass e.g. timeout=600."))
+    devs = _check_devices(devices)
+    if len(devs) < 2 and processes == 1:
+        raise CalibrationError(fix("one device in one process: no collective to measure.",
+                                   "use several simulated devices (spmdkit.use_host_devices(8); CLI --devices 8) "
+                                   "or processes=2."))
+    log = log or (lambda _: None)
+    from spmdkit._calibrate_measure import measure_collectives, measure_compute
+
+    t0 = time.perf_counter()
+    points, warnings = measure_collectives(devs, group_sizes(len(devs), quick), sizes, KINDS, "intra_host",
+                                           rounds=rounds, target_s=target_s, log=log)
+    compute = measure_compute(devs, quick=quick, rounds=rounds)
+    warnings += compute["warnings"]
+    if processes == 2:
+        log("inter_host: starting 2 processes x 1 device")
+        inter, more = run_two_processes(sizes, KINDS, rounds, target_s, timeout or (600.0 if quick else 3600.0))
+        points += inter
+        warnings += more
+    target = build_target(points, compute, len(devs), processes, warnings)
+    target["calibration_seconds"] = time.perf_counter() - t0
+    if path:
+        write_target(path, target)
+    return target
+
+
+def check(path: str, *, sizes: Sequence[int] | None = None, rounds: int | None = None, quick: bool = False,
+          timeout: float | None = None) -> dict[str, Any]:
+    """Re-measure the 2-process all-reduce and compare it with the prediction of the target file at ``path``.
+
+    Sizes default to those the file measured on ``inter_host`` (else the default sizes).
+    Returns ``{"rows": [{"bytes", "seconds", "predicted", "rel_err"}], "max_rel_err",
+    "median_rel_err", "limit", "ok", "warnings"}``; ``ok`` when every size is within 25%.
+    """
+    target = load_target_json(path)
+    coeffs = coefficients(target, "all_reduce", "inter_host")
+    if sizes is None:
+        measured = sorted({int(m["bytes"]) for m in target.get("measurements", [])
+                           if m.get("kind") == "all_reduce" and m.get("link") == "inter_host"})
+        sizes = measured if len(measured) >= 2 else None
+    sizes = check_sizes(sizes, quick)
+    rounds, target_s = _defaults(quick, rounds)
+    points, warnings = run_two_processes(sizes, ["all_reduce"], rounds, target_s, timeout or (600.0 if quick else 1800.0))
+    rows = [{"bytes": p["bytes"], "seconds": p["seconds"], "iqr_rel": p["iqr_rel"],
+             "predicted": predict(coeffs, "all_reduce", p["bytes"], p["n"])} for p in points]
+    for r in rows:
+        r["rel_err"] = r["predicted"] / r["seconds"] - 1.0
+    errs = [abs(r["rel_err"]) for r in rows]
+    return {"file": path, "coefficients": coeffs, "rows": rows, "max_rel_err": max(errs),
+            "median_rel_err": statistics.median(errs), "limit": ACCEPT_REL_ERR,
+            "ok": max(errs) <= ACCEPT_REL_ERR, "warnings": merge_warnings(warnings)}

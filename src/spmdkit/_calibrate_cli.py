@@ -1,0 +1,122 @@
+"""``spmdkit calibrate``: flags, and the tables it prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from spmdkit._calibrate import ACCEPT_REL_ERR, DEFAULT_SIZES, QUICK_SIZES, CalibrationError, calibrate, check, parse_size
+
+DEFAULT_OUT = "spmdkit-target.json"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except CalibrationError as e:
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+
+
+def _kib(sizes) -> str:
+    return ", ".join(f"{s // 1024} KiB" if s < 2**20 else f"{s // 2**20} MiB" for s in sizes)
+
+
+def add_calibrate_parser(sub) -> None:
+    from spmdkit._cli import _positive_int
+
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine's collectives, GEMM rate and bandwidth; write a target file for spmdkit plan",
+        description="Times psum (all_reduce), all_gather, psum_scatter (reduce_scatter) and all_to_all at "
+        f"log-spaced payload sizes ({_kib(DEFAULT_SIZES[:1])} .. {_kib(DEFAULT_SIZES[-1:])}; --quick: "
+        f"{_kib(QUICK_SIZES)}) on --devices simulated devices in this process (link intra_host: they share "
+        "this machine's cores) and across 2 processes x 1 device joined by jax.distributed (inter_host); "
+        "fits alpha-beta per collective and link; prints every fit's prediction error. The largest size "
+        "needs about 3 x devices x size of memory. Take figures on an idle machine.",
+    )
+    p.add_argument("--out", metavar="FILE", default=DEFAULT_OUT, help=f"the target file to write ({DEFAULT_OUT})")
+    p.add_argument("--devices", dest="host_devices", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
+                   help="simulated CPU devices for the intra_host link (8)")
+    p.add_argument("--processes", type=int, default=2, metavar="P",
+                   help="1: intra_host only; 2: also inter_host, 2 processes x 1 device (2)")
+    p.add_argument("--sizes", type=_size, nargs="+", metavar="BYTES",
+                   help="payload sizes, e.g. 4K 64K 1M 16M (binary units; default: 4 KiB .. 64 MiB, x4 apart)")
+    p.add_argument("--rounds", type=int, metavar="R", help="interleaved timing rounds per case (7; --quick: 3)")
+    p.add_argument("--quick", action="store_true", help="3 sizes, largest mesh axis only, 3 rounds: a smoke run")
+    p.add_argument("--timeout", type=float, metavar="S", help="seconds before the 2-process run is killed "
+                   "(3600; --quick: 600)")
+    p.add_argument("--check", metavar="FILE", help="instead: re-measure the 2-process all-reduce (at FILE's sizes unless --sizes) and compare it "
+                   f"with FILE's prediction (exit 0 when every size is within {100 * ACCEPT_REL_ERR:.0f}%%, else 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.0f}%"
+
+
+def print_fit(target: dict[str, Any], console: Console) -> None:
+    table = Table(title="alpha-beta fits: time = s(n) * alpha + w(n, B) * beta  (errors: predicted / measured - 1)")
+    for col in ("kind", "link", "points", "alpha (us)", "1/beta (GB/s)", "max |err|", "median |err|"):
+        table.add_column(col, justify="left" if col in ("kind", "link") else "right")
+    for kind, per_link in target["collectives"].items():
+        for link, c in per_link.items():
+            q = target["fit_quality"][kind][link]
+            table.add_row(kind, link, str(q["points"]), f"{c['alpha'] * 1e6:.1f}",
+                          f"{1e-9 / c['beta']:.2f}" if c["beta"] else "inf",
+                          f"{q['max_rel_err']:.0%}", f"{q['median_rel_err']:.0%}")
+    console.print(table)
+    flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in target["peak_flops"].items())
+    console.print(f"per device ({target['devices_per_host']} at once): {flops}; memory "
+                  f"{target['memory_bandwidth'] / 1e9:.2f} GB/s", highlight=False)
+
+
+def print_points(rows: list[dict[str, Any]], title: str, console: Console) -> None:
+    table = Table(title=title)
+    for col in ("n", "bytes", "measured (us)", "IQR", "predicted (us)", "error"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        iqr = r.get("iqr_rel")
+        table.add_row(str(r.get("n", 2)), str(r["bytes"]), f"{r['seconds'] * 1e6:.1f}",
+                      f"{iqr:.0%}" if iqr is not None else "", f"{r['predicted'] * 1e6:.1f}", _pct(r["rel_err"]))
+    console.print(table)
+
+
+def _print_warnings(warnings: list[str], console: Console) -> None:
+    for w in warnings:
+        console.print(f"warning: {w}", style="yellow", highlight=False, markup=False)
+
+
+def run_calibrate(args: argparse.Namespace, console: Console) -> int:
+    if args.check:
+        result = check(args.check, sizes=args.sizes, rounds=args.rounds, quick=args.quick, timeout=args.timeout)
+        if args.json:
+            print(json.dumps(result, indent=2))
+            return 0 if result["ok"] else 1
+        print_points(result["rows"], f"2-process all-reduce now vs the prediction of {args.check}", console)
+        _print_warnings(result["warnings"], console)
+        verdict = "met" if result["ok"] else "NOT met"
+        console.print(f"max |error| {result['max_rel_err']:.0%}, median {result['median_rel_err']:.0%}: "
+                      f"within {ACCEPT_REL_ERR:.0%} at every size: {verdict}", highlight=False)
+        return 0 if result["ok"] else 1
+    err = Console(stderr=True)
+    target = calibrate(processes=args.processes, sizes=args.sizes, rounds=args.rounds, quick=args.quick,
+                       out=args.out, timeout=args.timeout, log=lambda line: err.print(line, highlight=False))
+    if args.json:
+        print(json.dumps(target, indent=2))
+        return 0
+    print_fit(target, console)
+    inter = [m for m in target["measurements"] if m["kind"] == "all_reduce" and m["link"] == "inter_host"]
+    if inter:
+        print_points(inter, "2-process all-reduce: measured vs the fit", console)
+        worst = max(abs(m["rel_err"]) for m in inter)
+        console.print(f"2-process all-reduce predicted within {worst:.0%} at every size (target {ACCEPT_REL_ERR:.0%}: "
+                      f"{'met' if worst <= ACCEPT_REL_ERR else 'NOT met'}); every point is in {args.out}",
+                      highlight=False)
+    _print_warnings(target["warnings"], console)
+    console.print(f"wrote {args.out}: spmdkit plan --target {args.out}; re-check later with "
+                  f"spmdkit calibrate --check {args.out}", highlight=False)
+    return 0

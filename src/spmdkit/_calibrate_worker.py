@@ -1,0 +1,45 @@
+"""One of the two processes that measure the ``inter_host`` link for ``spmdkit calibrate``.
+
+Started by :func:`spmdkit._calibrate.run_two_processes` under ``spmdkit launch -n 2
+--host-devices-per-process 1``; the processes join through ``jax.distributed`` and time
+the collectives over their 2 devices. Process 0 writes the points as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--sizes", type=int, nargs="+", required=True)
+    p.add_argument("--kinds", nargs="+", required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--target-seconds", type=float, required=True)
+    p.add_argument("--timeout", type=int, default=100)
+    a = p.parse_args(argv)
+
+    import spmdkit
+    from spmdkit._launch import initialize_distributed
+
+    spmdkit.use_host_devices(1)  # before any JAX work: one device per process
+    initialize_distributed(timeout_s=a.timeout)
+    import jax
+
+    from spmdkit._calibrate_measure import measure_collectives
+
+    points, warnings = measure_collectives(jax.devices(), [jax.device_count()], a.sizes, a.kinds, "inter_host",
+                                           rounds=a.rounds, target_s=a.target_seconds)
+    if jax.process_index() == 0:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"measurements": points, "warnings": warnings, "processes": jax.process_count(),
+                       "devices": jax.device_count()}, fh)
+        os.replace(tmp, a.out)
+
+
+if __name__ == "__main__":
+    main()
