@@ -97,8 +97,9 @@ class UserMLP(nn.Module):
     def __call__(self, x):
         w1 = self.param("w_in", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed", "hidden")), (32, 256))
         w2 = self.param("w_out", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("hidden", "embed")), (256, 32))
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (32,))
         h = nn.with_logical_constraint(jax.nn.relu(x @ w1), ("batch", "hidden"))
-        return h @ w2
+        return h @ w2 + bias
 
 
 def _user_program():
@@ -124,11 +125,12 @@ def _user_program():
 @pytest.fixture(scope="module")
 def user_plan(tmp_path_factory):
     d = tmp_path_factory.mktemp("rules")
-    (d / "replicate.toml").write_text('batch = "data"\nembed = "none"\nhidden = "none"\nlayer = "none"\n'
-                                      'heads = "model"\n')
+    # Shards only the small bias: the two large matrices stay whole on every device.
+    (d / "replicate.toml").write_text('batch = "data"\nembed = "none"\nhidden = "none"\nvocab = "model"\n')
+    (d / "idle.toml").write_text('batch = "data"\nembed = "data"\nhidden = "none"\nvocab = "none"\nheads = "model"\n')
     (d / "clash.toml").write_text('batch = "data"\nembed = "model"\nhidden = "model"\n')
     make_state, train_step, batch = _user_program()
-    rules = ("dp", "fsdp+tp", str(d / "replicate.toml"), str(d / "clash.toml"))
+    rules = ("dp", "fsdp+tp", str(d / "replicate.toml"), str(d / "clash.toml"), str(d / "idle.toml"))
     return spmdkit.plan(make_state, train_step, batch, rules=rules, target="h100x8", memory_per_device=100_000,
                         measure=2, measure_steps=2, measure_rounds=1)
 
@@ -148,6 +150,9 @@ def test_plan_on_a_users_step_ranks_flags_and_excludes(user_plan):
     # A rules file that leaves the large parameters replicated: flagged by name.
     rep = next(r for r in user_plan["candidates"] if r["rules"].endswith("replicate.toml"))
     assert {f["path"] for f in rep["replicated"]} == {"state['params']['w_in']", "state['params']['w_out']"}
+    # A mesh axis that only names the model lacks would repeat work: excluded, saying so.
+    idle = next(r for r in user_plan["candidates"] if r["rules"].endswith("idle.toml"))
+    assert idle["status"] == "pruned" and "mesh axis 'model' splits nothing" in idle["reason"]
 
 
 def test_plan_memory_within_10_percent_of_compiled_and_over_budget_excluded(user_plan):

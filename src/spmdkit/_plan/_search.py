@@ -58,6 +58,16 @@ def conflicts(leaves: list[tuple], rules: AxisRules) -> list[dict[str, Any]]:
     return found
 
 
+def idle_axes(leaves: list[tuple], rules: AxisRules, mesh: dict[str, int]) -> list[str]:
+    """Mesh axes (of size > 1) that the rules map from no name of the parameters or the batch:
+    the devices along them would repeat each other's work (an axis for another model's names)."""
+    if not leaves:  # a plain state without names: nothing to judge by
+        return []
+    names = {"batch"} | {n for _, _, _, logical in leaves for n in logical if n is not None}
+    used = {axis for name, axes in rules.table if name in names for axis in _as_tuple(axes)}
+    return [axis for axis, size in mesh.items() if size > 1 and axis not in used]
+
+
 def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, Any]]:
     """Large parameters every device holds whole, under rules that shard parameters (data
     parallelism replicates them by design)."""
@@ -77,6 +87,10 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     rules = rules_table(cand.rules)
     row: dict[str, Any] = {"label": cand.label, "mesh": dict(cand.mesh), "rules": cand.rules, "remat": cand.remat,
                            "accum": cand.accum, "status": "ok", "reason": None}
+    idle = idle_axes(leaves, rules, dict(cand.mesh))
+    if idle:
+        return {**row, "status": "pruned", "reason": f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
+                f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it)"}
     clash = conflicts(leaves, rules)
     row["conflicts"] = clash
     if clash:
