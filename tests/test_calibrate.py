@@ -118,6 +118,9 @@ def test_tiny_intra_process_calibration_writes_every_schema_field(tmp_path):
         (k, 2, b) for k in KINDS for b in (4096, 65536)}
     assert json.loads(out.read_text()) == json.loads(json.dumps(target))
     assert spmdkit.calibrate is calibrate
+    loaded = spmdkit.load_target(out)  # the planner reads what calibrate writes
+    assert loaded.devices_per_host == 2 and loaded.link("all_gather", "intra_host").beta == pytest.approx(
+        target["collectives"]["all_gather"]["intra_host"]["beta"])
 
 
 # ---- bad input: named errors before anything is measured -----------------------------

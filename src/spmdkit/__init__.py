@@ -74,6 +74,8 @@ from spmdkit._checkpoint import CheckpointSaveError
 from spmdkit._train._artifacts import ArtifactError
 from spmdkit._train._validate import TaskError, validate_task
 from spmdkit._sample import sample
+from spmdkit._plan import plan
+from spmdkit._target import Target, load_target
 
 __version__ = "0.1.0"
 
@@ -147,6 +149,9 @@ __all__ = [
     "load_params",
     "make_mesh",
     "pmap",
+    "plan",
+    "load_target",
+    "Target",
     "replicate",
     "save_params",
     "shard",

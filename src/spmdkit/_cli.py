@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub, common)
     _add_data_parser(sub, common)
     _add_inspect_parser(sub, common)
+    from spmdkit._plan_cli import add_plan_parser
+
+    add_plan_parser(sub, common, _positive_int, _add_lm_options)
     from spmdkit._calibrate_cli import add_calibrate_parser
 
     add_calibrate_parser(sub)
@@ -270,7 +273,7 @@ _DEFAULT_DEVICES = {"demo": 8, "bench": 8, "inspect": 8}
 _DEFAULT_DEVICES["calibrate"] = 8  # the intra_host link: a mesh of 8 simulated devices
 # Commands that keep compiled programs for the next start unless told otherwise (bench
 # does not: it measures compilation too).
-_CACHED_COMMANDS = {"train", "demo", "inspect"}
+_CACHED_COMMANDS = {"train", "demo", "inspect", "plan"}
 
 
 def _setup_compile_cache(args: argparse.Namespace) -> None:
@@ -296,7 +299,7 @@ def _setup_devices(args: argparse.Namespace) -> None:
         from spmdkit._config import load_toml
 
         n = load_toml(args.config).get("host_devices")
-    n = n or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
+    n = n or getattr(args, "devices", None) or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
     if args.command == "launch":
         return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
@@ -465,6 +468,12 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._plan_cli import cmd_plan
+
+    return cmd_plan(args, console)
+
+
 def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._checkpoint import describe_directory
 
@@ -563,6 +572,7 @@ _COMMANDS = {
     "calibrate": _cmd_calibrate,
     "checkpoints": _cmd_checkpoints,
     "inspect": _cmd_inspect,
+    "plan": _cmd_plan,
     "devices": _cmd_devices,
     "demo": _cmd_demo,
     "bench": _cmd_bench,

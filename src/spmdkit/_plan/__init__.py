@@ -1,0 +1,89 @@
+"""``spmdkit plan``: which mesh and rules for a model on some devices, chosen with reasons.
+
+Every candidate layout (mesh shape x rules x remat x accumulation) of the user's
+``make_state`` and ``train_step`` is compiled ahead of time on this process's devices
+(nothing runs), its per-device memory counted, the collectives of the compiled program
+read from its HLO, and its step time priced against a hardware target (``"cpu"``: this
+machine; or a target file: peak FLOP/s, memory bandwidth, alpha-beta links).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_table
+from spmdkit._plan._report import explain, measure as _measure, pareto, print_plan, save_png, spearman, time_steps
+from spmdkit._plan._search import plan as _plan
+from spmdkit._strategies.sharded import Sharded
+from spmdkit._target import Target
+
+
+def _preparer(make_state: Callable, train_step: Callable | None, step_for: Callable | None, batch: Any,
+              rng: Any, state_axes: Any) -> Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]]:
+    from spmdkit._mesh import make_mesh
+    from spmdkit._plan._memory import compiled_bytes
+
+    def prepare(row: dict[str, Any]) -> tuple[Callable[[int], list[float]], int, str]:
+        strategy = Sharded(make_mesh(**row["mesh"]), rules_table(row["rules"]), state_axes=state_axes)
+        fn = step_for(row["remat"], row["accum"]) if step_for else train_step
+        state = strategy.init(make_state, rng, unbox=True)
+        real = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
+                            batch)
+        real = jax.device_put(real, strategy._batch_sharding(True))  # placed once, as a prefetched batch is
+        step = strategy.step(fn)
+        time_steps(step, state, real, 2)  # compile and warm up
+        stats = jax.devices()[0].memory_stats() or {}
+        memory = stats.get("peak_bytes_in_use")
+        if memory is None:  # XLA:CPU keeps no memory statistics: the program that ran, as compiled
+            return (lambda steps: time_steps(step, state, real, steps)), compiled_bytes(
+                step.lower(state, real).compile())["total"], "compiled (XLA:CPU keeps no allocator statistics)"
+        return (lambda steps: time_steps(step, state, real, steps)), memory, "device allocator peak"
+
+    return prepare
+
+
+def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
+         target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
+         accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None, processes: int = 1,
+         dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 5, measure_rounds: int = 3,
+         activations: Callable[[Candidate, int, int], int] | None = None, state_axes: Any = None,
+         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Rank the sharded layouts of ``make_state``/``train_step`` on this process's devices.
+
+    Candidates are the factorisations of ``jax.device_count()`` over the mesh axes each
+    rules table names (``rules``: presets, ``"hsdp+tp"``, TOML files), times ``remat``
+    and ``accum`` (which need ``step_for(remat, accum) -> train_step``). ``batch`` is the
+    global batch (arrays or ``jax.ShapeDtypeStruct``); ``state_axes`` names the dimensions
+    of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`. Each is compiled, never run,
+    unless ``measure=K``: then the K best run, taking turns ``measure_rounds`` times
+    ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
+
+    Returns a dict: ``candidates`` (ranked ``ok`` ones first, each with ``step_s``, its
+    range ``step_s_overlapped``..``step_s_serial``, ``memory``, ``collectives``, flags
+    ``replicated``/``conflicts``; then ``pruned`` and ``over_budget`` ones with a
+    ``reason``), ``frontier`` (memory vs time Pareto labels) and ``why`` (lines).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdkit
+        >>> make_state = lambda rng: {"w": jnp.zeros((16, 32))}
+        >>> step = lambda s, b: ({"w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"])}, {})
+        >>> result = spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=("dp",),
+        ...                       target="h100x8")
+        >>> result["candidates"][0]["label"], result["candidates"][0]["collectives"][0]["kind"]
+        ('dp [data=8]', 'all_reduce')
+    """
+    result = _plan(make_state, train_step, batch, memory_per_device=memory_per_device, target=target, rules=rules,
+                   remat=remat, accum=accum, step_for=step_for, processes=processes, dtype=dtype, rng=rng,
+                   activations=activations, state_axes=state_axes, progress=progress)
+    result["frontier"] = [r["label"] for r in pareto(result["candidates"])]
+    result["why"] = explain(result)
+    if measure:
+        result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng, state_axes),
+                                      measure_steps, rounds=measure_rounds)
+    return result
+
+
+__all__ = ["plan", "print_plan", "save_png", "spearman", "pareto", "explain", "Candidate", "DEFAULT_RULES"]

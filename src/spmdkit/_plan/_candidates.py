@@ -1,0 +1,86 @@
+"""The layouts the planner considers: mesh shapes x rules x remat policy x grad accumulation.
+
+Each rules table names the mesh axes it uses; its meshes are the factorisations of the
+device count over exactly those axes, each of size >= 2 (an axis of size 1 is another
+table's layout again). Besides the presets, ``"hsdp+tp"`` spreads the batch over two
+axes (``data`` and ``fsdp``), shards parameters over ``fsdp`` only and splits heads, MLP
+and vocabulary over ``model``: hybrid sharded data parallelism with tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import NamedTuple
+
+from spmdkit._rules import PRESETS, AxisRules, _as_tuple
+
+_TP = {"heads": "model", "mlp": "model", "vocab": "model", "hidden": "model"}
+EXTRA_RULES = {
+    "hsdp+tp": {"batch": ("data", "fsdp"), "embed": "fsdp", "layer": None, "length": None, "kv": None,
+                "layers": None, **_TP},
+}
+DEFAULT_RULES = ("dp", "fsdp", "tp", "dp+tp", "fsdp+tp", "fsdp+sp", "hsdp+tp")
+_AXIS_ORDER = ("data", "fsdp", "sequence", "model")
+
+
+class Candidate(NamedTuple):
+    mesh: tuple[tuple[str, int], ...]  # ordered (axis, size)
+    rules: str
+    remat: str
+    accum: int
+
+    @property
+    def label(self) -> str:
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh)
+        extra = (f" remat={self.remat}" if self.remat != "none" else "") + (f" accum={self.accum}" if self.accum > 1 else "")
+        return f"{self.rules} [{mesh}]{extra}"
+
+
+def rules_table(name: str) -> AxisRules:
+    """A planner rules name: a preset, ``hsdp+tp``, a TOML file or inline pairs."""
+    if name in EXTRA_RULES:
+        return AxisRules.from_mapping(EXTRA_RULES[name], name=name)
+    if name in PRESETS:
+        return AxisRules.preset(name)
+    return AxisRules.load(name)
+
+
+def mesh_axes(rules: AxisRules) -> tuple[str, ...]:
+    used = {a for _, axes in rules.table for a in _as_tuple(axes)}
+    known = [a for a in _AXIS_ORDER if a in used]
+    return tuple(known + sorted(used - set(known)))
+
+
+def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Ordered ``k``-tuples of sizes >= 2 whose product is ``n`` (``()`` for k=0 and n=1)."""
+    if k == 0:
+        return [()] if n == 1 else []
+    if k == 1:
+        return [(n,)] if n >= 2 else []
+    return [(d, *rest) for d in range(2, n + 1) if n % d == 0 for rest in factorisations(n // d, k - 1)]
+
+
+def enumerate_candidates(n: int, rules: tuple[str, ...], remat: tuple[str, ...], accum: tuple[int, ...],
+                         batch_size: int) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+    """``(candidates, pruned with reasons)`` before any compilation."""
+    kept, pruned = [], []
+    for name in rules:
+        table = rules_table(name)
+        axes = mesh_axes(table)
+        shapes = factorisations(n, len(axes)) if n > 1 else [tuple(1 for _ in axes)]
+        if not shapes:
+            pruned.append((Candidate(tuple((a, 0) for a in axes), name, "none", 1),
+                           f"{n} devices cannot be split over axes {list(axes)} with each axis >= 2"))
+            continue
+        batch_axes = _as_tuple(table.mapping.get("batch"))
+        for sizes, r, a in product(shapes, remat, accum):
+            cand = Candidate(tuple(zip(axes, sizes)), name, r, a)
+            shards = 1
+            for axis, size in cand.mesh:
+                shards *= size if axis in batch_axes else 1
+            if batch_size % (shards * a):
+                pruned.append((cand, f"global batch {batch_size} is not divisible by {shards} batch shard(s) x "
+                                     f"{a} accumulation step(s) = {shards * a}"))
+                continue
+            kept.append(cand)
+    return kept, pruned

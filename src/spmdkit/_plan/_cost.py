@@ -1,0 +1,37 @@
+"""The cost model: compute from FLOPs and bytes, collectives from the target's alpha-beta links."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from spmdkit._plan._hlo import Collective, Program
+from spmdkit._target import Target, collective_time
+
+
+def link_of(collective: Collective, devices_per_host: int) -> str:
+    """``intra_host`` when every group's devices sit on one host (consecutive device indices)."""
+    for group in collective.groups:
+        if len({i // devices_per_host for i in group}) > 1:
+            return "inter_host"
+    return "intra_host"
+
+
+def collective_costs(program: Program, target: Target, devices_per_host: int) -> list[dict[str, Any]]:
+    out = []
+    for c in program.collectives:
+        link = link_of(c, devices_per_host)
+        each = collective_time(target, c.kind, c.bytes, c.group_size, link)
+        out.append({"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "group_size": c.group_size,
+                    "count": c.count, "link": link, "seconds": each * c.count})
+    return out
+
+
+def step_time(flops: float, bytes_accessed: float, comm_seconds: float, target: Target, dtype: str,
+              ops: int = 0) -> dict[str, float]:
+    """Compute time (a roofline: the slower of FLOPs and memory traffic, plus the target's fixed
+    cost per operation) and the step's range ``[overlapped, not overlapped]`` with the collectives."""
+    compute = max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
+    low, high = max(compute, comm_seconds), compute + comm_seconds
+    return {"compute_s": compute, "comm_s": comm_seconds, "step_s_overlapped": low, "step_s_serial": high,
+            "step_s": math.sqrt(low * high) if low > 0 else high}

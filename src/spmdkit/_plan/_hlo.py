@@ -1,0 +1,276 @@
+"""What a compiled program does, read from its HLO text: collectives, loop counts, matmul FLOPs.
+
+XLA's ``cost_analysis`` counts the body of a ``while`` loop once, whatever its trip count:
+a model scanned over 24 layers reports the FLOPs of one. The text of the compiled program
+says how often each computation runs (``known_trip_count`` of a loop, the calls of
+fusions), so the planner counts matmul FLOPs, bytes and collectives with those
+multiplicities. Replica groups come in three spellings (explicit ``{{0,1},{2,3}}``, iota
+``[2,4]<=[8]T(1,0)``, and ``mesh['a'=2,'b'=4] {'b'}``), all read as device groups and
+named by the mesh axes along which their devices differ.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import numpy as np
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+         "all-to-all": "all_to_all", "collective-permute": "collective_permute"}
+
+
+class Collective(NamedTuple):
+    """One collective of the program: ``count`` executions per step of ``bytes`` each."""
+
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, collective_permute
+    bytes: int  # the payload the alpha-beta model takes (see spmdkit._target)
+    group_size: int
+    axes: tuple[str, ...]  # mesh axes its groups span
+    count: int
+    groups: tuple[tuple[int, ...], ...]  # device indices (positions in mesh.devices.flat)
+    name: str
+
+
+class Program(NamedTuple):
+    collectives: list[Collective]
+    dot_flops: float  # matmul FLOPs with loop counts (per device)
+    extra_flops: float  # matmul FLOPs XLA's cost_analysis leaves out (loop bodies counted once)
+    extra_bytes: float  # likewise for bytes accessed
+    unknown_loops: int  # loops without a known trip count (counted once)
+    ops: int = 0  # operations (kernels) one device executes per step, loop trips included
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of an HLO type (``f32[4,16]{1,0}`` or a tuple of them)."""
+    return sum(_ITEMSIZE.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(text))
+
+
+def _dims(text: str) -> list[int]:
+    m = _SHAPE.search(text)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``"(f32[2], s32[]) tuple(...)"`` -> (type, the rest from the op name on)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1:].lstrip()
+    typ, _, tail = rest.partition(" ")
+    return typ, tail
+
+
+class _Instr(NamedTuple):
+    name: str
+    type: str
+    op: str
+    operands: list[str]
+    attrs: str
+
+
+def _operands(tail: str) -> tuple[list[str], str]:
+    depth, i = 0, tail.index("(")
+    for j in range(i, len(tail)):
+        depth += tail[j] == "("
+        depth -= tail[j] == ")"
+        if depth == 0:
+            inner, attrs = tail[i + 1: j], tail[j + 1:]
+            return re.findall(r"%([\w.\-]+)", inner), attrs
+    return [], tail
+
+
+def parse(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]], str]:
+    """``(computations: name -> instructions, shapes: computation -> {value: type}, entry)``."""
+    comps: dict[str, list[_Instr]] = {}
+    shapes: dict[str, dict[str, str]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        head = _HEADER.match(line) if not line.startswith(" ") else None
+        if head:
+            current = head.group(2)
+            comps[current], shapes[current] = [], {}
+            if head.group(1):
+                entry = current
+            for pname, ptype in re.findall(r"([\w.\-]+):\s*((?:\([^)]*\))|[^,()]+(?:\{[^}]*\})?)", head.group(3)):
+                shapes[current][pname] = ptype
+            continue
+        if current is None or line.strip() == "}":
+            continue
+        m = _INSTR.match(line)
+        if not m or "(" not in m.group(2):
+            continue
+        typ, tail = _split_type(m.group(2))
+        op = tail.split("(", 1)[0].strip()
+        operands, attrs = _operands(tail)
+        comps[current].append(_Instr(m.group(1), typ, op, operands, attrs))
+        shapes[current][m.group(1)] = typ
+    return comps, shapes, entry
+
+
+def _trip_count(attrs: str) -> int | None:
+    m = re.search(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)', attrs)
+    return int(m.group(1)) if m else None
+
+
+def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], dict[str, int], set[str], int]:
+    """How often each computation runs per call of ``entry``: ``(true, as XLA's cost analysis
+    counts (loops once), fused computations, loops of unknown trip count)``."""
+    true: dict[str, int] = defaultdict(int)
+    once: dict[str, int] = defaultdict(int)
+    fused: set[str] = set()
+    unknown = 0
+
+    def visit(comp: str, n_true: int, n_once: int, depth: int = 0) -> None:
+        nonlocal unknown
+        if comp not in comps or depth > 50:
+            return
+        true[comp] += n_true
+        once[comp] += n_once
+        for ins in comps[comp]:
+            if ins.op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
+                trips = _trip_count(ins.attrs)
+                if trips is None:
+                    unknown += 1
+                if body:
+                    visit(body.group(1), n_true * (trips or 1), n_once, depth + 1)
+                continue
+            for callee in re.findall(r"\bcalls=%?([\w.\-]+)", ins.attrs):
+                if ins.op == "fusion":
+                    fused.add(callee)
+                visit(callee, n_true, n_once, depth + 1)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+            if branches:
+                for callee in re.findall(r"%?([\w.\-]+)", branches.group(1)):
+                    visit(callee, n_true, n_once, depth + 1)
+
+    visit(entry, 1, 1)
+    return dict(true), dict(once), fused, unknown
+
+
+def _dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
+    out = math.prod(_dims(ins.type)) if _dims(ins.type) or "[]" in ins.type else 0
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+    lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
+    k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d and int(d) < len(lhs)) if contracting else 1
+    return 2.0 * out * k
+
+
+_NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast", "after-all", "while", "call",
+               "conditional", "partition-id", "replica-id"}
+
+
+def _traffic(ins: _Instr, shapes: dict[str, str]) -> int:
+    """Bytes an instruction reads and writes. An update in place (a dynamic-update-slice, or a
+    fusion whose output has the type of one of its operands, as a scan writing its layer's
+    slice of a stacked array) touches only its other operands' bytes, not the whole buffer."""
+    sizes = [(shapes.get(x, ""), shape_bytes(shapes.get(x, ""))) for x in ins.operands]
+    out = shape_bytes(ins.type)
+    base = ins.type.split("{")[0]
+    if ins.op in ("dynamic-update-slice", "fusion") and any(t.split("{")[0] == base and b == out for t, b in sizes):
+        others = sum(b for t, b in sizes if not (t.split("{")[0] == base and b == out))
+        if ins.op == "dynamic-update-slice" or others < out:
+            return 2 * others
+    if ins.op == "dynamic-slice":
+        return 2 * out
+    return out + sum(b for _, b in sizes)
+
+
+def groups_of(attrs: str, n_devices: int) -> list[list[int]] | None:
+    """The device groups of a collective's ``replica_groups`` (or permute pairs), or None."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = [(name, int(size)) for name, size in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))]
+        chosen = re.findall(r"'?([\w]+)'?", m.group(2))
+        names = [s[0] for s in sizes]
+        ids = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
+        keep = [i for i, n in enumerate(names) if n not in chosen]
+        moved = np.transpose(ids, keep + [names.index(c) for c in chosen])
+        group = math.prod(sizes[names.index(c)][1] for c in chosen) if chosen else 1
+        return moved.reshape(-1, group).tolist()
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    if m:
+        g, s = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = np.transpose(ids, [int(p) for p in m.group(4).split(",")])
+        return ids.reshape(g, s).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:
+        groups = [[int(i) for i in grp.split(",") if i] for grp in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+        return groups or [list(range(n_devices))]
+    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:
+        return [[int(i) for i in pair.split(",")] for pair in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    return None
+
+
+def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices of some group differ."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    total = math.prod(sizes)
+    varying: set[int] = set()
+    for group in groups:
+        coords = [np.unravel_index(i, sizes) for i in group if i < total]
+        for a in range(len(names)):
+            if len({c[a] for c in coords}) > 1:
+                varying.add(a)
+    return tuple(names[a] for a in sorted(varying))
+
+
+def _payload(ins: _Instr, kind: str, shapes: dict[str, str]) -> int:
+    if kind == "reduce_scatter":  # the model's B is the input's bytes
+        return sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+    if ins.op.endswith("-start") and ins.type.startswith("("):
+        parts = _SHAPE.findall(ins.type)  # (inputs..., outputs...): the gathered output is the largest
+        return max((_ITEMSIZE.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in parts), default=0)
+    return shape_bytes(ins.type)
+
+
+def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
+    """The collectives (with axes and counts), matmul FLOPs and cost-analysis corrections."""
+    comps, shapes, entry = parse(text)
+    true, once, fused, unknown = multiplicities(comps, entry)
+    n_devices = math.prod(mesh_shape.values())
+    found: dict[tuple, list[Any]] = {}
+    dot_flops = extra_flops = extra_bytes = 0.0
+    ops = 0
+    for comp, instrs in comps.items():
+        t, o = true.get(comp, 0), once.get(comp, 0)
+        for ins in instrs:
+            if ins.op == "dot":
+                f = _dot_flops(ins, shapes[comp])
+                dot_flops += t * f
+                extra_flops += (t - o) * f
+            if comp not in fused and ins.op not in _NO_TRAFFIC and not ins.op.endswith("-done"):
+                ops += t
+                traffic = _traffic(ins, shapes[comp])
+                extra_bytes += (t - o) * traffic
+            base = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
+            if base not in KINDS or t == 0:
+                continue
+            kind = KINDS[base]
+            groups = groups_of(ins.attrs, n_devices) or [list(range(n_devices))]
+            size = max(len(g) for g in groups) if kind != "collective_permute" else 2
+            axes = axes_of(groups, mesh_shape)
+            nbytes = _payload(ins, kind, shapes[comp])
+            key = (kind, nbytes, size, axes)
+            entry_ = found.setdefault(key, [0, groups, ins.name])
+            entry_[0] += t
+    collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2]) for k, v in found.items()]
+    collectives.sort(key=lambda c: -c.bytes * c.count)
+    return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops)

@@ -1,0 +1,231 @@
+"""The plan as a table, a frontier, reasons for the winner, a PNG, and measured checks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _ms(s: float) -> str:
+    ms = s * 1e3
+    return f"{ms:.3f}" if abs(ms) >= 0.01 or ms == 0 else f"{ms:.2g}"
+
+
+def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Candidates no other beats on both per-device memory and step time, by memory."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    front = [r for r in ok if not any(
+        o is not r and o["memory"]["per_device"] <= r["memory"]["per_device"] and o["step_s"] <= r["step_s"]
+        and (o["memory"]["per_device"] < r["memory"]["per_device"] or o["step_s"] < r["step_s"]) for o in ok)]
+    return sorted(front, key=lambda r: r["memory"]["per_device"])
+
+
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
+          "collective_permute": "CP"}
+
+
+def _by_kind(row: dict[str, Any]) -> dict[tuple[str, str], dict[str, float]]:
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for c in row.get("collectives", []):
+        key = (c["kind"], "+".join(c["axes"]) or "-")
+        slot = out.setdefault(key, {"seconds": 0.0, "bytes": 0.0, "count": 0, "across_hosts": False})
+        slot["across_hosts"] = slot["across_hosts"] or c.get("link") == "inter_host"
+        slot["seconds"] += c["seconds"]
+        slot["bytes"] += c["bytes"] * c["count"]
+        slot["count"] += c["count"]
+    return out
+
+
+def explain(plan: dict[str, Any]) -> list[str]:
+    """Why the winner wins: what it pays, what it avoids, what the runner-up costs more."""
+    ok = [r for r in plan["candidates"] if r["status"] == "ok"]
+    if not ok:
+        return ["no candidate fits: see the pruned and over-budget ones above."]
+    win = ok[0]
+    lines = [f"winner: {win['label']}: {_ms(win['step_s_overlapped'])}-{_ms(win['step_s_serial'])} ms per step "
+             f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms), "
+             f"{_mib(win['memory']['per_device'])} MiB per device"]
+    paid = sorted(_by_kind(win).items(), key=lambda kv: -kv[1]["seconds"])
+    if paid:
+        lines.append("  pays: " + "; ".join(
+            f"{kind} over {axes}{' (across hosts)' if v['across_hosts'] else ''} x{int(v['count'])} "
+            f"({v['bytes'] / 2**20:.2f} MiB, {_ms(v['seconds'])} ms)" for (kind, axes), v in paid[:4]))
+    else:
+        lines.append("  pays: no collective at all")
+    others = {key for r in ok[1:] for key in _by_kind(r)}
+    avoided = sorted(others - set(_by_kind(win)))
+    if avoided:
+        lines.append("  avoids: " + "; ".join(f"{kind} over {axes}" for kind, axes in avoided[:6]))
+    if len(ok) > 1:
+        run = ok[1]
+        extra = {k: v["seconds"] - _by_kind(win).get(k, {"seconds": 0.0})["seconds"] for k, v in _by_kind(run).items()}
+        worst = max(extra.items(), key=lambda kv: kv[1], default=None)
+        lines.append(
+            f"  runner-up {run['label']}: +{_ms(run['step_s'] - win['step_s'])} ms per step (compute "
+            f"{'+' if run['compute_s'] >= win['compute_s'] else ''}{_ms(run['compute_s'] - win['compute_s'])} ms, "
+            f"collectives {'+' if run['comm_s'] >= win['comm_s'] else ''}{_ms(run['comm_s'] - win['comm_s'])} ms"
+            + (f", most of it {worst[0][0]} over {worst[0][1]} +{_ms(worst[1])} ms" if worst and worst[1] > 0 else "")
+            + f"), memory {'+' if run['memory']['per_device'] >= win['memory']['per_device'] else ''}"
+            f"{_mib(run['memory']['per_device'] - win['memory']['per_device'])} MiB per device")
+    return lines
+
+
+def print_plan(plan: dict[str, Any], console: Console) -> None:
+    console.print(f"target: {plan['target']['name']} ({plan['target']['source']})", highlight=False)
+    budget = plan["memory_budget"]
+    table = Table(title=f"{plan['devices']} devices, {plan['processes']} process(es), global batch {plan['global_batch']}"
+                  + (f", budget {_mib(budget)} MiB per device" if budget else ""))
+    console.print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all, CP collective "
+                  "permute; :axes x count per step", highlight=False)
+    for col in ("#", "candidate", "step ms", "compute ms", "comm ms", "MiB/device",
+                "analytic/compiled", "collectives", "flags"):
+        table.add_column(col, justify="left" if col in ("candidate", "collectives", "flags") else "right")
+    for r in plan["candidates"]:
+        if r["status"] == "pruned":
+            continue
+        mem = r["memory"]
+        rep = r.get("replicated", [])
+        flags = [f"{len(rep)} large param(s) replicated"] if rep else []
+        if r["status"] == "over_budget":
+            flags.insert(0, "[red]over budget[/]")
+        kinds = ", ".join(f"{_SHORT[k]}:{a} x{int(v['count'])}" for (k, a), v in sorted(_by_kind(r).items()))
+        table.add_row(str(r.get("rank", "-")), escape(r["label"]), f"{_ms(r['step_s_overlapped'])}-{_ms(r['step_s_serial'])}",
+                      _ms(r["compute_s"]), _ms(r["comm_s"]), _mib(mem["per_device"]),
+                      f"{_mib(mem['analytic']['total'])}/{_mib(mem['compiled']['total'])}", kinds or "none",
+                      "; ".join(flags))
+    console.print(table)
+    pruned = [r for r in plan["candidates"] if r["status"] != "ok"]
+    for r in pruned:
+        console.print(f"excluded {r['label']}: {r['reason']}", highlight=False, markup=False)
+    for r in plan["candidates"]:
+        if r.get("replicated"):
+            names = ", ".join(f"{f['path']} {tuple(f['shape'])} ({f['bytes'] / 2**20:.2f} MiB)" for f in r["replicated"])
+            console.print(f"{r['label']}: rules {r['rules']!r} leave these large parameters replicated on every "
+                          f"device: {names}", highlight=False, markup=False)
+    front = pareto(plan["candidates"])
+    if front:
+        console.print("Pareto frontier (memory vs step time): " + " | ".join(
+            f"{r['label']} {_mib(r['memory']['per_device'])} MiB {_ms(r['step_s'])} ms" for r in front),
+                      highlight=False, markup=False)
+    console.print("memory per device: the larger of the analytic count and the compiled figure; XLA:CPU never "
+                  "fails for lack of memory, so neither is an out-of-memory verdict here.", highlight=False)
+    for line in explain(plan):
+        console.print(line, highlight=False, markup=False)
+    if "measured" in plan:
+        print_measured(plan["measured"], console)
+
+
+def save_png(plan: dict[str, Any], path: str) -> None:
+    """Every priced candidate as memory vs step time, the frontier joined by a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in plan["candidates"] if r["status"] in ("ok", "over_budget")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        mem, t = r["memory"]["per_device"] / 2**20, r["step_s"] * 1e3
+        ax.errorbar(mem, t, yerr=[[t - r["step_s_overlapped"] * 1e3], [r["step_s_serial"] * 1e3 - t]],
+                    fmt="o" if r["status"] == "ok" else "x", color="C0" if r["status"] == "ok" else "C3", capsize=3)
+        ax.annotate(r["label"], (mem, t), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    front = pareto(plan["candidates"])
+    if front:
+        ax.plot([r["memory"]["per_device"] / 2**20 for r in front], [r["step_s"] * 1e3 for r in front], "-", color="C1",
+                label="Pareto frontier")
+        ax.legend()
+    if plan["memory_budget"]:
+        ax.axvline(plan["memory_budget"] / 2**20, color="C3", linestyle="--", linewidth=1)
+    ax.set_xlabel("memory per device (MiB)")
+    ax.set_ylabel("predicted step time (ms; bars: overlapped..serial)")
+    ax.set_title(f"spmdkit plan: {plan['devices']} devices, {plan['target']['name']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None for fewer than 3 pairs."""
+    if len(a) < 3:
+        return None
+
+    def ranks(x):
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in set(x):  # ties share their mean rank
+            idx = [i for i, y in enumerate(x) if y == v]
+            r[idx] = r[idx].mean()
+        return r
+
+    ra, rb = ranks(list(a)), ranks(list(b))
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def measure(plan: dict[str, Any], k: int,
+            prepare: Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]],
+            steps: int, rounds: int = 3) -> dict[str, Any]:
+    """Run the ``k`` best candidates for real: predicted vs measured step time and memory.
+
+    ``prepare(row) -> (run(steps) -> seconds per step, memory, where the memory figure comes from)``. The candidates take turns,
+    ``rounds`` times ``steps`` steps each, so a change in the machine's load falls on all alike."""
+    rows = [r for r in plan["candidates"] if r["status"] == "ok"][:k]
+    prepared = [prepare(r) for r in rows]
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(rounds):
+        for i, (run, _, _) in enumerate(prepared):
+            times[i].extend(run(steps))
+    out = []
+    for r, (_, memory, source), t in zip(rows, prepared, times):
+        out.append({"label": r["label"], "rank": r["rank"], "predicted_s": r["step_s"],
+                    "predicted_range_s": [r["step_s_overlapped"], r["step_s_serial"]],
+                    "measured_s": statistics.median(t), "measured_spread_s": [min(t), max(t)], "steps": len(t),
+                    "predicted_memory": r["memory"]["per_device"], "measured_memory": memory,
+                    "measured_memory_source": source})
+    fastest = min(out, key=lambda m: m["measured_s"]) if out else None
+    return {"runs": out, "rounds": rounds, "spearman": spearman([m["predicted_s"] for m in out], [m["measured_s"] for m in out]),
+            "measured_fastest": fastest["label"] if fastest else None,
+            "measured_fastest_predicted_rank": fastest["rank"] if fastest else None}
+
+
+def print_measured(measured: dict[str, Any], console: Console) -> None:
+    table = Table(title="predicted vs measured (simulated devices: they share this machine's cores)")
+    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted MiB", "measured MiB"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for m in measured["runs"]:
+        table.add_row(str(m["rank"]), escape(m["label"]), _ms(m["predicted_s"]),
+                      f"{_ms(m['measured_s'])} ({_ms(m['measured_spread_s'][0])}-{_ms(m['measured_spread_s'][1])})",
+                      _mib(m["predicted_memory"]), "n/a" if m["measured_memory"] is None else _mib(m["measured_memory"]))
+    console.print(table)
+    sources = sorted({m["measured_memory_source"] for m in measured["runs"]})
+    if sources:
+        console.print(f"measured memory: {', '.join(sources)}", highlight=False)
+    rho = measured["spearman"]
+    console.print(f"Spearman rank correlation of predicted and measured step times: "
+                  f"{'n/a (fewer than 3 runs)' if rho is None else f'{rho:.3f}'}; measured fastest: "
+                  f"{measured['measured_fastest']} (planner's rank {measured['measured_fastest_predicted_rank']})",
+                  highlight=False, markup=False)
+
+
+def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> list[float]:
+    """Seconds per step, each step waited for (simulated devices deadlock on queued collectives)."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(step(state, batch))
+        times.append(time.perf_counter() - start)
+    return times

@@ -1,0 +1,180 @@
+"""Compile every candidate ahead of time and price it: memory, collectives, step time."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+
+from spmdkit._errors import ConfigError, SpmdkitError, fix
+from spmdkit._mesh import make_mesh
+from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
+from spmdkit._plan._cost import collective_costs, step_time
+from spmdkit._plan._hlo import analyse
+from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
+from spmdkit._rules import AxisRules, ReplicationWarning, _as_tuple
+from spmdkit._strategies._compile import as_key
+from spmdkit._strategies.sharded import Sharded, _is_box, _with_state_axes
+from spmdkit._target import Target, load_target
+
+# A replicated parameter is flagged when it holds at least this share of the parameters.
+LARGE_SHARE = 0.05
+
+
+def _abstract(batch: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+
+
+def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[tuple[str, tuple, int, tuple]]:
+    """``(path, shape, bytes, logical names)`` of every annotated leaf; rules do not matter."""
+    probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
+    boxed = _with_state_axes(probe._abstract_boxed(make_state, as_key(rng)), state_axes)
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            value = leaf.value
+            nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+            out.append(("state" + jax.tree_util.keystr(path), tuple(value.shape), nbytes, tuple(leaf.names)))
+    return out
+
+
+def conflicts(leaves: list[tuple], rules: AxisRules) -> list[dict[str, Any]]:
+    """Arrays in which two logical names map to one mesh axis (that axis cannot split both)."""
+    found = []
+    table = rules.mapping
+    for path, _, _, names in leaves:
+        seen: dict[str, str] = {}
+        for name in names:
+            for axis in _as_tuple(table.get(name)) if name is not None else ():
+                if axis in seen:
+                    found.append({"path": path, "names": [seen[axis], name], "axis": axis})
+                seen.setdefault(axis, name)
+    return found
+
+
+def idle_axes(leaves: list[tuple], rules: AxisRules, mesh: dict[str, int]) -> list[str]:
+    """Mesh axes (of size > 1) that the rules map from no name of the parameters or the batch:
+    the devices along them would repeat each other's work (an axis for another model's names)."""
+    if not leaves:  # a plain state without names: nothing to judge by
+        return []
+    names = {"batch"} | {n for _, _, _, logical in leaves for n in logical if n is not None}
+    used = {axis for name, axes in rules.table if name in names for axis in _as_tuple(axes)}
+    return [axis for axis, size in mesh.items() if size > 1 and axis not in used]
+
+
+def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, Any]]:
+    """Large parameters every device holds whole, under rules that shard parameters (data
+    parallelism replicates them by design)."""
+    params = param_leaves(layout)
+    total = sum(leaf.bytes for leaf in params) or 1
+    if mesh_size == 1 or not any(axes is not None for name, axes in rules.table if name != "batch"):
+        return []
+    return [{"path": leaf.path, "shape": list(leaf.shape), "logical": list(leaf.logical or ()), "bytes": leaf.bytes}
+            for leaf in params if not any(leaf.spec) and leaf.bytes >= LARGE_SHARE * total]
+
+
+def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch: Any, target: Target,
+             budget: float | None, devices_per_host: int, dtype: str, rng: Any,
+             leaves: list[tuple], activations: Callable[[Candidate, int, int], int] | None,
+             state_axes: Any = None) -> dict[str, Any]:
+    """One candidate compiled (never run) and priced; ``status`` ok, pruned or over_budget."""
+    rules = rules_table(cand.rules)
+    row: dict[str, Any] = {"label": cand.label, "mesh": dict(cand.mesh), "rules": cand.rules, "remat": cand.remat,
+                           "accum": cand.accum, "status": "ok", "reason": None}
+    idle = idle_axes(leaves, rules, dict(cand.mesh))
+    if idle:
+        return {**row, "status": "pruned", "reason": f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
+                f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it)"}
+    clash = conflicts(leaves, rules)
+    row["conflicts"] = clash
+    if clash:
+        first = clash[0]
+        return {**row, "status": "pruned", "reason": f"rules map logical names {first['names']} of {first['path']} "
+                f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else "")}
+    try:
+        strategy = Sharded(make_mesh(**dict(cand.mesh)), rules, state_axes=state_axes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReplicationWarning)
+            layout = strategy.plan(make_state, rng)
+        started = time.perf_counter()
+        compiled = strategy.step(train_step).lower(layout.abstract, batch).compile()
+        row["compile_s"] = time.perf_counter() - started
+    except SpmdkitError as e:
+        return {**row, "status": "pruned", "reason": str(e).splitlines()[0]}
+    except Exception as e:  # noqa: BLE001 - one layout JAX or XLA refuses must not end the plan
+        return {**row, "status": "pruned", "reason": f"does not compile: {type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[0][:300]}"}
+    row["replicated"] = replicated(layout, strategy.mesh.size, rules)
+    program = analyse(compiled.as_text(), dict(strategy.mesh.shape))
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    flops = float(cost.get("flops", 0.0)) + program.extra_flops
+    accessed = float(cost.get("bytes accessed", 0.0)) + program.extra_bytes
+    comms = collective_costs(program, target, devices_per_host)
+    act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
+    analytic = analytic_bytes(layout, batch, strategy.batch_shards, act)
+    measured = compiled_bytes(compiled)
+    memory = max(analytic["total"], measured["total"])
+    row.update({
+        "memory": {"per_device": memory, "analytic": analytic, "compiled": measured,
+                   "margin": analytic["total"] / measured["total"] - 1 if measured["total"] else None},
+        "flops": flops, "bytes_accessed": accessed, "unknown_loops": program.unknown_loops,
+        "collectives": comms, "ops": program.ops, **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops),
+    })
+    if budget is not None and memory > budget:
+        row.update(status="over_budget", reason=f"needs {memory / 2**20:.1f} MiB per device, over the budget of "
+                                                f"{budget / 2**20:.1f} MiB")
+    return row
+
+
+def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
+         target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
+         accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
+         processes: int = 1, dtype: str = "float32", rng: Any = 0,
+         activations: Callable[[Candidate, int, int], int] | None = None, state_axes: Any = None,
+         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every layout of ``make_state``'s state and ``train_step`` on this process's devices,
+    compiled ahead of time and priced against ``target``; nothing runs.
+
+    ``batch``: the global batch (arrays or ``jax.ShapeDtypeStruct``). ``step_for(remat,
+    accum) -> train_step`` builds the step for each remat policy and accumulation count
+    when ``remat``/``accum`` list more than the defaults. Returns the plan as a dict (see
+    :func:`spmdkit.plan`).
+    """
+    if step_for is None and (tuple(remat) != ("none",) or tuple(accum) != (1,)):
+        raise ConfigError(fix(f"plan(remat={remat!r}, accum={accum!r}) needs step_for: spmdkit cannot change "
+                              "the remat policy or the accumulation of a train_step it did not build.",
+                              "pass step_for=lambda remat, accum: my_train_step(...), or leave remat and accum out."))
+    if step_for is None and train_step is None:
+        raise ConfigError(fix("plan() got neither train_step nor step_for.", "pass train_step=my_step."))
+    n = jax.device_count()
+    if processes < 1 or n % processes:
+        raise ConfigError(fix(f"plan(processes={processes}): {n} devices do not split evenly into that many processes.",
+                              f"use a divisor of {n}."))
+    target = load_target(target, n) if not isinstance(target, Target) else target
+    devices_per_host = n // processes if processes > 1 else min(target.devices_per_host, n) or n
+    budget = memory_per_device if memory_per_device is not None else target.memory_per_device
+    abstract_batch = _abstract(batch)
+    rows_in_batch = jax.tree.leaves(abstract_batch)[0].shape[0]
+    candidates, early = enumerate_candidates(n, tuple(rules), tuple(remat), tuple(accum), rows_in_batch)
+    leaves = logical_leaves(make_state, rng, state_axes)
+    results = [{"label": c.label, "mesh": dict(c.mesh), "rules": c.rules, "remat": c.remat, "accum": c.accum,
+                "status": "pruned", "reason": why} for c, why in early]
+    for i, cand in enumerate(candidates):
+        if progress:
+            progress(f"[{i + 1}/{len(candidates)}] {cand.label}")
+        step = step_for(cand.remat, cand.accum) if step_for else train_step
+        results.append(evaluate(cand, make_state, step, abstract_batch, target, budget, devices_per_host, dtype,
+                                rng, leaves, activations, state_axes))
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["step_s"])
+    for rank, r in enumerate(ok, 1):
+        r["rank"] = rank
+    return {"target": {"name": target.name, "source": target.source}, "devices": n, "processes": processes,
+            "devices_per_host": devices_per_host, "memory_budget": budget, "global_batch": rows_in_batch,
+            "dtype": dtype, "candidates": ok + [r for r in results if r["status"] != "ok"]}

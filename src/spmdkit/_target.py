@@ -1,0 +1,325 @@
+"""Hardware targets for ``spmdkit plan``: peak rates, bandwidths and an alpha-beta link model.
+
+A target file is JSON (``"format": "spmdkit-target"``, version 1), written by hand from a
+datasheet or by ``spmdkit calibrate`` from measurements; all figures are per device in SI
+units. ``"cpu"`` names a built-in target for this machine, its compute rate and memory
+bandwidth measured in a fraction of a second.
+
+A collective over ``n`` devices moving ``B`` bytes costs ``s(n) * alpha + w(n, B) * beta``
+(ring algorithms): all-reduce ``2(n-1)`` steps and ``2(n-1)/n * B`` bytes on the wire;
+all-gather (``B``: the gathered output), reduce-scatter (``B``: the input) and all-to-all
+``n-1`` steps and ``(n-1)/n * B``; a collective permute one step and ``B``.
+
+Example:
+    >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},
+    ...            memory_bandwidth=1e11, links={"intra_host": Link(alpha=1e-5, beta=1e-9)})
+    >>> round(collective_time(t, "all_reduce", 1000, 4, "intra_host"), 9)  # 6 steps, 1500 bytes
+    6.15e-05
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spmdkit._errors import ConfigError, fix
+
+FORMAT = "spmdkit-target"
+VERSION = 1
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
+LINKS = ("intra_host", "inter_host")
+# The example targets shipped with the project (datasheet figures): a name here loads the file.
+EXAMPLES_DIR = Path(__file__).resolve().parent / "targets"
+# Collectives between simulated CPU devices: a rendezvous of threads, then memory copies.
+# Used by the built-in "cpu" target when no calibration file is given (``spmdkit calibrate``
+# measures these on the machine).
+CPU_ALPHA = 2e-5
+# Two processes on this machine through gloo: ~1.6 ms for 8 floats, ~30 ms for 4 MB (an all-reduce
+# of two: 2 steps, 4 MB on the wire).
+CPU_INTER_HOST = (8e-4, 7.5e-9)
+
+
+class TargetError(ConfigError):
+    """A target file or name that cannot be used; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """``alpha``: seconds per step of a ring algorithm; ``beta``: seconds per byte on the wire."""
+
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True)
+class Target:
+    """One device kind and how its devices are linked (all figures per device)."""
+
+    name: str
+    source: str
+    devices_per_host: int
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    links: dict[str, Link]
+    memory_per_device: float | None = None
+    collectives: dict[str, dict[str, Link]] = field(default_factory=dict)
+    measurements: list[Any] = field(default_factory=list)
+    # Optional (default 0): seconds of fixed cost per operation a device executes (kernel
+    # launch, thunk dispatch); small models on CPU spend much of a step there.
+    op_overhead: float = 0.0
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype (``"float32"``, ``"bfloat16"``), else float32's."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if "float32" in self.peak_flops:
+            return self.peak_flops["float32"]
+        raise TargetError(fix(f"target {self.name!r} gives peak_flops for {sorted(self.peak_flops)}, neither "
+                              f"{dtype!r} nor float32.", 'add "float32" to its "peak_flops".'))
+
+    def link(self, kind: str, link: str) -> Link:
+        per_kind = self.collectives.get(kind, {})
+        if link in per_kind:
+            return per_kind[link]
+        if link in self.links:
+            return self.links[link]
+        if link == "inter_host" and "intra_host" in self.links:
+            raise TargetError(fix(f"target {self.name!r} has no inter_host link, but a collective spans hosts "
+                                  f"(devices_per_host={self.devices_per_host}).",
+                                  'add "inter_host": {"alpha": ..., "beta": ...} to its "links", or plan for '
+                                  "fewer processes (--processes).", ))
+        raise TargetError(fix(f"target {self.name!r} has no {link!r} link.", f'add "{link}" to its "links".'))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": FORMAT, "version": VERSION, "name": self.name, "source": self.source,
+            "devices_per_host": self.devices_per_host,
+            "peak_flops": dict(self.peak_flops), "memory_bandwidth": self.memory_bandwidth,
+            "links": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in self.links.items()},
+        }
+        if self.memory_per_device is not None:
+            out["memory_per_device"] = self.memory_per_device
+        if self.collectives:
+            out["collectives"] = {kind: {k: {"alpha": v.alpha, "beta": v.beta} for k, v in links.items()}
+                                  for kind, links in self.collectives.items()}
+        if self.measurements:
+            out["measurements"] = list(self.measurements)
+        if self.op_overhead:
+            out["op_overhead"] = self.op_overhead
+        return out
+
+
+def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str) -> float:
+    """Seconds for one collective of ``kind`` over ``n`` devices with payload ``nbytes``
+    (see the module docstring for which array's bytes), on ``link``."""
+    if kind not in KINDS:
+        raise TargetError(fix(f"collective kind {kind!r} is not known.", f"use one of {list(KINDS)}."))
+    if n <= 1:
+        return 0.0
+    ab = target.link(kind, link)
+    if kind == "all_reduce":
+        steps, wire = 2 * (n - 1), 2 * (n - 1) / n * nbytes
+    elif kind == "collective_permute":
+        steps, wire = 1, nbytes
+    else:
+        steps, wire = n - 1, (n - 1) / n * nbytes
+    return steps * ab.alpha + wire * ab.beta
+
+
+# ---------------------------------------------------------------- reading
+def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and not value > 0):
+        raise TargetError(fix(f"{where}: {key!r} is {value!r}, not a number > 0.",
+                              f'write e.g. "{key}": 1e-5 (SI units: seconds, bytes, FLOP/s, bytes/s).'))
+    return float(value)
+
+
+def _link(data: Any, where: str) -> Link:
+    if not isinstance(data, dict):
+        raise TargetError(fix(f"{where} is {data!r}, not an object.", 'write {"alpha": 5e-6, "beta": 2e-12}.'))
+    return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False))
+
+
+def from_json(data: Any, where: str = "target") -> Target:
+    """A Target from the parsed JSON of a target file, every field checked."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise TargetError(fix(f"{where} is not a target file (no \"format\": \"{FORMAT}\").",
+                              "write one as spmdkit/targets/*.json do, or with spmdkit calibrate."))
+    if data.get("version") != VERSION:
+        raise TargetError(fix(f"{where} has version {data.get('version')!r}; this spmdkit reads version {VERSION}.",
+                              "write it again with this version's spmdkit calibrate."))
+    flops = data.get("peak_flops")
+    if not isinstance(flops, dict) or not flops:
+        raise TargetError(fix(f"{where}: peak_flops is {flops!r}.", 'write e.g. "peak_flops": {"float32": 67e12}.'))
+    peak = {str(k): _number(flops, k, f"{where} peak_flops") for k in flops}
+    links_in = data.get("links")
+    if not isinstance(links_in, dict) or "intra_host" not in links_in:
+        raise TargetError(fix(f"{where}: links is {links_in!r}, without an intra_host link.",
+                              'write "links": {"intra_host": {"alpha": 5e-6, "beta": 2e-12}}.'))
+    links = {k: _link(v, f"{where} links.{k}") for k, v in links_in.items() if k in LINKS}
+    collectives = {}
+    for kind, per_link in (data.get("collectives") or {}).items():
+        if kind not in KINDS or not isinstance(per_link, dict):
+            raise TargetError(fix(f"{where}: collectives.{kind} is not a known kind with links.",
+                                  f"use kinds {list(KINDS)}, each {{\"intra_host\": {{\"alpha\": ..., \"beta\": ...}}}}."))
+        collectives[kind] = {k: _link(v, f"{where} collectives.{kind}.{k}") for k, v in per_link.items() if k in LINKS}
+    dph = data.get("devices_per_host")
+    if isinstance(dph, bool) or not isinstance(dph, int) or dph < 1:
+        raise TargetError(fix(f"{where}: devices_per_host is {dph!r}.", 'write e.g. "devices_per_host": 8.'))
+    memory = data.get("memory_per_device")
+    return Target(
+        name=str(data.get("name", where)), source=str(data.get("source", "unknown")), devices_per_host=dph,
+        peak_flops=peak, memory_bandwidth=_number(data, "memory_bandwidth", where),
+        links=links, memory_per_device=None if memory is None else _number(data, "memory_per_device", where),
+        collectives=collectives, measurements=list(data.get("measurements") or []),
+        op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
+    )
+
+
+def example_targets() -> dict[str, Path]:
+    """The target files shipped with the project, by file stem (``h100x8``, ``tpu-v5e-16``)."""
+    return {p.stem: p for p in sorted(EXAMPLES_DIR.glob("*.json"))} if EXAMPLES_DIR.is_dir() else {}
+
+
+def load_target(path_or_name: str | Path, devices: int = 1) -> Target:
+    """A target from a JSON file, an example's name, or ``"cpu"`` (this machine, measured now,
+    its rates shared among ``devices`` simulated devices)."""
+    if str(path_or_name) == "cpu":
+        return cpu_target(devices)
+    path = Path(path_or_name)
+    if not path.is_file() and str(path_or_name) in example_targets():
+        path = example_targets()[str(path_or_name)]
+    if not path.is_file():
+        raise TargetError(fix(f"--target {str(path_or_name)!r} is neither a file nor a known target.",
+                              f"pass cpu, a target JSON file, or one of {sorted(example_targets())}."))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise TargetError(fix(f"target file {str(path)!r} cannot be read as JSON ({e}).",
+                              "check the file; spmdkit/targets/ holds valid ones.")) from None
+    return from_json(data, where=f"target file {str(path)!r}")
+
+
+# ---------------------------------------------------------------- this machine
+def _best_seconds(fn, repeats: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile and warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_cpu(size: int = 512) -> tuple[float, float]:
+    """``(f32 FLOP/s, bytes/s)`` of this process's first CPU device: a matmul, and a sum that
+    reads 32 MB (a copy would mostly time the page faults of its fresh output)."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+    matmul = jax.jit(lambda x: x @ x)
+    flops = 2 * size**3 / _best_seconds(lambda: matmul(a))
+    big = jax.device_put(jnp.ones((8 * 2**20,), jnp.float32), device)
+    total = jax.jit(jnp.sum)
+    return flops, big.nbytes / _best_seconds(lambda: total(big))
+
+
+def _collective_program(kind: str, n: int, loops: int):
+    """A program that runs ``loops`` collectives of ``kind`` over a 1-D mesh of ``n`` devices,
+    each device's block of the same size before and after (nothing queues up: one dispatch)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit._mesh import make_mesh
+
+    mesh = make_mesh(devices=jax.local_devices()[:n], link=n)
+    one = {
+        "all_reduce": lambda v: jax.lax.psum(v, "link") * (1.0 / n),
+        "all_gather": lambda v: jax.lax.all_gather(v[: v.shape[0] // n], "link", tiled=True),
+        "reduce_scatter": lambda v: jax.numpy.tile(jax.lax.psum_scatter(v, "link", tiled=True), n) * (1.0 / n),
+    }[kind]
+    body = lambda a: jax.lax.fori_loop(0, loops, lambda i, v: one(v), a)  # noqa: E731
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
+
+
+def measure_collective(kind: str, n: int, loops: int = 20) -> Link | None:
+    """Alpha-beta of ``kind`` over the first ``n`` devices of this process, from a small and a
+    1 MB payload (``B`` as :func:`collective_time` takes it), or None with fewer devices."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    if n < 2 or len(jax.local_devices()) < n:
+        return None
+    mesh, program = _collective_program(kind, n, loops)
+    seconds = []
+    sizes = (8 * n, 2**18)  # float32 elements per device
+    for per_device in sizes:
+        x = jax.device_put(jnp.ones((n * per_device,), jnp.float32), NamedSharding(mesh, P("link")))
+        seconds.append(_best_seconds(lambda: program(x), repeats=3) / loops)
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    wire = share * 4 * (sizes[1] - sizes[0])  # B: the reduced array, the gathered output, the scattered input
+    return Link(alpha=seconds[0] / steps, beta=max(seconds[1] - seconds[0], 0.0) / wire)
+
+
+def measure_op_overhead(n: int, loops: int = 200) -> float:
+    """Seconds per operation on each of ``n`` simulated devices running at once: a loop of tiny
+    matmuls (which XLA does not fuse) over a mesh of ``n``, no collective."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from spmdkit._mesh import make_mesh
+
+    n = max(min(n, len(jax.local_devices())), 1)
+    mesh = make_mesh(devices=jax.local_devices()[:n], link=n)
+
+    def body(a):  # each trip: two dots and the loop's own compare and add
+        return jax.lax.fori_loop(0, loops, lambda i, v: (v @ v) @ v * 0.5, a)
+
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
+    x = jax.device_put(jnp.eye(4 * n, 4, dtype=jnp.float32), NamedSharding(mesh, P("link")))
+    return _best_seconds(lambda: program(x), repeats=3) / (loops * 4)
+
+
+def cpu_target(devices: int = 1) -> Target:
+    """This machine as a target: simulated devices share its cores, so each device's rates
+    are the process's measured rates divided by ``devices``; the link is an all-reduce among
+    them, measured (or, with one device or too few, assumed)."""
+    import platform
+
+    import jax
+
+    flops, bandwidth = measure_cpu()
+    n = max(int(devices), 1)
+    measured = {kind: measure_collective(kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
+    link = measured["all_reduce"]
+    overhead = measure_op_overhead(n)
+    how = ("collectives measured (alpha s, beta s/B): " + ", ".join(
+        f"{kind} {ab.alpha:.3g}, {ab.beta:.3g}" for kind, ab in measured.items() if ab) if link else
+           f"link alpha {CPU_ALPHA:g} s assumed (spmdkit calibrate measures it)")
+    return Target(
+        name=f"cpu ({platform.node()}, {n} simulated device(s))",
+        source=f"measured at plan time on {platform.node()}, jax {jax.__version__}: f32 matmul {flops / 1e9:.1f} "
+               f"GFLOP/s, read {bandwidth / 1e9:.1f} GB/s per process, divided among {n} device(s); {how}; "
+               f"{overhead * 1e6:.2f} us per operation",
+        devices_per_host=n,
+        peak_flops={"float32": flops / n},
+        memory_bandwidth=bandwidth / n,
+        links={"intra_host": link or Link(CPU_ALPHA, 1.0 / bandwidth), "inter_host": Link(*CPU_INTER_HOST)},
+        collectives={kind: {"intra_host": ab} for kind, ab in measured.items() if ab},
+        op_overhead=overhead,
+    )
+
+
+__all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
+           "load_target", "measure_collective", "measure_cpu", "measure_op_overhead"]

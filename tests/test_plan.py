@@ -1,0 +1,209 @@
+"""spmdkit plan: targets, the HLO reader, candidates, memory, flags, the Python API and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import spmdkit
+from spmdkit._cli import main
+from spmdkit._plan._candidates import enumerate_candidates, factorisations
+from spmdkit._plan._hlo import analyse
+from spmdkit._target import Link, Target, TargetError, collective_time, example_targets, from_json, load_target
+
+
+# ---------------------------------------------------------------- targets
+def test_example_targets_load_and_alpha_beta_formula():
+    h100 = load_target("h100x8")
+    assert h100.devices_per_host == 8 and h100.flops_for("bfloat16") == 989e12 and "datasheet" in h100.source
+    assert h100.flops_for("float16") == h100.peak_flops["float32"]  # falls back to float32
+    assert load_target(example_targets()["tpu-v5e-16"]).memory_per_device == 16e9
+    t = Target("t", "test", 4, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9), "inter_host": Link(1e-4, 1e-8)},
+               collectives={"all_gather": {"intra_host": Link(2e-5, 2e-9)}})
+    n, b = 4, 1000.0
+    assert collective_time(t, "all_reduce", b, n, "intra_host") == pytest.approx(6 * 1e-5 + 1.5 * b * 1e-9)
+    assert collective_time(t, "all_gather", b, n, "intra_host") == pytest.approx(3 * 2e-5 + 0.75 * b * 2e-9)  # override
+    assert collective_time(t, "reduce_scatter", b, n, "inter_host") == pytest.approx(3 * 1e-4 + 0.75 * b * 1e-8)
+    assert collective_time(t, "collective_permute", b, n, "intra_host") == pytest.approx(1e-5 + b * 1e-9)
+    assert collective_time(t, "all_reduce", b, 1, "intra_host") == 0.0
+    assert from_json(json.loads(json.dumps(t.to_json()))) == t  # the file format round-trips
+
+
+def test_bad_target_file_is_named(tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"format": "spmdkit-target", "version": 1, "devices_per_host": 8,
+                               "peak_flops": {"float32": -1}, "memory_bandwidth": 1e12,
+                               "links": {"intra_host": {"alpha": 1e-6, "beta": 1e-12}}}))
+    with pytest.raises(TargetError, match="peak_flops"):
+        load_target(bad)
+    with pytest.raises(ValueError, match="neither a file nor a known target"):
+        load_target(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------- HLO
+def test_psum_over_one_axis_is_one_all_reduce_over_that_axis():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "model"), mesh=mesh, in_specs=P("data", "model"),
+                              out_specs=P("data")))
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))
+    program = analyse(f.lower(x).compile().as_text(), dict(mesh.shape))
+    (c,) = program.collectives
+    assert (c.kind, c.axes, c.group_size, c.count, c.bytes) == ("all_reduce", ("model",), 4, 1, 4 * 16 * 4)
+
+
+def test_collectives_in_a_loop_are_counted_per_trip():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+
+    def body(a):
+        return jax.lax.fori_loop(0, 5, lambda i, v: jax.lax.psum(v, "data") * 0.5, a)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data", "model"), out_specs=P(None, "model"), check_vma=False))
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))
+    program = analyse(f.lower(x).compile().as_text(), dict(mesh.shape))
+    assert [(c.kind, c.axes, c.count) for c in program.collectives] == [("all_reduce", ("data",), 5)]
+
+
+def test_link_is_inter_host_when_a_group_spans_processes():
+    from spmdkit._plan._cost import link_of
+    from spmdkit._plan._hlo import Collective
+
+    over_data = Collective("all_reduce", 64, 2, ("data",), 1, ((0, 4), (1, 5), (2, 6), (3, 7)), "ar")
+    over_model = Collective("all_reduce", 64, 4, ("model",), 1, ((0, 1, 2, 3), (4, 5, 6, 7)), "ar")
+    assert link_of(over_data, 8) == link_of(over_model, 8) == "intra_host"  # one process
+    assert (link_of(over_data, 4), link_of(over_model, 4)) == ("inter_host", "intra_host")  # 2 processes x 4
+
+
+# ---------------------------------------------------------------- candidates
+def test_candidates_enumerated_and_pruned_with_reasons():
+    assert sorted(factorisations(8, 2)) == [(2, 4), (4, 2)]
+    kept, pruned = enumerate_candidates(8, ("dp", "dp+tp", "hsdp+tp"), ("none",), (1, 2), batch_size=12)
+    labels = {c.label for c in kept}
+    assert "dp+tp [data=2,model=4] accum=2" in labels and "hsdp+tp [data=2,fsdp=2,model=2]" in labels
+    reasons = {c.label: why for c, why in pruned}
+    assert "not divisible by 8 batch shard(s)" in reasons["dp [data=8]"]
+    assert "4 batch shard(s) x 2 accumulation step(s) = 8" in reasons["dp+tp [data=4,model=2] accum=2"]
+
+
+# ---------------------------------------------------------------- the Python API on a user's own model
+class UserMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w1 = self.param("w_in", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed", "hidden")), (32, 256))
+        w2 = self.param("w_out", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("hidden", "embed")), (256, 32))
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (32,))
+        h = nn.with_logical_constraint(jax.nn.relu(x @ w1), ("batch", "hidden"))
+        return h @ w2 + bias
+
+
+def _user_program():
+    model, tx = UserMLP(), optax.sgd(0.1)
+
+    def make_state(rng):
+        params = model.init(rng, jnp.zeros((1, 32)))["params"]
+        return {"params": params, "opt": tx.init(params)}
+
+    def train_step(state, batch):
+        def loss(p):
+            return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((16, 32)).astype(np.float32), "y": rng.standard_normal((16, 32)).astype(np.float32)}
+    return make_state, train_step, batch
+
+
+@pytest.fixture(scope="module")
+def user_plan(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rules")
+    # Shards only the small bias: the two large matrices stay whole on every device.
+    (d / "replicate.toml").write_text('batch = "data"\nembed = "none"\nhidden = "none"\nvocab = "model"\n')
+    (d / "idle.toml").write_text('batch = "data"\nembed = "data"\nhidden = "none"\nvocab = "none"\nheads = "model"\n')
+    (d / "clash.toml").write_text('batch = "data"\nembed = "model"\nhidden = "model"\n')
+    make_state, train_step, batch = _user_program()
+    rules = ("dp", "fsdp+tp", str(d / "replicate.toml"), str(d / "clash.toml"), str(d / "idle.toml"))
+    return spmdkit.plan(make_state, train_step, batch, rules=rules, target="h100x8", memory_per_device=100_000,
+                        measure=2, measure_steps=2, measure_rounds=1)
+
+
+def test_plan_on_a_users_step_ranks_flags_and_excludes(user_plan):
+    rows = {r["label"]: r for r in user_plan["candidates"]}
+    ok = [r for r in user_plan["candidates"] if r["status"] == "ok"]
+    assert [r["rank"] for r in ok] == list(range(1, len(ok) + 1))
+    assert all(a["step_s"] <= b["step_s"] for a, b in zip(ok, ok[1:]))
+    assert user_plan["frontier"] and user_plan["why"][0].startswith("winner: " + ok[0]["label"])
+    # Data parallel pays an all-reduce of the gradients over "data" and nothing else.
+    dp = rows["dp [data=8]"]
+    assert {(c["kind"], tuple(c["axes"])) for c in dp["collectives"]} == {("all_reduce", ("data",))}
+    # Two names mapped to one mesh axis: reported by parameter and names.
+    clash = next(r for r in user_plan["candidates"] if r["rules"].endswith("clash.toml"))
+    assert clash["status"] == "pruned" and "['embed', 'hidden']" in clash["reason"] and "w_in" in clash["reason"]
+    # A rules file that leaves the large parameters replicated: flagged by name.
+    rep = next(r for r in user_plan["candidates"] if r["rules"].endswith("replicate.toml"))
+    assert {f["path"] for f in rep["replicated"]} == {"state['params']['w_in']", "state['params']['w_out']"}
+    # A mesh axis that only names the model lacks would repeat work: excluded, saying so.
+    idle = next(r for r in user_plan["candidates"] if r["rules"].endswith("idle.toml"))
+    assert idle["status"] == "pruned" and "mesh axis 'model' splits nothing" in idle["reason"]
+
+
+def test_plan_memory_within_10_percent_of_compiled_and_over_budget_excluded(user_plan):
+    for r in user_plan["candidates"]:
+        if r["status"] in ("ok", "over_budget"):
+            mem = r["memory"]
+            assert mem["per_device"] == max(mem["analytic"]["total"], mem["compiled"]["total"])
+            assert abs(mem["per_device"] / mem["compiled"]["total"] - 1) <= 0.10, r["label"]
+    over = [r for r in user_plan["candidates"] if r["status"] == "over_budget"]
+    assert over, "the 100 kB budget excludes the replicated layouts"
+    for r in over:
+        assert f"{r['memory']['per_device'] / 2**20:.1f} MiB" in r["reason"] and r["memory"]["per_device"] > 100_000
+
+
+def test_plan_measure_compares_predicted_and_measured(user_plan):
+    runs = user_plan["measured"]["runs"]
+    assert [m["rank"] for m in runs] == [1, 2]
+    assert all(m["measured_s"] > 0 and m["measured_memory"] > 0 and m["measured_memory_source"] for m in runs)
+    assert user_plan["measured"]["spearman"] is None  # fewer than 3 runs: no rank correlation claimed
+
+
+# ---------------------------------------------------------------- the CLI
+def test_cli_plan_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--devices", "--processes", "--memory-per-device", "--target", "--measure", "--json", "--png"):
+        assert flag in out
+
+
+def test_cli_plan_lm_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--task", "lm", "--devices", "8", "--layers", "1", "--d-model", "16", "--heads", "2",
+                 "--seq-len", "8", "--batch-size", "8", "--rules", "fsdp,tp", "--target", "h100x8",
+                 "--memory-per-device", "64MiB", "--json", str(out)])
+    assert code == 0
+    plan = json.loads(out.read_text())
+    rows = {r["label"]: r for r in plan["candidates"]}
+    assert rows["fsdp [data=8]"]["status"] == "ok"
+    kinds = {(c["kind"], tuple(c["axes"])) for c in rows["fsdp [data=8]"]["collectives"]}
+    assert ("all_gather", ("data",)) in kinds  # FSDP gathers its parameters
+    mem = rows["fsdp [data=8]"]["memory"]
+    assert abs(mem["per_device"] / mem["compiled"]["total"] - 1) <= 0.10
+    assert rows["tp [model=8]"]["status"] == "pruned" and "cannot split evenly" in rows["tp [model=8]"]["reason"]
+    assert "winner: fsdp [data=8]" in capsys.readouterr().out
+
+
+def test_cli_plan_bad_target_names_the_fix(tmp_path, capsys):
+    code = main(["plan", "--task", "mlp", "--devices", "8", "--layers", "1", "--depth", "16", "--embed", "8",
+                 "--rules", "dp", "--target", str(tmp_path / "nope.json")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nope.json" in err and "h100x8" in err
