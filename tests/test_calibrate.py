@@ -121,6 +121,8 @@ def test_tiny_intra_process_calibration_writes_every_schema_field(tmp_path):
     loaded = spmdkit.load_target(out)  # the planner reads what calibrate writes
     assert loaded.devices_per_host == 2 and loaded.link("all_gather", "intra_host").beta == pytest.approx(
         target["collectives"]["all_gather"]["intra_host"]["beta"])
+    # the per-operation cost the planner charges for every op of a step is calibrated too
+    assert 0 < target["op_overhead"] < 1e-2 and loaded.op_overhead == target["op_overhead"]
 
 
 # ---- bad input: named errors before anything is measured -----------------------------

@@ -389,6 +389,8 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
         "links": links,
         "collectives": collectives,
     }
+    if compute.get("op_overhead"):
+        target["op_overhead"] = compute["op_overhead"]
     rows = prediction_errors(target, points)
     target["measurements"] = [{k: r[k] for k in ("kind", "link", "n", "bytes", "seconds", "predicted", "rel_err",
                                                  "iqr_rel", "min_seconds", "reps", "rounds", "flags")} for r in rows]
@@ -490,6 +492,9 @@ def calibrate(
                                            rounds=rounds, target_s=target_s, log=log)
     compute = measure_compute(devs, quick=quick, rounds=rounds)
     warnings += compute["warnings"]
+    # The fixed cost per operation dominates small CPU models; the planner adds it per op of a step.
+    from spmdkit._target import measure_op_overhead
+    compute["op_overhead"] = measure_op_overhead(len(devs))
     if processes == 2:
         log("inter_host: starting 2 processes x 1 device")
         inter, more = run_two_processes(sizes, KINDS, rounds, target_s, timeout or (600.0 if quick else 3600.0))
