@@ -35,6 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from spmdkit import _checkpoint_read as _read
 from spmdkit._errors import SpmdkitError, fix
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -179,8 +180,10 @@ def read_manifest(root: Path, step: int) -> tuple[dict[str, Any] | None, str | N
         return None, f"manifest {MANIFESTS}/{step}.json is {what}"
 
 
-def verify_step(root: Path, step: int, manifest: dict[str, Any]) -> list[str]:
-    """Every file of the manifest present, of its size and checksum; what differs, named."""
+def verify_step(root: Path, step: int, manifest: dict[str, Any],
+                checksum: Callable[[str], bool] | None = None) -> list[str]:
+    """Every file of the manifest present, of its size and (where ``checksum(name)``) its
+    checksum; what differs, named."""
     step_dir = root / step_name(step)
     have = _files(step_dir) if step_dir.is_dir() else {}
     out = []
@@ -190,9 +193,13 @@ def verify_step(root: Path, step: int, manifest: dict[str, Any]) -> list[str]:
             out.append(f"file {where} is missing")
         elif have[name] != want["bytes"]:
             out.append(f"file {where} has {have[name]} bytes, expected {want['bytes']} (truncated or overwritten)")
-        elif _crc32(step_dir / name) != want["crc32"]:
+        elif (checksum is None or checksum(name)) and _crc32(step_dir / name) != want["crc32"]:
             out.append(f"file {where} has changed bytes (checksum differs)")
     return out
+
+
+def _not_chunk(name: str) -> bool:
+    return not _read.is_chunk_file(name)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -601,11 +608,13 @@ class Checkpointer:
             return []
         return sorted(s for p in self.directory.iterdir() if (s := parse_step(p.name)) is not None and p.is_dir())
 
-    def problems(self, step: int) -> list[str]:
+    def problems(self, step: int, arrays: bool = True) -> list[str]:
         """What is wrong with a step, from its manifest ([] if intact).
 
         A step without a manifest counts as damaged: Orbax committed it, but the process
         was stopped before its files were checksummed, so nothing vouches for its bytes.
+        ``arrays=False`` checks the array files' presence and sizes but not their bytes
+        (a restore checks those as it reads them).
         """
         if step in self._names.unreadable:
             return [self._names.unreadable[step]]
@@ -615,7 +624,7 @@ class Checkpointer:
         if manifest is None:
             return [f"it has no manifest ({MANIFESTS}/{step}.json): its save was cut short before its files "
                     "were checksummed, so they cannot be verified"]
-        return verify_step(self.directory, step, manifest)
+        return verify_step(self.directory, step, manifest, checksum=None if arrays else _not_chunk)
 
     def meta(self, step: int) -> dict[str, Any]:
         path = self.directory / step_name(step) / "meta" / "metadata"
@@ -661,15 +670,15 @@ class Checkpointer:
             )
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified first.
+        """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified.
 
         ``target`` is the whole saved state or a part of it: ``strategy.abstract(make_state).params``
-        restores the parameters alone (inference), onto any mesh.
+        restores the parameters alone (inference), onto any mesh. Every file of the step is
+        checked against its manifest (sizes, CRC-32) before its bytes are used.
         """
-        problems = self.problems(step)
+        problems = self.problems(step, arrays=False)
         if problems:
-            raise CheckpointError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
-                                      "resume from an earlier step (spmdkit does so with --resume)."))
+            raise self._damaged(step, problems)
         try:
             saved = self.meta(step).get("leaves")
         except CheckpointError:
@@ -681,13 +690,49 @@ class Checkpointer:
         item = target
         for key in reversed(keys):
             item = {key: item}
+        files = read_manifest(self.directory, step)[0]["files"]
+        leaves = _read.plan(self.directory / step_name(step), item, files)
+        if leaves is not None:
+            state, meta = self._read_verified(step, item, leaves, files)
+        else:
+            state, meta = self._orbax_restore(step, item, bool(keys))
+        for key in keys:
+            state = state[key]
+        return state, meta
+
+    def _damaged(self, step: int, problems: list[str]) -> CheckpointError:
+        return CheckpointError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
+                                   "resume from an earlier step (spmdkit does so with --resume)."))
+
+    def _read_verified(self, step: int, item: Any, leaves: list[_read.Leaf], files: dict[str, Any]) -> tuple[Any, Any]:
+        """Orbax's uncompressed format read in one pass, each chunk file checked as it is read;
+        then the chunk files this process did not need (other processes' shards, leaves
+        outside a partial target), so every process finds the same damage."""
+        reader = _read.Reader(self.directory / step_name(step), files)
+        try:
+            arrays = [reader.leaf(leaf) for leaf in leaves]
+        except _read.Damaged as e:
+            raise self._damaged(step, [str(e)]) from None
+        finally:
+            reader.close()
+        problems = verify_step(self.directory, step, {"files": {n: w for n, w in files.items()
+                                                                if _read.is_chunk_file(n) and n not in reader.read}})
+        if problems:
+            raise self._damaged(step, problems)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(item), arrays), self.meta(step)
+
+    def _orbax_restore(self, step: int, item: Any, partial: bool) -> tuple[Any, Any]:
+        """Any other format (compressed, OCDBT, a cast): the array files verified, then Orbax reads."""
+        problems = self.problems(step)
+        if problems:
+            raise self._damaged(step, problems)
         try:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(
                         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                        partial_restore=bool(keys),
+                        partial_restore=partial,
                     ),
                     meta=ocp.args.JsonRestore(),
                 ),
@@ -697,10 +742,7 @@ class Checkpointer:
                 fix(f"checkpoint step {step} could not be read: {type(e).__name__}: {str(e)[:300]}",
                     "resume from an earlier step (spmdkit does so with --resume).")
             ) from None
-        state = restored["state"]
-        for key in keys:
-            state = state[key]
-        return state, restored["meta"]
+        return restored["state"], restored["meta"]
 
     def restore_latest(self, target: Any, members: int | None = None) -> tuple[Any, dict[str, Any]] | None:
         """The newest intact step restored onto ``target``, falling back past damaged ones (and saying which)."""
@@ -716,7 +758,7 @@ class Checkpointer:
                 "--checkpoint-dir (CheckpointConfig(directory=...) from Python)."))
         damaged: list[int] = []
         for step in reversed(steps):
-            problems = self.problems(step)
+            problems = self.problems(step, arrays=False)  # the array files: checked as restore() reads them
             if problems:
                 self.log(f"checkpoints: step {step} is damaged ({problems[0]}); falling back to an earlier step")
                 damaged.append(step)

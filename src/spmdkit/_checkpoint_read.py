@@ -1,0 +1,188 @@
+"""Restore in one verified pass: each array file read once, checked as it is read.
+
+Orbax saves an array of an uncompressed, non-OCDBT step as a zarr v2 directory under
+``state/``: ``.zarray`` (shape, chunk shape, dtype) and one file per chunk holding the
+chunk's bytes in C order, edge chunks padded to the full chunk shape. Restoring through
+Orbax read every byte twice (once for the manifest's checksums, once by TensorStore) and,
+onto another layout, TensorStore read the saved chunks once per target shard. Here every
+chunk file that this process's shards need is read once, its CRC-32 compared with the
+manifest's, and its bytes copied into the target shards, which then go to their devices.
+
+Only steps in exactly that format take this path (:func:`plan` returns None for anything
+else: compression, OCDBT, zarr v3, a dtype cast, a leaf that is not an array with a
+sharding); those are restored by Orbax after the usual verification of every file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STATE = "state"
+_CHUNK = re.compile(r"\d+(\.\d+)*")
+
+
+def is_chunk_file(name: str) -> bool:
+    """A manifest entry that holds array bytes (``state/<leaf>/<i>.<j>``), not metadata."""
+    parts = name.split("/")
+    return len(parts) == 3 and parts[0] == STATE and _CHUNK.fullmatch(parts[2]) is not None
+
+
+class Damaged(Exception):
+    """A chunk file differs from the manifest (its message names the file and how)."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    name: str  # directory under state/
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding
+
+    def grid(self) -> list[tuple[int, ...]]:
+        return list(product(*(range(math.ceil(n / c)) for n, c in zip(self.shape, self.chunks))))
+
+    def chunk_file(self, pos: tuple[int, ...]) -> str:
+        return f"{STATE}/{self.name}/{'.'.join(map(str, pos)) if pos else '0'}"
+
+    def chunk_bytes(self) -> int:
+        return math.prod(self.chunks) * self.dtype.itemsize
+
+
+def _key_name(key: Any) -> str | None:
+    for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return None
+
+
+def _zarray(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    plain = (meta.get("zarr_format") == 2 and meta.get("compressor") is None and not meta.get("filters")
+             and meta.get("order") == "C" and meta.get("dimension_separator", ".") == ".")
+    return meta if plain else None
+
+
+def plan(step_dir: Path, item: Any, files: dict[str, Any]) -> list[Leaf] | None:
+    """How to read every leaf of ``item`` (the restore target, nested as saved), or None
+    when the step is not in the one format this reader knows, or a leaf needs Orbax."""
+    try:
+        top = json.loads((step_dir / STATE / "_METADATA").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(top, dict) or top.get("use_ocdbt") or top.get("use_zarr3"):
+        return None
+    saved = {}
+    for entry in (top.get("tree_metadata") or {}).values():
+        try:
+            keys = tuple(str(k["key"]) for k in entry["key_metadata"])
+            value = entry["value_metadata"]
+        except (KeyError, TypeError):
+            return None
+        saved[keys] = value
+    leaves = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(item)[0]:
+        keys = tuple(_key_name(k) for k in path)
+        value = saved.get(keys)
+        sharding = getattr(leaf, "sharding", None)
+        if (None in keys or not isinstance(value, dict) or value.get("value_type") != "jax.Array"
+                or value.get("skip_deserialize") or not isinstance(sharding, jax.sharding.Sharding)):
+            return None
+        name = ".".join(keys)
+        meta = _zarray(step_dir / STATE / name / ".zarray")
+        if meta is None:
+            return None
+        try:
+            dtype = np.dtype(jnp.dtype(meta["dtype"]))
+            shape, chunks = tuple(meta["shape"]), tuple(meta["chunks"])
+        except (KeyError, TypeError):
+            return None
+        if (dtype != np.dtype(leaf.dtype) or shape != tuple(leaf.shape) or len(chunks) != len(shape)
+                or 0 in shape or 0 in chunks):
+            return None  # a cast or a reshape: Orbax's to do (and to refuse)
+        out = Leaf(name, shape, chunks, dtype, sharding)
+        want = out.chunk_bytes()
+        if any(files.get(out.chunk_file(pos), {}).get("bytes") != want for pos in out.grid()):
+            return None  # a chunk the manifest does not list at the size this format implies
+        leaves.append(out)
+    return leaves
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+class Reader:
+    """Reads planned leaves: chunk files in parallel, each checked against ``files``."""
+
+    def __init__(self, step_dir: Path, files: dict[str, Any], threads: int | None = None):
+        self.step_dir, self.files = step_dir, files
+        self.read: set[str] = set()
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), thread_name_prefix="spmdkit-restore")
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def _chunk(self, name: str, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.size < nbytes:
+            buf = self._local.buf = np.empty(nbytes, np.uint8)
+        view = buf[:nbytes]
+        with open(self.step_dir / name, "rb", buffering=0) as fh:
+            got = fh.readinto(view)
+            if got == nbytes and fh.read(1):
+                got += 1
+        if got != nbytes:
+            raise Damaged(f"file {self.step_dir.name}/{name} has {got}{'+' if got > nbytes else ''} bytes, "
+                          f"expected {nbytes} (truncated or overwritten)")
+        if f"{zlib.crc32(view):08x}" != self.files[name]["crc32"]:
+            raise Damaged(f"file {self.step_dir.name}/{name} has changed bytes (checksum differs)")
+        return view
+
+    def leaf(self, leaf: Leaf) -> jax.Array:
+        """One leaf onto its target sharding (this process's shards only)."""
+        shards: dict[tuple, np.ndarray] = {}
+        for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values():
+            box = _box(index, leaf.shape)
+            if box not in shards:
+                shards[box] = np.empty([b - a for a, b in box], leaf.dtype)
+
+        def one(pos: tuple[int, ...], boxes: list[tuple]) -> None:
+            data = self._chunk(leaf.chunk_file(pos), leaf.chunk_bytes()).view(leaf.dtype).reshape(leaf.chunks)
+            origin = [p * c for p, c in zip(pos, leaf.chunks)]
+            for box in boxes:
+                lo = [max(a, o) for (a, _), o in zip(box, origin)]
+                hi = [min(b, o + c, n) for (_, b), o, c, n in zip(box, origin, leaf.chunks, leaf.shape)]
+                dst = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, box))
+                src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, origin))
+                shards[box][dst] = data[src]
+
+        work = []
+        for pos in leaf.grid():
+            origin = [p * c for p, c in zip(pos, leaf.chunks)]
+            boxes = [box for box in shards if all(a < o + c and o < b for (a, b), o, c in zip(box, origin, leaf.chunks))]
+            if boxes:
+                work.append(self._pool.submit(one, pos, boxes))
+                self.read.add(leaf.chunk_file(pos))
+        for future in work:
+            future.result()  # the first damaged chunk raises here
+        array = jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: shards[_box(i, leaf.shape)])
+        return jax.block_until_ready(array)
