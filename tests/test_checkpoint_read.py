@@ -58,6 +58,8 @@ def test_one_pass_restore_is_bit_equal_to_orbax_on_every_layout(tmp_path):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(want), err_msg=where)
             for shard in a.addressable_shards:  # every device holds its own copy of the right slice
                 np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want)[shard.index], err_msg=where)
+            pointers = {shard.data.unsafe_buffer_pointer() for shard in a.addressable_shards}
+            assert len(pointers) == len(a.addressable_shards), where  # a donated replica cannot change another
 
 
 def test_a_changed_chunk_is_named_and_a_format_it_does_not_know_goes_to_orbax(tmp_path):

@@ -710,7 +710,7 @@ class Checkpointer:
         outside a partial target), so every process finds the same damage."""
         reader = _read.Reader(self.directory / step_name(step), files)
         try:
-            arrays = [reader.leaf(leaf) for leaf in leaves]
+            arrays = reader.leaves(leaves)
         except _read.Damaged as e:
             raise self._damaged(step, [str(e)]) from None
         finally:

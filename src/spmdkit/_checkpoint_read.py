@@ -21,6 +21,7 @@ import os
 import re
 import threading
 import zlib
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import product
@@ -157,32 +158,67 @@ class Reader:
             raise Damaged(f"file {self.step_dir.name}/{name} has changed bytes (checksum differs)")
         return view
 
-    def leaf(self, leaf: Leaf) -> jax.Array:
-        """One leaf onto its target sharding (this process's shards only)."""
-        shards: dict[tuple, np.ndarray] = {}
-        for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values():
-            box = _box(index, leaf.shape)
-            if box not in shards:
-                shards[box] = np.empty([b - a for a, b in box], leaf.dtype)
+    def leaves(self, leaves: list[Leaf]) -> list[jax.Array]:
+        """Every leaf onto its target sharding (this process's shards only).
 
-        def one(pos: tuple[int, ...], boxes: list[tuple]) -> None:
+        Chunk reads run in the thread pool, as do the copies onto the devices, one leaf's
+        copies beside the next leaf's reads; at most two leaves are held on the host.
+        """
+        out: list[jax.Array] = []
+        in_flight: deque = deque()
+        for leaf in leaves:
+            if len(in_flight) == 2:
+                out.append(self._assemble(*in_flight.popleft()))
+            buffers = self._fill(leaf)
+            puts = [self._pool.submit(jax.device_put, buf, device) for device, buf in buffers.items()]
+            in_flight.append((leaf, puts))
+        out.extend(self._assemble(*entry) for entry in in_flight)
+        return out
+
+    @staticmethod
+    def _assemble(leaf: Leaf, puts: list[Any]) -> jax.Array:
+        array = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [f.result() for f in puts])
+        return array.block_until_ready()
+
+    def _fill(self, leaf: Leaf) -> dict[Any, np.ndarray]:
+        """One host buffer per addressable device, holding that device's shard of ``leaf``.
+
+        The buffers are 64-byte aligned and never touched after ``jax.device_put``: the
+        CPU client then takes them as the devices' memory instead of copying them. Devices
+        that hold the same shard get a buffer each (a donated one is overwritten in place).
+        """
+        boxes: dict[tuple, list[np.ndarray]] = {}
+        buffers = {}
+        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+            box = _box(index, leaf.shape)
+            buffers[device] = _aligned([b - a for a, b in box], leaf.dtype)
+            boxes.setdefault(box, []).append(buffers[device])
+
+        def one(pos: tuple[int, ...], todo: list[tuple]) -> None:
             data = self._chunk(leaf.chunk_file(pos), leaf.chunk_bytes()).view(leaf.dtype).reshape(leaf.chunks)
             origin = [p * c for p, c in zip(pos, leaf.chunks)]
-            for box in boxes:
+            for box in todo:
                 lo = [max(a, o) for (a, _), o in zip(box, origin)]
                 hi = [min(b, o + c, n) for (_, b), o, c, n in zip(box, origin, leaf.chunks, leaf.shape)]
                 dst = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, box))
-                src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, origin))
-                shards[box][dst] = data[src]
+                src = data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, origin))]
+                for buf in boxes[box]:
+                    buf[dst] = src
 
         work = []
         for pos in leaf.grid():
             origin = [p * c for p, c in zip(pos, leaf.chunks)]
-            boxes = [box for box in shards if all(a < o + c and o < b for (a, b), o, c in zip(box, origin, leaf.chunks))]
-            if boxes:
-                work.append(self._pool.submit(one, pos, boxes))
+            todo = [box for box in boxes if all(a < o + c and o < b for (a, b), o, c in zip(box, origin, leaf.chunks))]
+            if todo:
+                work.append(self._pool.submit(one, pos, todo))
                 self.read.add(leaf.chunk_file(pos))
         for future in work:
             future.result()  # the first damaged chunk raises here
-        array = jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: shards[_box(i, leaf.shape)])
-        return jax.block_until_ready(array)
+        return buffers
+
+
+def _aligned(shape: list[int], dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start: start + nbytes].view(dtype).reshape(shape)
