@@ -22,6 +22,7 @@ import re
 import threading
 import zlib
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import product
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 STATE = "state"
+SLAB = 64 * 2**20  # bytes of a chunk file read at a time: a thread's whole buffer
 _CHUNK = re.compile(r"\d+(\.\d+)*")
 
 
@@ -142,21 +144,36 @@ class Reader:
     def close(self) -> None:
         self._pool.shutdown()
 
-    def _chunk(self, name: str, nbytes: int) -> np.ndarray:
+    def _slabs(self, leaf: Leaf, pos: tuple[int, ...]) -> Iterator[tuple[list[int], np.ndarray]]:
+        """A chunk file as (origin, block) pieces of at most ``SLAB`` bytes, in file order;
+        raises :class:`Damaged` when its length or CRC-32 differs from the manifest."""
+        name, nbytes = leaf.chunk_file(pos), leaf.chunk_bytes()
+        rows = leaf.chunks[0] if leaf.chunks else 1
+        row_bytes = nbytes // rows
+        per = max(1, SLAB // row_bytes)
         buf = getattr(self._local, "buf", None)
-        if buf is None or buf.size < nbytes:
-            buf = self._local.buf = np.empty(nbytes, np.uint8)
-        view = buf[:nbytes]
+        if buf is None or buf.size < min(rows, per) * row_bytes:
+            buf = self._local.buf = np.empty(min(rows, per) * row_bytes, np.uint8)
+        origin = [p * c for p, c in zip(pos, leaf.chunks)]
+        where = f"file {self.step_dir.name}/{name}"
+        crc, got = 0, 0
         with open(self.step_dir / name, "rb", buffering=0) as fh:
-            got = fh.readinto(view)
-            if got == nbytes and fh.read(1):
-                got += 1
-        if got != nbytes:
-            raise Damaged(f"file {self.step_dir.name}/{name} has {got}{'+' if got > nbytes else ''} bytes, "
-                          f"expected {nbytes} (truncated or overwritten)")
-        if f"{zlib.crc32(view):08x}" != self.files[name]["crc32"]:
-            raise Damaged(f"file {self.step_dir.name}/{name} has changed bytes (checksum differs)")
-        return view
+            for r0 in range(0, rows, per):
+                r1 = min(rows, r0 + per)
+                view = buf[: (r1 - r0) * row_bytes]
+                n = 0
+                while n < view.size and (k := fh.readinto(view[n:])):
+                    n += k
+                got += n
+                if n < view.size:
+                    raise Damaged(f"{where} has {got} bytes, expected {nbytes} (truncated or overwritten)")
+                crc = zlib.crc32(view, crc)
+                block = view.view(leaf.dtype).reshape((r1 - r0, *leaf.chunks[1:]) if leaf.chunks else ())
+                yield ([origin[0] + r0, *origin[1:]] if origin else []), block
+            if fh.read(1):
+                raise Damaged(f"{where} is longer than {nbytes} bytes (overwritten)")
+        if f"{crc:08x}" != self.files[name]["crc32"]:
+            raise Damaged(f"{where} has changed bytes (checksum differs)")
 
     def leaves(self, leaves: list[Leaf]) -> list[jax.Array]:
         """Every leaf onto its target sharding (this process's shards only).
@@ -195,15 +212,16 @@ class Reader:
             boxes.setdefault(box, []).append(buffers[device])
 
         def one(pos: tuple[int, ...], todo: list[tuple]) -> None:
-            data = self._chunk(leaf.chunk_file(pos), leaf.chunk_bytes()).view(leaf.dtype).reshape(leaf.chunks)
-            origin = [p * c for p, c in zip(pos, leaf.chunks)]
-            for box in todo:
-                lo = [max(a, o) for (a, _), o in zip(box, origin)]
-                hi = [min(b, o + c, n) for (_, b), o, c, n in zip(box, origin, leaf.chunks, leaf.shape)]
-                dst = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, box))
-                src = data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, origin))]
-                for buf in boxes[box]:
-                    buf[dst] = src
+            for origin, block in self._slabs(leaf, pos):
+                for box in todo:
+                    lo = [max(a, o) for (a, _), o in zip(box, origin)]
+                    hi = [min(b, o + c, n) for (_, b), o, c, n in zip(box, origin, block.shape, leaf.shape)]
+                    if any(low >= high for low, high in zip(lo, hi)):
+                        continue  # this piece of the chunk is outside the shard
+                    dst = tuple(slice(low - a, high - a) for low, high, (a, _) in zip(lo, hi, box))
+                    src = block[tuple(slice(low - o, high - o) for low, high, o in zip(lo, hi, origin))]
+                    for buf in boxes[box]:
+                        buf[dst] = src
 
         work = []
         for pos in leaf.grid():
