@@ -78,6 +78,8 @@ def _zarray(path: Path) -> dict[str, Any] | None:
         meta = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(meta, dict):
+        return None
     plain = (meta.get("zarr_format") == 2 and meta.get("compressor") is None and not meta.get("filters")
              and meta.get("order") == "C" and meta.get("dimension_separator", ".") == ".")
     return meta if plain else None
@@ -106,8 +108,9 @@ def plan(step_dir: Path, item: Any, files: dict[str, Any]) -> list[Leaf] | None:
         value = saved.get(keys)
         sharding = getattr(leaf, "sharding", None)
         if (None in keys or not isinstance(value, dict) or value.get("value_type") != "jax.Array"
-                or value.get("skip_deserialize") or not isinstance(sharding, jax.sharding.Sharding)):
-            return None
+                or value.get("skip_deserialize") or not isinstance(sharding, jax.sharding.Sharding)
+                or getattr(sharding, "memory_kind", None) not in (None, "device")):
+            return None  # host-memory (offloaded) targets included: Orbax places those
         name = ".".join(keys)
         meta = _zarray(step_dir / STATE / name / ".zarray")
         if meta is None:
@@ -115,7 +118,7 @@ def plan(step_dir: Path, item: Any, files: dict[str, Any]) -> list[Leaf] | None:
         try:
             dtype = np.dtype(jnp.dtype(meta["dtype"]))
             shape, chunks = tuple(meta["shape"]), tuple(meta["chunks"])
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):  # a dtype JAX does not know, a malformed entry
             return None
         if (dtype != np.dtype(leaf.dtype) or shape != tuple(leaf.shape) or len(chunks) != len(shape)
                 or 0 in shape or 0 in chunks):
