@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -335,3 +336,13 @@ def test_orbax_file_system_errors_log_their_line_without_a_traceback():
         assert quiet.filter(r) and r.exc_info is None and str(error) in r.getMessage()
     other = record(KeyError("a bug"))
     assert quiet.filter(other) and other.exc_info is not None  # not a file-system cause: kept whole
+
+
+def test_an_older_step_is_deleted_in_the_background_and_gone_once_closed(tmp_path):
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path), every=1, keep=2), log=lambda m: None)
+    for step in range(1, 5):
+        ckpt.save(step, {"w": np.full((64, 64), step, np.float32)}, {})
+    ckpt.close()
+    assert ckpt.steps() == [3, 4] and sorted(os.listdir(tmp_path / "manifests")) == ["3.json", "4.json"]
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("spmdkit_")) == ["spmdkit_3", "spmdkit_4"]
+    assert not any(t.name == "spmdkit-delete-step" for t in threading.enumerate())

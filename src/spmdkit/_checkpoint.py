@@ -27,6 +27,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from spmdkit import _checkpoint_read as _read
 from spmdkit._errors import SpmdkitError, fix
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -131,14 +133,30 @@ def _files(step_dir: Path) -> dict[str, int]:
     return {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*")) if p.is_file()}
 
 
+_BUFFERS = threading.local()
+
+
 def _crc32(path: Path) -> str:
     # CRC-32 finds changed, truncated or torn bytes at ~3x SHA-256's speed here (it runs over
     # every byte of every save and restore); the checkpoints are not guarded against forgery.
+    buf = getattr(_BUFFERS, "buf", None)
+    if buf is None:
+        buf = _BUFFERS.buf = memoryview(bytearray(1 << 22))  # one per thread, reused: no new pages per block
     crc = 0
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            crc = zlib.crc32(block, crc)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            crc = zlib.crc32(buf[:n], crc)
     return f"{crc:08x}"
+
+
+def _crc32s(paths: list[Path]) -> list[str]:
+    """The checksums of many files, read in parallel: zlib releases the GIL, so a save's or
+    a restore's checksums use every core (they are most of a save's CPU time)."""
+    big = [p for p in paths if p.stat().st_size >= 1 << 20] if len(paths) > 1 else []
+    if len(big) < 2:
+        return [_crc32(p) for p in paths]
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="spmdkit-crc") as pool:
+        return list(pool.map(_crc32, paths))
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -179,20 +197,29 @@ def read_manifest(root: Path, step: int) -> tuple[dict[str, Any] | None, str | N
         return None, f"manifest {MANIFESTS}/{step}.json is {what}"
 
 
-def verify_step(root: Path, step: int, manifest: dict[str, Any]) -> list[str]:
-    """Every file of the manifest present, of its size and checksum; what differs, named."""
+def verify_step(root: Path, step: int, manifest: dict[str, Any],
+                checksum: Callable[[str], bool] | None = None) -> list[str]:
+    """Every file of the manifest present, of its size and (where ``checksum(name)``) its
+    checksum; what differs, named."""
     step_dir = root / step_name(step)
     have = _files(step_dir) if step_dir.is_dir() else {}
-    out = []
+    out, summed = [], []
     for name, want in manifest["files"].items():
         where = f"{step_name(step)}/{name}"
         if name not in have:
             out.append(f"file {where} is missing")
         elif have[name] != want["bytes"]:
             out.append(f"file {where} has {have[name]} bytes, expected {want['bytes']} (truncated or overwritten)")
-        elif _crc32(step_dir / name) != want["crc32"]:
-            out.append(f"file {where} has changed bytes (checksum differs)")
+        elif checksum is None or checksum(name):
+            summed.append(name)
+    for name, crc in zip(summed, _crc32s([step_dir / name for name in summed])):
+        if crc != manifest["files"][name]["crc32"]:
+            out.append(f"file {step_name(step)}/{name} has changed bytes (checksum differs)")
     return out
+
+
+def _not_chunk(name: str) -> bool:
+    return not _read.is_chunk_file(name)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -352,6 +379,7 @@ class Checkpointer:
         self.run_id: str | None = None  # set by claim(): a reader owns nothing
         self._locked = False
         self._pending: int | None = None
+        self._deleting: list[threading.Thread] = []
         self.blocked: list[float] = []  # seconds the caller waited per save
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -500,13 +528,26 @@ class Checkpointer:
                 self.log(f"checkpoints: removed {p.name}, left by an interrupted save")
 
     def _remove_step(self, step: int) -> None:
-        """Delete one of our steps: renamed to a temporary name first, so a crash leaves no half step."""
+        """Delete one of our steps: renamed to a temporary name first, so a crash leaves no half step.
+
+        The files go in a background thread (a save is committed without waiting for an
+        older step's deletion); :meth:`close` waits for it, and a deletion cut short by the
+        process's end is finished by the next run's :meth:`claim`.
+        """
         path = self.directory / step_name(step)
         if path.exists():
             doomed = path.with_name(f"{path.name}{_TMP_MARK}-deleting")
             os.replace(path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            thread = threading.Thread(target=shutil.rmtree, args=(doomed,), kwargs={"ignore_errors": True},
+                                      name="spmdkit-delete-step", daemon=True)
+            thread.start()
+            self._deleting.append(thread)
         (self.directory / MANIFESTS / f"{step}.json").unlink(missing_ok=True)
+
+    def _deleted(self) -> None:
+        """Wait for the deletions :meth:`_remove_step` started."""
+        while self._deleting:
+            self._deleting.pop().join()
 
     # ---- saving ----------------------------------------------------------------
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
@@ -553,13 +594,16 @@ class Checkpointer:
         step_dir = self.directory / step_name(step)
         if not step_dir.is_dir():
             raise OSError(errno.ENOENT, f"Orbax reported step {step} saved but {step_dir} does not exist")
-        files = {name: {"bytes": size, "crc32": _crc32(step_dir / name)} for name, size in _files(step_dir).items()}
+        sizes = _files(step_dir)
+        crcs = _crc32s([step_dir / name for name in sizes])
+        files = {name: {"bytes": size, "crc32": crc} for (name, size), crc in zip(sizes.items(), crcs)}
         (self.directory / MANIFESTS).mkdir(exist_ok=True)
         write_atomic(self.directory / MANIFESTS / f"{step}.json",
                      json.dumps({"run_id": self.run_id, "step": step, "files": files}))
 
     def _retain(self) -> None:
         """Keep the newest ``keep`` steps this run wrote; nothing else is ever deleted."""
+        self._deleted()  # the previous save's, long done in a training loop
         mine = [s for s in self.steps() if self._writer(s) == self.run_id]
         for step in mine[: -self.config.keep]:
             self._remove_step(step)
@@ -583,6 +627,7 @@ class Checkpointer:
                 self.manager.close()
             except Exception:  # a failed save was already reported by _finish_pending
                 pass
+            self._deleted()
             self._release()
 
     def abandon(self) -> None:
@@ -592,6 +637,7 @@ class Checkpointer:
             self.manager.close()
         except Exception:
             pass
+        self._deleted()
         self._release()
 
     # ---- reading ---------------------------------------------------------------
@@ -601,11 +647,13 @@ class Checkpointer:
             return []
         return sorted(s for p in self.directory.iterdir() if (s := parse_step(p.name)) is not None and p.is_dir())
 
-    def problems(self, step: int) -> list[str]:
+    def problems(self, step: int, arrays: bool = True) -> list[str]:
         """What is wrong with a step, from its manifest ([] if intact).
 
         A step without a manifest counts as damaged: Orbax committed it, but the process
         was stopped before its files were checksummed, so nothing vouches for its bytes.
+        ``arrays=False`` checks the array files' presence and sizes but not their bytes
+        (a restore checks those as it reads them).
         """
         if step in self._names.unreadable:
             return [self._names.unreadable[step]]
@@ -615,7 +663,7 @@ class Checkpointer:
         if manifest is None:
             return [f"it has no manifest ({MANIFESTS}/{step}.json): its save was cut short before its files "
                     "were checksummed, so they cannot be verified"]
-        return verify_step(self.directory, step, manifest)
+        return verify_step(self.directory, step, manifest, checksum=None if arrays else _not_chunk)
 
     def meta(self, step: int) -> dict[str, Any]:
         path = self.directory / step_name(step) / "meta" / "metadata"
@@ -661,15 +709,15 @@ class Checkpointer:
             )
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified first.
+        """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified.
 
         ``target`` is the whole saved state or a part of it: ``strategy.abstract(make_state).params``
-        restores the parameters alone (inference), onto any mesh.
+        restores the parameters alone (inference), onto any mesh. Every file of the step is
+        checked against its manifest (sizes, CRC-32) before its bytes are used.
         """
-        problems = self.problems(step)
+        problems = self.problems(step, arrays=False)
         if problems:
-            raise CheckpointError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
-                                      "resume from an earlier step (spmdkit does so with --resume)."))
+            raise self._damaged(step, problems)
         try:
             saved = self.meta(step).get("leaves")
         except CheckpointError:
@@ -681,13 +729,49 @@ class Checkpointer:
         item = target
         for key in reversed(keys):
             item = {key: item}
+        files = read_manifest(self.directory, step)[0]["files"]
+        leaves = _read.plan(self.directory / step_name(step), item, files)
+        if leaves is not None:
+            state, meta = self._read_verified(step, item, leaves, files)
+        else:
+            state, meta = self._orbax_restore(step, item, bool(keys))
+        for key in keys:
+            state = state[key]
+        return state, meta
+
+    def _damaged(self, step: int, problems: list[str]) -> CheckpointError:
+        return CheckpointError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
+                                   "resume from an earlier step (spmdkit does so with --resume)."))
+
+    def _read_verified(self, step: int, item: Any, leaves: list[_read.Leaf], files: dict[str, Any]) -> tuple[Any, Any]:
+        """Orbax's uncompressed format read in one pass, each chunk file checked as it is read;
+        then the chunk files this process did not need (other processes' shards, leaves
+        outside a partial target), so every process finds the same damage."""
+        reader = _read.Reader(self.directory / step_name(step), files)
+        try:
+            arrays = reader.leaves(leaves)
+        except _read.Damaged as e:
+            raise self._damaged(step, [str(e)]) from None
+        finally:
+            reader.close()
+        problems = verify_step(self.directory, step, {"files": {n: w for n, w in files.items()
+                                                                if _read.is_chunk_file(n) and n not in reader.read}})
+        if problems:
+            raise self._damaged(step, problems)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(item), arrays), self.meta(step)
+
+    def _orbax_restore(self, step: int, item: Any, partial: bool) -> tuple[Any, Any]:
+        """Any other format (compressed, OCDBT, a cast): the array files verified, then Orbax reads."""
+        problems = self.problems(step)
+        if problems:
+            raise self._damaged(step, problems)
         try:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(
                         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                        partial_restore=bool(keys),
+                        partial_restore=partial,
                     ),
                     meta=ocp.args.JsonRestore(),
                 ),
@@ -697,10 +781,7 @@ class Checkpointer:
                 fix(f"checkpoint step {step} could not be read: {type(e).__name__}: {str(e)[:300]}",
                     "resume from an earlier step (spmdkit does so with --resume).")
             ) from None
-        state = restored["state"]
-        for key in keys:
-            state = state[key]
-        return state, restored["meta"]
+        return restored["state"], restored["meta"]
 
     def restore_latest(self, target: Any, members: int | None = None) -> tuple[Any, dict[str, Any]] | None:
         """The newest intact step restored onto ``target``, falling back past damaged ones (and saying which)."""
@@ -716,7 +797,7 @@ class Checkpointer:
                 "--checkpoint-dir (CheckpointConfig(directory=...) from Python)."))
         damaged: list[int] = []
         for step in reversed(steps):
-            problems = self.problems(step)
+            problems = self.problems(step, arrays=False)  # the array files: checked as restore() reads them
             if problems:
                 self.log(f"checkpoints: step {step} is damaged ({problems[0]}); falling back to an earlier step")
                 damaged.append(step)
