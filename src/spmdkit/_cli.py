@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--levers", metavar="LIST", help="multiprocess: also sweep these levers, comma-separated, or 'all' "
                    f"({', '.join(LEVERS)}; see BENCHMARKS.md)")
+    p.add_argument("--torch-python", metavar="PATH", help="multiprocess: run the PyTorch cases with this Python "
+                   "(an env with torch; default $SPMDKIT_TORCH_PYTHON, else this Python if it has torch)")
     return parser
 
 
@@ -357,7 +359,7 @@ def _run_suite(name: str, args: argparse.Namespace) -> dict:
     from spmdkit._bench import SUITES
 
     fn = SUITES[name]
-    options = {"quick": args.quick, "rounds": args.rounds, "levers": args.levers}
+    options = {"quick": args.quick, "rounds": args.rounds, "levers": args.levers, "torch_python": args.torch_python}
     accepted = inspect.signature(fn).parameters
     return fn(**{k: v for k, v in options.items() if k in accepted and (k == "quick" or v is not None)})
 
