@@ -211,6 +211,8 @@ def test_bench_levers_only_for_multiprocess():
     assert out.returncode == 2 and "--levers is an option of --suite multiprocess" in out.stdout
     out = run_cli("bench", "--suite", "multiprocess", "--levers", "bf16,warp", timeout=120)
     assert out.returncode == 2 and "unknown lever(s) ['warp']" in out.stdout and "Traceback" not in out.stderr
+    out = run_cli("bench", "--suite", "multiprocess", "--torch-python", "/no/such/python", timeout=120)
+    assert out.returncode == 2 and "--torch-python '/no/such/python'" in out.stdout and "Traceback" not in out.stderr
 
 
 def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):

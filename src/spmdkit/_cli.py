@@ -408,6 +408,17 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
             return 2
+    if args.torch_python:
+        from spmdkit._bench.multiprocess_suite import torch_interpreter
+
+        if args.suite not in (None, "multiprocess"):
+            console.print("[red]error:[/] --torch-python is an option of --suite multiprocess (or --all)")
+            return 2
+        try:
+            torch_interpreter(args.torch_python)
+        except ValueError as e:
+            console.print(f"[red]error:[/] {e}")
+            return 2
     names = sorted(SUITES) if args.all else [args.suite]
     failed = []
     for name in names:
