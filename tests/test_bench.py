@@ -114,6 +114,32 @@ def test_multiprocess_cases_without_torch_are_spmdkit_only():
     assert multiprocess_suite.check_levers("all") == list(multiprocess_suite.LEVERS)
 
 
+def test_pytorch_cases_run_with_the_torch_interpreter_and_jax_cases_with_this_one():
+    torch = ("/envs/torch/bin/python", {"PYTHONPATH": "/src"})
+    base = ["--model", "mlp"]
+    for label, (prefix, args) in multiprocess_suite._cases(quick=True, torch=True, levers=[]).items():
+        cmd, env = multiprocess_suite._command(prefix, args, base, torch)
+        launched = prefix is multiprocess_suite.LAUNCH
+        worker = len(prefix) if launched else 0
+        assert cmd[worker + 1 : worker + 3] == ["-m", "spmdkit._bench.mp_worker"] and cmd[-2:] == base
+        if label.startswith(("(c)", "(d)")):
+            assert cmd[worker] == "/envs/torch/bin/python" and env == torch[1], label
+        else:
+            assert cmd[worker] == sys.executable and env is None, label
+        # The launcher itself stays on this interpreter: it is spmdkit's own launch.
+        assert not launched or cmd[:worker] == multiprocess_suite.LAUNCH
+
+
+def test_torch_python_that_cannot_import_torch_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="--torch-python .*cannot"):
+        multiprocess_suite.torch_interpreter(str(tmp_path / "no-such-python"))
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named torch' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(ValueError, match="cannot import torch and spmdkit .*No module named torch"):
+        multiprocess_suite.torch_interpreter(str(fake))
+
+
 def test_targets_compare_against_the_fastest_pytorch_case():
     def case(times):
         return {"times": times, "median": float(np.median(times)), "flags": []}
@@ -185,6 +211,8 @@ def test_bench_levers_only_for_multiprocess():
     assert out.returncode == 2 and "--levers is an option of --suite multiprocess" in out.stdout
     out = run_cli("bench", "--suite", "multiprocess", "--levers", "bf16,warp", timeout=120)
     assert out.returncode == 2 and "unknown lever(s) ['warp']" in out.stdout and "Traceback" not in out.stderr
+    out = run_cli("bench", "--suite", "multiprocess", "--torch-python", "/no/such/python", timeout=120)
+    assert out.returncode == 2 and "--torch-python '/no/such/python'" in out.stdout and "Traceback" not in out.stderr
 
 
 def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):

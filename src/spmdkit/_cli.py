@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--levers", metavar="LIST", help="multiprocess: also sweep these levers, comma-separated, or 'all' "
                    f"({', '.join(LEVERS)}; see BENCHMARKS.md)")
+    p.add_argument("--torch-python", metavar="PATH", help="multiprocess: run the PyTorch cases with this Python "
+                   "(an env with torch; default $SPMDKIT_TORCH_PYTHON, else this Python if it has torch)")
     return parser
 
 
@@ -363,7 +365,7 @@ def _run_suite(name: str, args: argparse.Namespace) -> dict:
     from spmdkit._bench import SUITES
 
     fn = SUITES[name]
-    options = {"quick": args.quick, "rounds": args.rounds, "levers": args.levers}
+    options = {"quick": args.quick, "rounds": args.rounds, "levers": args.levers, "torch_python": args.torch_python}
     accepted = inspect.signature(fn).parameters
     return fn(**{k: v for k, v in options.items() if k in accepted and (k == "quick" or v is not None)})
 
@@ -409,6 +411,17 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
         try:
             check_levers(args.levers)
+        except ValueError as e:
+            console.print(f"[red]error:[/] {e}")
+            return 2
+    if args.torch_python:
+        from spmdkit._bench.multiprocess_suite import torch_interpreter
+
+        if args.suite not in (None, "multiprocess"):
+            console.print("[red]error:[/] --torch-python is an option of --suite multiprocess (or --all)")
+            return 2
+        try:
+            torch_interpreter(args.torch_python)
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
             return 2

@@ -13,6 +13,7 @@ hand-written here, so each can be measured before any becomes the strategy's def
   them, as DDP's buckets), so the reduction of the last layers can overlap the backward
   pass of the first;
 - ``--grad-dtype bf16|f16``: the buffers are reduced in that dtype (half the bytes);
+- ``--donate``: the strategy's step with ``donate=True`` (the new state reuses the old one's memory);
 - ``--accum K``: K micro-batches per step, their gradients summed before one reduction
   (the hand-written steps unroll the micro-batches; the strategy runs fit's step, a scan);
 - ``--threads T``: this process may use T cores (``os.sched_setaffinity``, process i
@@ -185,7 +186,7 @@ def run_jax(a: argparse.Namespace) -> list[float]:
         task = Task(name=a.model, init=init, loss_fn=loss_fn, train_data=host)
         strategy = DataParallel(impl=a.impl)
         state = strategy.init(task_state(task, opt), jax.random.key(0), unbox=True)
-        train = strategy.step(task_train_step(task, opt, a.accum))  # the step fit runs
+        train = strategy.step(task_train_step(task, opt, a.accum), donate=a.donate)  # the step fit runs
 
         def step():
             nonlocal state
@@ -264,6 +265,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--buckets", type=int, default=4)
     p.add_argument("--grad-dtype", choices=("f32", "bf16", "f16"), default="f32")
     p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--donate", action="store_true", help="the strategy's step with donate=True (the state's memory reused)")
     p.add_argument("--threads", type=int, default=0, help="cores for this process (0: all it has)")
     p.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS")
     p.add_argument("--cpu-collectives", default=None, help="jax_cpu_collectives_implementation")

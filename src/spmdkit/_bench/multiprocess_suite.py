@@ -13,7 +13,10 @@ DistributedDataParallel, gloo, 2 processes. PyTorch runs with its best settings 
 = cores / processes, or its default; ``torch.compile``): the targets compare against the
 fastest PyTorch case of the same run. ``levers=`` adds the levers of :data:`LEVERS`.
 PyTorch is an optional extra (``pip install -e '.[bench]'``, torch 2.13.0 CPU); without
-it the suite reports the spmdkit cases only, and says so.
+it the suite reports the spmdkit cases only, and says so. PyTorch may live in another
+interpreter than JAX (a wheel for an older Python): ``torch_python`` (``--torch-python PATH``
+or ``$SPMDKIT_TORCH_PYTHON``) runs the PyTorch cases there, with this spmdkit source first on
+its path, while the JAX cases run with the current interpreter and its JAX.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ LEVERS: dict[str, list[tuple[str, list[str], list[str]]]] = {
 
 
 def _cases(quick: bool, torch: bool, levers: list[str]) -> dict[str, tuple[list[str], list[str]]]:
-    """label -> (command prefix, worker arguments), for one model."""
+    """label -> (command prefix, worker arguments), for one model (``--framework torch``: run by the torch interpreter)."""
     cases = {
         "(a) spmdkit, 1 process": (WORKER, ["--framework", "jax"]),
         "(b) spmdkit, 2 processes, default": (LAUNCH, ["--framework", "jax"]),
@@ -79,7 +82,8 @@ def _cases(quick: bool, torch: bool, levers: list[str]) -> dict[str, tuple[list[
     return cases
 
 
-def _launcher(cmd: list[str], errors: dict[str, str], label: str, steps: dict[str, list[list[float]]]):
+def _launcher(cmd: list[str], errors: dict[str, str], label: str, steps: dict[str, list[list[float]]],
+              env: dict[str, str] | None = None):
     """A self-timed case: one launch, its mean step time, or None (stderr kept in ``errors``).
 
     Every launch's own per-step times go to ``steps[label]``, to see the spread inside a process.
@@ -87,7 +91,7 @@ def _launcher(cmd: list[str], errors: dict[str, str], label: str, steps: dict[st
 
     def case() -> float | None:
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         except subprocess.TimeoutExpired:
             errors[label] = "timed out after 900 s"
             return None
@@ -109,6 +113,37 @@ def _have_torch() -> bool:
     except ImportError:
         return False
     return True
+
+
+def torch_interpreter(torch_python: str | None = None) -> tuple[str, dict[str, str]] | None:
+    """The Python that runs the PyTorch cases and the environment it needs, or None without PyTorch.
+
+    ``torch_python`` (else ``$SPMDKIT_TORCH_PYTHON``) names another interpreter, e.g. an env
+    with a PyTorch wheel for an older Python; it gets this spmdkit's source first on
+    ``PYTHONPATH`` so both frameworks run the same worker. ValueError when that interpreter
+    cannot import torch and spmdkit.
+    """
+    path = torch_python or os.environ.get("SPMDKIT_TORCH_PYTHON")
+    if not path:
+        return (sys.executable, dict(os.environ)) if _have_torch() else None
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("spmdkit").__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    try:
+        probe = subprocess.run([path, "-c", "import torch, spmdkit._bench.mp_worker"], env=env,
+                               capture_output=True, text=True, timeout=300)
+    except OSError as e:
+        raise ValueError(f"--torch-python {path!r} (or $SPMDKIT_TORCH_PYTHON) cannot run: {e}") from e
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise ValueError(f"--torch-python {path!r} (or $SPMDKIT_TORCH_PYTHON) cannot import torch and spmdkit "
+                         f"({last}); give an interpreter with torch, numpy and spmdkit's dependencies installed")
+    return path, env
+
+
+def _versions(python: str, env: dict[str, str]) -> str:
+    code = "import sys, torch; print(f'PyTorch {torch.__version__}, Python {sys.version.split()[0]}')"
+    out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return out.stdout.strip() or "?"
 
 
 def check_levers(levers: str | None) -> list[str]:
@@ -141,19 +176,29 @@ def _model_targets(model: str, run: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def run(quick: bool = False, rounds: int | None = None, levers: str | None = None) -> dict[str, Any]:
+def _command(prefix: list[str], args: list[str], base: list[str], torch: tuple[str, dict[str, str]] | None):
+    """The case's command line and environment: PyTorch cases run the worker with the torch interpreter."""
+    worker, env = WORKER, None
+    if torch and "torch" in args and torch[0] != sys.executable:
+        worker, env = [torch[0], *WORKER[1:]], torch[1]
+    return (LAUNCH if prefix is LAUNCH else []) + worker + args + base, env
+
+
+def run(quick: bool = False, rounds: int | None = None, levers: str | None = None,
+        torch_python: str | None = None) -> dict[str, Any]:
     steps = 5 if quick else 40
     rounds = rounds or (2 if quick else 5)
-    torch = _have_torch()
+    torch = torch_interpreter(torch_python)
     chosen = check_levers(levers)
     models = ["mlp"] if quick else list(MODELS)
     rows, targets, runs, errors, step_times = [], [], {}, {}, {}
     for model in models:
         base = ["--model", model, "--steps", str(steps), "--batch", str(BATCH)]
         # A case's prefix is WORKER (one process) or LAUNCH (two): LAUNCH runs WORKER under it.
-        cases = {label: _launcher((LAUNCH if prefix is LAUNCH else []) + WORKER + args + base, errors,
-                                  f"{model}: {label}", step_times)
-                 for label, (prefix, args) in _cases(quick, torch, chosen).items()}
+        cases = {}
+        for label, (prefix, args) in _cases(quick, torch is not None, chosen).items():
+            cmd, env = _command(prefix, args, base, torch)
+            cases[label] = _launcher(cmd, errors, f"{model}: {label}", step_times, env)
         if not quick:
             first = next(iter(cases))
             cases[first]()  # one untimed launch: the OS's file caches
@@ -175,7 +220,9 @@ def run(quick: bool = False, rounds: int | None = None, levers: str | None = Non
         targets += _model_targets(model, run)
     notes = [f"global batch {BATCH}, SGD, {steps} timed steps after 5 warm-up steps in each launch, every step synced; "
              f"{os.cpu_count()} cores; each round launches every case once, in a rotating order"]
-    if not torch:
+    if torch:
+        notes.append(f"PyTorch cases: {_versions(*torch)} ({torch[0]}); JAX cases: {sys.executable}")
+    else:
         notes.append("PyTorch is not installed: spmdkit cases only, no targets "
                      "(pip install -e '.[bench]' for cases (c) and (d))")
     if quick:
