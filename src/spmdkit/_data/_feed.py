@@ -240,7 +240,11 @@ class PipelineFeed:
 
     def _read_first(self) -> Any:
         if self.indexable:
-            return self._check(self.source[0], 0)
+            first = self._check(self.source[0], 0)
+            last = self.steps_per_epoch - 1
+            if last > 0:  # a short last batch of an epoch (drop_remainder=False) found now, not epochs later
+                self._check(self.source[last], last)
+            return first
         self._it = iter(self.source)
         try:
             return self._check(next(self._it), 0)
