@@ -71,6 +71,9 @@ def test_first_batch_and_mid_run_errors_name_the_leaf(prefetch):
     renamed[1] = {"x": renamed[1]["x"], "target": renamed[1]["y"]}
     with pytest.raises(BatchError, match="batch 1 has structure"):
         _fit(renamed, prefetch=prefetch)
+    lists = [{"x": b["x"].tolist(), "y": b["y"].tolist()} for b in _batches()]
+    with pytest.raises(BatchError, match=r"(?s)batch\['x'\]\[0\] is a Python float, not an array.*np.asarray"):
+        _fit(lists, prefetch=prefetch)
 
 
 def test_pipeline_of_unknown_length_needs_steps():

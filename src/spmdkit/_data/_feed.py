@@ -199,6 +199,10 @@ class PipelineFeed:
         spec = []
         for path, x in leaves:
             where = f"{self.name} batch{jax.tree_util.keystr(path)}"
+            if isinstance(x, (int, float, complex, bool)) and path:  # a Python list is a pytree, not rows
+                raise BatchError(fix(f"{where} is a Python {type(x).__name__}, not an array: the batch holds "
+                                     "Python lists, whose every number JAX sees as a separate leaf.",
+                                     "yield NumPy arrays (np.asarray(rows)) for every leaf."))
             x = np.asarray(x) if not isinstance(x, jax.Array) else x
             if x.dtype.kind not in "biufc":
                 raise BatchError(fix(f"{where} has dtype {x.dtype}; JAX trains on numeric arrays.",
