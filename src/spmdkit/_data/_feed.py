@@ -321,7 +321,19 @@ class PipelineFeed:
     def batches(self, start: int) -> Iterator[tuple[int, Any]]:
         if start:
             self._pending, self._it = [], None
-        for k, (epoch, batch) in enumerate(self._raw(start), start):
+        raw = self._raw(start)
+        for k in itertools.count(start):
+            try:
+                epoch, batch = next(raw)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except Exception as e:  # the user's pipeline failed: a DataError, so fit still keeps what it trained
+                raise DataError(fix(
+                    f"{self.name} raised {type(e).__name__} reading batch {k}: {e}",
+                    "fix the pipeline; the steps before it are kept (summary, params and a last checkpoint), so "
+                    "the run resumes with --resume (CheckpointConfig(resume=True)).")) from e
             yield epoch, self._place(self._check(batch, k))
 
     def state(self, step: int) -> dict[str, Any]:
