@@ -77,6 +77,9 @@ def test_digits_from_data_alone_and_the_layout_errors(tmp_path, capsys):
     assert all(t in err for t in _said("--task digits --overwrite", "--eval-data"))
     with pytest.raises(spmdkit.DataError, match="pass .*train as train_data"):
         spmdkit.load_dataset(data)
+    (data / "train" / "manifest.json").unlink()  # the training split's write interrupted, too
+    assert main(["train", "--task", "digits", "--data", str(data), "--no-progress"]) == 2
+    assert _said(f"{data / 'train'} exists without its manifest.json: its write was interrupted")[0] in _err(capsys)
 
 
 def test_a_single_data_set_for_mnist_needs_an_eval_split_or_data_dir(tmp_path, capsys):
