@@ -332,8 +332,9 @@ class PipelineFeed:
             except Exception as e:  # the user's pipeline failed: a DataError, so fit still keeps what it trained
                 raise DataError(fix(
                     f"{self.name} raised {type(e).__name__} reading batch {k}: {e}",
-                    "fix the pipeline; the steps before it are kept (summary, params and a last checkpoint), so "
-                    "the run resumes with --resume (CheckpointConfig(resume=True)).")) from e
+                    "fix the pipeline, then resume with --resume (CheckpointConfig(resume=True)): a single process "
+                    "saves a last checkpoint, summary and params here; with several, the last periodic checkpoint "
+                    "is where the run resumes.")) from e
             yield epoch, self._place(self._check(batch, k))
 
     def state(self, step: int) -> dict[str, Any]:
