@@ -831,4 +831,5 @@ def _save_fix(cause: str) -> str:
     if any(word in cause.lower() for word in _PEER_GONE):
         return ("another process of the job stopped during the save (its connection closed): see its error; "
                 "then resume with --resume.")
-    return "free disk space or make the directory writable, then resume with --resume (or pass another --checkpoint-dir)."
+    return ("free disk space or make the directory writable, then resume with --resume "
+            "(or pass another --checkpoint-dir).")

@@ -118,7 +118,10 @@ def _check_task_reads(task: Task, train: Any, train_dir: Any, run: RunConfig) ->
     by name); otherwise its loss would fail at the first batch with a bare KeyError."""
     if task.train_data is None or is_pipeline(task.train_data):
         return
-    keys = lambda tree: sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])  # noqa: E731
+
+    def keys(tree: Any) -> list[str]:
+        return sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
     want, got = keys(task.train_data), keys(train)
     if want != got:
         named = ", ".join(k.strip("[]'") for k in want)
