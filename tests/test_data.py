@@ -71,6 +71,9 @@ def test_first_batch_and_mid_run_errors_name_the_leaf(prefetch):
     renamed[1] = {"x": renamed[1]["x"], "target": renamed[1]["y"]}
     with pytest.raises(BatchError, match="batch 1 has structure"):
         _fit(renamed, prefetch=prefetch)
+    lists = [{"x": b["x"].tolist(), "y": b["y"].tolist()} for b in _batches()]
+    with pytest.raises(BatchError, match=r"(?s)batch\['x'\]\[0\] is a Python float, not an array.*np.asarray"):
+        _fit(lists, prefetch=prefetch)
 
 
 def test_pipeline_of_unknown_length_needs_steps():
@@ -120,3 +123,29 @@ def test_resuming_a_run_from_other_data_is_refused_and_leaves_the_directory_usab
                    log=accepted.append)
     assert resumed.summary["resumed_from_step"] == 4
     assert any("resumed from step 4" in line for line in accepted), accepted
+
+
+def test_a_pipeline_that_raises_mid_run_keeps_what_was_trained_and_resumes(tmp_path):
+    good = _batches()
+
+    class Flaky:  # re-iterable; fails once at its 6th batch, as a reader on a flaky disk would
+        failed = False
+
+        def __iter__(self):
+            for k in range(len(good)):
+                if k == 1 and not Flaky.failed and getattr(self, "epoch", 0) == 1:
+                    Flaky.failed = True
+                    raise OSError("read timed out")
+                yield good[k]
+            self.epoch = getattr(self, "epoch", 0) + 1
+
+    ckpt = lambda resume: spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=100, resume=resume)  # noqa: E731
+    with pytest.raises(spmdkit.DataError, match="raised OSError reading batch 5: read timed out") as raised:
+        _fit(Flaky(), steps=8, out_dir=tmp_path / "out", checkpoint=ckpt(False))
+    assert isinstance(raised.value.__cause__, OSError)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 5 and (tmp_path / "out" / "params.npz").exists()
+    resumed = _fit(Flaky(), steps=8, checkpoint=ckpt(True))
+    assert resumed.summary["resumed_from_step"] == 5
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(resumed.params[k], _fit(good, steps=8).params[k])

@@ -68,6 +68,23 @@ def test_grain_eval_pipeline_equals_the_arrays(tmp_path):
     assert _mean(pipeline)["loss"] == pytest.approx(_mean(arrays)["loss"], rel=1e-6)
 
 
+def test_endless_grain_eval_pipelines_are_named_not_run_forever(tmp_path):
+    grain = pytest.importorskip("grain")
+    source = spmdkit.DatasetSource(spmdkit.write_dataset(tmp_path / "eval", program.eval_arrays()))
+    batches = grain.MapDataset.source(source).batch(16)
+    forever = grain.samplers.IndexSampler(len(source), num_epochs=None, shard_options=grain.sharding.NoSharding())
+    loader = grain.DataLoader(data_source=source, sampler=forever, operations=[grain.transforms.Batch(16)])
+    with pytest.raises(spmdkit.DataError, match="has no end .*RepeatMapDataset"):
+        program.task(batches.repeat().to_iter_dataset())
+    with pytest.raises(spmdkit.DataError, match="has no end .*num_epochs=None"):
+        program.task(loader)
+    once = grain.samplers.IndexSampler(len(source), num_epochs=1, shard_options=grain.sharding.NoSharding())
+    finite = [batches.repeat(2).to_iter_dataset(), batches.repeat()[:3].to_iter_dataset(),
+              grain.DataLoader(data_source=source, sampler=once, operations=[grain.transforms.Batch(16)])]
+    for pipeline in finite:  # accepted, and read to the end
+        assert _mean(program.task(pipeline).eval_data)["loss"] > 0
+
+
 def test_bad_eval_pipelines_are_named():
     arrays = program.eval_arrays()
     with pytest.raises(spmdkit.DataError, match="eval_data is a one-shot iterator"):

@@ -53,6 +53,12 @@ def test_bad_inputs_are_named(tmp_path):
         spmdkit.write_dataset(tmp_path / "a", {"x": np.ones(3), "y": np.ones(4)})
     with pytest.raises(spmdkit.DataError, match="dtype <U1"):
         spmdkit.write_dataset(tmp_path / "b", {"x": np.array(list("abc"))})
+    with pytest.raises(spmdkit.DataError, match="hold no examples"):  # refused when written, not when read
+        spmdkit.write_dataset(tmp_path / "c", {"x": np.zeros((0, 3), np.float32)})
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    import ml_dtypes  # a dependency of jax
+    with pytest.raises(spmdkit.DataError, match="no bfloat16: store float32"):
+        spmdkit.write_dataset(tmp_path / "d", {"x": np.ones((2, 2), ml_dtypes.bfloat16)})
     with pytest.raises(DatasetFileError, match="does not exist"):
         spmdkit.load_dataset(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()

@@ -204,3 +204,19 @@ def test_two_processes_killed_and_resumed_continue_each_iterator_from_its_saved_
                 # start and skipped, it would read all `total` batches and more.
                 assert int(got["reads"]) <= 8 * (total - resumed_from + 8) < 8 * total, (int(got["reads"]),
                                                                                           resumed_from)
+
+
+def test_a_short_last_batch_of_an_epoch_is_named_before_training_and_never_split_unevenly(tmp_path):
+    from spmdkit._data import BatchError
+
+    d = spmdkit.write_dataset(tmp_path / "ds", {"x": X[:40], "y": 3 * X[:40] + 1})  # 16, 16, then 8 rows
+    seen = []
+    counted = spmdkit.grain_batches(d, 16, drop_remainder=False).map(lambda b: (seen.append(1), b)[1])
+    with pytest.raises(BatchError, match=r"batch 2\['x'\] has shape \(8,\)"):
+        _fit(counted, steps=2)  # found when the run starts, not when its epoch ends
+    assert len(seen) == 2  # the first batch and the epoch's last: nothing was trained
+    halves = spmdkit.grain_batches(d, 16, drop_remainder=False, process_index=1, process_count=2)
+    assert halves[1]["x"].shape == (8,) and halves[2]["x"].shape == (4,)  # 8 rows split over 2
+    odd = spmdkit.write_dataset(tmp_path / "odd", {"x": X[:37], "y": X[:37]})  # last batch: 5 rows
+    with pytest.raises(spmdkit.ConfigError, match="batch 2 holds 5 rows .* do not split over 2 processes"):
+        spmdkit.grain_batches(odd, 16, drop_remainder=False, process_index=1, process_count=2)[2]

@@ -64,3 +64,12 @@ def test_processes_read_only_their_rows_and_checkpoints_move_between_topologies(
         for key in ("w1", "w2"):
             np.testing.assert_allclose(two_grain[key], four[key], rtol=0, atol=2e-6, err_msg=key)
             np.testing.assert_allclose(one_after_two_grain[key], whole[key], rtol=0, atol=2e-6, err_msg=key)
+
+
+def test_a_save_failed_by_a_dead_peer_does_not_blame_the_disk():
+    from spmdkit._checkpoint import _save_fix
+
+    gloo = ("ValueError: UNKNOWN: Gloo AllGather failed: [external/gloo/transport/tcp/pair.cc:547] "
+            "Connection closed by peer [127.0.0.1]:28047")
+    assert "another process of the job stopped" in _save_fix(gloo) and "disk" not in _save_fix(gloo)
+    assert "free disk space" in _save_fix("OSError: [Errno 28] No space left on device")

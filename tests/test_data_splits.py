@@ -77,6 +77,9 @@ def test_digits_from_data_alone_and_the_layout_errors(tmp_path, capsys):
     assert all(t in err for t in _said("--task digits --overwrite", "--eval-data"))
     with pytest.raises(spmdkit.DataError, match="pass .*train as train_data"):
         spmdkit.load_dataset(data)
+    (data / "train" / "manifest.json").unlink()  # the training split's write interrupted, too
+    assert main(["train", "--task", "digits", "--data", str(data), "--no-progress"]) == 2
+    assert _said(f"{data / 'train'} exists without its manifest.json: its write was interrupted")[0] in _err(capsys)
 
 
 def test_a_single_data_set_for_mnist_needs_an_eval_split_or_data_dir(tmp_path, capsys):
@@ -94,3 +97,15 @@ def test_a_single_data_set_for_mnist_needs_an_eval_split_or_data_dir(tmp_path, c
         build_task(build_run_config(resolve_options({"task": "mnist", "data": str(xy)})))
     assert main(["train", "--task", "mnist", "--data", str(tmp_path / "nowhere"), "--no-progress"]) == 2
     assert _said(f"--data {tmp_path / 'nowhere'} does not exist")[0] in _err(capsys)
+
+
+def test_a_data_set_of_other_leaves_than_the_task_reads_is_named_before_training(tmp_path, capsys):
+    digits_like = {"image": np.ones((4, 8, 8, 1), np.float32), "label": np.zeros(4, np.int32)}
+    both = write_splits(tmp_path / "both", digits_like, digits_like)
+    assert main(["train", "--task", "linreg", "--data", str(both), "--no-progress", "--steps", "1"]) == 2
+    err = _err(capsys)  # not "KeyError: 'x'" from the first step
+    assert all(t in err for t in _said(f"--data {both / 'train'} holds leaves ['image'], ['label']; --task linreg "
+                                       "reads ['x'], ['y']", "arrays named x, y"))
+    flat = spmdkit.write_dataset(tmp_path / "flat", {"x": np.ones((4, 1), np.float32)})
+    with pytest.raises(spmdkit.DataError, match=r"holds leaves \['x'\]; --task linreg reads \['x'\], \['y'\]"):
+        build_task(build_run_config(resolve_options({"task": "linreg", "data": str(flat)})))

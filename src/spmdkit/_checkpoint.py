@@ -572,11 +572,10 @@ class Checkpointer:
     def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
         _no_hang_at_exit(CheckpointSaveError.exit_code)
         intact = [s for s in self.steps() if s != step]
+        cause = _os_cause(e)
         return CheckpointSaveError(fix(
-            f"saving checkpoint step {step} in {self.directory} failed: {_os_cause(e)}. "
-            f"Earlier steps are intact: {intact or 'none'}.",
-            "free disk space or make the directory writable, then resume with --resume "
-            "(or pass another --checkpoint-dir)."))
+            f"saving checkpoint step {step} in {self.directory} failed: {cause}. "
+            f"Earlier steps are intact: {intact or 'none'}.", _save_fix(cause)))
 
     def _finish_pending(self) -> None:
         step, self._pending = self._pending, None
@@ -902,3 +901,16 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
             row["status"] += ", meta unreadable"
         rows.append(row)
     return rows
+
+
+_PEER_GONE = ("closed by peer", "connection reset", "gloo", "socket closed", "unavailable:")
+
+
+def _save_fix(cause: str) -> str:
+    """The fix for a failed save: a peer process that died mid-save (its collective
+    failed) is not a disk problem."""
+    if any(word in cause.lower() for word in _PEER_GONE):
+        return ("another process of the job stopped during the save (its connection closed): see its error; "
+                "then resume with --resume.")
+    return ("free disk space or make the directory writable, then resume with --resume "
+            "(or pass another --checkpoint-dir).")

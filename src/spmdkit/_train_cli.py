@@ -14,6 +14,7 @@ from rich.table import Table
 
 from spmdkit._config import RunConfig, build_run_config, check_keys, load_toml, strategy_options, task_options
 from spmdkit._data import is_pipeline, load_dataset
+from spmdkit._data._errors import DatasetLayoutError
 from spmdkit._data._splits import check_splits_match, data_splits, eval_split
 from spmdkit._errors import DataError, NonFiniteLossError, fix
 from spmdkit._launch import ENV_RESUME
@@ -96,8 +97,9 @@ def build_task(run: RunConfig) -> Task:
                     f"--eval-data {eval_dir}" if run.eval_data else f"the eval split {eval_dir}", run)
         if hasattr(module, "from_data") and not options:  # the model alone: the task's own files are not read
             return module.from_data(train, held_out)
-        return dataclasses.replace(get_task(run.task, data_dir=run.data_dir, **options), train_data=train,
-                                   eval_data=held_out)
+        task = get_task(run.task, data_dir=run.data_dir, **options)
+        _check_task_reads(task, train, train_dir, run)
+        return dataclasses.replace(task, train_data=train, eval_data=held_out)
     if getattr(module, "NEEDS_DATA_DIR", False) and run.data_dir is None:
         raise DataError(fix(
             f"--data {run.data} is a single data set (no eval split), and --task {run.task}'s own eval set needs "
@@ -105,9 +107,28 @@ def build_task(run: RunConfig) -> Task:
             f"write the data set with its held-out split: spmdkit data write {run.data} --task {run.task} "
             f"--data-dir RAW --overwrite (DIR/train and DIR/eval); or pass --eval-data DIR2, or --data-dir RAW."))
     task = get_task(run.task, data_dir=run.data_dir, **options)
+    _check_task_reads(task, train, train_dir, run)
     if task.eval_data is not None and not is_pipeline(task.eval_data):
         _check_eval(train, task.eval_data, f"the training set {train_dir}", f"--task {run.task}'s own eval set", run)
     return dataclasses.replace(task, train_data=train)
+
+
+def _check_task_reads(task: Task, train: Any, train_dir: Any, run: RunConfig) -> None:
+    """The data set holds the leaves the task's own training data hold (its model reads them
+    by name); otherwise its loss would fail at the first batch with a bare KeyError."""
+    if task.train_data is None or is_pipeline(task.train_data):
+        return
+
+    def keys(tree: Any) -> list[str]:
+        return sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+    want, got = keys(task.train_data), keys(train)
+    if want != got:
+        named = ", ".join(k.strip("[]'") for k in want)
+        raise DatasetLayoutError(fix(
+            f"--data {train_dir} holds leaves {', '.join(got)}; --task {run.task} reads {', '.join(want)}.",
+            f"write the data set with the task's leaves (spmdkit data write DIR --task {run.task}, or --npz with "
+            f"arrays named {named}), or train the task this data set was written for (--task)."))
 
 
 def _check_eval(train: Any, held_out: Any, train_name: str, eval_name: str, run: RunConfig) -> None:

@@ -55,7 +55,32 @@ def resolve_eval_data(data: Any, name: str = "eval_data") -> Any:
     if hasattr(data, "__len__") and len(data) >= sys.maxsize:
         raise DataError(fix(f"{name} has no end (its length is {len(data)}: repeated forever?); evaluation reads "
                             "the whole eval set.", "pass a finite pipeline (no .repeat()), or arrays."))
+    endless = _endless_grain(data)
+    if endless:
+        raise DataError(fix(f"{name} has no end ({endless}); evaluation reads the whole eval set, so it would "
+                            "never finish.",
+                            "pass a finite pipeline (no .repeat(); a sampler with num_epochs=1), or arrays."))
     return data
+
+
+def _endless_grain(data: Any, depth: int = 0) -> str | None:
+    """Why a Grain pipeline never ends (a loader whose sampler repeats forever, an
+    ``IterDataset`` over a ``.repeat()``ed dataset), or None. Grain's iterators have no
+    length, so without this an endless eval set runs forever instead of failing."""
+    if depth > 64 or not type(data).__module__.startswith("grain"):
+        return None
+    sampler = getattr(data, "_sampler", None)
+    if sampler is not None and hasattr(sampler, "_num_epochs") and sampler._num_epochs is None:
+        return f"its sampler {type(sampler).__name__} has num_epochs=None: it repeats forever"
+    if hasattr(data, "__len__"):  # a MapDataset: a finite length bounds it, whatever its parents
+        return f"{type(data).__name__} of length {len(data)}" if len(data) >= sys.maxsize else None
+    if any(word in type(data).__name__ for word in ("Limit", "Take", "Slice")):
+        return None  # cut to a finite number of elements
+    for parent in getattr(data, "parents", ()) or ():
+        why = _endless_grain(parent, depth + 1)
+        if why:
+            return f"{type(data).__name__} over a {why}" if depth == 0 and "over a" not in why else why
+    return None
 
 
 def eval_chunks(data: Any, batch_size: int, shards: int = 1, sharding_for: ShardingFor | None = None,

@@ -199,6 +199,10 @@ class PipelineFeed:
         spec = []
         for path, x in leaves:
             where = f"{self.name} batch{jax.tree_util.keystr(path)}"
+            if isinstance(x, (int, float, complex, bool)) and path:  # a Python list is a pytree, not rows
+                raise BatchError(fix(f"{where} is a Python {type(x).__name__}, not an array: the batch holds "
+                                     "Python lists, whose every number JAX sees as a separate leaf.",
+                                     "yield NumPy arrays (np.asarray(rows)) for every leaf."))
             x = np.asarray(x) if not isinstance(x, jax.Array) else x
             if x.dtype.kind not in "biufc":
                 raise BatchError(fix(f"{where} has dtype {x.dtype}; JAX trains on numeric arrays.",
@@ -240,7 +244,11 @@ class PipelineFeed:
 
     def _read_first(self) -> Any:
         if self.indexable:
-            return self._check(self.source[0], 0)
+            first = self._check(self.source[0], 0)
+            last = self.steps_per_epoch - 1
+            if last > 0:  # a short last batch of an epoch (drop_remainder=False) found now, not epochs later
+                self._check(self.source[last], last)
+            return first
         self._it = iter(self.source)
         try:
             return self._check(next(self._it), 0)
@@ -313,7 +321,20 @@ class PipelineFeed:
     def batches(self, start: int) -> Iterator[tuple[int, Any]]:
         if start:
             self._pending, self._it = [], None
-        for k, (epoch, batch) in enumerate(self._raw(start), start):
+        raw = self._raw(start)
+        for k in itertools.count(start):
+            try:
+                epoch, batch = next(raw)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except Exception as e:  # the user's pipeline failed: a DataError, so fit still keeps what it trained
+                raise DataError(fix(
+                    f"{self.name} raised {type(e).__name__} reading batch {k}: {e}",
+                    "fix the pipeline, then resume with --resume (CheckpointConfig(resume=True)): a single process "
+                    "saves a last checkpoint, summary and params here; with several, the last periodic checkpoint "
+                    "is where the run resumes.")) from e
             yield epoch, self._place(self._check(batch, k))
 
     def state(self, step: int) -> dict[str, Any]:

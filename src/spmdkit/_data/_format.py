@@ -98,10 +98,14 @@ def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, ov
     if None in counts.values() or len(set(counts.values())) != 1:
         raise DataError(fix(f"write_dataset: every array needs the same number of examples on axis 0; got {counts}.",
                             "pass arrays of equal length (scalars belong in the model, not the data)."))
+    if 0 in counts.values():  # refused now, not by every later read
+        raise DataError(fix(f"write_dataset: the arrays hold no examples ({counts}).", "pass at least one example."))
     for k, x in leaves:
         if np.dtype(x.dtype).kind not in _NUMERIC:
-            raise DataError(fix(f"write_dataset: {'/'.join(k)} has dtype {x.dtype}; a data set holds numbers.",
-                                "encode it as numbers first (token ids, one-hot floats)."))
+            extra = (" (.npy has no bfloat16: store float32, or a uint16 view with .view(np.uint16))"
+                     if np.dtype(x.dtype).name == "bfloat16" else "")
+            raise DataError(fix(f"write_dataset: {'/'.join(k)} has dtype {x.dtype}; a data set holds NumPy's numeric "
+                                f"dtypes{extra}.", "encode it as numbers first (token ids, one-hot floats)."))
     if directory.exists() and any(directory.iterdir()):
         if not overwrite:
             raise DataError(fix(f"{directory} exists and is not empty.",

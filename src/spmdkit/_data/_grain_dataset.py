@@ -13,6 +13,7 @@ except ImportError:  # Python 3.11 has no Grain; grain_batches then says how to 
 
 from spmdkit._data._feed import ArrayFeed
 from spmdkit._data._format import DatasetSource
+from spmdkit._errors import ConfigError, fix
 
 
 if grain is not None:
@@ -51,6 +52,11 @@ if grain is not None:
                 return self.slice(index)
             _, idx = self._order.indices(int(index))
             share = len(idx) // self.process_count
+            if len(idx) % self.process_count:  # never drop rows silently
+                raise ConfigError(fix(
+                    f"{self}: batch {index} holds {len(idx)} rows (the short last batch of an epoch, "
+                    f"drop_remainder=False), which do not split over {self.process_count} processes.",
+                    "pass drop_remainder=True, or a data set whose size leaves a last batch that splits."))
             return self.source.rows(idx[self.process_index * share:(self.process_index + 1) * share])
 
         def __str__(self) -> str:

@@ -70,6 +70,8 @@ def data_splits(data: str | os.PathLike, eval_data: str | os.PathLike | None = N
                                      "NAME), or the single data set."))
     if not flat and not split:
         what = "does not exist" if not d.exists() else f"holds neither {MANIFEST} nor {TRAIN}/{MANIFEST}"
+        if (d / TRAIN).is_dir():  # the training split's manifest is written last: its write was interrupted
+            what += f" ({d / TRAIN} exists without its {MANIFEST}: its write was interrupted, or it was removed)"
         raise DatasetFileError(fix(f"--data {d} {what}: it is not a data set directory.",
                                    f"write one: spmdkit data write {d} --task {task} (writes {d / TRAIN} and "
                                    f"{d / EVAL}), or spmdkit.write_dataset(dir, arrays)."))
