@@ -249,13 +249,8 @@ def _ratios(run: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     return targets, extra
 
 
-def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
-    size = SIZES[quick]
-    rounds = rounds or (2 if quick else 5)
-    python, torch_note = torch_python()
-    labels = cases(quick, python is not None)
-    errors: dict[str, str] = {}
-    step_times: dict[str, list] = {}
+def _measure(labels, python, size, errors, step_times):
+    """Start the workers, time their rounds, take the bits per byte; ``(run, before, after, counts, params, trained)``."""
     with tempfile.TemporaryDirectory(prefix="spmdkit-lm-bench-") as tmp:
         data, init, params = write_inputs(Path(tmp), size)
         workers: dict[str, Worker] = {}
@@ -263,7 +258,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
             workers, before, counts = _start(labels, python, size, data, init, params, errors)
             timed = {label: _timed_case(w, size["steps"], step_times) for label, w in workers.items()}
             # Warm-up: one run of every case (compilation); then the rounds.
-            run_ = measure(timed, rounds=rounds, warmup=1, self_timed=True)
+            run_ = measure(timed, rounds=size["rounds"], warmup=1, self_timed=True)
             after, trained = {}, None
             for label, w in workers.items():
                 reply = w.ask({"eval": True}, RUN_TIMEOUT)
@@ -272,27 +267,36 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         finally:
             for w in workers.values():
                 w.close()
-    tokens = size["batch"] * size["seq_len"]
+    return run_, before, after, counts, params, trained
+
+
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    size = dict(SIZES[quick], rounds=rounds or (2 if quick else 5))
+    python, torch_note = torch_python()
+    errors: dict[str, str] = {}
+    step_times: dict[str, list] = {}
+    run_, before, after, counts, params, trained = _measure(cases(quick, python is not None), python, size, errors,
+                                                            step_times)
     targets, extra = _ratios(run_)
     shape = {k: size[k] for k in ("layers", "d_model", "heads", "seq_len", "batch")}
+    peers = {label: n for label, n in counts.items() if not label.startswith("spmdkit")}
     notes = [
-        f"model {shape}: {params:,} parameters in spmdkit; "
-        + ", ".join(f"{label} {n:,}" for label, n in counts.items() if not label.startswith("spmdkit"))
-        + (" (equal)" if any(not label.startswith("spmdkit") for label in counts) else ""),
-        f"{size['steps']} steps per case per round, every step synced; {rounds} rounds after one warm-up run; "
-        f"{trained} training steps per case before the held-out bits per byte (bpb) is taken; AdamW lr "
-        f"{lm_worker.LR}; {os.cpu_count()} cores; {torch_note}",
+        f"model {shape}: {params:,} parameters in spmdkit"
+        + "".join(f", {n:,} in {label}" for label, n in peers.items()) + (" (equal)" if peers else ""),
+        f"{size['steps']} steps per case per round, every step synced; {size['rounds']} rounds after one warm-up run; "
+        f"{trained} training steps per case before the held-out bits per byte (bpb); AdamW lr {lm_worker.LR}; "
+        f"{os.cpu_count()} cores; {torch_note}",
         *[f"{e['name']} = {e['value']:.3f} [IQR {e['q1']:.3f}-{e['q3']:.3f}] (no target)"
           + (f" (flagged: {', '.join(e['flags'])})" if e["flags"] else "") for e in extra],
     ]
     if quick:
-        notes.append("quick: a tiny model, no torch.compile, 2 rounds; a smoke run, not figures")
+        notes.append("quick: a tiny model, no torch.compile, 2 rounds unless --rounds; a smoke run, not figures")
     report = {
         "suite": "lm",
         "machine": machine(),
         "columns": ["case", "tokens_per_s", "iqr_pct", "min_per_s", "max_per_s", "x_spmdkit_f32", "bpb_init", "bpb",
                     "flag"],
-        "rows": _rows(run_, tokens, before, after),
+        "rows": _rows(run_, size["batch"] * size["seq_len"], before, after),
         "targets": targets,
         "ratios": extra,
         "parameters": {"spmdkit": params, **counts},
