@@ -45,6 +45,17 @@ def test_a_torch_python_that_cannot_import_torch_is_named(monkeypatch, tmp_path)
     assert [framework for framework, _ in lm_suite.cases(quick=False, torch=False).values()] == ["jax"] * 3
 
 
+def test_the_target_compares_with_the_faster_pytorch_f32_case():
+    case = lambda times: {"times": times, "median": sorted(times)[len(times) // 2], "flags": []}  # noqa: E731
+    run = {"cases": {"spmdkit f32": case([1.0, 1.0, 1.0]), "spmdkit bf16": case([2.0, 2.0, 2.0]),
+                     "PyTorch f32, eager": case([2.0, 2.0, 2.0]), "PyTorch f32, torch.compile": case([0.5, 0.5, 0.5]),
+                     "PyTorch bf16 autocast, eager": case([0.25, 0.25, 0.25])}}
+    targets, extra = lm_suite._ratios(run)
+    (t,) = targets  # bf16 autocast is faster still, but not the same numerics: no target against it
+    assert "[PyTorch f32, torch.compile]" in t["name"] and t["value"] == pytest.approx(0.5) and not t["met"]
+    assert {e["name"]: e["value"] for e in extra}["spmdkit bf16 / spmdkit f32 (tokens/s)"] == pytest.approx(0.5)
+
+
 def test_workers_run_on_one_device():
     env = lm_suite.worker_env()
     assert "xla_force_host_platform_device_count" not in env["XLA_FLAGS"] and "SPMDKIT_HOST_DEVICES" not in env
