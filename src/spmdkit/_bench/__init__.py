@@ -10,6 +10,7 @@ from spmdkit._bench import (
     data_suite,
     ensemble_suite,
     input_suite,
+    lm_suite,
     multiprocess_suite,
     pmap_suite,
     sharded_suite,
@@ -28,4 +29,5 @@ SUITES: dict[str, Callable[..., dict[str, Any]]] = {
     "multiprocess": multiprocess_suite.run,
     "startup": startup_suite.run,
     "step": step_suite.run,
+    "lm": lm_suite.run,
 }

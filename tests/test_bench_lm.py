@@ -1,0 +1,88 @@
+"""`spmdkit bench --suite lm`: the PyTorch model is the lm task's model, and a smoke run.
+
+No test asserts a speed: the machine running the tests is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from spmdkit._bench import lm_suite, lm_worker
+from spmdkit._tasks.lm import LMConfig, lm_functions
+
+SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
+
+
+def test_pytorch_model_is_the_lm_task_model():
+    torch = pytest.importorskip("torch")
+    cfg = LMConfig(layers=2, d_model=32, heads=4, seq_len=16)
+    model, init, _ = lm_functions(cfg)
+    params = nn.unbox(init(jax.random.key(0)))
+    theirs = lm_worker.torch_lm(cfg.layers, cfg.d_model, cfg.heads, cfg.seq_len)
+    ours = sum(x.size for x in jax.tree.leaves(params))
+    assert sum(p.numel() for p in theirs.parameters()) == ours  # before loading: its own init, same count
+    lm_worker.load_flat_init(theirs, lm_worker.flatten_params(params), cfg.layers)
+    tokens = np.random.default_rng(0).integers(0, 256, (3, cfg.seq_len))
+    expected = np.asarray(model.apply({"params": params}, tokens))
+    with torch.no_grad():
+        got = theirs(torch.from_numpy(tokens)).numpy()
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=1e-4)  # same function, not only the same count
+
+
+def test_a_torch_python_that_cannot_import_torch_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv(lm_suite.TORCH_PYTHON_ENV, str(tmp_path / "no-python"))
+    python, why = lm_suite.torch_python()
+    assert python is None and lm_suite.TORCH_PYTHON_ENV in why and "no-python" in why
+    assert {framework for framework, _ in lm_suite.cases(quick=False, torch=False).values()} == {"jax"}
+
+
+def test_the_target_compares_with_the_faster_pytorch_f32_case():
+    case = lambda times: {"times": times, "median": sorted(times)[len(times) // 2], "flags": []}  # noqa: E731
+    run = {"cases": {"spmdkit f32": case([1.0, 1.0, 1.0]), "spmdkit bf16": case([2.0, 2.0, 2.0]),
+                     "PyTorch f32, eager": case([2.0, 2.0, 2.0]), "PyTorch f32, torch.compile": case([0.5, 0.5, 0.5]),
+                     "PyTorch bf16 autocast, eager": case([0.25, 0.25, 0.25])}}
+    targets, extra = lm_suite._ratios(run)
+    (t,) = targets  # bf16 autocast is faster still, but not the same numerics: no target against it
+    assert "[PyTorch f32, torch.compile]" in t["name"] and t["value"] == pytest.approx(0.5) and not t["met"]
+    assert {e["name"]: e["value"] for e in extra}["spmdkit bf16 / spmdkit f32 (tokens/s)"] == pytest.approx(0.5)
+
+
+def test_workers_run_on_one_device():
+    env = lm_suite.worker_env()
+    assert "xla_force_host_platform_device_count" not in env["XLA_FLAGS"] and "SPMDKIT_HOST_DEVICES" not in env
+
+
+def test_bench_lm_quick(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
+    out = subprocess.run([SPMDKIT, "bench", "--suite", "lm", "--quick", "--json", str(tmp_path / "lm.json")],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "lm.json").read_text())
+    rows = {r["case"]: r for r in report["rows"]}
+    assert {"spmdkit f32", "spmdkit bf16", "spmdkit f32, remat full"} <= set(rows)
+    assert report["errors"] == {}
+    init_bpb = rows["spmdkit f32"]["bpb_init"]
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["min_per_s"] <= r["tokens_per_s"] <= r["max_per_s"]
+        # The same initial parameters everywhere; a few steps of training lower the held-out bits per byte.
+        assert r["bpb_init"] == pytest.approx(init_bpb, abs=0.05) and r["bpb"] < r["bpb_init"]
+    assert [e["name"] for e in report["ratios"][:2]] == ["spmdkit bf16 / spmdkit f32 (tokens/s)",
+                                                         "spmdkit remat full / no remat (tokens/s)"]
+    assert all(len(c["times"]) == 2 for c in report["timings"]["lm"]["cases"].values())
+    if lm_suite.torch_python()[0] is None:  # the spmdkit part ran; the report says PyTorch is missing
+        assert report["targets"] == [] and any("PyTorch is not installed" in w or lm_suite.TORCH_PYTHON_ENV in w
+                                               for w in report["warnings"])
+        return
+    assert rows["PyTorch f32, eager"]["bpb"] == pytest.approx(rows["spmdkit f32"]["bpb"], abs=0.05)
+    assert set(report["parameters"].values()) == {report["parameters"]["spmdkit"]}
+    (t,) = report["targets"]
+    assert t["target"] == ">= 1.0" and t["value"] > 0 and isinstance(t["met"], bool)
