@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,23 @@ def test_load_meter_reads_the_machine():
     snap = _timing.idle_load(0.05)
     assert len(snap["loadavg"]) == 3
     assert snap["other_cpu"] is None or 0.0 <= snap["other_cpu"] <= 1.0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_running_worker_of_ours_is_not_counted_as_other_load():
+    # A suite's own worker (and its child) that keeps running is our work, not someone else's.
+    spin = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(30)"
+    code = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {spin!r}]).wait()"
+    worker = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        before = _timing._live_descendants_cpu()
+        time.sleep(1.5)
+        grown = _timing._live_descendants_cpu() - before
+        assert grown >= 0.4, grown  # the grandchild's spin, read while both still run
+    finally:
+        subprocess.run(["pkill", "-9", "-P", str(worker.pid)], check=False)  # the grandchild, before it is orphaned
+        worker.kill()
+        worker.wait(timeout=10)
 
 
 # ---- the multiprocess suite's cases and levers -------------------------------------

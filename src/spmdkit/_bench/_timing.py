@@ -51,10 +51,48 @@ def _proc_stat() -> tuple[float, float] | None:
     return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
 
 
+def _live_descendants_cpu() -> float:
+    """CPU seconds of this process's descendants that are still running (or not yet waited for).
+
+    A suite that keeps worker processes for the whole run (the lm suite, calibrate's and the
+    multiprocess suite's launches while they run) must not count their work as other people's
+    load; ``os.times`` only counts children once they have been waited for.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # after the command: state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based here
+        pid = int(name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = sum(float(v) for v in fields[11:15]) / tick
+    me, total = os.getpid(), 0.0
+    for pid in cpu:
+        p, seen = parent.get(pid), 0
+        while p is not None and p > 1 and seen < 64:
+            if p == me:
+                total += cpu[pid]
+                break
+            p, seen = parent.get(p), seen + 1
+    return total
+
+
 def _own_cpu() -> float:
-    """CPU seconds of this process and of its children that have been waited for."""
+    """CPU seconds of this process, of its children that have been waited for, and of its
+    descendants still running."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + _live_descendants_cpu()
 
 
 class LoadMeter:
