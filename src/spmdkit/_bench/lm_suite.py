@@ -42,10 +42,10 @@ import numpy as np
 
 from spmdkit._bench import lm_worker
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
+from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
 from spmdkit._tasks.lm import LMConfig, load_text, lm_functions, windows
 
-TORCH_PYTHON_ENV = "SPMDKIT_TORCH_PYTHON"
 # Model, batch and corpus sizes; a round (``steps`` steps of every case) takes seconds on 2 cores.
 # The held-out bits per byte is taken after ``eval_after`` training steps (the timed ones and
 # untimed ones after them): at lr 3e-3 the default model's loss spikes around step 15, where the
@@ -91,14 +91,11 @@ def torch_python() -> tuple[str | None, str]:
                           f"Install it (pip install -e '.[bench]') or name a Python that has it in {TORCH_PYTHON_ENV}")
         return sys.executable, f"torch {importlib.metadata.version('torch')} in {sys.executable}"
     try:
-        out = subprocess.run([named, "-c", "import numpy, torch; print(torch.__version__)"], capture_output=True,
-                             text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{TORCH_PYTHON_ENV}={named!r} cannot run: {e}; spmdkit cases only, no target"
-    if out.returncode:
-        why = (out.stderr.strip().splitlines() or ["?"])[-1]
-        return None, f"{TORCH_PYTHON_ENV}={named!r} cannot import torch and numpy ({why}); spmdkit cases only, no target"
-    return named, f"torch {out.stdout.strip()} in {named} ({TORCH_PYTHON_ENV})"
+        version = probe_python(named, "import numpy, torch; print(torch.__version__)")
+    except ProbeFailed as e:
+        what = f"cannot run: {e}" if e.cannot_run else f"cannot import torch and numpy ({e})"
+        return None, f"{TORCH_PYTHON_ENV}={named!r} {what}; spmdkit cases only, no target"
+    return named, f"torch {version} in {named} ({TORCH_PYTHON_ENV})"
 
 
 def worker_env() -> dict[str, str]:

@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
+from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
 
 WORKER = [sys.executable, "-m", "spmdkit._bench.mp_worker"]
@@ -123,27 +124,27 @@ def torch_interpreter(torch_python: str | None = None) -> tuple[str, dict[str, s
     ``PYTHONPATH`` so both frameworks run the same worker. ValueError when that interpreter
     cannot import torch and spmdkit.
     """
-    path = torch_python or os.environ.get("SPMDKIT_TORCH_PYTHON")
+    path = torch_python or os.environ.get(TORCH_PYTHON_ENV)
     if not path:
         return (sys.executable, dict(os.environ)) if _have_torch() else None
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("spmdkit").__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
     try:
-        probe = subprocess.run([path, "-c", "import torch, spmdkit._bench.mp_worker"], env=env,
-                               capture_output=True, text=True, timeout=300)
-    except OSError as e:
-        raise ValueError(f"--torch-python {path!r} (or $SPMDKIT_TORCH_PYTHON) cannot run: {e}") from e
-    if probe.returncode:
-        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
-        raise ValueError(f"--torch-python {path!r} (or $SPMDKIT_TORCH_PYTHON) cannot import torch and spmdkit "
-                         f"({last}); give an interpreter with torch, numpy and spmdkit's dependencies installed")
+        probe_python(path, "import torch, spmdkit._bench.mp_worker", env)
+    except ProbeFailed as e:
+        if e.cannot_run:
+            raise ValueError(f"--torch-python {path!r} (or ${TORCH_PYTHON_ENV}) cannot run: {e}") from e
+        raise ValueError(f"--torch-python {path!r} (or ${TORCH_PYTHON_ENV}) cannot import torch and spmdkit "
+                         f"({e}); give an interpreter with torch, numpy and spmdkit's dependencies installed") from e
     return path, env
 
 
 def _versions(python: str, env: dict[str, str]) -> str:
     code = "import sys, torch; print(f'PyTorch {torch.__version__}, Python {sys.version.split()[0]}')"
-    out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    return out.stdout.strip() or "?"
+    try:
+        return probe_python(python, code, env) or "?"
+    except ProbeFailed:
+        return "?"
 
 
 def check_levers(levers: str | None) -> list[str]:
