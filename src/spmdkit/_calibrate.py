@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit._errors import SpmdkitError, fix
+from spmdkit._target import measure_op_overhead, steps_and_wire  # the cost model shared with the planner
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -71,24 +72,6 @@ class CalibrationRunError(SpmdkitError, RuntimeError):
 
 
 # --- the cost model (target-schema.md) ------------------------------------------------
-
-
-def steps_and_wire(kind: str, n: int, nbytes: float) -> tuple[float, float]:
-    """``(s(n), w(n, B))`` of a ring algorithm: steps and bytes on the wire per device.
-
-    Example:
-        >>> steps_and_wire("all_reduce", 4, 1000.0)
-        (6, 1500.0)
-        >>> steps_and_wire("all_gather", 2, 1000.0)
-        (1, 500.0)
-    """
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n * nbytes
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return n - 1, (n - 1) / n * nbytes
-    if kind == "collective_permute":
-        return 1, nbytes
-    raise CalibrationError(fix(f"unknown collective kind {kind!r}.", f"use one of {KINDS + ('collective_permute',)}."))
 
 
 def predict(coeffs: dict[str, float], kind: str, nbytes: float, n: int) -> float:
@@ -493,7 +476,6 @@ def calibrate(
     compute = measure_compute(devs, quick=quick, rounds=rounds)
     warnings += compute["warnings"]
     # The fixed cost per operation dominates small CPU models; the planner adds it per op of a step.
-    from spmdkit._target import measure_op_overhead
     compute["op_overhead"] = measure_op_overhead(len(devs))
     if processes == 2:
         log("inter_host: starting 2 processes x 1 device")

@@ -112,20 +112,31 @@ class Target:
         return out
 
 
+def steps_and_wire(kind: str, n: int, nbytes: float) -> tuple[float, float]:
+    """``(s(n), w(n, B))`` of a ring algorithm: steps and bytes on the wire per device.
+
+    Example:
+        >>> steps_and_wire("all_reduce", 4, 1000.0)
+        (6, 1500.0)
+        >>> steps_and_wire("all_gather", 2, 1000.0)
+        (1, 500.0)
+    """
+    if kind not in KINDS:
+        raise TargetError(fix(f"collective kind {kind!r} is not known.", f"use one of {list(KINDS)}."))
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n * nbytes
+    if kind == "collective_permute":
+        return 1, nbytes
+    return n - 1, (n - 1) / n * nbytes
+
+
 def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str) -> float:
     """Seconds for one collective of ``kind`` over ``n`` devices with payload ``nbytes``
     (see the module docstring for which array's bytes), on ``link``."""
-    if kind not in KINDS:
-        raise TargetError(fix(f"collective kind {kind!r} is not known.", f"use one of {list(KINDS)}."))
+    steps, wire = steps_and_wire(kind, n, nbytes)
     if n <= 1:
         return 0.0
     ab = target.link(kind, link)
-    if kind == "all_reduce":
-        steps, wire = 2 * (n - 1), 2 * (n - 1) / n * nbytes
-    elif kind == "collective_permute":
-        steps, wire = 1, nbytes
-    else:
-        steps, wire = n - 1, (n - 1) / n * nbytes
     return steps * ab.alpha + wire * ab.beta
 
 
@@ -265,9 +276,8 @@ def measure_collective(kind: str, n: int, loops: int = 20) -> Link | None:
     for per_device in sizes:
         x = jax.device_put(jnp.ones((n * per_device,), jnp.float32), NamedSharding(mesh, P("link")))
         seconds.append(_best_seconds(lambda: program(x), repeats=3) / loops)
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
-    wire = share * 4 * (sizes[1] - sizes[0])  # B: the reduced array, the gathered output, the scattered input
+    # B: the reduced array, the gathered output, the scattered input
+    steps, wire = steps_and_wire(kind, n, 4 * (sizes[1] - sizes[0]))
     return Link(alpha=seconds[0] / steps, beta=max(seconds[1] - seconds[0], 0.0) / wire)
 
 
@@ -322,4 +332,4 @@ def cpu_target(devices: int = 1) -> Target:
 
 
 __all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
-           "load_target", "measure_collective", "measure_cpu", "measure_op_overhead"]
+           "load_target", "measure_collective", "measure_cpu", "measure_op_overhead", "steps_and_wire"]
