@@ -80,8 +80,7 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
 def _lm(args: argparse.Namespace, batch_size: int):
     import optax
 
-    from spmdkit._plan._memory import lm_activation_bytes
-    from spmdkit._plan._candidates import rules_table
+    from spmdkit._plan._memory import lm_activations
     from spmdkit._tasks import lm
     from spmdkit._train._steps import task_state, task_train_step
 
@@ -96,28 +95,24 @@ def _lm(args: argparse.Namespace, batch_size: int):
         _, init, loss_fn = lm.lm_functions(lm.LMConfig(**sizes, remat=remat))
         return task_train_step(dataclasses.replace(task, init=init, loss_fn=loss_fn), optimizer, accum)
 
-    def activations(cand, batch_shards: int, mesh_size: int) -> int:
-        table = rules_table(cand.rules).mapping
-        model = dict(cand.mesh).get("model", 1)
-        split = model if any(table.get(n) == "model" for n in ("heads", "length")) else 1
-        return lm_activation_bytes(lm.LMConfig(**sizes, remat=cand.remat), batch_size // cand.accum // batch_shards,
-                                   cand.remat, split)
-
+    activations = lm_activations(cfg, batch_size)
     remat = args.remat_options or ((args.remat,) if args.remat else ("none",))
     dtype = "bfloat16" if cfg.precision == "bf16" else "float32"
     return task, task_state(task, optimizer), step_for, activations, remat, dtype
 
 
-def _mlp(args: argparse.Namespace):
+def _mlp(args: argparse.Namespace, batch_size: int):
     import optax
 
+    from spmdkit._plan._memory import mlp_activations
     from spmdkit._tasks import mlp
     from spmdkit._train._steps import task_state, task_train_step
 
     sizes = {k: getattr(args, k) for k in ("layers", "depth", "embed") if getattr(args, k)}
     task = mlp.make(**sizes, num_train=512, num_eval=64)
     optimizer = optax.adam(mlp.DEFAULTS["lr"])
-    return task, task_state(task, optimizer), (lambda remat, accum: task_train_step(task, optimizer, accum)), None
+    return (task, task_state(task, optimizer), (lambda remat, accum: task_train_step(task, optimizer, accum)),
+            mlp_activations(batch_size, **sizes))
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -135,7 +130,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     else:
         if args.remat_options and tuple(args.remat_options) != ("none",):
             raise ConfigError(fix("--remat-options is an option of --task lm.", "drop it for --task mlp."))
-        task, make_state, step_for, activations = _mlp(args)
+        task, make_state, step_for, activations = _mlp(args, batch_size)
         remat, dtype = ("none",), "float32"
     rows = jax.tree.leaves(task.train_data)[0].shape[0]
     if rows < batch_size:

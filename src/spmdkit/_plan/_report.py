@@ -90,7 +90,7 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
     console.print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all, CP collective "
                   "permute; :axes x count per step", highlight=False)
     for col in ("#", "candidate", "step ms", "compute ms", "comm ms", "MiB/device",
-                "analytic/compiled", "collectives", "flags"):
+                "analytic/compiled", "margin", "collectives", "flags"):
         table.add_column(col, justify="left" if col in ("candidate", "collectives", "flags") else "right")
     for r in plan["candidates"]:
         if r["status"] == "pruned":
@@ -103,7 +103,8 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         kinds = ", ".join(f"{_SHORT[k]}:{a} x{int(v['count'])}" for (k, a), v in sorted(_by_kind(r).items()))
         table.add_row(str(r.get("rank", "-")), escape(r["label"]), f"{_ms(r['step_s_overlapped'])}-{_ms(r['step_s_serial'])}",
                       _ms(r["compute_s"]), _ms(r["comm_s"]), _mib(mem["per_device"]),
-                      f"{_mib(mem['analytic']['total'])}/{_mib(mem['compiled']['total'])}", kinds or "none",
+                      f"{_mib(mem['analytic']['total'])}/{_mib(mem['compiled']['total'])}",
+                      "n/a" if mem["margin"] is None else f"{mem['margin']:+.1%}", kinds or "none",
                       "; ".join(flags))
     console.print(table)
     pruned = [r for r in plan["candidates"] if r["status"] != "ok"]
@@ -121,6 +122,9 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
                       highlight=False, markup=False)
     console.print("memory per device: the larger of the analytic count and the compiled figure; XLA:CPU never "
                   "fails for lack of memory, so neither is an out-of-memory verdict here.", highlight=False)
+    counted = sorted({r["memory"]["analytic"].get("counted") for r in plan["candidates"] if "memory" in r} - {None})
+    if counted:
+        console.print(f"analytic count: {'; '.join(counted)}; margin = analytic / compiled - 1", highlight=False)
     for line in explain(plan):
         console.print(line, highlight=False, markup=False)
     if "measured" in plan:
@@ -194,7 +198,8 @@ def measure(plan: dict[str, Any], k: int,
         out.append({"label": r["label"], "rank": r["rank"], "predicted_s": r["step_s"],
                     "predicted_range_s": [r["step_s_overlapped"], r["step_s_serial"]],
                     "measured_s": statistics.median(t), "measured_spread_s": [min(t), max(t)], "steps": len(t),
-                    "predicted_memory": r["memory"]["per_device"], "measured_memory": memory,
+                    "predicted_memory": r["memory"]["analytic"]["total"], "per_device_memory": r["memory"]["per_device"],
+                    "measured_memory": memory,
                     "measured_memory_source": source})
     fastest = min(out, key=lambda m: m["measured_s"]) if out else None
     return {"runs": out, "rounds": rounds, "spearman": spearman([m["predicted_s"] for m in out], [m["measured_s"] for m in out]),
@@ -204,7 +209,7 @@ def measure(plan: dict[str, Any], k: int,
 
 def print_measured(measured: dict[str, Any], console: Console) -> None:
     table = Table(title="predicted vs measured (simulated devices: they share this machine's cores)")
-    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted MiB", "measured MiB"):
+    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted MiB (analytic)", "measured MiB"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for m in measured["runs"]:
         table.add_row(str(m["rank"]), escape(m["label"]), _ms(m["predicted_s"]),

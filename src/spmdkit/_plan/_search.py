@@ -118,7 +118,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     accessed = float(cost.get("bytes accessed", 0.0)) + program.extra_bytes
     comms = collective_costs(program, target, devices_per_host)
     act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
-    analytic = analytic_bytes(layout, batch, strategy.batch_shards, act)
+    analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
     measured = compiled_bytes(compiled)
     memory = max(analytic["total"], measured["total"])
     row.update({

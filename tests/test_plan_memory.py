@@ -1,0 +1,69 @@
+"""The planner's analytic memory count (spmdkit._plan._memory) against the compiled figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spmdkit._cli import main
+from spmdkit._plan._candidates import rules_table
+from spmdkit._plan._memory import Kept, gathered_bytes, kept_bytes, pieces
+
+# Every rules preset the planner tries by default, on 8 devices.
+ALL_RULES = "dp,fsdp,tp,dp+tp,fsdp+tp,fsdp+sp,hsdp+tp"
+
+
+def _plan(tmp_path, capsys, *flags: str) -> tuple[dict, str]:
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--devices", "8", "--rules", ALL_RULES, "--target", "h100x8", "--grad-accum", "1,2",
+                 "--json", str(out), *flags])
+    assert code == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def _check_margins(plan: dict, rules: set[str]) -> None:
+    ok = [r for r in plan["candidates"] if r["status"] == "ok"]
+    assert {r["rules"] for r in ok} == rules and {r["accum"] for r in ok} == {1, 2}
+    for r in ok:
+        mem = r["memory"]
+        analytic, compiled = mem["analytic"]["total"], mem["compiled"]["total"]
+        assert mem["margin"] == pytest.approx(analytic / compiled - 1)
+        assert mem["per_device"] == max(analytic, compiled)  # the budget uses the larger
+        assert mem["analytic"]["activations"] == sum(mem["analytic"]["activation_parts"].values()) > 0
+    off = {r["label"]: f"{r['memory']['margin']:+.3f}" for r in ok if abs(r["memory"]["margin"]) > 0.10}
+    assert not off, f"analytic count more than 10% off the compiled figure: {off}"
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_lm_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys, remat):
+    plan, printed = _plan(tmp_path, capsys, "--task", "lm", "--layers", "2", "--d-model", "32", "--heads", "8",
+                          "--seq-len", "32", "--batch-size", "16", "--remat-options", remat)
+    assert {r["remat"] for r in plan["candidates"]} == {remat}
+    _check_margins(plan, set(ALL_RULES.split(",")))
+    assert "margin" in printed and "analytic count: state in and out, gradients, batch share and the model's" in printed
+
+
+def test_mlp_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys):
+    plan, _ = _plan(tmp_path, capsys, "--task", "mlp", "--layers", "2", "--depth", "256", "--embed", "64",
+                    "--batch-size", "32")
+    _check_margins(plan, set(ALL_RULES.split(",")) - {"fsdp+sp"})  # the mlp has no sequence to split
+
+
+def test_pieces_follow_the_rules_in_order_as_flax_does():
+    mesh = {"data": 2, "fsdp": 2, "model": 2, "sequence": 1}
+    residual = ("batch", "length", "embed")
+    # FSDP maps batch and embed both to "data": batch, the earlier rule, takes it.
+    assert pieces(residual, rules_table("fsdp").table, {"data": 8}) == 8
+    assert pieces(residual, rules_table("fsdp+sp").table, {"data": 2, "model": 4}) == 8  # batch and length
+    assert pieces(residual, rules_table("tp").table, {"model": 8}) == 1  # tensor parallel: the stream is whole
+    assert pieces(("batch", "length", "heads", "kv"), rules_table("hsdp+tp").table, mesh) == 8
+    rows = kept_bytes([Kept(residual, 10, 4, count=3)], 16, rules_table("dp").table, {"data": 8})
+    assert rows == 3 * 16 * 10 * 4 // 8
+
+
+def test_gathered_parameters_are_whole_over_batch_axes_only():
+    w = [(("embed", "mlp"), 4096)]
+    assert gathered_bytes(w, rules_table("fsdp").table, {"data": 8}) == 4096  # FSDP gathers the whole matrix
+    assert gathered_bytes(w, rules_table("fsdp+tp").table, {"data": 2, "model": 4}) == 1024  # still split over model
+    assert gathered_bytes(w, rules_table("tp").table, {"model": 8}) == 512
