@@ -161,6 +161,7 @@ def test_plan_memory_within_10_percent_of_compiled_and_over_budget_excluded(user
             mem = r["memory"]
             assert mem["per_device"] == max(mem["analytic"]["total"], mem["compiled"]["total"])
             assert abs(mem["per_device"] / mem["compiled"]["total"] - 1) <= 0.10, r["label"]
+            assert mem["analytic"]["activations"] is None and "no activations" in mem["analytic"]["counted"]
     over = [r for r in user_plan["candidates"] if r["status"] == "over_budget"]
     assert over, "the 100 kB budget excludes the replicated layouts"
     for r in over:
