@@ -1,14 +1,16 @@
 """Per-device memory of a train step, counted from the layout (and the model, when known).
 
 The analytic count follows what the compiled step holds on one device (it does not donate
-its state): the state passed in and the new state returned; the gradients; the batch's
-share; and, for a model spmdkit built (``lm``, ``mlp``), what its forward and backward
-passes keep: the activations saved for the backward pass under the remat policy, the
-logits and their gradient, the working set of one layer's backward pass, and the
-parameters that data-sharded layouts gather whole for one layer at a time. Each array
+its state): the state passed in and the new state returned, into whose buffers the fused
+optimizer update writes the gradients; the batch's share; and, for a model spmdkit built
+(``lm``, ``mlp``), what its forward and backward passes keep: the activations saved for
+the backward pass under the remat policy, the logits and their gradient, the working set
+of one layer's backward pass, the parameters that data-sharded layouts gather whole for one
+layer at a time, and an accumulating step's gradients of one micro-batch. Each array
 the model keeps is counted through its logical names, so the rules and the mesh decide
 its per-device share as they decide the program's layout. For a step spmdkit did not
-build, the count is the state in and out, the gradients and the batch only.
+build, the count is the state in and out and the batch (and, when it accumulates, one
+micro-batch's gradients of every parameter); its activations are not known.
 
 The compiled program's own figure (``memory_analysis``: arguments + outputs + temporaries
 - aliased) is the other estimate; the plan reports both, the margin between them, and
@@ -68,8 +70,9 @@ def analytic_bytes(layout: Any, batch: Any, batch_shards: int, activations: int 
         "batch": batch_bytes(batch) // max(batch_shards, 1), "activations": act, "activation_parts": parts,
         "counted": ("state in and out, batch share, and the model's activations, logits, gathered parameters "
                     "and micro-batch gradients" if act is not None else
-                    "state in and out (the gradients written into it), batch share, micro-batch gradients; no "
-                    "activations (a step spmdkit did not build)"),
+                    "state in and out (the gradients are written into it), batch share"
+                    + (", one micro-batch's gradients" if accum > 1 else "")
+                    + "; no activations (a step spmdkit did not build)"),
     }
     out["total"] = 2 * state + out["gradients"] + out["batch"] + (act or 0)
     return out

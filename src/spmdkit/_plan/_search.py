@@ -81,7 +81,7 @@ def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, 
 
 def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch: Any, target: Target,
              budget: float | None, devices_per_host: int, dtype: str, rng: Any,
-             leaves: list[tuple], activations: Callable[[Candidate, int, int], int] | None,
+             leaves: list[tuple], activations: Callable[[Candidate, int, int], Any] | None,
              state_axes: Any = None) -> dict[str, Any]:
     """One candidate compiled (never run) and priced; ``status`` ok, pruned or over_budget."""
     rules = rules_table(cand.rules)
@@ -137,7 +137,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
          processes: int = 1, dtype: str = "float32", rng: Any = 0,
-         activations: Callable[[Candidate, int, int], int] | None = None, state_axes: Any = None,
+         activations: Callable[[Candidate, int, int], Any] | None = None, state_axes: Any = None,
          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every layout of ``make_state``'s state and ``train_step`` on this process's devices,
     compiled ahead of time and priced against ``target``; nothing runs.
