@@ -239,7 +239,8 @@ def mlp_activations(batch_size: int, **sizes: int) -> Callable[[Any, int, int], 
 
     from spmdkit._tasks import mlp
 
-    given = {k: p.default for k, p in inspect.signature(mlp.make).parameters.items() if k in ("layers", "depth", "embed")}
+    given = {k: p.default for k, p in inspect.signature(mlp.make).parameters.items()
+             if k in ("layers", "depth", "embed")}
     given.update(sizes)
     return _for_candidates(lambda rows, remat, accum, table, mesh: mlp_memory(
         given["layers"], given["depth"], given["embed"], rows, accum, table, mesh), batch_size)
