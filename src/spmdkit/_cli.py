@@ -371,7 +371,7 @@ def _run_suite(name: str, args: argparse.Namespace) -> dict:
 
 
 def _compare_bench(dirs: list[str], console: Console) -> int:
-    """Exit 0 when two runs agree on every target they share, 1 when one differs, 2 on bad input."""
+    """Exit 0 when two runs agree on every comparable target they share, 1 when one differs, 2 on bad input."""
     import glob
     import os
 
@@ -390,9 +390,13 @@ def _compare_bench(dirs: list[str], console: Console) -> int:
         table.add_column(col, justify="left" if col in ("suite", "target") else "right")
     for r in rows:
         table.add_row(r["suite"], Text(r["target"]), f"{r['first']:.3f}", f"{r['second']:.3f}", f"{r['diff']:.1%}",
-                      "yes" if r["agree"] else "[red]NO[/]")
+                      {True: "yes", False: "[red]NO[/]", None: "n/a"}[r["agree"]])
     console.print(table)
-    return 0 if rows and all(r["agree"] for r in rows) else 1
+    for r in rows:
+        if r["note"]:
+            console.print(f"{r['suite']}: {r['target']}: {r['note']}", highlight=False, markup=False)
+    judged = [r for r in rows if r["agree"] is not None]
+    return 0 if judged and all(r["agree"] for r in judged) else 1
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
