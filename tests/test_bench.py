@@ -327,7 +327,8 @@ def test_bench_compare_best_of_different_case_sets_is_not_comparable():
     from spmdkit._bench.report import compare
 
     def run(cases, best, value):
-        return {"multiprocess": {"rows": [["MLP", c, 1.0] for c in cases],
+        return {"multiprocess": {"columns": ["model", "case", "samples_per_s", "flag"],
+                                 "rows": [{"model": "MLP", "case": c, "samples_per_s": 1.0, "flag": "spread" if value > 1 else ""} for c in cases],
                                  "targets": [{"name": f"mlp: best (b) [{best}] / (d)", "value": value},
                                              {"name": "mlp: (b) default / (d)", "value": 0.9}]}}
 
@@ -337,5 +338,5 @@ def test_bench_compare_best_of_different_case_sets_is_not_comparable():
     assert rows["mlp: best (b)"]["agree"] is None and "different cases" in rows["mlp: best (b)"]["note"]
     assert rows["mlp: (b) default / (d)"]["agree"] is True  # the same cases on both sides: judged
     # The same case set with another winner is still a comparison of the same thing.
-    other = run(["default", "hand"], "default", 1.5)
+    other = run(["default", "hand"], "default", 1.5)  # flags differ too: they are not cases
     assert compare(plain, other)[0]["agree"] is False

@@ -120,8 +120,13 @@ def _target_key(name: str) -> str:
 
 
 def _cases(report: dict[str, Any]) -> set[tuple[str, ...]]:
-    """The cases a suite measured: the text cells of its table's rows."""
-    return {tuple(str(v) for v in row if isinstance(v, str)) for row in report.get("rows", [])}
+    """The cases a suite measured: the text cells of its table's rows (not their flags)."""
+    columns = report.get("columns", [])
+    out = set()
+    for row in report.get("rows", []):
+        cells = row.items() if isinstance(row, dict) else zip(columns or range(len(row)), row)
+        out.add(tuple(v for k, v in cells if isinstance(v, str) and k != "flag"))
+    return out
 
 
 def compare(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
