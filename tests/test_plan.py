@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import flax.linen as nn
 import jax
@@ -207,3 +208,99 @@ def test_cli_plan_bad_target_names_the_fix(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "nope.json" in err and "h100x8" in err
+
+
+# ---------------------------------------------------------------- several processes
+def test_processes_argument_checked_against_the_processes_running():
+    from spmdkit._plan._processes import check_processes
+
+    assert check_processes(None, 2, running=2) == 2  # taken from jax.process_count()
+    assert check_processes(2, 0, running=1) == 2  # priced as 2 hosts, nothing run
+    with pytest.raises(spmdkit.ConfigError, match=r"processes=3\), but this is one of 2 processes") as e:
+        check_processes(3, 0, running=2)
+    assert "pass processes=2" in str(e.value) and isinstance(e.value, ValueError)
+    make_state, train_step, batch = _user_program()
+    with pytest.raises(spmdkit.ConfigError, match=r"processes=2, measure=1\) in a single process") as e:
+        spmdkit.plan(make_state, train_step, batch, rules=("dp",), target="h100x8", processes=2, measure=1)
+    assert "spmdkit launch -n 2" in str(e.value) and "measure=0" in str(e.value)
+
+
+def test_cli_plan_processes_errors_name_the_flags(capsys):
+    base = ["plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--rules", "dp", "--target", "h100x8"]
+    assert main([*base, "--devices", "8", "--processes", "3", "--measure", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices 8" in err and "--processes 3" in err and "Fix" in err
+    assert main([*base, "--devices", "8", "--measure", "-1"]) == 2
+    assert "--measure -1" in capsys.readouterr().err
+
+
+def test_cli_plan_measures_over_two_processes(tmp_path):
+    """One command starts 2 processes x 4 devices, runs the 2 best candidates in both, and
+    process 0 writes the plan: collectives over the axis that spans the processes are inter_host."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
+               "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
+               "--measure", "2", "--measure-steps", "1", "--measure-rounds", "1", "--measure-timeout", "200",
+               "--json", str(out)]
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the command and the launcher; the workers die with it
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("predicted vs measured (2 processes") == 1, stdout  # process 0 alone prints
+    plan = json.loads(out.read_text())
+    assert (plan["processes"], plan["devices"], plan["devices_per_host"]) == (2, 8, 4)
+    runs = plan["measured"]["runs"]
+    assert [m["rank"] for m in runs] == [1, 2] and plan["measured"]["processes"] == 2
+    assert all(np.isfinite(m["measured_s"]) and m["measured_s"] > 0 and m["steps"] == 1 for m in runs)
+    ok = [r for r in plan["candidates"] if r["status"] == "ok"]
+    assert {r["label"] for r in ok} == {"dp [data=8]", "dp+tp [data=2,model=4]", "dp+tp [data=4,model=2]"}
+    # "data" is every mesh's outer axis: its groups take devices of both processes, "model"'s one process's.
+    links = [(tuple(c["axes"]), c["link"]) for r in ok for c in r["collectives"]]
+    assert links and all(link == ("inter_host" if "data" in axes else "intra_host") for axes, link in links), links
+    assert {link for _, link in links} == {"inter_host", "intra_host"}
+
+
+def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path):
+    """A process's error (bad input) is the command's; past --measure-timeout every process is killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    base = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed",
+            "8", "--batch-size", "16", "--rules", "dp", "--devices", "8", "--processes", "2", "--measure", "1"]
+    for extra, code, words in ((["--target", "nope.json"], 2, "'nope.json' is neither a file"),
+                               (["--measure-timeout", "2"], 4, "did not finish in 2 s; killed")):
+        proc = subprocess.Popen([*base, *extra], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == code and words in " ".join(stderr.split()), stderr[-2000:]
+        assert "Traceback" not in stderr
+    time.sleep(1)  # SIGKILL is delivered at once; the kernel may take a moment to reap
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == str(tmp_path)]
+    assert not left, f"processes left running in {tmp_path}: {left}"
+
+
+def _cwd(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -301,7 +302,10 @@ def _setup_devices(args: argparse.Namespace) -> None:
         from spmdkit._config import load_toml
 
         n = load_toml(args.config).get("host_devices")
-    n = n or getattr(args, "devices", None) or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
+    # plan's --devices counts every process's devices: under spmdkit launch each simulates its share.
+    under_launch = bool(os.environ.get("SPMDKIT_COORDINATOR")) and host_devices_from_env() is not None
+    n = (n or (None if under_launch else getattr(args, "devices", None)) or host_devices_from_env()
+         or _DEFAULT_DEVICES.get(args.command))
     if args.command == "launch":
         return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
@@ -601,6 +605,8 @@ _COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``spmdkit`` console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "plan":  # plan --processes P --measure K starts itself again in P processes
+        args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     # Tables are for reading in logs too: do not fold them to 80 columns off a terminal.
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:

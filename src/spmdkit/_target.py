@@ -234,7 +234,7 @@ def measure_cpu(size: int = 512) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    device = jax.devices("cpu")[0]
+    device = jax.local_devices(backend="cpu")[0]  # this process's own: another's cannot be written to
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
     flops = 2 * size**3 / _best_seconds(lambda: matmul(a))

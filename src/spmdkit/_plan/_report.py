@@ -203,7 +203,9 @@ def measure(plan: dict[str, Any], k: int,
 
 
 def print_measured(measured: dict[str, Any], console: Console) -> None:
-    table = Table(title="predicted vs measured (simulated devices: they share this machine's cores)")
+    procs = measured.get("processes", 1)
+    table = Table(title="predicted vs measured (" + (f"{procs} processes, each step as long as the slowest process "
+                        "took; " if procs > 1 else "") + "simulated devices: they share this machine's cores)")
     for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted MiB", "measured MiB"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for m in measured["runs"]:
