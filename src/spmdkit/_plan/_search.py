@@ -125,7 +125,9 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         "memory": {"per_device": memory, "analytic": analytic, "compiled": measured,
                    "margin": analytic["total"] / measured["total"] - 1 if measured["total"] else None},
         "flops": flops, "bytes_accessed": accessed, "unknown_loops": program.unknown_loops,
-        "collectives": comms, "ops": program.ops, **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops),
+        "collectives": comms, "ops": program.ops,
+        **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops,
+                    sum(c["sync_seconds"] for c in comms)),
     })
     if budget is not None and memory > budget:
         row.update(status="over_budget", reason=f"needs {memory / 2**20:.1f} MiB per device, over the budget of "
