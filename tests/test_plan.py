@@ -47,21 +47,21 @@ def test_bad_target_file_is_named(tmp_path):
         load_target(tmp_path / "missing.json")
 
 
-def test_target_file_without_collective_sync_loads_and_prices_no_wait(tmp_path):
+def test_target_file_without_collective_sync_ops_loads_and_prices_no_wait(tmp_path):
     old = {"format": "spmdkit-target", "version": 1, "devices_per_host": 8, "peak_flops": {"float32": 1e12},
            "memory_bandwidth": 1e11, "links": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     t = load_target(path)
-    assert t.collective_sync == {} and t.sync_for(8) == 0.0 and "collective_sync" not in t.to_json()
-    with_sync = dict(old, collective_sync={"2": 1e-4, "8": 7e-4})
+    assert t.collective_sync_ops == {} and t.sync_ops_for(8) == 0.0 and "collective_sync_ops" not in t.to_json()
+    with_sync = dict(old, collective_sync_ops={"2": 1.0, "8": 7.0})
     t2 = from_json(with_sync)
-    assert t2.collective_sync == {2: 1e-4, 8: 7e-4}
-    assert t2.sync_for(1) == 0.0 and t2.sync_for(4) == pytest.approx(3e-4)  # linear in n - 1 between 2 and 8
+    assert t2.collective_sync_ops == {2: 1.0, 8: 7.0}
+    assert t2.sync_ops_for(1) == 0.0 and t2.sync_ops_for(4) == pytest.approx(3.0)  # linear in n - 1 between 2 and 8
     assert from_json(json.loads(json.dumps(t2.to_json()))) == t2  # the file format round-trips
-    for bad in ({"1": 1e-4}, {"eight": 1e-4}, {"8": -1e-4}, [1e-4]):
-        with pytest.raises(TargetError, match="collective_sync"):
-            from_json(dict(old, collective_sync=bad))
+    for bad in ({"1": 1.0}, {"eight": 1.0}, {"8": -1.0}, [1.0]):
+        with pytest.raises(TargetError, match="collective_sync_ops"):
+            from_json(dict(old, collective_sync_ops=bad))
 
 
 # ---------------------------------------------------------------- HLO
@@ -98,8 +98,9 @@ def test_link_is_inter_host_when_a_group_spans_processes():
 
 
 # ---------------------------------------------------------------- cost model
-def _sync_target(sync: dict[int, float]) -> Target:
-    return Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)}, collective_sync=sync)
+def _sync_target(sync_ops: dict[int, float]) -> Target:
+    return Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)},
+                  collective_sync_ops=sync_ops)
 
 
 def _gather_loop(trips: int):
@@ -118,28 +119,31 @@ def _gather_loop(trips: int):
 def test_collective_wait_priced_per_execution_including_loop_trips():
     from spmdkit._plan._cost import collective_costs, step_time
 
-    target, plain = _sync_target({2: 1e-4, 8: 7e-4}), _sync_target({})
+    target, plain = _sync_target({2: 1.0, 8: 7.0}), _sync_target({})
+    op_s = 1e-4  # the step's mean seconds per operation
     priced = {}
     for trips in (1, 10):
         program = _gather_loop(trips)
         (gather,) = [c for c in program.collectives if c.kind == "all_gather"]
         assert gather.count == trips and gather.group_size == 8
-        with_sync, without = collective_costs(program, target, 8), collective_costs(program, plain, 8)
+        with_sync, without = collective_costs(program, target, 8, op_s), collective_costs(program, plain, 8, op_s)
         row = next(c for c in with_sync if c["kind"] == "all_gather")
-        assert row["sync_seconds"] == pytest.approx(trips * 7e-4)  # count x the wait of a group of 8
+        assert row["sync_seconds"] == pytest.approx(trips * 7 * op_s)  # count x 7 operation times (a group of 8)
         assert row["seconds"] == pytest.approx(next(c for c in without if c["kind"] == "all_gather")["seconds"]
-                                               + trips * 7e-4)
+                                               + trips * 7 * op_s)
         comm, sync = sum(c["seconds"] for c in with_sync), sum(c["sync_seconds"] for c in with_sync)
         priced[trips] = step_time(1e6, 1e6, comm, target, "float32", program.ops, sync)
     # Ten waits cost more than one by nine waits at least, whatever else the loop adds.
-    assert priced[10]["step_s"] - priced[1]["step_s"] >= 9 * 7e-4
-    assert priced[10]["sync_s"] == pytest.approx(10 * 7e-4)
+    assert priced[10]["step_s"] - priced[1]["step_s"] >= 9 * 7 * op_s
+    assert priced[10]["sync_s"] == pytest.approx(10 * 7 * op_s)
+    # A group of 4 (between the measured 2 and 8) waits 3 operation times; without a figure, none.
+    assert target.sync_ops_for(4) == pytest.approx(3.0) and all(c["sync_seconds"] == 0 for c in without)
 
 
 def test_collective_wait_is_never_overlapped_with_compute():
     from spmdkit._plan._cost import step_time
 
-    t = _sync_target({8: 1e-3})
+    t = _sync_target({8: 5.0})
     # compute 10 ms (1e10 FLOPs at 1e12 FLOP/s); collectives 2 ms, of which 1 ms waits
     s = step_time(1e10, 0.0, 2e-3, t, "float32", 0, 1e-3)
     assert s["compute_s"] == pytest.approx(1e-2)
@@ -151,9 +155,9 @@ def test_collective_wait_is_never_overlapped_with_compute():
 def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
     from spmdkit._target import measure_collective_sync
 
-    sync = measure_collective_sync(8, loops=2, rounds=1, rows=8, width=16)
-    assert sorted(sync) == [2, 4, 8] and all(s >= 0.0 for s in sync.values())
-    assert measure_collective_sync(1) == {}
+    seen = measure_collective_sync(8, loops=2, rounds=1, rows=8, width=16)
+    assert sorted(seen.extra) == [2, 4, 8] and all(s >= 0.0 for s in seen.extra.values()) and seen.op_seconds > 0
+    assert measure_collective_sync(1).extra == {}
 
 
 # ---------------------------------------------------------------- candidates

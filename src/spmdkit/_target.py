@@ -11,10 +11,11 @@ all-gather (``B``: the gathered output), reduce-scatter (``B``: the input) and a
 ``n-1`` steps and ``(n-1)/n * B``; a collective permute one step and ``B``.
 
 Two optional fields price what a loop of nothing but collectives does not show:
-``op_overhead`` (seconds per operation a device executes) and ``collective_sync``
-(``{"<devices in the group>": seconds}``: what each collective adds when it sits between
-computation, where its devices wait for each other; the planner adds it per execution, loop
-trips included, and never overlaps it with compute). A file without them prices neither.
+``op_overhead`` (seconds per operation a device executes) and ``collective_sync_ops``
+(``{"<devices in the group>": operations}``: what each collective adds when it sits between
+computation, where its devices wait for each other, in units of the step's mean time per
+operation; the planner adds it per execution, loop trips included, and never overlaps it with
+compute). A file without them prices neither.
 
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},
@@ -29,7 +30,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from spmdkit._errors import ConfigError, fix
 
@@ -79,37 +80,38 @@ class Target:
     # Optional (default 0): seconds of fixed cost per operation a device executes (kernel
     # launch, thunk dispatch); small models on CPU spend much of a step there.
     op_overhead: float = 0.0
-    # Optional (default none): seconds a collective over a group of ``n`` devices costs on top
-    # of its alpha-beta time when it sits between computation, by ``n``: every device of the
-    # group waits there for the slowest, so their work stops overlapping (simulated CPU devices
-    # sharing a few cores pay this many times over; the alpha-beta figures, measured in a loop
-    # of nothing but collectives, do not see it).
-    collective_sync: dict[int, float] = field(default_factory=dict)
+    # Optional (default none): what a collective over a group of ``n`` devices costs on top of
+    # its alpha-beta time when it sits between computation, by ``n``, in units of the step's
+    # mean time per operation (compute seconds / operations): every device of the group waits
+    # there for the others, and devices that share cores (simulated CPU devices) arrive about
+    # an operation apart; the alpha-beta figures, measured in a loop of nothing but
+    # collectives, do not see it.
+    collective_sync_ops: dict[int, float] = field(default_factory=dict)
 
-    def sync_for(self, n: int) -> float:
-        """Seconds of :attr:`collective_sync` for a group of ``n`` devices: the measured figure,
+    def sync_ops_for(self, n: int) -> float:
+        """:attr:`collective_sync_ops` for a group of ``n`` devices: the measured figure,
         else linear in ``n - 1`` between the nearest measured sizes (beyond them, from the
         nearest alone), 0 for ``n <= 1`` or none measured.
 
         Example:
             >>> t = Target("t", "example", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)},
-            ...            collective_sync={2: 1e-4, 8: 7e-4})
-            >>> [round(t.sync_for(n), 6) for n in (1, 2, 4, 8, 16)]
-            [0.0, 0.0001, 0.0003, 0.0007, 0.0015]
+            ...            collective_sync_ops={2: 1.0, 8: 7.0})
+            >>> [round(t.sync_ops_for(n), 6) for n in (1, 2, 4, 8, 16)]
+            [0.0, 1.0, 3.0, 7.0, 15.0]
         """
-        if n <= 1 or not self.collective_sync:
+        if n <= 1 or not self.collective_sync_ops:
             return 0.0
-        if n in self.collective_sync:
-            return self.collective_sync[n]
-        sizes = sorted(self.collective_sync)
+        if n in self.collective_sync_ops:
+            return self.collective_sync_ops[n]
+        sizes = sorted(self.collective_sync_ops)
         below = [s for s in sizes if s < n]
         above = [s for s in sizes if s > n]
         if below and above:
             lo, hi = below[-1], above[0]
             w = (n - lo) / (hi - lo)
-            return (1 - w) * self.collective_sync[lo] + w * self.collective_sync[hi]
+            return (1 - w) * self.collective_sync_ops[lo] + w * self.collective_sync_ops[hi]
         near = below[-1] if below else above[0]
-        return self.collective_sync[near] * (n - 1) / (near - 1)
+        return self.collective_sync_ops[near] * (n - 1) / (near - 1)
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype (``"float32"``, ``"bfloat16"``), else float32's."""
@@ -149,8 +151,8 @@ class Target:
             out["measurements"] = list(self.measurements)
         if self.op_overhead:
             out["op_overhead"] = self.op_overhead
-        if self.collective_sync:
-            out["collective_sync"] = {str(n): s for n, s in sorted(self.collective_sync.items())}
+        if self.collective_sync_ops:
+            out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
         return out
 
 
@@ -198,19 +200,20 @@ def _link(data: Any, where: str) -> Link:
 
 
 def _sync(data: Any, where: str) -> dict[int, float]:
-    """``collective_sync``: ``{"<devices in the group>": seconds, ...}``; absent means none."""
+    """``collective_sync_ops``: ``{"<devices in the group>": operations, ...}``; absent means none."""
     if data is None:
         return {}
-    example = 'write e.g. "collective_sync": {"2": 1e-4, "8": 5e-4} (seconds per collective, by devices in its group).'
+    example = ('write e.g. "collective_sync_ops": {"2": 1.0, "8": 6.5} (per collective, in mean operation times, '
+               "by devices in its group).")
     if not isinstance(data, dict):
-        raise TargetError(fix(f"{where}: collective_sync is {data!r}, not an object.", example))
+        raise TargetError(fix(f"{where}: collective_sync_ops is {data!r}, not an object.", example))
     out = {}
     for key in data:
         if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
-            raise TargetError(fix(f"{where}: collective_sync has the key {key!r}, not a group size >= 2.", example))
-        out[int(key)] = _number(data, key, f"{where} collective_sync", positive=False)
+            raise TargetError(fix(f"{where}: collective_sync_ops has the key {key!r}, not a group size >= 2.", example))
+        out[int(key)] = _number(data, key, f"{where} collective_sync_ops", positive=False)
         if out[int(key)] < 0:
-            raise TargetError(fix(f"{where}: collective_sync[{key!r}] is {data[key]!r}, below 0.", example))
+            raise TargetError(fix(f"{where}: collective_sync_ops[{key!r}] is {data[key]!r}, below 0.", example))
     return out
 
 
@@ -247,7 +250,7 @@ def from_json(data: Any, where: str = "target") -> Target:
         links=links, memory_per_device=None if memory is None else _number(data, "memory_per_device", where),
         collectives=collectives, measurements=list(data.get("measurements") or []),
         op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
-        collective_sync=_sync(data.get("collective_sync"), where),
+        collective_sync_ops=_sync(data.get("collective_sync_ops"), where),
     )
 
 
@@ -363,12 +366,15 @@ def measure_op_overhead(n: int, loops: int = 200) -> float:
 
 def _sync_program(n: int, group: int, loops: int, rows: int, width: int, gather: bool):
     """A loop of (a matmul on every device; a tiny all-gather over groups of ``group``, or
-    without it the same arithmetic on the device's own row), ready to call: it blocks."""
+    without it the same arithmetic on the device's own row): ``(run, operations per trip)``,
+    ``run`` blocking; the operations (without the collective only, else 0) counted in the
+    compiled program as the planner counts a step's."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from spmdkit._mesh import make_mesh
+    from spmdkit._plan._hlo import analyse  # the planner's own count, imported late: it needs this module
 
     mesh = make_mesh(devices=jax.local_devices()[:n], rest=n // group, link=group)
 
@@ -382,19 +388,28 @@ def _sync_program(n: int, group: int, loops: int, rows: int, width: int, gather:
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False))
     x = jax.device_put(jnp.full((n * rows, width), 0.01, jnp.float32), NamedSharding(mesh, spec))
     w = jax.device_put(jnp.eye(width, dtype=jnp.float32), NamedSharding(mesh, P()))
+    ops = 0.0 if gather else analyse(program.lower(x, w).compile().as_text(), dict(mesh.shape)).ops / loops
     run = lambda: jax.block_until_ready(program(x, w))  # noqa: E731
     run()  # compile and warm up
-    return run
+    return run, ops
 
 
-def measure_collective_sync(n: int, loops: int = 20, rounds: int = 5, rows: int = 64,
-                            width: int = 256) -> dict[int, float]:
-    """Seconds one tiny all-gather adds to a loop of matmuls on ``n`` simulated devices, by
+class SyncMeasurement(NamedTuple):
+    """What :func:`measure_collective_sync` saw: seconds a tiny all-gather added per trip, by
+    devices in its group, and the loop's own seconds per operation without it."""
+
+    extra: dict[int, float]
+    op_seconds: float
+
+
+def measure_collective_sync(n: int, loops: int = 20, rounds: int = 5, rows: int = SYNC_SHAPE[0],
+                            width: int = SYNC_SHAPE[1]) -> SyncMeasurement:
+    """What one tiny all-gather adds to a loop of matmuls on ``n`` simulated devices, by
     devices in its group (every divisor of ``n`` from 2 up): the loop with the collective
-    minus the loop without, per trip, the median of ``rounds`` rounds in rotating order.
-    Between computation every device of a group waits for the slowest at the collective, and
-    on devices that share cores that wait, not the copy, is most of its cost. ``{}`` for
-    ``n < 2``."""
+    minus the loop without, per trip, the median of ``rounds`` rounds in rotating order; and
+    the loop's seconds per operation. Between computation every device of a group waits at
+    the collective for the others, and on devices that share cores that wait, not the copy,
+    is most of its cost. Nothing measured for ``n < 2``."""
     import statistics
 
     import jax
@@ -402,7 +417,7 @@ def measure_collective_sync(n: int, loops: int = 20, rounds: int = 5, rows: int 
     n = min(n, len(jax.local_devices()))
     groups = [g for g in range(2, n + 1) if n % g == 0]
     if not groups:
-        return {}
+        return SyncMeasurement({}, 0.0)
     cases = {0: _sync_program(n, n, loops, rows, width, gather=False)}
     cases.update({g: _sync_program(n, g, loops, rows, width, gather=True) for g in groups})
     names = list(cases)
@@ -410,17 +425,18 @@ def measure_collective_sync(n: int, loops: int = 20, rounds: int = 5, rows: int 
     for r in range(rounds):
         for k in names[r % len(names):] + names[: r % len(names)]:
             start = time.perf_counter()
-            cases[k]()
+            cases[k][0]()
             times[k].append((time.perf_counter() - start) / loops)
-    return {g: max(statistics.median([a - b for a, b in zip(times[g], times[0])]), 0.0) for g in groups}
+    extra = {g: max(statistics.median([a - b for a, b in zip(times[g], times[0])]), 0.0) for g in groups}
+    return SyncMeasurement(extra, statistics.median(times[0]) / max(cases[0][1], 1.0))
 
 
 def cpu_target(devices: int = 1) -> Target:
     """This machine as a target: simulated devices share its cores, so each device's rates
     are the process's measured rates divided by ``devices``; the link is an all-reduce among
     them, measured (or, with one device or too few, assumed); a collective's wait between
-    computation (:attr:`Target.collective_sync`) is what a tiny all-gather adds to a loop of
-    matmuls beyond its alpha-beta time."""
+    computation (:attr:`Target.collective_sync_ops`) is what a tiny all-gather adds to a loop
+    of matmuls beyond its alpha-beta time, in the loop's operation times."""
     import dataclasses
     import platform
 
@@ -446,16 +462,19 @@ def cpu_target(devices: int = 1) -> Target:
         collectives={kind: {"intra_host": ab} for kind, ab in measured.items() if ab},
         op_overhead=overhead,
     )
-    if n < 2:
+    seen = measure_collective_sync(n)
+    if not seen.extra or seen.op_seconds <= 0:
         return target
-    # What the in-step measurement saw beyond the tiny all-gather's own alpha-beta time.
-    rows, width = SYNC_SHAPE
-    sync = {g: max(s - collective_time(target, "all_gather", 4 * width * g, g, "intra_host"), 0.0)
-            for g, s in measure_collective_sync(n, rows=rows, width=width).items()}
-    return dataclasses.replace(target, collective_sync=sync, source=target.source + "; waits at a collective between "
-                               "computation: " + ", ".join(f"{s * 1e6:.0f} us for {g} devices" for g, s in sync.items()))
+    # Beyond the tiny all-gather's own alpha-beta time (its gathered output: one row per device).
+    width = SYNC_SHAPE[1]
+    sync = {g: max(s - collective_time(target, "all_gather", 4 * width * g, g, "intra_host"), 0.0) / seen.op_seconds
+            for g, s in seen.extra.items()}
+    return dataclasses.replace(target, collective_sync_ops=sync, source=target.source + "; a collective between "
+                               "computation waits " + ", ".join(f"{s:.1f}" for s in sync.values()) + " operation times "
+                               f"({seen.op_seconds * 1e6:.0f} us each in the measuring loop) for groups of "
+                               + ", ".join(str(g) for g in sync) + " devices")
 
 
 __all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
            "load_target", "measure_collective", "measure_collective_sync", "measure_cpu", "measure_op_overhead",
-           "steps_and_wire"]
+           "steps_and_wire", "SyncMeasurement"]
