@@ -402,7 +402,7 @@ class SyncMeasurement(NamedTuple):
     op_seconds: float
 
 
-def measure_collective_sync(n: int, loops: int = 20, rounds: int = 5, rows: int = SYNC_SHAPE[0],
+def measure_collective_sync(n: int, loops: int = 20, rounds: int = 7, rows: int = SYNC_SHAPE[0],
                             width: int = SYNC_SHAPE[1]) -> SyncMeasurement:
     """What one tiny all-gather adds to a loop of matmuls on ``n`` simulated devices, by
     devices in its group (every divisor of ``n`` from 2 up): the loop with the collective
