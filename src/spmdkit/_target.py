@@ -83,9 +83,9 @@ class Target:
     # Optional (default none): what a collective over a group of ``n`` devices costs on top of
     # its alpha-beta time when it sits between computation, by ``n``, in units of the step's
     # mean time per operation (compute seconds / operations): every device of the group waits
-    # there for the others, and devices that share cores (simulated CPU devices) arrive about
-    # an operation apart; the alpha-beta figures, measured in a loop of nothing but
-    # collectives, do not see it.
+    # there for the others, longer the longer their operations take (simulated CPU devices share
+    # a few cores); the alpha-beta figures, measured in a loop of nothing but collectives, do
+    # not see it.
     collective_sync_ops: dict[int, float] = field(default_factory=dict)
 
     def sync_ops_for(self, n: int) -> float:
@@ -408,8 +408,8 @@ def measure_collective_sync(n: int, loops: int = 20, rounds: int = 7, rows: int 
     devices in its group (every divisor of ``n`` from 2 up): the loop with the collective
     minus the loop without, per trip, the median of ``rounds`` rounds in rotating order; and
     the loop's seconds per operation. Between computation every device of a group waits at
-    the collective for the others, and on devices that share cores that wait, not the copy,
-    is most of its cost. Nothing measured for ``n < 2``."""
+    the collective for the others, which a loop of nothing but collectives does not show.
+    Nothing measured for ``n < 2``."""
     import statistics
 
     import jax
