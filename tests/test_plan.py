@@ -108,7 +108,10 @@ def _gather_loop(trips: int):
     mesh = spmdkit.make_mesh(data=8)
 
     def body(a, w):
-        return jax.lax.fori_loop(0, trips, lambda i, v: v @ w + jax.lax.all_gather(v[:1], "data", tiled=True).mean(0), a)
+        def trip(i, v):
+            return v @ w + jax.lax.all_gather(v[:1], "data", tiled=True).mean(0)
+
+        return jax.lax.fori_loop(0, trips, trip, a)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False))
     x = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh, P("data")))
