@@ -48,6 +48,23 @@ def test_bad_target_file_is_named(tmp_path):
         load_target(tmp_path / "missing.json")
 
 
+def test_target_file_without_collective_sync_ops_loads_and_prices_no_wait(tmp_path):
+    old = {"format": "spmdkit-target", "version": 1, "devices_per_host": 8, "peak_flops": {"float32": 1e12},
+           "memory_bandwidth": 1e11, "links": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    t = load_target(path)
+    assert t.collective_sync_ops == {} and t.sync_ops_for(8) == 0.0 and "collective_sync_ops" not in t.to_json()
+    with_sync = dict(old, collective_sync_ops={"2": 1.0, "8": 7.0})
+    t2 = from_json(with_sync)
+    assert t2.collective_sync_ops == {2: 1.0, 8: 7.0}
+    assert t2.sync_ops_for(1) == 0.0 and t2.sync_ops_for(4) == pytest.approx(3.0)  # linear in n - 1 between 2 and 8
+    assert from_json(json.loads(json.dumps(t2.to_json()))) == t2  # the file format round-trips
+    for bad in ({"1": 1.0}, {"eight": 1.0}, {"8": -1.0}, [1.0]):
+        with pytest.raises(TargetError, match="collective_sync_ops"):
+            from_json(dict(old, collective_sync_ops=bad))
+
+
 # ---------------------------------------------------------------- HLO
 def test_psum_over_one_axis_is_one_all_reduce_over_that_axis():
     mesh = spmdkit.make_mesh(data=2, model=4)
@@ -79,6 +96,72 @@ def test_link_is_inter_host_when_a_group_spans_processes():
     over_model = Collective("all_reduce", 64, 4, ("model",), 1, ((0, 1, 2, 3), (4, 5, 6, 7)), "ar")
     assert link_of(over_data, 8) == link_of(over_model, 8) == "intra_host"  # one process
     assert (link_of(over_data, 4), link_of(over_model, 4)) == ("inter_host", "intra_host")  # 2 processes x 4
+
+
+# ---------------------------------------------------------------- cost model
+def _sync_target(sync_ops: dict[int, float]) -> Target:
+    return Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)},
+                  collective_sync_ops=sync_ops)
+
+
+def _gather_loop(trips: int):
+    """A tiny all-gather over 'data' after a matmul, ``trips`` times in a loop, as HLO analysed."""
+    mesh = spmdkit.make_mesh(data=8)
+
+    def body(a, w):
+        def trip(i, v):
+            return v @ w + jax.lax.all_gather(v[:1], "data", tiled=True).mean(0)
+
+        return jax.lax.fori_loop(0, trips, trip, a)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False))
+    x = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    return analyse(f.lower(x, w).compile().as_text(), dict(mesh.shape))
+
+
+def test_collective_wait_priced_per_execution_including_loop_trips():
+    from spmdkit._plan._cost import collective_costs, step_time
+
+    target, plain = _sync_target({2: 1.0, 8: 7.0}), _sync_target({})
+    op_s = 1e-4  # the step's mean seconds per operation
+    priced = {}
+    for trips in (1, 10):
+        program = _gather_loop(trips)
+        (gather,) = [c for c in program.collectives if c.kind == "all_gather"]
+        assert gather.count == trips and gather.group_size == 8
+        with_sync, without = collective_costs(program, target, 8, op_s), collective_costs(program, plain, 8, op_s)
+        row = next(c for c in with_sync if c["kind"] == "all_gather")
+        assert row["sync_seconds"] == pytest.approx(trips * 7 * op_s)  # count x 7 operation times (a group of 8)
+        assert row["seconds"] == pytest.approx(next(c for c in without if c["kind"] == "all_gather")["seconds"]
+                                               + trips * 7 * op_s)
+        comm, sync = sum(c["seconds"] for c in with_sync), sum(c["sync_seconds"] for c in with_sync)
+        priced[trips] = step_time(1e6, 1e6, comm, target, "float32", program.ops, sync)
+    # Ten waits cost more than one by nine waits at least, whatever else the loop adds.
+    assert priced[10]["step_s"] - priced[1]["step_s"] >= 9 * 7 * op_s
+    assert priced[10]["sync_s"] == pytest.approx(10 * 7 * op_s)
+    # A group of 4 (between the measured 2 and 8) waits 3 operation times; without a figure, none.
+    assert target.sync_ops_for(4) == pytest.approx(3.0) and all(c["sync_seconds"] == 0 for c in without)
+
+
+def test_collective_wait_is_never_overlapped_with_compute():
+    from spmdkit._plan._cost import step_time
+
+    t = _sync_target({8: 5.0})
+    # compute 10 ms (1e10 FLOPs at 1e12 FLOP/s); collectives 2 ms, of which 1 ms waits
+    s = step_time(1e10, 0.0, 2e-3, t, "float32", 0, 1e-3)
+    assert s["compute_s"] == pytest.approx(1e-2)
+    assert s["step_s_overlapped"] == pytest.approx(1.1e-2)  # the alpha-beta 1 ms hides under compute, the wait not
+    assert s["step_s_serial"] == pytest.approx(1.2e-2)
+    assert step_time(1e10, 0.0, 2e-3, t, "float32")["step_s_overlapped"] == pytest.approx(1e-2)  # no wait: all hidden
+
+
+def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
+    from spmdkit._target import measure_collective_sync
+
+    seen = measure_collective_sync(8, loops=2, rounds=1, rows=8, width=16)
+    assert sorted(seen.extra) == [2, 4, 8] and all(s >= 0.0 for s in seen.extra.values()) and seen.op_seconds > 0
+    assert measure_collective_sync(1).extra == {}
 
 
 # ---------------------------------------------------------------- candidates
