@@ -17,9 +17,13 @@ algorithm, n devices, payload B bytes). This module measures those figures here:
 Every collective runs ``reps`` times inside one compiled program (a loop whose every
 iteration depends on the last, so nothing is hoisted), the way a collective runs inside
 a training step, without a dispatch per call. Cases are timed with the house method
-(:mod:`spmdkit._bench._timing`: warm-up, interleaved rounds, medians). alpha and beta
-are fitted per kind and link by non-negative least squares on the *relative* error, so
-4 KiB and 64 MiB points count alike.
+(:mod:`spmdkit._bench._timing`: warm-up, interleaved rounds, medians); each round times
+a call of ``reps`` and one of ``2 * reps`` collectives, each after a barrier, and keeps
+the difference, so no fixed cost per call (dispatch, the wait for the other process) is
+in the figure. ``check`` re-measures a file the same way: the same function, kinds,
+sizes, rounds and repetitions. alpha and beta are fitted per kind and link by
+non-negative least squares on the *relative* error, so 4 KiB and 64 MiB points count
+alike, over two size ranges where one line misses (``pieces``).
 """
 
 from __future__ import annotations

@@ -245,8 +245,8 @@ def measure_collectives(
                                "reps": r, "rounds": rounds, "flags": c["flags"] + fig["flags"],
                                "raw": raws[k][1:]})
                 if fig["flags"]:
-                    warnings.append(f"{link} n={n} {e * 4} B: {k}: the fixed cost per call exceeded {r} collectives "
-                                    "in most rounds; the figure is an upper bound")
+                    warnings.append(f"{link} n={n} {e * 4} B: {k}: t(2 x {r} reps) - t({r} reps) <= 0 in most rounds "
+                                    "(noise per call above the time of the reps); the figure is an upper bound")
             warnings += [f"{link} n={n} {e * 4} B: {w}" for w in result["warnings"]]
             log(f"{link}: n={n}, {e * 4} B: "
                 + ", ".join(f"{p['kind']} {p['seconds'] * 1e6:.0f} us" for p in points[-len(kinds):]))
