@@ -446,7 +446,8 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
         target["op_overhead"] = compute["op_overhead"]
     rows = prediction_errors(target, points)
     target["measurements"] = [{k: r[k] for k in ("kind", "link", "n", "bytes", "seconds", "predicted", "rel_err",
-                                                 "iqr_rel", "min_seconds", "fixed_seconds", "reps", "rounds", "flags")
+                                                 "iqr_rel", "min_seconds", "single_seconds", "fixed_seconds", "reps",
+                                                 "rounds", "flags")
                                if k in r} for r in rows]
     # Optional fields (a reader may ignore them): how well the fit explains the points, and why.
     target["fit_quality"] = error_summary(rows)
@@ -615,18 +616,25 @@ def check(path: str, *, sizes: Sequence[int] | None = None, rounds: int | None =
     _, target_s = _defaults(quick, rounds)
     points, warnings = run_two_processes(sizes, kinds, rounds, target_s, timeout or (600.0 if quick else 1800.0),
                                          reps=reps)
-    then = {int(m["bytes"]): m["seconds"] for m in target.get("measurements", [])
+    then = {int(m["bytes"]): m for m in target.get("measurements", [])
             if m.get("kind") == "all_reduce" and m.get("link") == "inter_host" and m.get("seconds")}
     rows = []
     for p in points:
         if p["kind"] != "all_reduce":
             continue
-        row = {k: p.get(k) for k in ("bytes", "seconds", "iqr_rel", "reps", "fixed_seconds", "flags")}
+        row = {k: p.get(k) for k in ("bytes", "seconds", "iqr_rel", "reps", "fixed_seconds", "min_seconds",
+                                     "single_seconds", "flags")}
         row["predicted"] = predict(coeffs, "all_reduce", p["bytes"], p["n"])
         row["rel_err"] = row["predicted"] / p["seconds"] - 1.0
-        if p["bytes"] in then:
-            row["then_seconds"] = then[p["bytes"]]
-            row["vs_then"] = p["seconds"] / then[p["bytes"]] - 1.0
+        old = then.get(p["bytes"])
+        if old:
+            row["then_seconds"] = old["seconds"]
+            row["vs_then"] = p["seconds"] / old["seconds"] - 1.0
+            # How well the other statistics would have reproduced (the same rounds): the evidence
+            # for the one ``seconds`` uses.
+            for key in ("min_seconds", "single_seconds"):
+                if (old.get(key) or 0) > 0 and (p.get(key) or 0) > 0:
+                    row[f"vs_then_{key.split('_')[0]}"] = p[key] / old[key] - 1.0
         rows.append(row)
     errs = [abs(r["rel_err"]) for r in rows]
     drift = [abs(r["vs_then"]) for r in rows if "vs_then" in r]
