@@ -153,9 +153,11 @@ def test_the_statistic_is_the_median_of_paired_differences():
     fig = per_collective(raw, 10)
     assert fig["seconds"] == pytest.approx(1e-5) and fig["flags"] == []
     assert fig["single_seconds"] == pytest.approx(1.2e-4)
+    assert fig["iqr_rel"] == pytest.approx(1.5)  # quartiles of (1, 1, 4) x 1e-5: 1 and 2.5
     # noise larger than r collectives: the upper bound t(2r) / 2r, flagged
     fig = per_collective([(2e-3, 1e-3), (2e-3, 1.5e-3), (1e-3, 3e-3)], 10)
     assert fig["flags"] == ["fixed-cost"] and fig["seconds"] == pytest.approx(1.5e-3 / 20)
+    assert fig["iqr_rel"] > 0  # relative to the figure used, not to the negative median difference
 
 
 # ---- a real calibration in this process ---------------------------------------------

@@ -125,7 +125,8 @@ def per_collective(raw: Sequence[tuple[float, float]], reps: int) -> dict[str, A
     round's conditions and the median drops the rounds a burst of load hit.
     ``min_diff``: (min t(2r) - min t(r)) / r, kept for comparison; ``fixed_seconds``: the
     median fixed cost per call (2 t(r) - t(2r)): dispatch plus the wait for the peer;
-    ``single_seconds``: median t(r) / r, what one timed call per round would report.
+    ``single_seconds``: median t(r) / r, what one timed call per round would report;
+    ``iqr_rel``: the differences' interquartile range over ``seconds``.
     A median difference <= 0 (noise larger than r collectives) falls back to
     t(2r) / 2r, an upper bound, with the flag ``fixed-cost``.
 
@@ -144,7 +145,8 @@ def per_collective(raw: Sequence[tuple[float, float]], reps: int) -> dict[str, A
     if not med > 0:
         med = statistics.median(t2) / (2 * reps)
         flags.append("fixed-cost")
-    return {"seconds": med, "min_diff": (min(t2) - min(t1)) / reps,
+    q = statistics.quantiles(diffs, n=4, method="inclusive") if len(diffs) > 1 else [diffs[0]] * 3
+    return {"seconds": med, "iqr_rel": (q[2] - q[0]) / med, "min_diff": (min(t2) - min(t1)) / reps,
             "fixed_seconds": statistics.median(2 * a - b for a, b in raw),
             "single_seconds": statistics.median(t1) / reps, "diffs": diffs, "flags": flags}
 
@@ -240,7 +242,7 @@ def measure_collectives(
             for k, r in zip(kinds, chosen):
                 c, fig = result["cases"][k], per_collective(raws[k][1:], r)  # [1:]: the warm-up call
                 points.append({"kind": k, "link": link, "n": n, "bytes": e * 4, "seconds": fig["seconds"],
-                               "iqr_rel": c.get("iqr_rel"), "min_seconds": fig.get("min_diff"),
+                               "iqr_rel": fig.get("iqr_rel"), "min_seconds": fig.get("min_diff"),
                                "fixed_seconds": fig.get("fixed_seconds"), "single_seconds": fig.get("single_seconds"),
                                "reps": r, "rounds": rounds, "flags": c["flags"] + fig["flags"],
                                "raw": raws[k][1:]})
