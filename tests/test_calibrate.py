@@ -197,16 +197,18 @@ def _fake_two_processes(calls, factor=1.0):
 
     def run(sizes, kinds, rounds, target_s, timeout, reps=None):
         calls.append({"sizes": list(sizes), "kinds": list(kinds), "rounds": rounds, "reps": reps})
-        points = [{"kind": k, "link": "inter_host", "n": 2, "bytes": b, "iqr_rel": 0.05, "min_seconds": None,
+        points = [{"kind": k, "link": "inter_host", "n": 2, "bytes": b, "iqr_rel": 0.05,
                    "fixed_seconds": 1e-3, "reps": (reps or {}).get((k, b), 7 + i), "rounds": rounds, "flags": [],
                    "seconds": factor * predict({"alpha": 2e-4, "beta": 1e-9}, k, b, 2) * (1.1 if b == 4096 else 1.0)}
                   for i, (b, k) in enumerate((b, k) for b in sizes for k in kinds)]
+        for p in points:  # the other statistics of the same rounds: 10% apart from the first
+            p.update(min_seconds=p["seconds"], single_seconds=p["seconds"] * (1.1 if reps else 1.0))
         return points, []
 
     return run
 
 
-def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_path, monkeypatch):
+def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(_calibrate, "run_two_processes", _fake_two_processes(calls))
     out = tmp_path / "target.json"
@@ -226,6 +228,12 @@ def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_pat
                              if m["link"] == "inter_host"}
     assert [r["vs_then"] for r in result["rows"]] == pytest.approx([0.2, 0.2])
     assert [r["reps"] for r in result["rows"]] == [7, 11]
+    assert [r["vs_then_single"] for r in result["rows"]] == pytest.approx([1.2 * 1.1 - 1] * 2)
+    capsys.readouterr()
+    assert main(["calibrate", "--check", str(out)]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "reproduces the calibration's own within 20%" in text
+    assert "difference of the minima 20%, one call of reps per round 32%" in text
     assert json.loads(out.read_text()) == json.loads(json.dumps(target))
     assert spmdkit.calibrate is calibrate
     loaded = spmdkit.load_target(out)  # the planner reads what calibrate writes

@@ -117,6 +117,12 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
         if result.get("max_vs_then") is not None:
             console.print(f"the measurement reproduces the calibration's own within {result['max_vs_then']:.0%} "
                           f"(same kinds {', '.join(result['kinds'])}, rounds and repetitions)", highlight=False)
+            other = {name: [abs(r[key]) for r in result["rows"] if key in r]
+                     for name, key in (("difference of the minima", "vs_then_min"),
+                                       ("one call of reps per round", "vs_then_single"))}
+            if all(other.values()):
+                console.print("the same rounds summarised otherwise reproduce within: "
+                              + ", ".join(f"{name} {max(v):.0%}" for name, v in other.items()), highlight=False)
         return 0 if result["ok"] else 1
     err = Console(stderr=True)
     target = calibrate(processes=args.processes, sizes=args.sizes, rounds=args.rounds, quick=args.quick,
