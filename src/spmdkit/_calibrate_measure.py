@@ -119,10 +119,13 @@ def per_collective(raw: Sequence[tuple[float, float]], reps: int) -> dict[str, A
     """The figures of one case from its per-round ``(t(reps), t(2 reps))`` pairs.
 
     ``seconds``: the median over rounds of (t(2r) - t(r)) / r. The median of the paired
-    differences, not the difference of the minima: load on a shared machine only adds
-    time, but it adds it to one call of a pair and not the other, so minima taken
-    separately need a quiet round for each call and mix rounds, while a pair shares its
-    round's conditions and the median drops the rounds a burst of load hit.
+    differences, not the difference of the minima: minima taken separately need a quiet
+    round for each call and mix rounds (their difference even came out negative), while a
+    pair shares its round's conditions and the median drops the rounds a burst of load
+    hit. Under heavy load (load average 10-18 on 2 cores) the noise is per collective,
+    not per call, and the difference of two calls doubles it: there t(r) / r reproduced
+    better (0.09-2.1x between two runs vs 0.02-7x); ``spmdkit calibrate --check`` prints
+    how each of the three reproduces, for an idle machine to decide.
     ``min_diff``: (min t(2r) - min t(r)) / r, kept for comparison; ``fixed_seconds``: the
     median fixed cost per call (2 t(r) - t(2r)): dispatch plus the wait for the peer;
     ``single_seconds``: median t(r) / r, what one timed call per round would report;
