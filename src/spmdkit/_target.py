@@ -62,6 +62,16 @@ class Link:
 
     alpha: float
     beta: float
+    # Optional: a piecewise fit by payload size, ((max_bytes or None for the rest, Link), ...);
+    # ``spmdkit calibrate`` writes one where a single line misses small or large payloads.
+    pieces: tuple = ()
+
+    def at(self, nbytes: float) -> Link:
+        """The (alpha, beta) for a payload of ``nbytes``: its piece, or this link without pieces."""
+        for limit, piece in self.pieces:
+            if limit is None or nbytes <= limit:
+                return piece
+        return self
 
 
 @dataclass(frozen=True)
@@ -140,12 +150,12 @@ class Target:
             "format": FORMAT, "version": VERSION, "name": self.name, "source": self.source,
             "devices_per_host": self.devices_per_host,
             "peak_flops": dict(self.peak_flops), "memory_bandwidth": self.memory_bandwidth,
-            "links": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in self.links.items()},
+            "links": {k: _link_json(v) for k, v in self.links.items()},
         }
         if self.memory_per_device is not None:
             out["memory_per_device"] = self.memory_per_device
         if self.collectives:
-            out["collectives"] = {kind: {k: {"alpha": v.alpha, "beta": v.beta} for k, v in links.items()}
+            out["collectives"] = {kind: {k: _link_json(v) for k, v in links.items()}
                                   for kind, links in self.collectives.items()}
         if self.measurements:
             out["measurements"] = list(self.measurements)
@@ -154,6 +164,13 @@ class Target:
         if self.collective_sync_ops:
             out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
         return out
+
+
+def _link_json(v: Link) -> dict[str, Any]:
+    out: dict[str, Any] = {"alpha": v.alpha, "beta": v.beta}
+    if v.pieces:
+        out["pieces"] = [{**({} if m is None else {"max_bytes": m}), **_link_json(p)} for m, p in v.pieces]
+    return out
 
 
 def steps_and_wire(kind: str, n: int, nbytes: float) -> tuple[float, float]:
@@ -180,7 +197,7 @@ def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str)
     steps, wire = steps_and_wire(kind, n, nbytes)
     if n <= 1:
         return 0.0
-    ab = target.link(kind, link)
+    ab = target.link(kind, link).at(nbytes)
     return steps * ab.alpha + wire * ab.beta
 
 
@@ -196,7 +213,17 @@ def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
 def _link(data: Any, where: str) -> Link:
     if not isinstance(data, dict):
         raise TargetError(fix(f"{where} is {data!r}, not an object.", 'write {"alpha": 5e-6, "beta": 2e-12}.'))
-    return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False))
+    pieces = data.get("pieces") or []
+    if not isinstance(pieces, list):
+        raise TargetError(fix(f"{where}.pieces is {pieces!r}, not a list.",
+                              'write [{"max_bytes": 2097152, "alpha": ..., "beta": ...}, {"alpha": ..., "beta": ...}].'))
+    parsed = []
+    for i, p in enumerate(pieces):
+        at = f"{where}.pieces[{i}]"
+        piece = _link(p, at)
+        parsed.append((None if p.get("max_bytes") is None else _number(p, "max_bytes", at), piece))
+    return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False),
+                pieces=tuple(parsed))
 
 
 def _sync(data: Any, where: str) -> dict[int, float]:
