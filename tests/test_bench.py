@@ -321,3 +321,22 @@ def test_bench_compare_two_runs_target_by_target(tmp_path, capsys):
     assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "three")]) == 1
     assert "NO" in capsys.readouterr().out
     assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "missing")]) == 2
+
+
+def test_bench_compare_best_of_different_case_sets_is_not_comparable():
+    from spmdkit._bench.report import compare
+
+    def run(cases, best, value):
+        return {"multiprocess": {"columns": ["model", "case", "samples_per_s", "flag"],
+                                 "rows": [{"model": "MLP", "case": c, "samples_per_s": 1.0, "flag": "spread" if value > 1 else ""} for c in cases],
+                                 "targets": [{"name": f"mlp: best (b) [{best}] / (d)", "value": value},
+                                             {"name": "mlp: (b) default / (d)", "value": 0.9}]}}
+
+    plain = run(["default", "hand"], "hand", 0.99)
+    levers = run(["default", "hand", "lever: packed bf16"], "lever: packed bf16", 1.5)
+    rows = {r["target"]: r for r in compare(plain, levers)}
+    assert rows["mlp: best (b)"]["agree"] is None and "different cases" in rows["mlp: best (b)"]["note"]
+    assert rows["mlp: (b) default / (d)"]["agree"] is True  # the same cases on both sides: judged
+    # The same case set with another winner is still a comparison of the same thing.
+    other = run(["default", "hand"], "default", 1.5)  # flags differ too: they are not cases
+    assert compare(plain, other)[0]["agree"] is False

@@ -26,9 +26,12 @@ from spmdkit._calibrate import (
     calibrate,
     check,
     fit_alpha_beta,
+    fit_pieces,
     predict,
     steps_and_wire,
 )
+from spmdkit._calibrate_measure import pair_case, per_collective
+from spmdkit._target import TargetError, collective_time, load_target
 from spmdkit._cli import main
 
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
@@ -78,6 +81,85 @@ def test_the_cost_model_is_the_schema_table():
     assert predict({"alpha": 1.0, "beta": 1.0}, "all_reduce", 1e6, 1) == 0.0
 
 
+def _two_regimes(b):
+    """A 2-process all-reduce whose bytes cost 4x more once the payload leaves the caches."""
+    return 2e-4 + b * (0.5e-9 if b <= 2**20 else 2e-9)
+
+
+def test_one_line_that_misses_is_split_in_two_size_ranges():
+    points = [(2, b, _two_regimes(b)) for b in SIZES]  # 4 KiB .. 64 MiB
+    assert max(abs(predict(fit_alpha_beta("all_reduce", points), "all_reduce", b, 2) / t - 1)
+               for _, b, t in points) > 0.25  # one line cannot do it
+    fit = fit_pieces("all_reduce", points)
+    assert [p.get("max_bytes") for p in fit["pieces"]] == [2 * 2**20, None]
+    assert fit["pieces"][0]["beta"] == pytest.approx(0.5e-9, rel=1e-6)
+    assert fit["pieces"][1]["beta"] == pytest.approx(2e-9, rel=1e-6)
+    for _, b, t in points:
+        assert predict(fit, "all_reduce", b, 2) == pytest.approx(t, rel=1e-6)
+    # the whole-range line stays for readers that ignore pieces
+    assert fit["alpha"] == fit_alpha_beta("all_reduce", points)["alpha"]
+
+
+def test_no_pieces_for_an_affine_cost_or_too_few_sizes():
+    affine = [(2, b, 2e-4 + b * 1e-9) for b in SIZES]
+    assert "pieces" not in fit_pieces("all_reduce", affine)
+    # 4 sizes cannot make two ranges of 3: the one line stays however badly it fits
+    four = [(2, b, _two_regimes(b)) for b in (4096, 65536, 2**20, 2**24)]
+    assert fit_pieces("all_reduce", four) == fit_alpha_beta("all_reduce", four)
+
+
+def test_the_planner_reads_the_pieces(tmp_path):
+    fit = fit_pieces("all_reduce", [(2, b, _two_regimes(b)) for b in SIZES])
+    path = tmp_path / "t.json"
+    doc = {"format": "spmdkit-target", "version": 1, "name": "t", "source": "test", "devices_per_host": 1,
+           "peak_flops": {"float32": 1e9}, "memory_bandwidth": 1e9,
+           "links": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}, "inter_host": fit}}
+    path.write_text(json.dumps(doc))
+    target = load_target(path)
+    for b in (4096, 2**20, 3 * 2**20, 2**26):
+        assert collective_time(target, "all_reduce", b, 2, "inter_host") == pytest.approx(
+            predict(fit, "all_reduce", b, 2))
+    assert json.loads(json.dumps(target.to_json()))["links"]["inter_host"]["pieces"][0]["max_bytes"] == 2 * 2**20
+    doc["links"]["inter_host"] = {**fit, "pieces": [{"max_bytes": 100, "alpha": "x", "beta": 0.0}]}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TargetError, match=r"inter_host.pieces\[0\]"):
+        load_target(path)
+
+
+# ---- the timing path: t(2r) - t(r), after a barrier ---------------------------------
+
+
+def test_the_difference_of_two_calls_has_no_fixed_cost_per_call():
+    now, log = [0.0], []
+    per, skew = 1e-5, iter([3e-3, 3e-3, 1e-4, 1e-4, 2e-3, 2e-3])  # per call: dispatch + waiting for the peer
+
+    def run(k):
+        log.append(k)
+        now[0] += next(skew) + k * per
+
+    case, raw = pair_case(run, 10, lambda: log.append("barrier"), clock=lambda: now[0])
+    got = [case() for _ in range(3)]
+    assert got == pytest.approx([per] * 3, rel=1e-9)
+    # one timed call per round would report the skew spread over the reps: 31x and 2x too slow
+    assert [t1 / 10 for t1, _ in raw] == pytest.approx([3.1e-4, 2e-5, 2.1e-4])
+    # a barrier before every timed call; which call goes first alternates
+    assert log == ["barrier", 10, "barrier", 20, "barrier", 20, "barrier", 10, "barrier", 10, "barrier", 20]
+    assert per_collective(raw, 10)["seconds"] == pytest.approx(per)
+    assert per_collective(raw, 10)["fixed_seconds"] == pytest.approx(2e-3)
+
+
+def test_the_statistic_is_the_median_of_paired_differences():
+    raw = [(1.0e-3, 1.1e-3), (5.0e-3, 5.1e-3), (1.2e-3, 1.6e-3)]  # round 2 hit by load in both calls
+    fig = per_collective(raw, 10)
+    assert fig["seconds"] == pytest.approx(1e-5) and fig["flags"] == []
+    assert fig["single_seconds"] == pytest.approx(1.2e-4)
+    assert fig["iqr_rel"] == pytest.approx(1.5)  # quartiles of (1, 1, 4) x 1e-5: 1 and 2.5
+    # noise larger than r collectives: the upper bound t(2r) / 2r, flagged
+    fig = per_collective([(2e-3, 1e-3), (2e-3, 1.5e-3), (1e-3, 3e-3)], 10)
+    assert fig["flags"] == ["fixed-cost"] and fig["seconds"] == pytest.approx(1.5e-3 / 20)
+    assert fig["iqr_rel"] > 0  # relative to the figure used, not to the negative median difference
+
+
 # ---- a real calibration in this process ---------------------------------------------
 
 
@@ -110,12 +192,48 @@ def _check_fields(target, devices, links):
             assert q["points"] == len(errs) and q["max_rel_err"] == pytest.approx(max(errs))
 
 
-def test_tiny_intra_process_calibration_writes_every_schema_field(tmp_path):
+def _fake_two_processes(calls, factor=1.0):
+    """A stand-in for the 2-process launch: records its arguments, returns points as the worker does."""
+
+    def run(sizes, kinds, rounds, target_s, timeout, reps=None):
+        calls.append({"sizes": list(sizes), "kinds": list(kinds), "rounds": rounds, "reps": reps})
+        points = [{"kind": k, "link": "inter_host", "n": 2, "bytes": b, "iqr_rel": 0.05,
+                   "fixed_seconds": 1e-3, "reps": (reps or {}).get((k, b), 7 + i), "rounds": rounds, "flags": [],
+                   "seconds": factor * predict({"alpha": 2e-4, "beta": 1e-9}, k, b, 2) * (1.1 if b == 4096 else 1.0)}
+                  for i, (b, k) in enumerate((b, k) for b in sizes for k in kinds)]
+        for p in points:  # the other statistics of the same rounds: 10% apart from the first
+            p.update(min_seconds=p["seconds"], single_seconds=p["seconds"] * (1.1 if reps else 1.0))
+        return points, []
+
+    return run
+
+
+def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(_calibrate, "run_two_processes", _fake_two_processes(calls))
     out = tmp_path / "target.json"
-    target = calibrate(devices=2, processes=1, sizes=[4096, 65536], rounds=2, quick=True, out=out)
-    _check_fields(target, devices=2, links=["intra_host"])
-    assert {(m["kind"], m["n"], m["bytes"]) for m in target["measurements"]} == {
+    target = calibrate(devices=2, processes=2, sizes=[4096, 65536], rounds=2, quick=True, out=out)
+    _check_fields(target, devices=2, links=["intra_host", "inter_host"])
+    assert {(m["kind"], m["n"], m["bytes"]) for m in target["measurements"] if m["link"] == "intra_host"} == {
         (k, 2, b) for k in KINDS for b in (4096, 65536)}
+    assert all(m["reps"] >= 1 and m["fixed_seconds"] is not None for m in target["measurements"])
+    # --check measures through the same function, with the calibration's kinds, sizes, rounds and reps
+    monkeypatch.setattr(_calibrate, "run_two_processes", _fake_two_processes(calls, factor=1.2))
+    result = check(str(out))
+    made, again = calls
+    assert made["reps"] is None  # the calibration probes
+    assert again["sizes"] == made["sizes"] and again["kinds"] == made["kinds"] == list(KINDS)
+    assert again["rounds"] == made["rounds"] == 2
+    assert again["reps"] == {(m["kind"], m["bytes"]): m["reps"] for m in target["measurements"]
+                             if m["link"] == "inter_host"}
+    assert [r["vs_then"] for r in result["rows"]] == pytest.approx([0.2, 0.2])
+    assert [r["reps"] for r in result["rows"]] == [7, 11]
+    assert [r["vs_then_single"] for r in result["rows"]] == pytest.approx([1.2 * 1.1 - 1] * 2)
+    capsys.readouterr()
+    assert main(["calibrate", "--check", str(out)]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "reproduces the calibration's own within 20%" in text
+    assert "difference of the minima 20%, one call of reps per round 32%" in text
     assert json.loads(out.read_text()) == json.loads(json.dumps(target))
     assert spmdkit.calibrate is calibrate
     loaded = spmdkit.load_target(out)  # the planner reads what calibrate writes
@@ -185,7 +303,7 @@ def test_check_compares_the_two_process_all_reduce_with_the_file(tmp_path, monke
                                                  for b in (4096, 65536)]}))
     asked = {}
 
-    def fake_run(sizes, kinds, rounds, target_s, timeout):
+    def fake_run(sizes, kinds, rounds, target_s, timeout, reps=None):
         asked.update(sizes=list(sizes), kinds=list(kinds))
         # 4 KiB 10% slower than predicted, 64 KiB 40% faster
         return [{"kind": "all_reduce", "link": "inter_host", "n": 2, "bytes": b, "iqr_rel": 0.0,
@@ -193,7 +311,7 @@ def test_check_compares_the_two_process_all_reduce_with_the_file(tmp_path, monke
 
     monkeypatch.setattr(_calibrate, "run_two_processes", fake_run)
     result = check(str(path))
-    assert asked == {"sizes": [4096, 65536], "kinds": ["all_reduce"]}  # the file's own sizes
+    assert asked == {"sizes": [4096, 65536], "kinds": ["all_reduce"]}  # the file's own sizes and kinds
     assert [round(r["rel_err"], 6) for r in result["rows"]] == [round(1 / 1.1 - 1, 6), -0.4]
     assert result["max_rel_err"] == pytest.approx(0.4) and not result["ok"]
     assert main(["calibrate", "--check", str(path)]) == 1
@@ -208,22 +326,35 @@ def test_check_compares_the_two_process_all_reduce_with_the_file(tmp_path, monke
 # ---- the one 2-process launch ------------------------------------------------------
 
 
-def test_cli_two_processes_measure_the_inter_host_link(tmp_path):
-    out = tmp_path / "target.json"
+def _run(command, timeout):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_") or k == "SPMDKIT_COMPILE_CACHE"}
-    command = [SPMDKIT, "calibrate", "--quick", "--devices", "2", "--sizes", "4K", "64K", "--rounds", "2",
-               "--timeout", "200", "--out", str(out)]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=260)
+        stdout, stderr = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # calibrate, its launcher and both workers
             proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+    return proc.returncode, stdout, stderr
+
+
+def test_cli_two_processes_measure_the_inter_host_link_and_check_replays_it(tmp_path):
+    out = tmp_path / "target.json"
+    code, stdout, stderr = _run([SPMDKIT, "calibrate", "--quick", "--devices", "2", "--sizes", "4K", "64K",
+                                 "--rounds", "2", "--timeout", "200", "--out", str(out)], timeout=260)
+    assert code == 0, stderr[-3000:]
     target = json.loads(out.read_text())
     _check_fields(target, devices=2, links=["intra_host", "inter_host"])
-    inter = {(m["kind"], m["n"], m["bytes"]) for m in target["measurements"] if m["link"] == "inter_host"}
-    assert inter == {(k, 2, b) for k in KINDS for b in (4096, 65536)}
+    inter = {(m["kind"], m["n"], m["bytes"]): m for m in target["measurements"] if m["link"] == "inter_host"}
+    assert set(inter) == {(k, 2, b) for k in KINDS for b in (4096, 65536)}
     assert "2-process all-reduce" in stdout and f"wrote {out}" in stdout
+    # the check's processes run the calibration's programs: same repetitions (passed to the workers)
+    code, stdout, stderr = _run([SPMDKIT, "calibrate", "--check", str(out), "--quick", "--json", "--timeout", "200"],
+                                timeout=260)
+    assert code in (0, 1), stderr[-3000:]  # 1: outside 25%, which a loaded machine may well be
+    result = json.loads(stdout)
+    assert result["kinds"] == list(KINDS) and result["rounds"] == 2
+    assert [(r["bytes"], r["reps"]) for r in result["rows"]] == [
+        (b, inter[("all_reduce", 2, b)]["reps"]) for b in (4096, 65536)]
+    assert all(r["seconds"] > 0 and math.isfinite(r["vs_then"]) for r in result["rows"])

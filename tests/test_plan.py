@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import flax.linen as nn
 import jax
@@ -47,6 +48,23 @@ def test_bad_target_file_is_named(tmp_path):
         load_target(tmp_path / "missing.json")
 
 
+def test_target_file_without_collective_sync_ops_loads_and_prices_no_wait(tmp_path):
+    old = {"format": "spmdkit-target", "version": 1, "devices_per_host": 8, "peak_flops": {"float32": 1e12},
+           "memory_bandwidth": 1e11, "links": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    t = load_target(path)
+    assert t.collective_sync_ops == {} and t.sync_ops_for(8) == 0.0 and "collective_sync_ops" not in t.to_json()
+    with_sync = dict(old, collective_sync_ops={"2": 1.0, "8": 7.0})
+    t2 = from_json(with_sync)
+    assert t2.collective_sync_ops == {2: 1.0, 8: 7.0}
+    assert t2.sync_ops_for(1) == 0.0 and t2.sync_ops_for(4) == pytest.approx(3.0)  # linear in n - 1 between 2 and 8
+    assert from_json(json.loads(json.dumps(t2.to_json()))) == t2  # the file format round-trips
+    for bad in ({"1": 1.0}, {"eight": 1.0}, {"8": -1.0}, [1.0]):
+        with pytest.raises(TargetError, match="collective_sync_ops"):
+            from_json(dict(old, collective_sync_ops=bad))
+
+
 # ---------------------------------------------------------------- HLO
 def test_psum_over_one_axis_is_one_all_reduce_over_that_axis():
     mesh = spmdkit.make_mesh(data=2, model=4)
@@ -78,6 +96,72 @@ def test_link_is_inter_host_when_a_group_spans_processes():
     over_model = Collective("all_reduce", 64, 4, ("model",), 1, ((0, 1, 2, 3), (4, 5, 6, 7)), "ar")
     assert link_of(over_data, 8) == link_of(over_model, 8) == "intra_host"  # one process
     assert (link_of(over_data, 4), link_of(over_model, 4)) == ("inter_host", "intra_host")  # 2 processes x 4
+
+
+# ---------------------------------------------------------------- cost model
+def _sync_target(sync_ops: dict[int, float]) -> Target:
+    return Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)},
+                  collective_sync_ops=sync_ops)
+
+
+def _gather_loop(trips: int):
+    """A tiny all-gather over 'data' after a matmul, ``trips`` times in a loop, as HLO analysed."""
+    mesh = spmdkit.make_mesh(data=8)
+
+    def body(a, w):
+        def trip(i, v):
+            return v @ w + jax.lax.all_gather(v[:1], "data", tiled=True).mean(0)
+
+        return jax.lax.fori_loop(0, trips, trip, a)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False))
+    x = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    return analyse(f.lower(x, w).compile().as_text(), dict(mesh.shape))
+
+
+def test_collective_wait_priced_per_execution_including_loop_trips():
+    from spmdkit._plan._cost import collective_costs, step_time
+
+    target, plain = _sync_target({2: 1.0, 8: 7.0}), _sync_target({})
+    op_s = 1e-4  # the step's mean seconds per operation
+    priced = {}
+    for trips in (1, 10):
+        program = _gather_loop(trips)
+        (gather,) = [c for c in program.collectives if c.kind == "all_gather"]
+        assert gather.count == trips and gather.group_size == 8
+        with_sync, without = collective_costs(program, target, 8, op_s), collective_costs(program, plain, 8, op_s)
+        row = next(c for c in with_sync if c["kind"] == "all_gather")
+        assert row["sync_seconds"] == pytest.approx(trips * 7 * op_s)  # count x 7 operation times (a group of 8)
+        assert row["seconds"] == pytest.approx(next(c for c in without if c["kind"] == "all_gather")["seconds"]
+                                               + trips * 7 * op_s)
+        comm, sync = sum(c["seconds"] for c in with_sync), sum(c["sync_seconds"] for c in with_sync)
+        priced[trips] = step_time(1e6, 1e6, comm, target, "float32", program.ops, sync)
+    # Ten waits cost more than one by nine waits at least, whatever else the loop adds.
+    assert priced[10]["step_s"] - priced[1]["step_s"] >= 9 * 7 * op_s
+    assert priced[10]["sync_s"] == pytest.approx(10 * 7 * op_s)
+    # A group of 4 (between the measured 2 and 8) waits 3 operation times; without a figure, none.
+    assert target.sync_ops_for(4) == pytest.approx(3.0) and all(c["sync_seconds"] == 0 for c in without)
+
+
+def test_collective_wait_is_never_overlapped_with_compute():
+    from spmdkit._plan._cost import step_time
+
+    t = _sync_target({8: 5.0})
+    # compute 10 ms (1e10 FLOPs at 1e12 FLOP/s); collectives 2 ms, of which 1 ms waits
+    s = step_time(1e10, 0.0, 2e-3, t, "float32", 0, 1e-3)
+    assert s["compute_s"] == pytest.approx(1e-2)
+    assert s["step_s_overlapped"] == pytest.approx(1.1e-2)  # the alpha-beta 1 ms hides under compute, the wait not
+    assert s["step_s_serial"] == pytest.approx(1.2e-2)
+    assert step_time(1e10, 0.0, 2e-3, t, "float32")["step_s_overlapped"] == pytest.approx(1e-2)  # no wait: all hidden
+
+
+def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
+    from spmdkit._target import measure_collective_sync
+
+    seen = measure_collective_sync(8, loops=2, rounds=1, rows=8, width=16)
+    assert sorted(seen.extra) == [2, 4, 8] and all(s >= 0.0 for s in seen.extra.values()) and seen.op_seconds > 0
+    assert measure_collective_sync(1).extra == {}
 
 
 # ---------------------------------------------------------------- candidates
@@ -208,3 +292,99 @@ def test_cli_plan_bad_target_names_the_fix(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "nope.json" in err and "h100x8" in err
+
+
+# ---------------------------------------------------------------- several processes
+def test_processes_argument_checked_against_the_processes_running():
+    from spmdkit._plan._processes import check_processes
+
+    assert check_processes(None, 2, running=2) == 2  # taken from jax.process_count()
+    assert check_processes(2, 0, running=1) == 2  # priced as 2 hosts, nothing run
+    with pytest.raises(spmdkit.ConfigError, match=r"processes=3\), but this is one of 2 processes") as e:
+        check_processes(3, 0, running=2)
+    assert "pass processes=2" in str(e.value) and isinstance(e.value, ValueError)
+    make_state, train_step, batch = _user_program()
+    with pytest.raises(spmdkit.ConfigError, match=r"processes=2, measure=1\) in a single process") as e:
+        spmdkit.plan(make_state, train_step, batch, rules=("dp",), target="h100x8", processes=2, measure=1)
+    assert "spmdkit launch -n 2" in str(e.value) and "measure=0" in str(e.value)
+
+
+def test_cli_plan_processes_errors_name_the_flags(capsys):
+    base = ["plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--rules", "dp", "--target", "h100x8"]
+    assert main([*base, "--devices", "8", "--processes", "3", "--measure", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices 8" in err and "--processes 3" in err and "Fix" in err
+    assert main([*base, "--devices", "8", "--measure", "-1"]) == 2
+    assert "--measure -1" in capsys.readouterr().err
+
+
+def test_cli_plan_measures_over_two_processes(tmp_path):
+    """One command starts 2 processes x 4 devices, runs the 2 best candidates in both, and
+    process 0 writes the plan: collectives over the axis that spans the processes are inter_host."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
+               "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
+               "--measure", "2", "--measure-steps", "1", "--measure-rounds", "1", "--measure-timeout", "200",
+               "--json", str(out)]
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the command and the launcher; the workers die with it
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("predicted vs measured (2 processes") == 1, stdout  # process 0 alone prints
+    plan = json.loads(out.read_text())
+    assert (plan["processes"], plan["devices"], plan["devices_per_host"]) == (2, 8, 4)
+    runs = plan["measured"]["runs"]
+    assert [m["rank"] for m in runs] == [1, 2] and plan["measured"]["processes"] == 2
+    assert all(np.isfinite(m["measured_s"]) and m["measured_s"] > 0 and m["steps"] == 1 for m in runs)
+    ok = [r for r in plan["candidates"] if r["status"] == "ok"]
+    assert {r["label"] for r in ok} == {"dp [data=8]", "dp+tp [data=2,model=4]", "dp+tp [data=4,model=2]"}
+    # "data" is every mesh's outer axis: its groups take devices of both processes, "model"'s one process's.
+    links = [(tuple(c["axes"]), c["link"]) for r in ok for c in r["collectives"]]
+    assert links and all(link == ("inter_host" if "data" in axes else "intra_host") for axes, link in links), links
+    assert {link for _, link in links} == {"inter_host", "intra_host"}
+
+
+def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path):
+    """A process's error (bad input) is the command's; past --measure-timeout every process is killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    base = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed",
+            "8", "--batch-size", "16", "--rules", "dp", "--devices", "8", "--processes", "2", "--measure", "1"]
+    for extra, code, words in ((["--target", "nope.json"], 2, "'nope.json' is neither a file"),
+                               (["--measure-timeout", "2"], 4, "did not finish in 2 s; killed")):
+        proc = subprocess.Popen([*base, *extra], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == code and words in " ".join(stderr.split()), stderr[-2000:]
+        assert "Traceback" not in stderr
+    time.sleep(1)  # SIGKILL is delivered at once; the kernel may take a moment to reap
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == str(tmp_path)]
+    assert not left, f"processes left running in {tmp_path}: {left}"
+
+
+def _cwd(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None

@@ -17,9 +17,13 @@ algorithm, n devices, payload B bytes). This module measures those figures here:
 Every collective runs ``reps`` times inside one compiled program (a loop whose every
 iteration depends on the last, so nothing is hoisted), the way a collective runs inside
 a training step, without a dispatch per call. Cases are timed with the house method
-(:mod:`spmdkit._bench._timing`: warm-up, interleaved rounds, medians). alpha and beta
-are fitted per kind and link by non-negative least squares on the *relative* error, so
-4 KiB and 64 MiB points count alike.
+(:mod:`spmdkit._bench._timing`: warm-up, interleaved rounds, medians); each round times
+a call of ``reps`` and one of ``2 * reps`` collectives, each after a barrier, and keeps
+the difference, so no fixed cost per call (dispatch, the wait for the other process) is
+in the figure. ``check`` re-measures a file the same way: the same function, kinds,
+sizes, rounds and repetitions. alpha and beta are fitted per kind and link by
+non-negative least squares on the *relative* error, so 4 KiB and 64 MiB points count
+alike, over two size ranges where one line misses (``pieces``).
 """
 
 from __future__ import annotations
@@ -84,7 +88,23 @@ def predict(coeffs: dict[str, float], kind: str, nbytes: float, n: int) -> float
     if n <= 1:
         return 0.0
     s, w = steps_and_wire(kind, n, nbytes)
-    return s * coeffs["alpha"] + w * coeffs["beta"]
+    c = piece(coeffs, nbytes)
+    return s * c["alpha"] + w * c["beta"]
+
+
+def piece(coeffs: dict[str, Any], nbytes: float) -> dict[str, Any]:
+    """The (alpha, beta) of a piecewise fit that covers ``nbytes`` (``coeffs`` itself without pieces).
+
+    Example:
+        >>> c = {"alpha": 1.0, "beta": 1.0, "pieces": [{"max_bytes": 100, "alpha": 2.0, "beta": 0.0},
+        ...                                             {"alpha": 3.0, "beta": 0.0}]}
+        >>> piece(c, 100)["alpha"], piece(c, 101)["alpha"], piece({"alpha": 1.0, "beta": 0.0}, 5)["alpha"]
+        (2.0, 3.0, 1.0)
+    """
+    for p in coeffs.get("pieces") or ():
+        if p.get("max_bytes") is None or nbytes <= p["max_bytes"]:
+            return p
+    return coeffs
 
 
 def coefficients(target: dict[str, Any], kind: str, link: str) -> dict[str, float]:
@@ -148,6 +168,51 @@ def fit_alpha_beta(kind: str, points: Sequence[tuple[int, float, float]]) -> dic
     scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
     x = _nnls2(a / scale, ys) / scale
     return {"alpha": float(x[0]), "beta": float(x[1])}
+
+
+SPLIT_ABOVE = 0.10  # a fit that errs by more at some size is tried in two size ranges
+PIECE_MIN_SIZES = 3  # distinct sizes per range: two fix (alpha, beta), the third tests them
+
+
+def _max_rel_err(kind: str, coeffs: dict[str, Any], points: Sequence[tuple[int, float, float]]) -> float:
+    return max(abs(predict(coeffs, kind, b, n) / t - 1.0) for n, b, t in points if n >= 2)
+
+
+def fit_pieces(kind: str, points: Sequence[tuple[int, float, float]]) -> dict[str, Any]:
+    """:func:`fit_alpha_beta` over all sizes and, when that errs by more than 10% at some size,
+    over two size ranges, kept as ``"pieces"`` if they halve the largest error.
+
+    The cost is affine in bytes only within one regime: between two processes the time per
+    byte of a payload that fits in the caches is a fraction of that of one that streams
+    through memory, so one line through 4 KiB .. 64 MiB misses both ends. Each range holds
+    at least 3 sizes, so every piece is tested by a point it was not solved from. The
+    whole-range ``alpha``/``beta`` stay (a reader that ignores ``pieces`` gets them);
+    ``pieces[0]["max_bytes"]`` is the geometric middle between the two ranges' sizes.
+
+    Example (cheap bytes up to 1 MiB, 4x dearer beyond):
+        >>> t = lambda b: 2e-4 + b * (1e-9 if b <= 2**20 else 4e-9)
+        >>> fit = fit_pieces("all_reduce", [(2, b, t(b)) for b in (4096 * 4**k for k in range(8))])
+        >>> [p.get("max_bytes") for p in fit["pieces"]], round(fit["pieces"][1]["beta"] * 1e9, 3)
+        ([2097152, None], 4.0)
+    """
+    whole = fit_alpha_beta(kind, points)
+    worst = _max_rel_err(kind, whole, points)
+    sizes = sorted({b for n, b, _ in points if n >= 2})
+    if worst <= SPLIT_ABOVE or len(sizes) < 2 * PIECE_MIN_SIZES:
+        return whole
+    best: tuple[float, int, dict, dict] | None = None
+    for i in range(PIECE_MIN_SIZES, len(sizes) - PIECE_MIN_SIZES + 1):
+        lo = [p for p in points if p[1] < sizes[i]]
+        hi = [p for p in points if p[1] >= sizes[i]]
+        f_lo, f_hi = fit_alpha_beta(kind, lo), fit_alpha_beta(kind, hi)
+        err = max(_max_rel_err(kind, f_lo, lo), _max_rel_err(kind, f_hi, hi))
+        if best is None or err < best[0]:
+            best = (err, i, f_lo, f_hi)
+    if best is None or best[0] > worst / 2:
+        return whole
+    _, i, f_lo, f_hi = best
+    bound = int(round(math.sqrt(sizes[i - 1] * sizes[i])))
+    return {**whole, "pieces": [{"max_bytes": bound, **f_lo}, f_hi]}
 
 
 def prediction_errors(target: dict[str, Any], measurements: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -304,18 +369,23 @@ def group_sizes(count: int, quick: bool) -> list[int]:
 
 
 def run_two_processes(sizes: Sequence[int], kinds: Sequence[str], rounds: int, target_s: float,
-                      timeout: float) -> tuple[list[dict[str, Any]], list[str]]:
+                      timeout: float, reps: dict[tuple[str, int], int] | None = None,
+                      ) -> tuple[list[dict[str, Any]], list[str]]:
     """The inter-host points: 2 local processes x 1 device under ``spmdkit launch``.
 
-    A hard ``timeout`` (seconds): the launcher and both processes are then killed with
-    SIGKILL (JAX catches SIGTERM after ``jax.distributed.initialize``).
+    The one way both :func:`calibrate` and :func:`check` measure the inter-host link;
+    ``reps`` fixes the repetitions per ``(kind, bytes)`` (see
+    :func:`spmdkit._calibrate_measure.measure_collectives`). A hard ``timeout`` (seconds):
+    the launcher and both processes are then killed with SIGKILL (JAX catches SIGTERM
+    after ``jax.distributed.initialize``).
     """
     with tempfile.TemporaryDirectory(prefix="spmdkit-calibrate-") as tmp:
         out = os.path.join(tmp, "inter_host.json")
         command = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--",
                    sys.executable, "-m", "spmdkit._calibrate_worker", "--out", out, "--rounds", str(rounds),
                    "--target-seconds", str(target_s), "--timeout", str(int(max(60, timeout))),
-                   "--sizes", *map(str, sizes), "--kinds", *kinds]
+                   "--sizes", *map(str, sizes), "--kinds", *kinds,
+                   "--reps", *(f"{k}:{b}:{r}" for (k, b), r in sorted((reps or {}).items()))]
         env = {k: v for k, v in os.environ.items() if k not in ENV_STRIP}
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -341,13 +411,13 @@ def run_two_processes(sizes: Sequence[int], kinds: Sequence[str], rounds: int, t
     return result["measurements"], result["warnings"]
 
 
-def _fit_all(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    collectives: dict[str, dict[str, dict[str, float]]] = {}
+def _fit_all(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    collectives: dict[str, dict[str, dict[str, Any]]] = {}
     for kind in KINDS:
         for link in LINKS:
             mine = [(p["n"], p["bytes"], p["seconds"]) for p in points if p["kind"] == kind and p["link"] == link]
             if mine:
-                collectives.setdefault(kind, {})[link] = fit_alpha_beta(kind, mine)
+                collectives.setdefault(kind, {})[link] = fit_pieces(kind, mine)
     return collectives
 
 
@@ -376,7 +446,9 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
         target["op_overhead"] = compute["op_overhead"]
     rows = prediction_errors(target, points)
     target["measurements"] = [{k: r[k] for k in ("kind", "link", "n", "bytes", "seconds", "predicted", "rel_err",
-                                                 "iqr_rel", "min_seconds", "reps", "rounds", "flags")} for r in rows]
+                                                 "iqr_rel", "min_seconds", "single_seconds", "fixed_seconds", "reps",
+                                                 "rounds", "flags")
+                               if k in r} for r in rows]
     # Optional fields (a reader may ignore them): how well the fit explains the points, and why.
     target["fit_quality"] = error_summary(rows)
     target["compute_detail"] = compute["detail"]
@@ -385,9 +457,13 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
         "XLA:CPU collectives within a process are memory copies plus a rendezvous of the devices' threads, "
         "measured with every device of the mesh busy (mesh axes of n devices, all groups at once)",
         "inter_host: 2 processes x 1 device on this machine, jax.distributed with gloo over loopback TCP",
-        "every collective timed inside one compiled loop (no per-call dispatch), median of interleaved rounds",
+        "every collective timed inside one compiled loop: seconds = median over interleaved rounds of "
+        "(t(2 reps) - t(reps)) / reps, each call after a barrier, so no fixed cost per call (dispatch, the wait "
+        "for the peer process) is in it; fixed_seconds = that fixed cost per call",
         f"peak_flops and memory_bandwidth: per device with all {devices_per_host} devices computing at once",
         "fit: alpha, beta >= 0 by least squares on the relative error; links[*] = the all_reduce fit",
+        "pieces (optional): where one alpha-beta line errs by more than 10%, fits over two size ranges "
+        "(up to max_bytes, and above); alpha and beta alone are the fit over all sizes",
     ]
     target["warnings"] = merge_warnings(warnings)
     return target
@@ -489,28 +565,80 @@ def calibrate(
     return target
 
 
+def replay(target: dict[str, Any], sizes: Sequence[int] | None, rounds: int | None,
+           quick: bool) -> tuple[list[int], list[str], int, dict[tuple[str, int], int]]:
+    """What :func:`check` measures to re-measure a calibration: ``(sizes, kinds, rounds, reps)``.
+
+    The file's own inter-host points: the same kinds (interleaved as the calibration did
+    them: what runs between two all-reduces changes their time), sizes, rounds and
+    repetitions per call, so the check runs the programs the fit was made from. ``sizes``
+    or ``rounds`` given override the file's; sizes the file has no repetitions for are
+    probed as a calibration does.
+
+    Example:
+        >>> t = {"measurements": [{"kind": k, "link": "inter_host", "bytes": b, "reps": r, "rounds": 5}
+        ...                       for k, b, r in (("all_reduce", 4096, 40), ("all_gather", 4096, 80),
+        ...                                       ("all_reduce", 65536, 20), ("all_gather", 65536, 30))]}
+        >>> sizes, kinds, rounds, reps = replay(t, None, None, quick=False)
+        >>> sizes, kinds, rounds, reps[("all_gather", 65536)]
+        ([4096, 65536], ['all_reduce', 'all_gather'], 5, 30)
+    """
+    then = [m for m in target.get("measurements", []) if isinstance(m, dict) and m.get("link") == "inter_host"]
+    measured = sorted({int(m["bytes"]) for m in then if m.get("kind") == "all_reduce"})
+    sizes = check_sizes(sizes if sizes is not None else (measured if len(measured) >= 2 else None), quick)
+    kinds = [k for k in KINDS if any(m.get("kind") == k for m in then)] or list(KINDS)
+    if "all_reduce" not in kinds:
+        kinds.insert(0, "all_reduce")
+    file_rounds = [m["rounds"] for m in then if isinstance(m.get("rounds"), int)]
+    if rounds is None and file_rounds:
+        rounds = max(file_rounds)
+    rounds, _ = _defaults(quick, rounds)
+    reps = {(m["kind"], int(m["bytes"])): int(m["reps"]) for m in then
+            if m.get("kind") in kinds and isinstance(m.get("reps"), int) and m["reps"] >= 1}
+    return sizes, kinds, rounds, reps
+
+
 def check(path: str, *, sizes: Sequence[int] | None = None, rounds: int | None = None, quick: bool = False,
           timeout: float | None = None) -> dict[str, Any]:
     """Re-measure the 2-process all-reduce and compare it with the prediction of the target file at ``path``.
 
-    Sizes default to those the file measured on ``inter_host`` (else the default sizes).
-    Returns ``{"rows": [{"bytes", "seconds", "predicted", "rel_err"}], "max_rel_err",
-    "median_rel_err", "limit", "ok", "warnings"}``; ``ok`` when every size is within 25%.
+    Measures exactly as the calibration did (:func:`replay`: the same kinds, sizes,
+    rounds and repetitions, through the same :func:`run_two_processes`) and compares
+    the all-reduce with the file's prediction. Returns ``{"rows": [{"bytes", "seconds",
+    "predicted", "rel_err", "then_seconds", "vs_then", ...}], "max_rel_err",
+    "median_rel_err", "max_vs_then", "limit", "ok", "warnings"}``: ``ok`` when every size
+    is within 25% of the prediction; ``vs_then`` = now / the calibration's own
+    measurement - 1, how well the measurement reproduces.
     """
     target = load_target_json(path)
     coeffs = coefficients(target, "all_reduce", "inter_host")
-    if sizes is None:
-        measured = sorted({int(m["bytes"]) for m in target.get("measurements", [])
-                           if m.get("kind") == "all_reduce" and m.get("link") == "inter_host"})
-        sizes = measured if len(measured) >= 2 else None
-    sizes = check_sizes(sizes, quick)
-    rounds, target_s = _defaults(quick, rounds)
-    points, warnings = run_two_processes(sizes, ["all_reduce"], rounds, target_s, timeout or (600.0 if quick else 1800.0))
-    rows = [{"bytes": p["bytes"], "seconds": p["seconds"], "iqr_rel": p["iqr_rel"],
-             "predicted": predict(coeffs, "all_reduce", p["bytes"], p["n"])} for p in points]
-    for r in rows:
-        r["rel_err"] = r["predicted"] / r["seconds"] - 1.0
+    sizes, kinds, rounds, reps = replay(target, sizes, rounds, quick)
+    _, target_s = _defaults(quick, rounds)
+    points, warnings = run_two_processes(sizes, kinds, rounds, target_s, timeout or (600.0 if quick else 1800.0),
+                                         reps=reps)
+    then = {int(m["bytes"]): m for m in target.get("measurements", [])
+            if m.get("kind") == "all_reduce" and m.get("link") == "inter_host" and m.get("seconds")}
+    rows = []
+    for p in points:
+        if p["kind"] != "all_reduce":
+            continue
+        row = {k: p.get(k) for k in ("bytes", "seconds", "iqr_rel", "reps", "fixed_seconds", "min_seconds",
+                                     "single_seconds", "flags")}
+        row["predicted"] = predict(coeffs, "all_reduce", p["bytes"], p["n"])
+        row["rel_err"] = row["predicted"] / p["seconds"] - 1.0
+        old = then.get(p["bytes"])
+        if old:
+            row["then_seconds"] = old["seconds"]
+            row["vs_then"] = p["seconds"] / old["seconds"] - 1.0
+            # How well the other statistics would have reproduced (the same rounds): the evidence
+            # for the one ``seconds`` uses.
+            for key in ("min_seconds", "single_seconds"):
+                if (old.get(key) or 0) > 0 and (p.get(key) or 0) > 0:
+                    row[f"vs_then_{key.split('_')[0]}"] = p[key] / old[key] - 1.0
+        rows.append(row)
     errs = [abs(r["rel_err"]) for r in rows]
-    return {"file": path, "coefficients": coeffs, "rows": rows, "max_rel_err": max(errs),
-            "median_rel_err": statistics.median(errs), "limit": ACCEPT_REL_ERR,
+    drift = [abs(r["vs_then"]) for r in rows if "vs_then" in r]
+    return {"file": path, "coefficients": coeffs, "kinds": kinds, "rounds": rounds, "rows": rows,
+            "max_rel_err": max(errs), "median_rel_err": statistics.median(errs),
+            "max_vs_then": max(drift) if drift else None, "limit": ACCEPT_REL_ERR,
             "ok": max(errs) <= ACCEPT_REL_ERR, "warnings": merge_warnings(warnings)}

@@ -49,7 +49,9 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="3 sizes, largest mesh axis only, 3 rounds: a smoke run")
     p.add_argument("--timeout", type=float, metavar="S", help="seconds before the 2-process run is killed "
                    "(3600; --quick: 600)")
-    p.add_argument("--check", metavar="FILE", help="instead: re-measure the 2-process all-reduce (at FILE's sizes unless --sizes) and compare it "
+    p.add_argument("--check", metavar="FILE", help="instead: re-measure the 2-process collectives as FILE's "
+                   "calibration did (its kinds, sizes, rounds and repetitions; --sizes/--rounds override) and "
+                   "compare the all-reduce "
                    f"with FILE's prediction (exit 0 when every size is within {100 * ACCEPT_REL_ERR:.0f}%%, else 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
@@ -68,6 +70,10 @@ def print_fit(target: dict[str, Any], console: Console) -> None:
             table.add_row(kind, link, str(q["points"]), f"{c['alpha'] * 1e6:.1f}",
                           f"{1e-9 / c['beta']:.2f}" if c["beta"] else "inf",
                           f"{q['max_rel_err']:.0%}", f"{q['median_rel_err']:.0%}")
+            for i, p in enumerate(c.get("pieces") or ()):  # the errors above are those of the pieces
+                size = _kib([p["max_bytes"]]) if "max_bytes" in p else _kib([c["pieces"][i - 1]["max_bytes"]])
+                table.add_row("", f"  {'<=' if 'max_bytes' in p else '>'} {size}", "", f"{p['alpha'] * 1e6:.1f}",
+                              f"{1e-9 / p['beta']:.2f}" if p["beta"] else "inf", "", "")
     console.print(table)
     flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in target["peak_flops"].items())
     console.print(f"per device ({target['devices_per_host']} at once): {flops}; memory "
@@ -76,12 +82,19 @@ def print_fit(target: dict[str, Any], console: Console) -> None:
 
 def print_points(rows: list[dict[str, Any]], title: str, console: Console) -> None:
     table = Table(title=title)
-    for col in ("n", "bytes", "measured (us)", "IQR", "predicted (us)", "error"):
+    then = any("then_seconds" in r for r in rows)  # a check: what the calibration measured, and the drift
+    cols = ("n", "bytes", "reps", "fixed/call (us)", "measured (us)", "IQR") + (
+        ("calibration (us)", "now/then") if then else ()) + ("predicted (us)", "error")
+    for col in cols:
         table.add_column(col, justify="right")
+    us = lambda v: f"{v * 1e6:.1f}" if isinstance(v, (int, float)) else ""  # noqa: E731
     for r in rows:
         iqr = r.get("iqr_rel")
-        table.add_row(str(r.get("n", 2)), str(r["bytes"]), f"{r['seconds'] * 1e6:.1f}",
-                      f"{iqr:.0%}" if iqr is not None else "", f"{r['predicted'] * 1e6:.1f}", _pct(r["rel_err"]))
+        cells = [str(r.get("n", 2)), str(r["bytes"]), str(r.get("reps") or ""), us(r.get("fixed_seconds")),
+                 us(r["seconds"]), f"{iqr:.0%}" if iqr is not None else ""]
+        if then:
+            cells += [us(r.get("then_seconds")), _pct(r["vs_then"]) if "vs_then" in r else ""]
+        table.add_row(*cells, us(r["predicted"]), _pct(r["rel_err"]))
     console.print(table)
 
 
@@ -101,6 +114,15 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
         verdict = "met" if result["ok"] else "NOT met"
         console.print(f"max |error| {result['max_rel_err']:.0%}, median {result['median_rel_err']:.0%}: "
                       f"within {ACCEPT_REL_ERR:.0%} at every size: {verdict}", highlight=False)
+        if result.get("max_vs_then") is not None:
+            console.print(f"the measurement reproduces the calibration's own within {result['max_vs_then']:.0%} "
+                          f"(same kinds {', '.join(result['kinds'])}, rounds and repetitions)", highlight=False)
+            other = {name: [abs(r[key]) for r in result["rows"] if key in r]
+                     for name, key in (("difference of the minima", "vs_then_min"),
+                                       ("one call of reps per round", "vs_then_single"))}
+            if all(other.values()):
+                console.print("the same rounds summarised otherwise reproduce within: "
+                              + ", ".join(f"{name} {max(v):.0%}" for name, v in other.items()), highlight=False)
         return 0 if result["ok"] else 1
     err = Console(stderr=True)
     target = calibrate(processes=args.processes, sizes=args.sizes, rounds=args.rounds, quick=args.quick,

@@ -8,6 +8,7 @@ same programs in the same order: every choice that shapes the sequence of collec
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,28 +72,121 @@ def _filled(mesh: Mesh, per_device: int) -> jax.Array:
     return jax.jit(lambda: jnp.full((count * per_device,), 1.0, jnp.float32), out_shardings=sharding)()
 
 
-def _timed_call(fn: Callable, x: jax.Array, reps_arr: jax.Array, reps: int) -> Callable[[], float]:
-    def case() -> float:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, reps_arr))  # every call synced: the CPU collective rule
-        return (time.perf_counter() - t0) / reps
+def pair_case(run: Callable[[int], Any], reps: int, barrier: Callable[[], Any], *,
+              clock: Callable[[], float] = time.perf_counter) -> tuple[Callable[[], float], list[tuple[float, float]]]:
+    """A self-timed case for :func:`~spmdkit._bench._timing.measure` and the list of its raw times.
 
-    return case
+    Each call of the case times one call of ``run(reps)`` and one of ``run(2 * reps)``
+    (collectives in a compiled loop), each right after ``barrier()``, and returns their
+    difference over ``reps``: seconds per collective with no fixed cost per call in it.
+    A time / reps figure holds, spread over the reps, the dispatch and, between two
+    processes, the wait of the first collective for the peer that is still in Python
+    (process 0 starts its clock while process 1 may still be in Python or descheduled).
+    The barrier makes that wait short, the difference removes what is left. Which call goes first alternates, so neither pays
+    for following the other. ``raw`` gets the (t(reps), t(2 reps)) pair of every call,
+    warm-up calls included (first).
+
+    Example (a fake clock: 1 ms of fixed cost per call, 10 us per collective):
+        >>> now = [0.0]
+        >>> def run(k):
+        ...     now[0] += 1e-3 + k * 1e-5
+        >>> case, raw = pair_case(run, 8, lambda: None, clock=lambda: now[0])
+        >>> round(case(), 12), round(raw[0][0] / 8, 12)  # per collective; time / reps is 13.5x off
+        (1e-05, 0.000135)
+    """
+    raw: list[tuple[float, float]] = []
+
+    def timed(k: int) -> float:
+        barrier()
+        t0 = clock()
+        run(k)
+        return clock() - t0
+
+    def case() -> float:
+        if len(raw) % 2:
+            t2 = timed(2 * reps)
+            t1 = timed(reps)
+        else:
+            t1 = timed(reps)
+            t2 = timed(2 * reps)
+        raw.append((t1, t2))
+        return (t2 - t1) / reps
+
+    return case, raw
+
+
+def per_collective(raw: Sequence[tuple[float, float]], reps: int) -> dict[str, Any]:
+    """The figures of one case from its per-round ``(t(reps), t(2 reps))`` pairs.
+
+    ``seconds``: the median over rounds of (t(2r) - t(r)) / r. The median of the paired
+    differences, not the difference of the minima: minima taken separately need a quiet
+    round for each call and mix rounds (their difference even came out negative), while a
+    pair shares its round's conditions and the median drops the rounds a burst of load
+    hit. Under heavy load (load average 10-18 on 2 cores) the noise is per collective,
+    not per call, and the difference of two calls doubles it: there t(r) / r reproduced
+    better (0.09-2.1x between two runs vs 0.02-7x); ``spmdkit calibrate --check`` prints
+    how each of the three reproduces, for an idle machine to decide.
+    ``min_diff``: (min t(2r) - min t(r)) / r, kept for comparison; ``fixed_seconds``: the
+    median fixed cost per call (2 t(r) - t(2r)): dispatch plus the wait for the peer;
+    ``single_seconds``: median t(r) / r, what one timed call per round would report;
+    ``iqr_rel``: the differences' interquartile range over ``seconds``.
+    A median difference <= 0 (noise larger than r collectives) falls back to
+    t(2r) / 2r, an upper bound, with the flag ``fixed-cost``.
+
+    Example:
+        >>> fig = per_collective([(1.1e-3, 1.2e-3), (1.0e-3, 1.1e-3), (1.5e-3, 1.7e-3)], reps=10)
+        >>> round(fig["seconds"], 9), round(fig["fixed_seconds"], 9), fig["flags"]
+        (1e-05, 0.001, [])
+    """
+    if not raw:
+        return {"seconds": float("nan"), "flags": ["failed"]}
+    t1 = [a for a, _ in raw]
+    t2 = [b for _, b in raw]
+    diffs = [(b - a) / reps for a, b in raw]
+    med = statistics.median(diffs)
+    flags: list[str] = []
+    if not med > 0:
+        med = statistics.median(t2) / (2 * reps)
+        flags.append("fixed-cost")
+    q = statistics.quantiles(diffs, n=4, method="inclusive") if len(diffs) > 1 else [diffs[0]] * 3
+    return {"seconds": med, "iqr_rel": (q[2] - q[0]) / med, "min_diff": (min(t2) - min(t1)) / reps,
+            "fixed_seconds": statistics.median(2 * a - b for a, b in raw),
+            "single_seconds": statistics.median(t1) / reps, "diffs": diffs, "flags": flags}
+
+
+def _barrier(mesh: Mesh) -> Callable[[], Any]:
+    """A one-element psum over every device of ``mesh``, waited for: all processes leave it together."""
+    from jax import lax
+
+    names = ("rest", "group")
+    spec = P(names)
+    fn = jax.jit(jax.shard_map(lambda v: lax.psum(v, names), mesh=mesh, in_specs=spec, out_specs=spec,
+                               check_vma=False))
+    x = _filled(mesh, 1)
+    return lambda: jax.block_until_ready(fn(x))
 
 
 def _choose_reps(fn: Callable, x: jax.Array, mesh: Mesh, target_s: float) -> int:
-    """Repetitions that make one call last about ``target_s`` (this process's view)."""
+    """Repetitions that make one call last about ``target_s`` (this process's view).
+
+    The time per collective is the median of 3 probes, each (t(8) - t(1)) / 7: one probe
+    hit by a burst of load chose 3 repetitions at 4 KiB in some runs and 22-44 in others
+    (rough, on a loaded machine), and a call of 3 collectives is mostly its fixed cost.
+    """
     one, many = _replicated_int(mesh, 1), _replicated_int(mesh, PROBE_REPS)
     jax.block_until_ready(fn(x, one))  # compile and warm
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(x, one))
-    t1 = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(x, many))
-    tk = time.perf_counter() - t0
-    per = (tk - t1) / (PROBE_REPS - 1)
+    pers, tks = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, one))
+        t1 = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, many))
+        tks.append(time.perf_counter() - t0)
+        pers.append((tks[-1] - t1) / (PROBE_REPS - 1))
+    per = statistics.median(pers)
     if per <= 0:
-        per = tk / PROBE_REPS
+        per = statistics.median(tks) / PROBE_REPS
     return int(min(MAX_REPS, max(1, round(target_s / max(per, 1e-9)))))
 
 
@@ -116,6 +210,7 @@ def measure_collectives(
     *,
     rounds: int,
     target_s: float,
+    reps: dict[tuple[str, int], int] | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Time every kind at every payload size over mesh axes of ``group_sizes`` devices.
@@ -123,13 +218,19 @@ def measure_collectives(
     For a group size n the devices form a (len(devices) / n, n) mesh and the collective
     runs over its second axis: every device takes part, in len(devices) / n groups at
     once, as in a step that reduces over one axis of a larger mesh. Cases of one (n, size)
-    are interleaved (the house timing method); returns the measured points and warnings.
+    are interleaved (the house timing method), each timed by :func:`pair_case` and
+    summarised by :func:`per_collective`. ``reps`` fixes the repetitions per
+    ``(kind, bytes)`` (``spmdkit calibrate --check`` replays a calibration's own); the
+    others are chosen by a probe so that a call of ``reps`` lasts about ``target_s / 2``.
+    ``spmdkit calibrate`` and ``--check`` both measure through this function, with the
+    same kinds and warm-up. Returns the measured points and warnings.
     """
     points: list[dict[str, Any]] = []
     warnings: list[str] = []
     count = len(devices)
     meshes = {n: Mesh(np.asarray(devices, dtype=object).reshape(count // n, n), ("rest", "group")) for n in group_sizes}
     programs = {n: {kind: _program(kind, meshes[n], n) for kind in kinds} for n in group_sizes}
+    barriers = {n: _barrier(meshes[n]) for n in group_sizes}
     for n in group_sizes:
         _settle(programs[n], meshes[n], n, min(sizes), target_s)
     # Sizes outer, axis sizes inner: the machine's drift hits the axis sizes of one payload alike.
@@ -139,19 +240,29 @@ def measure_collectives(
             full = _filled(mesh, e)
             part = _filled(mesh, e // n) if "all_gather" in kinds else None
             inputs = {kind: part if kind == "all_gather" else full for kind in kinds}
-            reps = [_choose_reps(programs[n][k], inputs[k], mesh, target_s) for k in kinds]
+            fixed = [(reps or {}).get((k, e * 4)) for k in kinds]
+            chosen = [r or _choose_reps(programs[n][k], inputs[k], mesh, target_s / 2) for k, r in zip(kinds, fixed)]
             # Both processes of an inter-host run must loop the same number of times.
-            reps = [int(r) for r in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(reps, np.int32)))]
-            cases = {k: _timed_call(programs[n][k], inputs[k], _replicated_int(mesh, r), r) for k, r in zip(kinds, reps)}
-            run = measure(cases, rounds=rounds, warmup=1, self_timed=True, idle_seconds=0.05)
-            for k, r in zip(kinds, reps):
-                c = run["cases"][k]
-                points.append({"kind": k, "link": link, "n": n, "bytes": e * 4, "seconds": c["median"],
-                               "iqr_rel": c.get("iqr_rel"), "min_seconds": c.get("min"), "reps": r, "rounds": rounds,
-                               "flags": c["flags"]})
-            warnings += [f"{link} n={n} {e * 4} B: {w}" for w in run["warnings"]]
+            chosen = [int(r) for r in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(chosen, np.int32)))]
+            cases, raws = {}, {}
+            for k, r in zip(kinds, chosen):
+                loops = {m: _replicated_int(mesh, m) for m in (r, 2 * r)}
+                run = lambda m, fn=programs[n][k], x=inputs[k], loops=loops: jax.block_until_ready(fn(x, loops[m]))  # noqa: E731
+                cases[k], raws[k] = pair_case(run, r, barriers[n])
+            result = measure(cases, rounds=rounds, warmup=1, self_timed=True, idle_seconds=0.05)
+            for k, r in zip(kinds, chosen):
+                c, fig = result["cases"][k], per_collective(raws[k][1:], r)  # [1:]: the warm-up call
+                points.append({"kind": k, "link": link, "n": n, "bytes": e * 4, "seconds": fig["seconds"],
+                               "iqr_rel": fig.get("iqr_rel"), "min_seconds": fig.get("min_diff"),
+                               "fixed_seconds": fig.get("fixed_seconds"), "single_seconds": fig.get("single_seconds"),
+                               "reps": r, "rounds": rounds, "flags": c["flags"] + fig["flags"],
+                               "raw": raws[k][1:]})
+                if fig["flags"]:
+                    warnings.append(f"{link} n={n} {e * 4} B: {k}: t(2 x {r} reps) - t({r} reps) <= 0 in most rounds "
+                                    "(noise per call above the time of the reps); the figure is an upper bound")
+            warnings += [f"{link} n={n} {e * 4} B: {w}" for w in result["warnings"]]
             log(f"{link}: n={n}, {e * 4} B: "
-                + ", ".join(f"{k} {run['cases'][k]['median'] * 1e6:.0f} us" for k in kinds))
+                + ", ".join(f"{p['kind']} {p['seconds'] * 1e6:.0f} us" for p in points[-len(kinds):]))
             del full, part, inputs, cases
     return points, warnings
 

@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--target-seconds", type=float, required=True)
     p.add_argument("--timeout", type=int, default=100)
+    p.add_argument("--reps", nargs="*", default=[], metavar="KIND:BYTES:REPS",
+                   help="repetitions to use instead of probing (a calibration replayed by --check)")
     a = p.parse_args(argv)
 
     import spmdkit
@@ -31,8 +33,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from spmdkit._calibrate_measure import measure_collectives
 
+    reps = {(kind, int(nbytes)): int(r) for kind, nbytes, r in (item.split(":") for item in a.reps)}
     points, warnings = measure_collectives(jax.devices(), [jax.device_count()], a.sizes, a.kinds, "inter_host",
-                                           rounds=a.rounds, target_s=a.target_seconds)
+                                           rounds=a.rounds, target_s=a.target_seconds, reps=reps)
     if jax.process_index() == 0:
         tmp = a.out + ".tmp"
         with open(tmp, "w") as fh:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -301,7 +302,10 @@ def _setup_devices(args: argparse.Namespace) -> None:
         from spmdkit._config import load_toml
 
         n = load_toml(args.config).get("host_devices")
-    n = n or getattr(args, "devices", None) or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
+    # plan's --devices counts every process's devices: under spmdkit launch each simulates its share.
+    under_launch = bool(os.environ.get("SPMDKIT_COORDINATOR")) and host_devices_from_env() is not None
+    n = (n or (None if under_launch else getattr(args, "devices", None)) or host_devices_from_env()
+         or _DEFAULT_DEVICES.get(args.command))
     if args.command == "launch":
         return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
@@ -371,7 +375,7 @@ def _run_suite(name: str, args: argparse.Namespace) -> dict:
 
 
 def _compare_bench(dirs: list[str], console: Console) -> int:
-    """Exit 0 when two runs agree on every target they share, 1 when one differs, 2 on bad input."""
+    """Exit 0 when two runs agree on every comparable target they share, 1 when one differs, 2 on bad input."""
     import glob
     import os
 
@@ -390,9 +394,13 @@ def _compare_bench(dirs: list[str], console: Console) -> int:
         table.add_column(col, justify="left" if col in ("suite", "target") else "right")
     for r in rows:
         table.add_row(r["suite"], Text(r["target"]), f"{r['first']:.3f}", f"{r['second']:.3f}", f"{r['diff']:.1%}",
-                      "yes" if r["agree"] else "[red]NO[/]")
+                      {True: "yes", False: "[red]NO[/]", None: "n/a"}[r["agree"]])
     console.print(table)
-    return 0 if rows and all(r["agree"] for r in rows) else 1
+    for r in rows:
+        if r["note"]:
+            console.print(f"{r['suite']}: {r['target']}: {r['note']}", highlight=False, markup=False)
+    judged = [r for r in rows if r["agree"] is not None]
+    return 0 if judged and all(r["agree"] for r in judged) else 1
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
@@ -597,6 +605,8 @@ _COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``spmdkit`` console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "plan":  # plan --processes P --measure K starts itself again in P processes
+        args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     # Tables are for reading in logs too: do not fold them to 80 columns off a terminal.
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:

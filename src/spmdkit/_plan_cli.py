@@ -5,12 +5,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
 from typing import Any
 
 from rich.console import Console
 
 from spmdkit._errors import ConfigError, fix
+
+# Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
+ENV_PLAN_RESULT = "SPMDKIT_PLAN_RESULT"
+_ENV_STRIP = ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -49,9 +59,10 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
         "the ranking, the memory/time Pareto frontier and why the winner wins.")
     p.add_argument("--task", choices=("lm", "mlp"), default="lm", help="the model (lm)")
     p.add_argument("--devices", type=positive_int, required=True, metavar="N", help="devices to plan for")
-    p.add_argument("--processes", type=positive_int, default=1, metavar="P",
+    p.add_argument("--processes", type=positive_int, default=None, metavar="P",
                    help="processes (hosts) the devices are spread over: collectives across them use the target's "
-                   "inter_host link (1)")
+                   "inter_host link; with --measure the command starts P processes of N/P devices each and "
+                   "measures over them (default: the processes running, 1 unless under spmdkit launch)")
     p.add_argument("--memory-per-device", type=parse_bytes, metavar="BYTES",
                    help="budget per device, e.g. 16GB or 512MiB (default: the target's memory_per_device)")
     p.add_argument("--target", default="cpu", metavar="cpu|FILE",
@@ -69,6 +80,8 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
                    help="--measure: timed steps per candidate per round (5)")
     p.add_argument("--measure-rounds", type=positive_int, default=3, metavar="R",
                    help="--measure: rounds in which the candidates take turns (3)")
+    p.add_argument("--measure-timeout", type=positive_int, default=1800, metavar="S",
+                   help="--measure with --processes P > 1: seconds before every process is killed (1800)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--png", metavar="FILE", help="also draw the memory/time frontier as a PNG")
     p.add_argument("--layers", type=positive_int, help="mlp, lm: number of layers (mlp 4, lm 2)")
@@ -115,15 +128,46 @@ def _mlp(args: argparse.Namespace, batch_size: int):
             mlp_activations(batch_size, **sizes))
 
 
-def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+def _check_args(args: argparse.Namespace) -> None:
+    """Flag errors found before any process starts or any JAX work."""
+    if args.measure < 0:
+        raise ConfigError(fix(f"--measure {args.measure}: the number of candidates to run cannot be negative.",
+                              "pass --measure K with K >= 1, or leave it out (0: price only)."))
+    if args.processes is not None and args.devices % args.processes:
+        raise ConfigError(fix(f"--devices {args.devices} do not split evenly over --processes {args.processes}.",
+                              f"give --devices a multiple of {args.processes} (e.g. --devices "
+                              f"{args.processes * max(args.devices // args.processes, 1)}), or --processes a divisor "
+                              f"of {args.devices}."))
+
+
+def _running_processes() -> int:
     import jax
 
-    from spmdkit._plan import plan, print_plan, save_png
+    # Only a process that joined a job can be one of several; asking JAX otherwise would
+    # start its backend before this command starts the processes that measure.
+    return jax.process_count() if jax.distributed.is_initialized() else 1
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    _check_args(args)
+    running = _running_processes()
+    if running == 1 and (args.processes or 1) > 1 and args.measure:
+        return _relaunch(args, console)
+    import jax
+
+    from spmdkit._plan import plan
     from spmdkit._tasks import task_defaults
 
+    if running > 1 and args.processes not in (None, running):
+        raise ConfigError(fix(f"--processes {args.processes}, but this is one of {running} processes.",
+                              f"pass --processes {running}, or leave --processes out."))
     if jax.device_count() != args.devices:
-        raise ConfigError(fix(f"--devices {args.devices}, but this process has {jax.device_count()} device(s).",
-                              f"leave --host-devices out (plan simulates --devices), or give --host-devices {args.devices}."))
+        raise ConfigError(fix(f"--devices {args.devices}, but {'the' if running > 1 else 'this'} "
+                              f"{'processes have' if running > 1 else 'process has'} {jax.device_count()} device(s).",
+                              f"leave --host-devices out (plan simulates --devices), or give --host-devices {args.devices}."
+                              if running == 1 else f"start each process with {args.devices // running} device(s) "
+                              f"(spmdkit launch -n {running} --host-devices-per-process {args.devices // running})."))
+    lead = jax.process_index() == 0  # several processes: process 0 alone prints and writes
     batch_size = args.batch_size or task_defaults(args.task)["batch_size"]
     if args.task == "lm":
         task, make_state, step_for, activations, remat, dtype = _lm(args, batch_size)
@@ -140,9 +184,17 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     result = plan(make_state, None, batch, memory_per_device=args.memory_per_device, target=args.target,
                   rules=args.rules, remat=tuple(remat), accum=args.grad_accum, step_for=step_for,
                   processes=args.processes, dtype=dtype, activations=activations, measure=args.measure,
-                  measure_steps=args.measure_steps,
-                  measure_rounds=args.measure_rounds, progress=lambda s: console.print(f"compiling {s}", highlight=False, markup=False))
+                  measure_steps=args.measure_steps, measure_rounds=args.measure_rounds,
+                  progress=(lambda s: console.print(f"compiling {s}", highlight=False, markup=False)) if lead else None)
     result["task"] = args.task
+    if lead:
+        _write(result, args, console)
+    return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
+
+
+def _write(result: dict[str, Any], args: argparse.Namespace, console: Console) -> None:
+    from spmdkit._plan import print_plan, save_png
+
     print_plan(result, console)
     if args.json:
         with open(args.json, "w") as fh:
@@ -151,4 +203,82 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.png:
         save_png(result, args.png)
         console.print(f"wrote {args.png}", highlight=False)
-    return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
+    if os.environ.get(ENV_PLAN_RESULT):  # the command that started these processes reads it
+        with open(os.environ[ENV_PLAN_RESULT], "w") as fh:
+            json.dump(result, fh, default=str)
+
+
+def _pump(stream: Any, sink: Any, keep: deque | None) -> None:
+    """Process 0's lines to ``sink`` without their ``[0] `` prefix (every line, when ``keep`` is given, kept)."""
+    for line in iter(stream.readline, ""):
+        if keep is not None:
+            keep.append(line)
+        elif line.startswith("[0] [Gloo] "):  # gloo's word on every connection it makes
+            continue
+        elif line.startswith("[0] "):
+            sink.write(line[4:])
+            sink.flush()
+        elif not re.match(r"\[\d+\] ", line):  # the other processes print nothing but noise
+            sink.write(line)
+            sink.flush()
+
+
+def _relaunch(args: argparse.Namespace, console: Console) -> int:
+    """This command again, in ``--processes`` processes of ``--devices / --processes`` devices each
+    under ``spmdkit launch``; process 0's output shown here. A hard ``--measure-timeout``: then the
+    launcher is killed with SIGKILL, and its processes with it (they die with the launcher)."""
+    from spmdkit._plan._processes import PlanRunError
+
+    per = args.devices // args.processes
+    given = list(getattr(args, "raw_argv", sys.argv[1:]))
+    argv = [*given, "--host-devices", str(per)]  # the last one given counts
+    launcher = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", str(args.processes),
+                "--host-devices-per-process", str(per), "--", sys.executable, "-m", "spmdkit._cli", *argv]
+    console.print(f"measuring over {args.processes} processes x {per} devices: spmdkit launch -n {args.processes} "
+                  f"--host-devices-per-process {per} -- spmdkit {' '.join(given)}", highlight=False, markup=False)
+    with tempfile.TemporaryDirectory(prefix="spmdkit-plan-") as tmp:
+        done = os.path.join(tmp, "plan.json")
+        env = {k: v for k, v in os.environ.items() if k not in _ENV_STRIP}
+        env[ENV_PLAN_RESULT] = done
+        # Not a session of its own: a SIGKILL to this command's process group reaches the launcher.
+        proc = subprocess.Popen(launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        errors: deque = deque(maxlen=200)
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, None), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, None, errors), daemon=True)]
+        for t in pumps:
+            t.start()
+        try:
+            proc.wait(timeout=args.measure_timeout)
+        except subprocess.TimeoutExpired:
+            raise PlanRunError(fix(f"the {args.processes} processes measuring the plan did not finish in "
+                                   f"{args.measure_timeout} s; killed.",
+                                   "measure fewer candidates (--measure, --rules), fewer --measure-steps or "
+                                   "--measure-rounds, or raise --measure-timeout.")) from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()  # the launcher; its processes get SIGKILL when it dies
+                proc.wait()
+            for t in pumps:
+                t.join(timeout=10)
+        if os.path.exists(done):
+            with open(done) as fh:
+                result = json.load(fh)
+            return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
+    _raise_failure(proc.returncode, list(errors), args.processes)
+    return proc.returncode  # not reached
+
+
+def _raise_failure(code: int, lines: list[str], processes: int) -> None:
+    """A process's own error as this command's (bad input: exit code 2), else the failure with
+    the last lines the processes wrote."""
+    split = [re.match(r"(?:\[(\d+)\] )?(.*)", line, re.S).groups() for line in lines]  # (process or None, text)
+    mine = [text for _, text in split]
+    first = next((who for who, text in split if text.startswith("error: ")), None)
+    if code == 2 and first is not None:  # the first process to report an error, its lines only
+        ours = [text for who, text in split if who == first]
+        start = next(i for i, text in enumerate(ours) if text.startswith("error: "))
+        raise ConfigError("".join(ours[start:]).strip()[len("error: "):])
+    tail = "".join(mine[-15:]).rstrip()
+    raise PlanRunError(fix(f"the {processes} processes measuring the plan failed (exit code {code}):\n{tail}",
+                           f"check that {processes} processes can join here (spmdkit launch -n {processes} -- "
+                           "spmdkit devices), or leave --measure out to price only."))

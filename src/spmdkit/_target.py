@@ -10,6 +10,13 @@ A collective over ``n`` devices moving ``B`` bytes costs ``s(n) * alpha + w(n, B
 all-gather (``B``: the gathered output), reduce-scatter (``B``: the input) and all-to-all
 ``n-1`` steps and ``(n-1)/n * B``; a collective permute one step and ``B``.
 
+Two optional fields price what a loop of nothing but collectives does not show:
+``op_overhead`` (seconds per operation a device executes) and ``collective_sync_ops``
+(``{"<devices in the group>": operations}``: what each collective adds when it sits between
+computation, where its devices wait for each other, in units of the step's mean time per
+operation; the planner adds it per execution, loop trips included, and never overlaps it with
+compute). A file without them prices neither.
+
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},
     ...            memory_bandwidth=1e11, links={"intra_host": Link(alpha=1e-5, beta=1e-9)})
@@ -23,7 +30,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from spmdkit._errors import ConfigError, fix
 
@@ -40,6 +47,9 @@ CPU_ALPHA = 2e-5
 # Two processes on this machine through gloo: ~1.6 ms for 8 floats, ~30 ms for 4 MB (an all-reduce
 # of two: 2 steps, 4 MB on the wire).
 CPU_INTER_HOST = (8e-4, 7.5e-9)
+# The computation between collectives when the cpu target measures their waits (rows, width of a
+# matmul per device per trip).
+SYNC_SHAPE = (64, 256)
 
 
 class TargetError(ConfigError):
@@ -52,6 +62,16 @@ class Link:
 
     alpha: float
     beta: float
+    # Optional: a piecewise fit by payload size, ((max_bytes or None for the rest, Link), ...);
+    # ``spmdkit calibrate`` writes one where a single line misses small or large payloads.
+    pieces: tuple = ()
+
+    def at(self, nbytes: float) -> Link:
+        """The (alpha, beta) for a payload of ``nbytes``: its piece, or this link without pieces."""
+        for limit, piece in self.pieces:
+            if limit is None or nbytes <= limit:
+                return piece
+        return self
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,38 @@ class Target:
     # Optional (default 0): seconds of fixed cost per operation a device executes (kernel
     # launch, thunk dispatch); small models on CPU spend much of a step there.
     op_overhead: float = 0.0
+    # Optional (default none): what a collective over a group of ``n`` devices costs on top of
+    # its alpha-beta time when it sits between computation, by ``n``, in units of the step's
+    # mean time per operation (compute seconds / operations): every device of the group waits
+    # there for the others, longer the longer their operations take (simulated CPU devices share
+    # a few cores); the alpha-beta figures, measured in a loop of nothing but collectives, do
+    # not see it.
+    collective_sync_ops: dict[int, float] = field(default_factory=dict)
+
+    def sync_ops_for(self, n: int) -> float:
+        """:attr:`collective_sync_ops` for a group of ``n`` devices: the measured figure,
+        else linear in ``n - 1`` between the nearest measured sizes (beyond them, from the
+        nearest alone), 0 for ``n <= 1`` or none measured.
+
+        Example:
+            >>> t = Target("t", "example", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)},
+            ...            collective_sync_ops={2: 1.0, 8: 7.0})
+            >>> [round(t.sync_ops_for(n), 6) for n in (1, 2, 4, 8, 16)]
+            [0.0, 1.0, 3.0, 7.0, 15.0]
+        """
+        if n <= 1 or not self.collective_sync_ops:
+            return 0.0
+        if n in self.collective_sync_ops:
+            return self.collective_sync_ops[n]
+        sizes = sorted(self.collective_sync_ops)
+        below = [s for s in sizes if s < n]
+        above = [s for s in sizes if s > n]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            w = (n - lo) / (hi - lo)
+            return (1 - w) * self.collective_sync_ops[lo] + w * self.collective_sync_ops[hi]
+        near = below[-1] if below else above[0]
+        return self.collective_sync_ops[near] * (n - 1) / (near - 1)
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype (``"float32"``, ``"bfloat16"``), else float32's."""
@@ -98,18 +150,27 @@ class Target:
             "format": FORMAT, "version": VERSION, "name": self.name, "source": self.source,
             "devices_per_host": self.devices_per_host,
             "peak_flops": dict(self.peak_flops), "memory_bandwidth": self.memory_bandwidth,
-            "links": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in self.links.items()},
+            "links": {k: _link_json(v) for k, v in self.links.items()},
         }
         if self.memory_per_device is not None:
             out["memory_per_device"] = self.memory_per_device
         if self.collectives:
-            out["collectives"] = {kind: {k: {"alpha": v.alpha, "beta": v.beta} for k, v in links.items()}
+            out["collectives"] = {kind: {k: _link_json(v) for k, v in links.items()}
                                   for kind, links in self.collectives.items()}
         if self.measurements:
             out["measurements"] = list(self.measurements)
         if self.op_overhead:
             out["op_overhead"] = self.op_overhead
+        if self.collective_sync_ops:
+            out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
         return out
+
+
+def _link_json(v: Link) -> dict[str, Any]:
+    out: dict[str, Any] = {"alpha": v.alpha, "beta": v.beta}
+    if v.pieces:
+        out["pieces"] = [{**({} if m is None else {"max_bytes": m}), **_link_json(p)} for m, p in v.pieces]
+    return out
 
 
 def steps_and_wire(kind: str, n: int, nbytes: float) -> tuple[float, float]:
@@ -136,7 +197,7 @@ def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str)
     steps, wire = steps_and_wire(kind, n, nbytes)
     if n <= 1:
         return 0.0
-    ab = target.link(kind, link)
+    ab = target.link(kind, link).at(nbytes)
     return steps * ab.alpha + wire * ab.beta
 
 
@@ -152,7 +213,35 @@ def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
 def _link(data: Any, where: str) -> Link:
     if not isinstance(data, dict):
         raise TargetError(fix(f"{where} is {data!r}, not an object.", 'write {"alpha": 5e-6, "beta": 2e-12}.'))
-    return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False))
+    pieces = data.get("pieces") or []
+    if not isinstance(pieces, list):
+        raise TargetError(fix(f"{where}.pieces is {pieces!r}, not a list.",
+                              'write [{"max_bytes": 2097152, "alpha": ..., "beta": ...}, {"alpha": ..., "beta": ...}].'))
+    parsed = []
+    for i, p in enumerate(pieces):
+        at = f"{where}.pieces[{i}]"
+        piece = _link(p, at)
+        parsed.append((None if p.get("max_bytes") is None else _number(p, "max_bytes", at), piece))
+    return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False),
+                pieces=tuple(parsed))
+
+
+def _sync(data: Any, where: str) -> dict[int, float]:
+    """``collective_sync_ops``: ``{"<devices in the group>": operations, ...}``; absent means none."""
+    if data is None:
+        return {}
+    example = ('write e.g. "collective_sync_ops": {"2": 1.0, "8": 6.5} (per collective, in mean operation times, '
+               "by devices in its group).")
+    if not isinstance(data, dict):
+        raise TargetError(fix(f"{where}: collective_sync_ops is {data!r}, not an object.", example))
+    out = {}
+    for key in data:
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
+            raise TargetError(fix(f"{where}: collective_sync_ops has the key {key!r}, not a group size >= 2.", example))
+        out[int(key)] = _number(data, key, f"{where} collective_sync_ops", positive=False)
+        if out[int(key)] < 0:
+            raise TargetError(fix(f"{where}: collective_sync_ops[{key!r}] is {data[key]!r}, below 0.", example))
+    return out
 
 
 def from_json(data: Any, where: str = "target") -> Target:
@@ -188,6 +277,7 @@ def from_json(data: Any, where: str = "target") -> Target:
         links=links, memory_per_device=None if memory is None else _number(data, "memory_per_device", where),
         collectives=collectives, measurements=list(data.get("measurements") or []),
         op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
+        collective_sync_ops=_sync(data.get("collective_sync_ops"), where),
     )
 
 
@@ -234,7 +324,7 @@ def measure_cpu(size: int = 512) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    device = jax.devices("cpu")[0]
+    device = jax.local_devices(backend="cpu")[0]  # this process's own: another's cannot be written to
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
     flops = 2 * size**3 / _best_seconds(lambda: matmul(a))
@@ -301,10 +391,80 @@ def measure_op_overhead(n: int, loops: int = 200) -> float:
     return _best_seconds(lambda: program(x), repeats=3) / (loops * 4)
 
 
+def _sync_program(n: int, group: int, loops: int, rows: int, width: int, gather: bool):
+    """A loop of (a matmul on every device; a tiny all-gather over groups of ``group``, or
+    without it the same arithmetic on the device's own row): ``(run, operations per trip)``,
+    ``run`` blocking; the operations (without the collective only, else 0) counted in the
+    compiled program as the planner counts a step's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from spmdkit._mesh import make_mesh
+    from spmdkit._plan._hlo import analyse  # the planner's own count, imported late: it needs this module
+
+    mesh = make_mesh(devices=jax.local_devices()[:n], rest=n // group, link=group)
+
+    def trip(v, w):
+        v = jnp.tanh(v @ w)
+        shared = jax.lax.all_gather(v[:1], "link", tiled=True).mean(0) if gather else v[0]
+        return v + 1e-3 * shared
+
+    body = lambda x, w: jax.lax.fori_loop(0, loops, lambda i, v: trip(v, w), x)  # noqa: E731
+    spec = P(("rest", "link"))
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False))
+    x = jax.device_put(jnp.full((n * rows, width), 0.01, jnp.float32), NamedSharding(mesh, spec))
+    w = jax.device_put(jnp.eye(width, dtype=jnp.float32), NamedSharding(mesh, P()))
+    ops = 0.0 if gather else analyse(program.lower(x, w).compile().as_text(), dict(mesh.shape)).ops / loops
+    run = lambda: jax.block_until_ready(program(x, w))  # noqa: E731
+    run()  # compile and warm up
+    return run, ops
+
+
+class SyncMeasurement(NamedTuple):
+    """What :func:`measure_collective_sync` saw: seconds a tiny all-gather added per trip, by
+    devices in its group, and the loop's own seconds per operation without it."""
+
+    extra: dict[int, float]
+    op_seconds: float
+
+
+def measure_collective_sync(n: int, loops: int = 20, rounds: int = 7, rows: int = SYNC_SHAPE[0],
+                            width: int = SYNC_SHAPE[1]) -> SyncMeasurement:
+    """What one tiny all-gather adds to a loop of matmuls on ``n`` simulated devices, by
+    devices in its group (every divisor of ``n`` from 2 up): the loop with the collective
+    minus the loop without, per trip, the median of ``rounds`` rounds in rotating order; and
+    the loop's seconds per operation. Between computation every device of a group waits at
+    the collective for the others, which a loop of nothing but collectives does not show.
+    Nothing measured for ``n < 2``."""
+    import statistics
+
+    import jax
+
+    n = min(n, len(jax.local_devices()))
+    groups = [g for g in range(2, n + 1) if n % g == 0]
+    if not groups:
+        return SyncMeasurement({}, 0.0)
+    cases = {0: _sync_program(n, n, loops, rows, width, gather=False)}
+    cases.update({g: _sync_program(n, g, loops, rows, width, gather=True) for g in groups})
+    names = list(cases)
+    times: dict[int, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            start = time.perf_counter()
+            cases[k][0]()
+            times[k].append((time.perf_counter() - start) / loops)
+    extra = {g: max(statistics.median([a - b for a, b in zip(times[g], times[0])]), 0.0) for g in groups}
+    return SyncMeasurement(extra, statistics.median(times[0]) / max(cases[0][1], 1.0))
+
+
 def cpu_target(devices: int = 1) -> Target:
     """This machine as a target: simulated devices share its cores, so each device's rates
     are the process's measured rates divided by ``devices``; the link is an all-reduce among
-    them, measured (or, with one device or too few, assumed)."""
+    them, measured (or, with one device or too few, assumed); a collective's wait between
+    computation (:attr:`Target.collective_sync_ops`) is what a tiny all-gather adds to a loop
+    of matmuls beyond its alpha-beta time, in the loop's operation times."""
+    import dataclasses
     import platform
 
     import jax
@@ -317,7 +477,7 @@ def cpu_target(devices: int = 1) -> Target:
     how = ("collectives measured (alpha s, beta s/B): " + ", ".join(
         f"{kind} {ab.alpha:.3g}, {ab.beta:.3g}" for kind, ab in measured.items() if ab) if link else
            f"link alpha {CPU_ALPHA:g} s assumed (spmdkit calibrate measures it)")
-    return Target(
+    target = Target(
         name=f"cpu ({platform.node()}, {n} simulated device(s))",
         source=f"measured at plan time on {platform.node()}, jax {jax.__version__}: f32 matmul {flops / 1e9:.1f} "
                f"GFLOP/s, read {bandwidth / 1e9:.1f} GB/s per process, divided among {n} device(s); {how}; "
@@ -329,7 +489,19 @@ def cpu_target(devices: int = 1) -> Target:
         collectives={kind: {"intra_host": ab} for kind, ab in measured.items() if ab},
         op_overhead=overhead,
     )
+    seen = measure_collective_sync(n)
+    if not seen.extra or seen.op_seconds <= 0:
+        return target
+    # Beyond the tiny all-gather's own alpha-beta time (its gathered output: one row per device).
+    width = SYNC_SHAPE[1]
+    sync = {g: max(s - collective_time(target, "all_gather", 4 * width * g, g, "intra_host"), 0.0) / seen.op_seconds
+            for g, s in seen.extra.items()}
+    return dataclasses.replace(target, collective_sync_ops=sync, source=target.source + "; a collective between "
+                               "computation waits " + ", ".join(f"{s:.1f}" for s in sync.values()) + " operation times "
+                               f"({seen.op_seconds * 1e6:.0f} us each in the measuring loop) for groups of "
+                               + ", ".join(str(g) for g in sync) + " devices")
 
 
 __all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
-           "load_target", "measure_collective", "measure_cpu", "measure_op_overhead", "steps_and_wire"]
+           "load_target", "measure_collective", "measure_collective_sync", "measure_cpu", "measure_op_overhead",
+           "steps_and_wire", "SyncMeasurement"]

@@ -119,11 +119,24 @@ def _target_key(name: str) -> str:
     return name.split(" [")[0]
 
 
+def _cases(report: dict[str, Any]) -> set[tuple[str, ...]]:
+    """The cases a suite measured: the text cells of its table's rows (not their flags)."""
+    columns = report.get("columns", [])
+    out = set()
+    for row in report.get("rows", []):
+        cells = row.items() if isinstance(row, dict) else zip(columns or range(len(row)), row)
+        out.add(tuple(v for k, v in cells if isinstance(v, str) and k != "flag"))
+    return out
+
+
 def compare(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every target of two runs side by side: ``{suite, target, first, second, diff, agree}``.
+    """Every target of two runs side by side: ``{suite, target, first, second, diff, agree, note}``.
 
     ``first``/``second`` map a suite name to its JSON report. ``diff`` is |a - b| over their
-    mean; runs agree on a target when it is at most :data:`AGREEMENT`.
+    mean; runs agree on a target when it is at most :data:`AGREEMENT`. A target that takes
+    the best of several cases (its name names the winner in brackets) is not comparable,
+    ``agree`` None, when the two runs measured different cases (``--levers`` in one only)
+    and picked different winners: each run's best is then the best of another set.
 
     Example:
         >>> run = lambda v: {"data": {"targets": [{"name": "x [best]", "value": v}]}}
@@ -133,12 +146,17 @@ def compare(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]])
     rows = []
     for suite in sorted(set(first) & set(second)):
         theirs = {_target_key(t["name"]): t for t in second[suite].get("targets", [])}
+        same_cases = _cases(first[suite]) == _cases(second[suite])
         for t in first[suite].get("targets", []):
             other = theirs.get(_target_key(t["name"]))
             if other is None:
                 continue
             a, b = t["value"], other["value"]
             diff = abs(a - b) / ((a + b) / 2) if a + b else float("inf")
-            rows.append({"suite": suite, "target": _target_key(t["name"]), "first": a, "second": b,
-                         "diff": diff, "agree": diff <= AGREEMENT})
+            row = {"suite": suite, "target": _target_key(t["name"]), "first": a, "second": b, "diff": diff,
+                   "agree": diff <= AGREEMENT, "note": ""}
+            if not same_cases and t["name"] != other["name"]:
+                row.update(agree=None, note=f"not comparable: the runs measured different cases and their best "
+                                            f"differs ({t['name']} vs {other['name']})")
+            rows.append(row)
     return rows

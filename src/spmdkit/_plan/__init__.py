@@ -1,8 +1,8 @@
 """``spmdkit plan``: which mesh and rules for a model on some devices, chosen with reasons.
 
 Every candidate layout (mesh shape x rules x remat x accumulation) of the user's
-``make_state`` and ``train_step`` is compiled ahead of time on this process's devices
-(nothing runs), its per-device memory counted, the collectives of the compiled program
+``make_state`` and ``train_step`` is compiled ahead of time for the devices of every
+process (nothing runs), its per-device memory counted, the collectives of the compiled program
 read from its HLO, and its step time priced against a hardware target (``"cpu"``: this
 machine; or a target file: peak FLOP/s, memory bandwidth, alpha-beta links).
 """
@@ -13,12 +13,24 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_table
 from spmdkit._plan._report import explain, measure as _measure, pareto, print_plan, save_png, spearman, time_steps
+from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, from_process_0,
+                                      slowest)
 from spmdkit._plan._search import plan as _plan
+from spmdkit._strategies._base import put_global
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._target import Target
+
+
+def _host(x: Any) -> Any:
+    """A batch leaf as arrays to place: zeros for a shape; with several processes, on the host
+    (each process hands its devices' rows to JAX)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return np.zeros(x.shape, x.dtype)
+    return np.asarray(x) if jax.process_count() > 1 else x
 
 
 def _preparer(make_state: Callable, train_step: Callable | None, step_for: Callable | None, batch: Any,
@@ -30,28 +42,34 @@ def _preparer(make_state: Callable, train_step: Callable | None, step_for: Calla
         strategy = Sharded(make_mesh(**row["mesh"]), rules_table(row["rules"]), state_axes=state_axes)
         fn = step_for(row["remat"], row["accum"]) if step_for else train_step
         state = strategy.init(make_state, rng, unbox=True)
-        real = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
-                            batch)
-        real = jax.device_put(real, strategy._batch_sharding(True))  # placed once, as a prefetched batch is
+        real = jax.tree.map(_host, batch)
+        # Placed once, as a prefetched batch is; with several processes each fills its own shards.
+        real = put_global(real, strategy._batch_sharding(True))
         step = strategy.step(fn)
         time_steps(step, state, real, 2)  # compile and warm up
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         memory = stats.get("peak_bytes_in_use")
+        source = "device allocator peak"
         if memory is None:  # XLA:CPU keeps no memory statistics: the program that ran, as compiled
-            return (lambda steps: time_steps(step, state, real, steps)), compiled_bytes(
-                step.lower(state, real).compile())["total"], "compiled (XLA:CPU keeps no allocator statistics)"
-        return (lambda steps: time_steps(step, state, real, steps)), memory, "device allocator peak"
+            memory = compiled_bytes(step.lower(state, real).compile())["total"]
+            source = "compiled (XLA:CPU keeps no allocator statistics)"
+        memory = slowest([], memory)[1]  # the largest over the processes
+
+        def run(steps: int) -> list[float]:  # each step as long as its slowest process took
+            return slowest(time_steps(step, state, real, steps), None)[0]
+
+        return run, memory, source
 
     return prepare
 
 
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
-         accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None, processes: int = 1,
-         dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 5, measure_rounds: int = 3,
-         activations: Callable[[Candidate, int, int], int] | None = None, state_axes: Any = None,
-         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Rank the sharded layouts of ``make_state``/``train_step`` on this process's devices.
+         accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
+         processes: int | None = None, dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 5,
+         measure_rounds: int = 3, activations: Callable[[Candidate, int, int], int] | None = None,
+         state_axes: Any = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Rank the sharded layouts of ``make_state``/``train_step`` on the devices of every process.
 
     Candidates are the factorisations of ``jax.device_count()`` over the mesh axes each
     rules table names (``rules``: presets, ``"hsdp+tp"``, TOML files), times ``remat``
@@ -60,6 +78,15 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`. Each is compiled, never run,
     unless ``measure=K``: then the K best run, taking turns ``measure_rounds`` times
     ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
+
+    ``processes``: the hosts the devices are spread over; collectives whose devices span
+    them are priced with the target's ``inter_host`` link. Default: the processes running
+    (``jax.process_count()``). In a lone process a larger count prices only (``measure=0``);
+    under ``jax.distributed`` (a script started by ``spmdkit launch``, which calls
+    :func:`spmdkit.initialize` first) every process calls ``plan`` with the same arguments
+    and batch, the candidates compile for the global devices, ``measure=K`` runs them in
+    every process (each step's time: the slowest process's), and every process gets the same
+    dict: process 0's plan (its target, its compile times).
 
     Returns a dict: ``candidates`` (ranked ``ok`` ones first, each with ``step_s``, its
     range ``step_s_overlapped``..``step_s_serial``, ``memory``, ``collectives``, flags
@@ -75,14 +102,21 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         >>> result["candidates"][0]["label"], result["candidates"][0]["collectives"][0]["kind"]
         ('dp [data=8]', 'all_reduce')
     """
+    processes = check_processes(processes, measure)
+    if jax.process_count() > 1:
+        check_device_order()
+        target = agreed_target(target)
     result = _plan(make_state, train_step, batch, memory_per_device=memory_per_device, target=target, rules=rules,
                    remat=remat, accum=accum, step_for=step_for, processes=processes, dtype=dtype, rng=rng,
                    activations=activations, state_axes=state_axes, progress=progress)
     result["frontier"] = [r["label"] for r in pareto(result["candidates"])]
     result["why"] = explain(result)
+    result = from_process_0(result)  # several processes: all measure process 0's ranking, in its order
     if measure:
         result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng, state_axes),
                                       measure_steps, rounds=measure_rounds)
+        result["measured"]["processes"] = jax.process_count()
+    check_same(result)  # several processes: every one returns the same plan
     return result
 
 

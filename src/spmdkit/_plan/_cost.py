@@ -1,4 +1,5 @@
-"""The cost model: compute from FLOPs and bytes, collectives from the target's alpha-beta links."""
+"""The cost model: compute from FLOPs and bytes, collectives from the target's alpha-beta links,
+plus each collective's wait between computation (the target's ``collective_sync_ops``)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,34 @@ def link_of(collective: Collective, devices_per_host: int) -> str:
     return "intra_host"
 
 
-def collective_costs(program: Program, target: Target, devices_per_host: int) -> list[dict[str, Any]]:
+def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str, ops: int = 0) -> float:
+    """A roofline (the slower of FLOPs and memory traffic) plus the target's fixed cost per operation."""
+    return max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
+
+
+def collective_costs(program: Program, target: Target, devices_per_host: int,
+                     op_seconds: float = 0.0) -> list[dict[str, Any]]:
+    """Each collective of ``program`` priced per step (``count`` executions, loop trips
+    included): ``seconds`` is its alpha-beta time plus ``sync_seconds``, the wait of its group's
+    devices for each other at every execution, ``Target.sync_ops_for(group)`` times
+    ``op_seconds`` (the step's mean time per operation), which nothing overlaps."""
     out = []
     for c in program.collectives:
         link = link_of(c, devices_per_host)
         each = collective_time(target, c.kind, c.bytes, c.group_size, link)
+        sync = target.sync_ops_for(c.group_size) * op_seconds
         out.append({"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "group_size": c.group_size,
-                    "count": c.count, "link": link, "seconds": each * c.count})
+                    "count": c.count, "link": link, "seconds": (each + sync) * c.count,
+                    "sync_seconds": sync * c.count})
     return out
 
 
 def step_time(flops: float, bytes_accessed: float, comm_seconds: float, target: Target, dtype: str,
-              ops: int = 0) -> dict[str, float]:
-    """Compute time (a roofline: the slower of FLOPs and memory traffic, plus the target's fixed
-    cost per operation) and the step's range ``[overlapped, not overlapped]`` with the collectives."""
-    compute = max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
-    low, high = max(compute, comm_seconds), compute + comm_seconds
-    return {"compute_s": compute, "comm_s": comm_seconds, "step_s_overlapped": low, "step_s_serial": high,
-            "step_s": math.sqrt(low * high) if low > 0 else high}
+              ops: int = 0, sync_seconds: float = 0.0) -> dict[str, float]:
+    """Compute time (:func:`compute_time`) and the step's range ``[overlapped, not overlapped]``
+    with the collectives. ``comm_seconds`` includes ``sync_seconds``, the collectives' waits
+    between computation: that part is added to both ends (a device that waits computes nothing)."""
+    compute = compute_time(flops, bytes_accessed, target, dtype, ops)
+    low, high = max(compute, comm_seconds - sync_seconds) + sync_seconds, compute + comm_seconds
+    return {"compute_s": compute, "comm_s": comm_seconds, "sync_s": sync_seconds, "step_s_overlapped": low,
+            "step_s_serial": high, "step_s": math.sqrt(low * high) if low > 0 else high}

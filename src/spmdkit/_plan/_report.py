@@ -55,7 +55,8 @@ def explain(plan: dict[str, Any]) -> list[str]:
         return ["no candidate fits: see the pruned and over-budget ones above."]
     win = ok[0]
     lines = [f"winner: {win['label']}: {_ms(win['step_s_overlapped'])}-{_ms(win['step_s_serial'])} ms per step "
-             f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms), "
+             f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"
+             + (f", {_ms(win['sync_s'])} ms of it waiting at them" if win.get("sync_s") else "") + "), "
              f"{_mib(win['memory']['per_device'])} MiB per device"]
     paid = sorted(_by_kind(win).items(), key=lambda kv: -kv[1]["seconds"])
     if paid:
@@ -186,18 +187,25 @@ def measure(plan: dict[str, Any], k: int,
     """Run the ``k`` best candidates for real: predicted vs measured step time and memory.
 
     ``prepare(row) -> (run(steps) -> seconds per step, memory, where the memory figure comes from)``. The candidates take turns,
-    ``rounds`` times ``steps`` steps each, so a change in the machine's load falls on all alike."""
+    ``rounds`` times ``steps`` steps each, each round starting one candidate later than the last, so a change in the
+    machine's load and whoever ran just before fall on all alike; a candidate's time is the median of its rounds'
+    medians (``measured_rounds_s``)."""
     rows = [r for r in plan["candidates"] if r["status"] == "ok"][:k]
     prepared = [prepare(r) for r in rows]
     times: list[list[float]] = [[] for _ in rows]
-    for _ in range(rounds):
-        for i, (run, _, _) in enumerate(prepared):
-            times[i].extend(run(steps))
+    per_round: list[list[float]] = [[] for _ in rows]
+    order = list(range(len(rows)))
+    for r in range(rounds):
+        for i in order[r % len(order):] + order[: r % len(order)] if order else []:
+            t = prepared[i][0](steps)
+            times[i].extend(t)
+            per_round[i].append(statistics.median(t))
     out = []
-    for r, (_, memory, source), t in zip(rows, prepared, times):
+    for r, (_, memory, source), t, pr in zip(rows, prepared, times, per_round):
         out.append({"label": r["label"], "rank": r["rank"], "predicted_s": r["step_s"],
                     "predicted_range_s": [r["step_s_overlapped"], r["step_s_serial"]],
-                    "measured_s": statistics.median(t), "measured_spread_s": [min(t), max(t)], "steps": len(t),
+                    "measured_s": statistics.median(pr), "measured_spread_s": [min(t), max(t)],
+                    "measured_rounds_s": pr, "steps": len(t),
                     "predicted_memory": r["memory"]["analytic"]["total"], "per_device_memory": r["memory"]["per_device"],
                     "measured_memory": memory,
                     "measured_memory_source": source})
@@ -208,8 +216,11 @@ def measure(plan: dict[str, Any], k: int,
 
 
 def print_measured(measured: dict[str, Any], console: Console) -> None:
-    table = Table(title="predicted vs measured (simulated devices: they share this machine's cores)")
-    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted MiB (analytic)", "measured MiB"):
+    procs = measured.get("processes", 1)
+    table = Table(title="predicted vs measured (" + (f"{procs} processes, each step as long as the slowest process "
+                        "took; " if procs > 1 else "") + "simulated devices: they share this machine's cores)")
+    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted MiB (analytic)",
+                "measured MiB"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for m in measured["runs"]:
         table.add_row(str(m["rank"]), escape(m["label"]), _ms(m["predicted_s"]),

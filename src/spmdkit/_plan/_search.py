@@ -15,7 +15,7 @@ from flax import linen as nn
 from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
-from spmdkit._plan._cost import collective_costs, step_time
+from spmdkit._plan._cost import collective_costs, compute_time, step_time
 from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import AxisRules, ReplicationWarning, _as_tuple
@@ -116,7 +116,9 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     flops = float(cost.get("flops", 0.0)) + program.extra_flops
     accessed = float(cost.get("bytes accessed", 0.0)) + program.extra_bytes
-    comms = collective_costs(program, target, devices_per_host)
+    # the step's mean time per operation: what a collective's wait between computation is counted in
+    op_seconds = compute_time(flops, accessed, target, dtype, program.ops) / program.ops if program.ops else 0.0
+    comms = collective_costs(program, target, devices_per_host, op_seconds)
     act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
     analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
     measured = compiled_bytes(compiled)
@@ -125,7 +127,9 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         "memory": {"per_device": memory, "analytic": analytic, "compiled": measured,
                    "margin": analytic["total"] / measured["total"] - 1 if measured["total"] else None},
         "flops": flops, "bytes_accessed": accessed, "unknown_loops": program.unknown_loops,
-        "collectives": comms, "ops": program.ops, **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops),
+        "collectives": comms, "ops": program.ops,
+        **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops,
+                    sum(c["sync_seconds"] for c in comms)),
     })
     if budget is not None and memory > budget:
         row.update(status="over_budget", reason=f"needs {memory / 2**20:.1f} MiB per device, over the budget of "
