@@ -112,8 +112,9 @@ def test_training_lowers_held_out_bits_per_byte(task):
     config = spmdkit.TrainConfig(steps=40, batch_size=16, eval_every=1000)
     result = spmdkit.fit(task, spmdkit.Single(), optax.adamw(1e-2), config, progress=False, log=lambda m: None)
     trained = result.summary["eval_bits_per_byte"]
-    # Untrained: ~8.8 bits (worse than uniform's 8); 40 steps reach ~4.9 bits.
-    assert 7.5 < float(untrained) < 10 and trained < float(untrained) - 2.5, (float(untrained), trained)
+    # Untrained: ~8.0 bits, uniform's (the tied embedding starts small: near-zero logits); 40 steps
+    # reach ~5.0 bits: the margin is learning.
+    assert 7.9 < float(untrained) < 8.1 and trained < float(untrained) - 2.5, (float(untrained), trained)
 
 
 def test_bf16_with_remat_runs_sharded_and_stays_near_float32(fsdp_tp):
