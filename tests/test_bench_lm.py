@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from spmdkit._bench import lm_suite, lm_worker
-from spmdkit._tasks.lm import LMConfig, lm_functions
+from spmdkit._tasks.lm import TOKEN_EMBED_STD, LMConfig, lm_functions
 
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
 
@@ -36,6 +36,11 @@ def test_pytorch_model_is_the_lm_task_model():
     with torch.no_grad():
         got = theirs(torch.from_numpy(tokens)).numpy()
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=1e-4)  # same function, not only the same count
+
+
+def test_the_worker_knows_the_task_init_and_the_rolled_case_asks_for_the_loop():
+    assert lm_worker.TOKEN_EMBED_STD == TOKEN_EMBED_STD  # its PyTorch model's own init (the copy overrides it)
+    assert lm_suite.cases(quick=True, torch=False)[lm_suite.ROLLED][1][-2:] == ["--scan-unroll", "1"]
 
 
 def test_a_torch_python_that_cannot_import_torch_is_named(monkeypatch, tmp_path):
@@ -68,15 +73,18 @@ def test_bench_lm_quick(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "lm.json").read_text())
     rows = {r["case"]: r for r in report["rows"]}
-    assert {"spmdkit f32", "spmdkit bf16", "spmdkit f32, remat full"} <= set(rows)
+    assert {"spmdkit f32", "spmdkit bf16", "spmdkit f32, remat full", lm_suite.ROLLED} <= set(rows)
     assert report["errors"] == {}
     init_bpb = rows["spmdkit f32"]["bpb_init"]
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["min_per_s"] <= r["tokens_per_s"] <= r["max_per_s"]
         # The same initial parameters everywhere; a few steps of training lower the held-out bits per byte.
         assert r["bpb_init"] == pytest.approx(init_bpb, abs=0.05) and r["bpb"] < r["bpb_init"]
-    assert [e["name"] for e in report["ratios"][:2]] == ["spmdkit bf16 / spmdkit f32 (tokens/s)",
-                                                         "spmdkit remat full / no remat (tokens/s)"]
+    assert [e["name"] for e in report["ratios"][:3]] == ["spmdkit bf16 / spmdkit f32 (tokens/s)",
+                                                         "spmdkit remat full / no remat (tokens/s)",
+                                                         "spmdkit rolled scan / unrolled (tokens/s)"]
+    # The rolled loop and the unrolled default are the same function: the same losses, trained alike.
+    assert rows[lm_suite.ROLLED]["bpb"] == pytest.approx(rows["spmdkit f32"]["bpb"], abs=1e-4)
     assert all(len(c["times"]) == 2 for c in report["timings"]["lm"]["cases"].values())
     if lm_suite.torch_python()[0] is None:  # the spmdkit part ran; the report says PyTorch is missing
         assert report["targets"] == [] and any("PyTorch is not installed" in w or lm_suite.TORCH_PYTHON_ENV in w

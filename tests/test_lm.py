@@ -112,8 +112,9 @@ def test_training_lowers_held_out_bits_per_byte(task):
     config = spmdkit.TrainConfig(steps=40, batch_size=16, eval_every=1000)
     result = spmdkit.fit(task, spmdkit.Single(), optax.adamw(1e-2), config, progress=False, log=lambda m: None)
     trained = result.summary["eval_bits_per_byte"]
-    # Untrained: ~8.8 bits (worse than uniform's 8); 40 steps reach ~4.9 bits.
-    assert 7.5 < float(untrained) < 10 and trained < float(untrained) - 2.5, (float(untrained), trained)
+    # Untrained: ~8.0 bits, uniform's (the tied embedding starts small: near-zero logits); 40 steps
+    # reach ~5.0 bits: the margin is learning.
+    assert 7.9 < float(untrained) < 8.1 and trained < float(untrained) - 2.5, (float(untrained), trained)
 
 
 def test_bf16_with_remat_runs_sharded_and_stays_near_float32(fsdp_tp):
@@ -136,6 +137,32 @@ def test_remat_computes_the_same_loss_gradients(task):
         remat_loss = lm.lm_functions(lm.LMConfig(**sizes, remat=remat))[2]
         for a, b in zip(plain, jax.tree.leaves(grad(remat_loss)), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_the_unrolled_scan_computes_what_the_rolled_loop_does(task):
+    # 3 layers: scan_unroll=2 is a loop of one iteration and a remainder; the default (3) has no loop.
+    sizes = dict(layers=3, d_model=32, heads=8, seq_len=16)
+    assert lm.LMConfig(**sizes).unroll == 3 and lm.LMConfig(**sizes, scan_unroll=9).unroll == 3
+    assert lm.LMConfig(**{**sizes, "layers": lm.UNROLL_ALL_UP_TO + 1}).unroll == 1
+    batch = jax.tree.map(lambda x: x[:4], task.train_data)
+
+    def run(**kw):
+        _, init, loss_fn = lm.lm_functions(lm.LMConfig(**sizes, **kw))
+        params = init(jax.random.key(1))
+        fn = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0]))
+        return params, fn(params), fn.lower(params).as_text()
+
+    params, (loss, grads), program = run(scan_unroll=1)
+    assert "stablehlo.while" in program  # the rolled loop over layers
+    for kw in (dict(scan_unroll=2), dict(), dict(remat="full"), dict(remat="full", scan_unroll=1)):
+        p, (l, g), program = run(**kw)
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same initialisation
+        assert float(l) == pytest.approx(float(loss), rel=1e-6), kw
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(grads), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=str(kw))
+        if "scan_unroll" not in kw:
+            assert "stablehlo.while" not in program, kw  # unrolled: one straight-line program
 
 
 def test_every_lm_name_needs_a_rule(task):
@@ -162,6 +189,7 @@ def test_own_text_dir(tmp_path):
         (dict(d_model=30, heads=8), r"d_model=30 is not a multiple of heads=8"),
         (dict(precision="fp16"), r"(?s)precision='fp16' is not known.*bf16"),
         (dict(remat="some"), r"remat='some' is not a remat policy"),
+        (dict(scan_unroll=0), r"scan_unroll=0 must be a whole number >= 1"),
         (dict(seq_len=4096, text_bytes=100), r"fewer than one window of seq_len\+1 = 4097"),
     ],
 )

@@ -34,6 +34,7 @@ import numpy as np
 
 VOCAB = 256
 LR = 3e-3  # the lm task's AdamW: learning rate, no weight decay (optax's defaults otherwise)
+TOKEN_EMBED_STD = 0.02  # the lm task's (spmdkit._tasks.lm.TOKEN_EMBED_STD: this file does not import spmdkit)
 
 
 def batch_rows(step: int, batch: int, rows: int) -> np.ndarray:
@@ -84,7 +85,7 @@ def torch_lm(layers: int, d_model: int, heads: int, seq_len: int, mlp_ratio: int
     class LM(tnn.Module):
         def __init__(self):
             super().__init__()
-            self.token_embed = tnn.Parameter(torch.randn(VOCAB, d_model))
+            self.token_embed = tnn.Parameter(TOKEN_EMBED_STD * torch.randn(VOCAB, d_model))
             self.position_embed = tnn.Parameter(0.02 * torch.randn(seq_len, d_model))
             self.blocks = tnn.ModuleList(Block() for _ in range(layers))
             self.final_norm = tnn.RMSNorm(d_model, eps=1e-6)
@@ -193,7 +194,7 @@ def _jax_worker(a: argparse.Namespace, data: dict[str, np.ndarray]):
     from spmdkit._train._steps import task_eval_step, task_state, task_train_step
 
     cfg = LMConfig(layers=a.layers, d_model=a.d_model, heads=a.heads, seq_len=a.seq_len, precision=a.precision,
-                   remat=a.remat)
+                   remat=a.remat, scan_unroll=a.scan_unroll or None)
     _, init, loss_fn = lm_functions(cfg)
     task = Task(name="lm", init=init, loss_fn=loss_fn, train_data={"tokens": data["train"]},
                 eval_data={"tokens": data["held_out"]}, defaults=DEFAULTS)
@@ -239,6 +240,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--precision", choices=("f32", "bf16"), default="f32")
     p.add_argument("--remat", default="none", help="jax: the lm task's remat policy")
+    p.add_argument("--scan-unroll", type=int, default=0,
+                   help="jax: layers per iteration of the scan over layers (1: a rolled loop; 0: the task's default)")
     p.add_argument("--compile", action="store_true", help="torch: torch.compile the model")
     p.add_argument("--threads", type=int, default=0, help="torch: intra-op threads (0: every core this process has)")
     p.add_argument("--xla-flags", default="", help="jax: appended to XLA_FLAGS")

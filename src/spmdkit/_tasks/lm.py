@@ -40,6 +40,16 @@ PRECISIONS = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # nn.remat policies by name: "full" recomputes the whole block in the backward pass,
 # "dots" keeps the matmul outputs (without a batch dimension) and recomputes the rest.
 REMAT = ("none", "full", "dots")
+# By default the scan over layers is unrolled (one straight-line program, no loop) up to this
+# many layers: on CPU the rolled loop costs more than it saves (it slices every layer's weights
+# out of the stacked parameters and writes every layer's saved activations into stacked
+# buffers, each a copy); deeper models keep the loop, whose compile time does not grow with depth.
+UNROLL_ALL_UP_TO = 8
+# The token embedding's init scale, as GPT-2's. It is also the output projection (tied), so
+# its scale sets the untrained logits: with 0.02 they are near zero, the prediction near
+# uniform (8 bits per byte); with 1.0 the model predicted the current byte again with a
+# logit of ~sqrt(d_model) and started at ~18 bits per byte.
+TOKEN_EMBED_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class LMConfig:
     mlp_ratio: int = 4
     precision: str = "f32"  # compute dtype; parameters and optimizer state stay float32
     remat: str = "none"
+    scan_unroll: int | None = None  # layers per iteration of the scan's loop; None: see ``unroll``
 
     def __post_init__(self) -> None:
         for name in ("layers", "d_model", "heads", "seq_len", "mlp_ratio"):
@@ -75,6 +86,11 @@ class LMConfig:
         if self.remat not in REMAT:
             raise ConfigError(fix(f"lm: remat={self.remat!r} is not a remat policy.",
                                   f"choose one of {list(REMAT)} (--remat full)."))
+        unroll = self.scan_unroll
+        if unroll is not None and (isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1):
+            raise ConfigError(fix(f"lm: scan_unroll={unroll!r} must be a whole number >= 1 (layers per iteration of "
+                                  "the scan's loop) or None (the default).",
+                                  f"pass scan_unroll=1 (a rolled loop) or scan_unroll={self.layers} (all layers, no loop)."))
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +99,19 @@ class LMConfig:
     @property
     def dtype(self):
         return PRECISIONS[self.precision]
+
+    @property
+    def unroll(self) -> int:
+        """Layers per iteration of the scan's loop: ``scan_unroll`` (at most ``layers``), or by default
+        every layer (no loop) up to ``UNROLL_ALL_UP_TO`` layers and 1 (a rolled loop) beyond.
+
+        Example:
+            >>> LMConfig(layers=4).unroll, LMConfig(layers=12).unroll, LMConfig(layers=4, scan_unroll=1).unroll
+            (4, 1, 1)
+        """
+        if self.scan_unroll is None:
+            return self.layers if self.layers <= UNROLL_ALL_UP_TO else 1
+        return min(self.scan_unroll, self.layers)
 
 
 def _param(module: nn.Module, name: str, init, names: tuple[str, ...], shape: tuple[int, ...]) -> jax.Array:
@@ -128,9 +157,21 @@ class Block(nn.Module):
         h = RMSNorm(dt, name="mlp_norm")(x)
         hidden = cfg.mlp_ratio * cfg.d_model
         w_in = _param(self, "mlp_in", dense, ("embed", "mlp"), (cfg.d_model, hidden)).astype(dt)
-        h = _named(jax.nn.gelu(h @ w_in), "batch", "length", "mlp")
         w_mlp_out = _param(self, "mlp_out", out_init, ("mlp", "embed"), (hidden, cfg.d_model)).astype(dt)
-        return _named(x + h @ w_mlp_out, "batch", "length", "embed"), None
+        if _length_split():  # sequence parallel: the tokens stay (batch, length), each split its own way
+            h = _named(jax.nn.gelu(h @ w_in), "batch", "length", "mlp")
+            return _named(x + h @ w_mlp_out, "batch", "length", "embed"), None
+        # The tokens as one dimension (batch-major, so split like the batch): the weights' gradients
+        # are then single matrix products. With (batch, length) as two contracting dimensions
+        # XLA:CPU copies the (tokens x mlp) gradient transposed in every layer, a fifth of the step.
+        b, l = x.shape[:2]
+        h = _named(jax.nn.gelu(h.reshape(b * l, -1) @ w_in), "batch", "mlp")
+        return _named(x + (h @ w_mlp_out).reshape(b, l, -1), "batch", "length", "embed"), None
+
+
+def _length_split() -> bool:
+    """Whether the active logical rules split ``length`` over a mesh axis (sequence parallel)."""
+    return any(name == "length" and axis is not None for name, axis in nn.get_logical_axis_rules())
 
 
 def _block(cfg: LMConfig):
@@ -138,7 +179,12 @@ def _block(cfg: LMConfig):
         return Block
     policy = {"full": jax.checkpoint_policies.nothing_saveable,
               "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[cfg.remat]
-    return nn.remat(Block, policy=policy, prevent_cse=False)  # prevent_cse=False: safe inside scan
+    # prevent_cse=False is safe, and cheaper, only where every layer runs inside a loop of two or
+    # more iterations: the recomputation then sits in the backward loop, apart from the forward
+    # one. Unrolled (or a single iteration, which XLA inlines), common-subexpression elimination
+    # would merge the recomputation with the forward pass and keep the activations after all.
+    looped = cfg.layers // cfg.unroll >= 2 and cfg.layers % cfg.unroll == 0
+    return nn.remat(Block, policy=policy, prevent_cse=not looped)
 
 
 class TransformerLM(nn.Module):
@@ -149,14 +195,14 @@ class TransformerLM(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         cfg, dt = self.cfg, self.cfg.dtype
-        wte = _param(self, "token_embed", nn.initializers.normal(1.0), ("vocab", "embed"), (VOCAB, cfg.d_model))
+        wte = _param(self, "token_embed", nn.initializers.normal(TOKEN_EMBED_STD), ("vocab", "embed"), (VOCAB, cfg.d_model))
         wpe = _param(self, "position_embed", nn.initializers.normal(0.02), ("length", "embed"), (cfg.seq_len, cfg.d_model))
         length = tokens.shape[1]
         # A one-hot product, not a gather: with vocab and embed both split it partitions cleanly.
         x = jax.nn.one_hot(tokens, VOCAB, dtype=wte.dtype) @ wte + wpe[None, :length]
         x = _named(x.astype(dt), "batch", "length", "embed")
         x, _ = nn.scan(_block(cfg), length=cfg.layers, variable_axes={"params": 0}, split_rngs={"params": True},
-                       metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")(x, None)
+                       unroll=cfg.unroll, metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")(x, None)
         x = RMSNorm(dt, name="final_norm")(x)
         logits = jnp.einsum("ble,ve->blv", x, wte.astype(dt)) / math.sqrt(cfg.d_model)
         return _named(logits.astype(jnp.float32), "batch", "length", "vocab")
@@ -247,9 +293,11 @@ def make(
     remat: str = "none",
     text_dir: str | None = None,
     text_bytes: int = TEXT_BYTES,
+    scan_unroll: int | None = None,
 ) -> Task:
     """The lm task. ``data_dir`` is not used (the corpus is ``text_dir``, or the stdlib)."""
-    cfg = LMConfig(layers=layers, d_model=d_model, heads=heads, seq_len=seq_len, precision=precision, remat=remat)
+    cfg = LMConfig(layers=layers, d_model=d_model, heads=heads, seq_len=seq_len, precision=precision, remat=remat,
+                   scan_unroll=scan_unroll)
     if isinstance(text_bytes, bool) or not isinstance(text_bytes, int) or text_bytes < 1:
         raise ConfigError(fix(f"lm: text_bytes={text_bytes!r} must be a whole number >= 1.", "e.g. --text-bytes 1000000."))
     train, held_out = load_text(text_dir, text_bytes)
