@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit._errors import SpmdkitError, fix
-from spmdkit._target import measure_op_overhead, steps_and_wire  # the cost model shared with the planner
+from spmdkit._target import _link, measure_op_overhead, steps_and_wire  # the cost model shared with the planner
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -88,23 +88,8 @@ def predict(coeffs: dict[str, float], kind: str, nbytes: float, n: int) -> float
     if n <= 1:
         return 0.0
     s, w = steps_and_wire(kind, n, nbytes)
-    c = piece(coeffs, nbytes)
-    return s * c["alpha"] + w * c["beta"]
-
-
-def piece(coeffs: dict[str, Any], nbytes: float) -> dict[str, Any]:
-    """The (alpha, beta) of a piecewise fit that covers ``nbytes`` (``coeffs`` itself without pieces).
-
-    Example:
-        >>> c = {"alpha": 1.0, "beta": 1.0, "pieces": [{"max_bytes": 100, "alpha": 2.0, "beta": 0.0},
-        ...                                             {"alpha": 3.0, "beta": 0.0}]}
-        >>> piece(c, 100)["alpha"], piece(c, 101)["alpha"], piece({"alpha": 1.0, "beta": 0.0}, 5)["alpha"]
-        (2.0, 3.0, 1.0)
-    """
-    for p in coeffs.get("pieces") or ():
-        if p.get("max_bytes") is None or nbytes <= p["max_bytes"]:
-            return p
-    return coeffs
+    ab = _link(coeffs, f"{kind} coefficients").at(nbytes)  # the planner's reading of a link, pieces included
+    return s * ab.alpha + w * ab.beta
 
 
 def coefficients(target: dict[str, Any], kind: str, link: str) -> dict[str, float]:
