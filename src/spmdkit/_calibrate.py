@@ -332,11 +332,24 @@ def load_target_json(path: str) -> dict[str, Any]:
 # --- running the measurements --------------------------------------------------------
 
 
-def _defaults(quick: bool, rounds: int | None) -> tuple[int, float]:
-    """(rounds, seconds one timed call should last)."""
+# A small all-reduce between 2 processes varies 2-5x from one call to the next (each step of
+# gloo waits for the peer's thread to be scheduled on the shared cores). Idle, the median of 5-7
+# rounds moved 2-4x between two runs a minute apart at 4 KiB-1 MiB; the median of 31 rounds
+# moved under 12% over three runs. Rounds cost little there: a call lasts about 20 ms.
+INTER_HOST_ROUNDS = 31
+
+
+def _defaults(quick: bool, rounds: int | None, link: str = "intra_host") -> tuple[int, float]:
+    """(rounds, seconds one timed call should last) for measuring ``link``.
+
+    Example:
+        >>> _defaults(False, None), _defaults(False, None, "inter_host"), _defaults(False, 5, "inter_host")[0]
+        ((7, 0.02), (31, 0.02), 5)
+    """
     if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
         raise CalibrationError(fix(f"rounds={rounds!r}: need a whole number >= 1.", "pass e.g. rounds=7 (CLI: --rounds 7)."))
-    return rounds or (3 if quick else 7), 0.005 if quick else 0.02
+    default = 3 if quick else (INTER_HOST_ROUNDS if link == "inter_host" else 7)
+    return rounds or default, 0.005 if quick else 0.02
 
 
 def group_sizes(count: int, quick: bool) -> list[int]:
@@ -502,7 +515,8 @@ def calibrate(
     """Measure this machine and return its hardware target (the dict ``spmdkit plan --target`` reads).
 
     Times all_reduce (psum), all_gather, reduce_scatter (psum_scatter) and all_to_all at
-    ``sizes`` bytes (default 4 KiB .. 64 MiB, x4 apart; ``quick``: 4 KiB, 64 KiB, 1 MiB) on the
+    ``sizes`` bytes (default 4 KiB .. 64 MiB, x4 apart; ``quick``: 4 KiB, 64 KiB, 1 MiB), in
+    ``rounds`` interleaved rounds (default 7, and 31 for the 2-process link; ``quick``: 3), on the
     first ``devices`` devices of this process (``intra_host``) and, with ``processes=2``,
     across 2 processes x 1 device (``inter_host``); fits alpha and beta per kind and link;
     measures the float32/bfloat16 GEMM rate and the memory bandwidth per device. Writes the
@@ -519,6 +533,7 @@ def calibrate(
     """
     check_processes(processes)
     sizes = check_sizes(sizes, quick)
+    given_rounds = rounds
     rounds, target_s = _defaults(quick, rounds)
     path = check_out(out)
     if timeout is not None and not timeout > 0:
@@ -540,7 +555,8 @@ def calibrate(
     compute["op_overhead"] = measure_op_overhead(len(devs))
     if processes == 2:
         log("inter_host: starting 2 processes x 1 device")
-        inter, more = run_two_processes(sizes, KINDS, rounds, target_s, timeout or (600.0 if quick else 3600.0))
+        inter_rounds, _ = _defaults(quick, given_rounds, "inter_host")
+        inter, more = run_two_processes(sizes, KINDS, inter_rounds, target_s, timeout or (600.0 if quick else 3600.0))
         points += inter
         warnings += more
     target = build_target(points, compute, len(devs), processes, warnings)
@@ -577,7 +593,7 @@ def replay(target: dict[str, Any], sizes: Sequence[int] | None, rounds: int | No
     file_rounds = [m["rounds"] for m in then if isinstance(m.get("rounds"), int)]
     if rounds is None and file_rounds:
         rounds = max(file_rounds)
-    rounds, _ = _defaults(quick, rounds)
+    rounds, _ = _defaults(quick, rounds, "inter_host")
     reps = {(m["kind"], int(m["bytes"])): int(m["reps"]) for m in then
             if m.get("kind") in kinds and isinstance(m.get("reps"), int) and m["reps"] >= 1}
     return sizes, kinds, rounds, reps
