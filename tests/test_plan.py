@@ -293,6 +293,23 @@ def test_plan_measure_compares_predicted_and_measured(user_plan):
     assert [m["rank"] for m in runs] == [1, 2]
     assert all(m["measured_s"] > 0 and m["measured_memory"] > 0 and m["measured_memory_source"] for m in runs)
     assert user_plan["measured"]["spearman"] is None  # fewer than 3 runs: no rank correlation claimed
+    assert user_plan["measured"]["ties"] == []  # one round each: no spread to judge a tie by
+
+
+def test_measured_ties_are_the_candidates_whose_rounds_overlap(capsys):
+    from rich.console import Console
+
+    from spmdkit._plan._report import print_measured, ties
+
+    rounds = {"a": [1.00, 1.05, 1.02, 0.98, 1.01], "b": [1.01, 1.04, 0.99, 1.03, 1.06], "c": [1.50, 1.55, 1.52, 1.49, 1.51]}
+    runs = [{"label": k, "rank": i + 1, "predicted_s": 1.0 + i, "measured_s": float(np.median(v)),
+             "measured_spread_s": [min(v), max(v)], "measured_rounds_s": v, "predicted_memory": 1,
+             "measured_memory": 1, "measured_memory_source": "compiled"} for i, (k, v) in enumerate(rounds.items())]
+    assert ties(runs) == [["a", "b"]]  # 3% apart with +-3% rounds: a tie; c is 50% slower
+    print_measured({"runs": runs, "spearman": 1.0, "measured_fastest": "a", "measured_fastest_predicted_rank": 1,
+                    "ties": ties(runs)}, Console(width=200))
+    out = capsys.readouterr().out
+    assert "a ~ b" in out and "is noise" in out and "c ~" not in out
 
 
 # ---------------------------------------------------------------- the CLI
