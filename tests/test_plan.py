@@ -156,6 +156,42 @@ def test_collective_wait_is_never_overlapped_with_compute():
     assert step_time(1e10, 0.0, 2e-3, t, "float32")["step_s_overlapped"] == pytest.approx(1e-2)  # no wait: all hidden
 
 
+def test_compute_priced_per_operation_memory_bound_ones_add_to_matmuls():
+    from spmdkit._plan._cost import compute_time, step_time
+
+    t = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)}, op_overhead=1e-6)
+    # a matmul of 10 ms (compute-bound) and an elementwise op of 10 ms (memory-bound), three times
+    ops = [(1e10, 1e6, 1), (0.0, 1e9, 3)]
+    assert compute_time(1e10, 3.001e9, t, "float32", 4, ops) == pytest.approx(1e-2 + 3e-2 + 4e-6)
+    # one roofline over the totals hid the memory-bound time under the matmul's (or the other way)
+    assert compute_time(1e10, 3.001e9, t, "float32", 4) == pytest.approx(3.001e-2 + 4e-6)
+    assert step_time(1e10, 3.001e9, 0.0, t, "float32", 4, 0.0, ops)["compute_s"] == pytest.approx(4.0004e-2)
+
+
+def test_kernels_count_each_operation_with_loop_trips_and_leave_collectives_out():
+    from spmdkit._plan._hlo import kernels
+
+    mesh = spmdkit.make_mesh(data=8)
+    trips = 5
+
+    def body(a, w):
+        def trip(i, v):
+            return jnp.tanh(v @ w) + jax.lax.all_gather(v[:1], "data", tiled=True).mean(0)
+
+        return jax.lax.fori_loop(0, trips, trip, a)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False))
+    x = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    text = f.lower(x, w).compile().as_text()
+    found, program = kernels(text), analyse(text, dict(mesh.shape))
+    # every trip's matmul (8 rows of 16 by 16 per device), counted once per trip
+    assert sum(fl * n for fl, _, n in found) == pytest.approx(trips * 2 * 8 * 16 * 16) == program.dot_flops
+    assert any(fl == 0 and b > 0 for fl, b, _ in found)  # elementwise work: bytes, no matmul FLOPs
+    collectives = sum(c.count for c in program.collectives)
+    assert collectives >= trips and sum(n for _, _, n in found) == program.ops - collectives
+
+
 def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
     from spmdkit._target import measure_collective_sync
 
@@ -257,6 +293,23 @@ def test_plan_measure_compares_predicted_and_measured(user_plan):
     assert [m["rank"] for m in runs] == [1, 2]
     assert all(m["measured_s"] > 0 and m["measured_memory"] > 0 and m["measured_memory_source"] for m in runs)
     assert user_plan["measured"]["spearman"] is None  # fewer than 3 runs: no rank correlation claimed
+    assert user_plan["measured"]["ties"] == []  # one round each: no spread to judge a tie by
+
+
+def test_measured_ties_are_the_candidates_whose_rounds_overlap(capsys):
+    from rich.console import Console
+
+    from spmdkit._plan._report import print_measured, ties
+
+    rounds = {"a": [1.00, 1.05, 1.02, 0.98, 1.01], "b": [1.01, 1.04, 0.99, 1.03, 1.06], "c": [1.50, 1.55, 1.52, 1.49, 1.51]}
+    runs = [{"label": k, "rank": i + 1, "predicted_s": 1.0 + i, "measured_s": float(np.median(v)),
+             "measured_spread_s": [min(v), max(v)], "measured_rounds_s": v, "predicted_memory": 1,
+             "measured_memory": 1, "measured_memory_source": "compiled"} for i, (k, v) in enumerate(rounds.items())]
+    assert ties(runs) == [["a", "b"]]  # 3% apart with +-3% rounds: a tie; c is 50% slower
+    print_measured({"runs": runs, "spearman": 1.0, "measured_fastest": "a", "measured_fastest_predicted_rank": 1,
+                    "ties": ties(runs)}, Console(width=200))
+    out = capsys.readouterr().out
+    assert "a ~ b" in out and "is noise" in out and "c ~" not in out
 
 
 # ---------------------------------------------------------------- the CLI

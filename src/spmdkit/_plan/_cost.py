@@ -1,9 +1,11 @@
-"""The cost model: compute from FLOPs and bytes, collectives from the target's alpha-beta links,
-plus each collective's wait between computation (the target's ``collective_sync_ops``)."""
+"""The cost model: compute from FLOPs and bytes (a roofline per operation), collectives from the
+target's alpha-beta links, plus each collective's wait between computation (the target's
+``collective_sync_ops``)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from spmdkit._plan._hlo import Collective, Program
@@ -18,8 +20,18 @@ def link_of(collective: Collective, devices_per_host: int) -> str:
     return "intra_host"
 
 
-def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str, ops: int = 0) -> float:
-    """A roofline (the slower of FLOPs and memory traffic) plus the target's fixed cost per operation."""
+def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str, ops: int = 0,
+                 kernels: Sequence[tuple[float, float, int]] = ()) -> float:
+    """A roofline (the slower of FLOPs and memory traffic) plus the target's fixed cost per operation.
+
+    With ``kernels`` (``(FLOPs, bytes, executions)`` of each operation, :func:`spmdkit._plan._hlo.kernels`)
+    the roofline is taken per operation and summed: a device runs its operations one after
+    another, so a memory-bound one (an elementwise fusion over a residual stream that tensor
+    parallelism leaves whole) adds its time to the matmuls' instead of hiding under the
+    program's total FLOPs. Without, one roofline over the program's totals."""
+    if kernels:
+        peak, bandwidth = target.flops_for(dtype), target.memory_bandwidth
+        return sum(n * max(f / peak, b / bandwidth) for f, b, n in kernels) + ops * target.op_overhead
     return max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
 
 
@@ -41,11 +53,12 @@ def collective_costs(program: Program, target: Target, devices_per_host: int,
 
 
 def step_time(flops: float, bytes_accessed: float, comm_seconds: float, target: Target, dtype: str,
-              ops: int = 0, sync_seconds: float = 0.0) -> dict[str, float]:
+              ops: int = 0, sync_seconds: float = 0.0, kernels: Sequence[tuple[float, float, int]] = ()
+              ) -> dict[str, float]:
     """Compute time (:func:`compute_time`) and the step's range ``[overlapped, not overlapped]``
     with the collectives. ``comm_seconds`` includes ``sync_seconds``, the collectives' waits
     between computation: that part is added to both ends (a device that waits computes nothing)."""
-    compute = compute_time(flops, bytes_accessed, target, dtype, ops)
+    compute = compute_time(flops, bytes_accessed, target, dtype, ops, kernels)
     low, high = max(compute, comm_seconds - sync_seconds) + sync_seconds, compute + comm_seconds
     return {"compute_s": compute, "comm_s": comm_seconds, "sync_s": sync_seconds, "step_s_overlapped": low,
             "step_s_serial": high, "step_s": math.sqrt(low * high) if low > 0 else high}

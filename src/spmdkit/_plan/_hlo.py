@@ -274,3 +274,28 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
     collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2]) for k, v in found.items()]
     collectives.sort(key=lambda c: -c.bytes * c.count)
     return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops)
+
+
+def kernels(text: str) -> list[tuple[float, int, int]]:
+    """Every operation one device executes per step as ``(matmul FLOPs, bytes read and written,
+    executions)`` with loop trips counted; a fusion is one operation (its matmuls' FLOPs, its
+    operands' and output's bytes); collectives are left out (the target's links price them).
+    Equal ones are merged, so the list stays short for a program unrolled over many layers."""
+    comps, shapes, entry = parse(text)
+    true, _, fused, _ = multiplicities(comps, entry)
+    merged: dict[tuple[float, int], int] = defaultdict(int)
+    for comp, instrs in comps.items():
+        t = true.get(comp, 0)
+        if comp in fused or t == 0:
+            continue
+        for ins in instrs:
+            base = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
+            if ins.op in _NO_TRAFFIC or ins.op.endswith("-done") or base in KINDS:
+                continue
+            flops = _dot_flops(ins, shapes[comp]) if ins.op == "dot" else 0.0
+            if ins.op == "fusion":
+                callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+                inner = comps.get(callee.group(1), []) if callee else []
+                flops = sum(_dot_flops(j, shapes[callee.group(1)]) for j in inner if j.op == "dot")
+            merged[(flops, _traffic(ins, shapes[comp]))] += t
+    return [(f, b, n) for (f, b), n in merged.items()]

@@ -212,7 +212,24 @@ def measure(plan: dict[str, Any], k: int,
     fastest = min(out, key=lambda m: m["measured_s"]) if out else None
     return {"runs": out, "rounds": rounds, "spearman": spearman([m["predicted_s"] for m in out], [m["measured_s"] for m in out]),
             "measured_fastest": fastest["label"] if fastest else None,
-            "measured_fastest_predicted_rank": fastest["rank"] if fastest else None}
+            "measured_fastest_predicted_rank": fastest["rank"] if fastest else None,
+            "ties": ties(out)}
+
+
+def ties(runs: list[dict[str, Any]]) -> list[list[str]]:
+    """Pairs of measured candidates whose rounds do not tell them apart: the interquartile
+    ranges of their rounds' medians (``measured_rounds_s``) overlap. Their measured order, and
+    the part of the rank correlation it makes, is noise; more rounds narrow the ranges.
+
+    Example:
+        >>> ties([{"label": "a", "measured_rounds_s": [1.0, 1.1, 1.2, 1.3]},
+        ...       {"label": "b", "measured_rounds_s": [1.1, 1.2, 1.3, 1.4]},
+        ...       {"label": "c", "measured_rounds_s": [2.0, 2.1, 2.2, 2.3]}])
+        [['a', 'b']]
+    """
+    iqr = [np.percentile(m["measured_rounds_s"], [25, 75]) if len(m["measured_rounds_s"]) > 1 else None for m in runs]
+    return [[a["label"], b["label"]] for i, a in enumerate(runs) for j, b in enumerate(runs)
+            if i < j and iqr[i] is not None and iqr[j] is not None and iqr[i][0] <= iqr[j][1] and iqr[j][0] <= iqr[i][1]]
 
 
 def print_measured(measured: dict[str, Any], console: Console) -> None:
@@ -235,6 +252,11 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                   f"{'n/a (fewer than 3 runs)' if rho is None else f'{rho:.3f}'}; measured fastest: "
                   f"{measured['measured_fastest']} (planner's rank {measured['measured_fastest_predicted_rank']})",
                   highlight=False, markup=False)
+    if measured.get("ties"):
+        console.print("within each other's spread (the interquartile ranges of their rounds' medians overlap): "
+                      + "; ".join(f"{a} ~ {b}" for a, b in measured["ties"]) + ". Their measured order, and what it "
+                      "adds to or takes from the rank correlation, is noise; more --measure-rounds narrow it.",
+                      highlight=False, markup=False)
 
 
 def time_steps(step: Callable, state: Any, batch: Any, steps: int) -> list[float]:

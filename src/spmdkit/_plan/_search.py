@@ -16,7 +16,7 @@ from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
 from spmdkit._plan._cost import collective_costs, compute_time, step_time
-from spmdkit._plan._hlo import analyse
+from spmdkit._plan._hlo import analyse, kernels
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
@@ -111,13 +111,16 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         return {**row, "status": "pruned", "reason": f"does not compile: {type(e).__name__}: "
                 f"{(str(e).strip().splitlines() or [''])[0][:300]}"}
     row["replicated"] = replicated(layout, strategy.mesh.size, rules)
-    program = analyse(compiled.as_text(), dict(strategy.mesh.shape))
+    text = compiled.as_text()
+    program = analyse(text, dict(strategy.mesh.shape))
+    ops_priced = kernels(text)
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     flops = float(cost.get("flops", 0.0)) + program.extra_flops
     accessed = float(cost.get("bytes accessed", 0.0)) + program.extra_bytes
     # the step's mean time per operation: what a collective's wait between computation is counted in
-    op_seconds = compute_time(flops, accessed, target, dtype, program.ops) / program.ops if program.ops else 0.0
+    op_seconds = (compute_time(flops, accessed, target, dtype, program.ops, ops_priced) / program.ops
+                  if program.ops else 0.0)
     comms = collective_costs(program, target, devices_per_host, op_seconds)
     act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
     analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
@@ -129,7 +132,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         "flops": flops, "bytes_accessed": accessed, "unknown_loops": program.unknown_loops,
         "collectives": comms, "ops": program.ops,
         **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops,
-                    sum(c["sync_seconds"] for c in comms)),
+                    sum(c["sync_seconds"] for c in comms), ops_priced),
     })
     if budget is not None and memory > budget:
         row.update(status="over_budget", reason=f"needs {memory / 2**20:.1f} MiB per device, over the budget of "
