@@ -115,8 +115,8 @@ def slowest(times: list[float], memory: Any) -> tuple[list[float], Any]:
 
 def agreed_target(target: Any) -> Any:
     """The hardware target every process prices with: a name or file loaded (``cpu``: measured
-    by every process at once, over its own devices), then process 0's on all. ``target`` as
-    given in a lone process."""
+    by every process at once, over its own devices, then its links as this program routes them:
+    :func:`with_process_links`), then process 0's on all. ``target`` as given in a lone process."""
     from spmdkit._target import Target, from_json, load_target
 
     if jax.process_count() == 1:
@@ -124,10 +124,113 @@ def agreed_target(target: Any) -> Any:
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices("spmdkit plan: measure the target")  # all measure under one load
+    measure_links = isinstance(target, str) and target == "cpu"
     if not isinstance(target, Target):
         target = load_target(target, jax.local_device_count())
+    if measure_links:
+        target = with_process_links(target)
     return from_json(from_process_0(target.to_json()), where="process 0's target")
 
 
-__all__ = ["PlanRunError", "agreed_target", "check_device_order", "check_processes", "check_same", "from_process_0",
+# Payloads (bytes per device, as the alpha-beta model takes them) of the links measured at plan
+# start over processes, and the operands of the combined all-reduce that tells whether alpha is
+# paid per operand.
+LINK_SIZES = (4096, 1 << 20)
+LINK_OPERANDS = 8
+
+
+def _link_program(kind: str, axis: str, group: int, parts: int, loops: int):
+    """``loops`` collectives of ``kind`` over mesh axis ``axis`` (``proc``: across processes,
+    ``local``: within each) of a ``(processes, local devices)`` mesh over every device, on
+    ``parts`` arrays at once; each device's blocks keep their size (one dispatch per call)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), -1), ("proc", "local"))
+    if kind == "all_reduce":
+        one = lambda vs: [v * (1.0 / group) for v in jax.lax.psum(vs, axis)]  # noqa: E731
+    else:  # all_gather: the gathered output is the block
+        one = lambda vs: [jax.lax.all_gather(v[: v.shape[0] // group], axis, tiled=True) for v in vs]  # noqa: E731
+    spec = P(("proc", "local"))
+    body = lambda *xs: tuple(jax.lax.fori_loop(0, loops, lambda i, vs: one(vs), list(xs)))  # noqa: E731
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * parts, out_specs=(spec,) * parts,
+                                       check_vma=False))
+
+
+def _time_link(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, loops: int = 10,
+               repeats: int = 5) -> float:
+    """Seconds per collective of ``kind`` over ``axis`` moving ``nbytes`` per device in ``parts``
+    arrays: the median of ``repeats`` blocking calls (every process runs the same calls)."""
+    import statistics
+    import time
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh, program = _link_program(kind, axis, group, parts, loops)
+    per = max(nbytes // 4 // parts // group, 1) * group
+    sharding = NamedSharding(mesh, P(("proc", "local")))
+    xs = [jax.make_array_from_callback((mesh.size * per,), sharding, lambda idx: np.ones((per,), np.float32))
+          for _ in range(parts)]
+    jax.block_until_ready(program(*xs))  # compile and warm up
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(program(*xs))
+        seconds.append((time.perf_counter() - start) / loops)
+    return statistics.median(seconds)
+
+
+def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather")) -> dict[str, Any]:
+    """The links of this multi-process program as its runtime routes them, measured now by every
+    process at once (every process must call it): ``{"links": {link: Link}, "collectives":
+    {kind: {link: Link}}, "per_operand_ratio": r}``. ``inter_host``: a group of one device per
+    process (mesh axis across processes); ``intra_host``: the devices of one process, which a
+    multi-process XLA:CPU program may run through the same inter-process library (gloo), not
+    the in-process path a lone process uses. Alpha-beta of each from two payloads
+    (:data:`LINK_SIZES`); ``per_operand`` on every link when an all-reduce of
+    :data:`LINK_OPERANDS` small arrays costs more than half a small one's time per extra array
+    (``r``: that extra over the one-array time, largest of the two links)."""
+    from spmdkit._target import Link, steps_and_wire
+
+    groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", jax.local_device_count())}
+    groups = {k: v for k, v in groups.items() if v[1] > 1}
+    small, large = LINK_SIZES
+    ratio = 0.0
+    for axis, group in groups.values():
+        one = _time_link("all_reduce", axis, group, small)
+        many = _time_link("all_reduce", axis, group, small, parts=LINK_OPERANDS)
+        ratio = max(ratio, (many - one) / (LINK_OPERANDS - 1) / one if one > 0 else 0.0)
+    per_operand = ratio > 0.5
+    fitted: dict[str, dict[str, Link]] = {kind: {} for kind in kinds}
+    for kind in kinds:
+        for link, (axis, group) in groups.items():
+            t_small, t_large = (_time_link(kind, axis, group, b) for b in (small, large))
+            steps, wire = steps_and_wire(kind, group, large - small)
+            fitted[kind][link] = Link(alpha=t_small / steps, beta=max(t_large - t_small, 0.0) / wire,
+                                      per_operand=per_operand)
+    base = fitted.get("all_reduce") or next(iter(fitted.values()), {})
+    return {"links": dict(base), "collectives": fitted, "per_operand_ratio": ratio}
+
+
+def with_process_links(target: Any) -> Any:
+    """``target`` with the links :func:`measure_process_links` measures in this multi-process
+    program (every process must call it), its source saying so; unchanged in a lone process."""
+    import dataclasses
+
+    if jax.process_count() == 1:
+        return target
+    seen = measure_process_links()
+    links = {**target.links, **seen["links"]}
+    collectives = {kind: {**target.collectives.get(kind, {}), **per} for kind, per in seen["collectives"].items()}
+    for kind in set(target.collectives) - set(collectives):  # a kind not measured over processes: the base links
+        collectives[kind] = {k: v for k, v in target.collectives[kind].items() if k not in seen["links"]}
+    how = "; ".join(f"{kind} " + ", ".join(f"{link} {ab.alpha:.3g} s + {ab.beta:.3g} s/B" for link, ab in per.items())
+                    for kind, per in seen["collectives"].items())
+    note = (f"; links measured at plan start in this {jax.process_count()}-process program ({how}); alpha paid "
+            f"{'per operand' if seen['links'] and next(iter(seen['links'].values())).per_operand else 'once'} "
+            f"(an all-reduce of {LINK_OPERANDS} arrays: {seen['per_operand_ratio']:.2f} of a one-array time per "
+            "extra array)")
+    return dataclasses.replace(target, links=links, collectives=collectives, source=target.source + note)
+
+
+__all__ = ["PlanRunError", "agreed_target", "measure_process_links", "with_process_links", "check_device_order", "check_processes", "check_same", "from_process_0",
            "slowest"]
