@@ -111,6 +111,19 @@ def test_process_links_are_measured_only_over_processes():
     assert with_process_links(t) is t and agreed_target("cpu") == "cpu"  # a lone process: as given
 
 
+def test_plan_over_processes_without_running_them_says_which_links_are_guesses():
+    from spmdkit._plan._processes import links_note
+
+    make_state = lambda rng: {"w": jnp.zeros((16, 32))}  # noqa: E731
+    step = lambda s, b: ({"w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"])}, {})  # noqa: E731
+    result = spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=("dp",), target="h100x8", processes=2)
+    assert "not measured in a multi-process program" in result["target"]["links_note"]
+    assert "inter_host is a fixed guess" in links_note("cpu", "measured at plan time")
+    assert links_note("cpu", "x; links measured at plan start in this 2-process program").startswith("measured")
+    assert "links_note" not in spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=("dp",),
+                                            target="h100x8")["target"]  # one process: nothing to say
+
+
 # ---------------------------------------------------------------- HLO
 def test_psum_over_one_axis_is_one_all_reduce_over_that_axis():
     mesh = spmdkit.make_mesh(data=2, model=4)
@@ -399,6 +412,9 @@ def test_cli_plan_measures_over_two_processes(tmp_path):
     links = [(tuple(c["axes"]), c["link"]) for r in ok for c in r["collectives"]]
     assert links and all(link == ("inter_host" if "data" in axes else "intra_host") for axes, link in links), links
     assert {link for _, link in links} == {"inter_host", "intra_host"}
+    # The links were measured in the 2 processes at plan start, as their runtime routes them.
+    assert "links measured at plan start in this 2-process program" in plan["target"]["source"], plan["target"]
+    assert plan["target"]["links_note"].startswith("measured at plan start")
 
 
 def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path):

@@ -15,7 +15,9 @@ Two optional fields price what a loop of nothing but collectives does not show:
 (``{"<devices in the group>": operations}``: what each collective adds when it sits between
 computation, where its devices wait for each other, in units of the step's mean time per
 operation; the planner adds it per execution, loop trips included, and never overlaps it with
-compute). A file without them prices neither.
+compute). A file without them prices neither. A link's optional ``per_operand`` (default
+false) says that the runtime runs a collective of several operands as one call per operand
+(gloo between processes does), so alpha is paid per operand.
 
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},

@@ -211,6 +211,25 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     return {"links": dict(base), "collectives": fitted, "per_operand_ratio": ratio}
 
 
+def links_note(target: Any, source: str) -> str:
+    """Where the links that price collectives over several processes come from, and which of
+    them is a guess: ``target`` as passed to the planner, ``source`` the loaded target's.
+
+    >>> links_note("cpu", "measured at plan time")[:60]
+    'priced without running the processes: inter_host is a fixed '
+    """
+    if "links measured at plan start" in source:
+        return ("measured at plan start in the running processes, as their runtime routes them (see the target's "
+                "source)")
+    if isinstance(target, str) and target == "cpu":
+        return ("priced without running the processes: inter_host is a fixed guess (0.8 ms + 7.5 ns/B per ring step, "
+                "alpha once per collective) and intra_host is measured within one process, where a multi-process "
+                "program on CPU runs it through the inter-process library too (alpha per operand); pass --target FILE "
+                "(spmdkit calibrate measures inter_host) or --measure K (measures both links in the processes)")
+    return ("the target's links as written, not measured in a multi-process program (a link's per_operand says "
+            "whether alpha is paid per operand)")
+
+
 def with_process_links(target: Any) -> Any:
     """``target`` with the links :func:`measure_process_links` measures in this multi-process
     program (every process must call it), its source saying so; unchanged in a lone process."""
@@ -232,5 +251,5 @@ def with_process_links(target: Any) -> Any:
     return dataclasses.replace(target, links=links, collectives=collectives, source=target.source + note)
 
 
-__all__ = ["PlanRunError", "agreed_target", "measure_process_links", "with_process_links", "check_device_order", "check_processes", "check_same", "from_process_0",
+__all__ = ["PlanRunError", "agreed_target", "links_note", "measure_process_links", "with_process_links", "check_device_order", "check_processes", "check_same", "from_process_0",
            "slowest"]
