@@ -272,6 +272,7 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
             key = (kind, nbytes, size, axes, max(len(ins.operands), 1))
             entry_ = found.setdefault(key, [0, groups, ins.name])
             entry_[0] += t
-    collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2], k[4]) for k, v in found.items()]
+    collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2], k[4])
+                   for k, v in found.items()]
     collectives.sort(key=lambda c: -c.bytes * c.count)
     return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops)

@@ -251,5 +251,5 @@ def with_process_links(target: Any) -> Any:
     return dataclasses.replace(target, links=links, collectives=collectives, source=target.source + note)
 
 
-__all__ = ["PlanRunError", "agreed_target", "links_note", "measure_process_links", "with_process_links", "check_device_order", "check_processes", "check_same", "from_process_0",
-           "slowest"]
+__all__ = ["PlanRunError", "agreed_target", "check_device_order", "check_processes", "check_same", "from_process_0",
+           "links_note", "measure_process_links", "slowest", "with_process_links"]
