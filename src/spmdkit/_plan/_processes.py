@@ -156,11 +156,10 @@ def _link_program(kind: str, axis: str, group: int, parts: int, loops: int):
                                        check_vma=False))
 
 
-def _time_link(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, loops: int = 10,
-               repeats: int = 5) -> float:
-    """Seconds per collective of ``kind`` over ``axis`` moving ``nbytes`` per device in ``parts``
-    arrays: the median of ``repeats`` blocking calls (every process runs the same calls)."""
-    import statistics
+def _link_case(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, loops: int = 10):
+    """A blocking call that returns its seconds per collective of ``kind`` over ``axis``,
+    ``nbytes`` per device in ``parts`` arrays; compiled and warmed up (every process runs the
+    same calls in the same order)."""
     import time
 
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -171,12 +170,26 @@ def _time_link(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, lo
     xs = [jax.make_array_from_callback((mesh.size * per,), sharding, lambda idx: np.ones((per,), np.float32))
           for _ in range(parts)]
     jax.block_until_ready(program(*xs))  # compile and warm up
-    seconds = []
-    for _ in range(repeats):
+
+    def run() -> float:
         start = time.perf_counter()
         jax.block_until_ready(program(*xs))
-        seconds.append((time.perf_counter() - start) / loops)
-    return statistics.median(seconds)
+        return (time.perf_counter() - start) / loops
+
+    return run
+
+
+def _interleaved(cases: dict, rounds: int = 5) -> dict:
+    """The median seconds of each case over ``rounds`` rounds in rotating order: a drift of the
+    machine's load hits the small and the large payload alike (their difference is beta)."""
+    import statistics
+
+    names = list(cases)
+    times: dict = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            times[k].append(cases[k]())
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather")) -> dict[str, Any]:
@@ -188,22 +201,28 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     the in-process path a lone process uses. Alpha-beta of each from two payloads
     (:data:`LINK_SIZES`); ``per_operand`` on every link when an all-reduce of
     :data:`LINK_OPERANDS` small arrays costs more than half a small one's time per extra array
-    (``r``: that extra over the one-array time, largest of the two links)."""
+    (``r``: that extra over the one-array time, largest of the two links). All cases interleaved."""
     from spmdkit._target import Link, steps_and_wire
 
     groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", jax.local_device_count())}
     groups = {k: v for k, v in groups.items() if v[1] > 1}
     small, large = LINK_SIZES
+    cases = {}
+    for link, (axis, group) in groups.items():
+        cases[(link, "operands")] = _link_case("all_reduce", axis, group, small, parts=LINK_OPERANDS)
+        for kind in kinds:
+            for size in (small, large):
+                cases[(link, kind, size)] = _link_case(kind, axis, group, size)
+    seen = _interleaved(cases)
     ratio = 0.0
-    for axis, group in groups.values():
-        one = _time_link("all_reduce", axis, group, small)
-        many = _time_link("all_reduce", axis, group, small, parts=LINK_OPERANDS)
+    for link in groups:
+        one, many = seen[(link, "all_reduce", small)], seen[(link, "operands")]
         ratio = max(ratio, (many - one) / (LINK_OPERANDS - 1) / one if one > 0 else 0.0)
     per_operand = ratio > 0.5
     fitted: dict[str, dict[str, Link]] = {kind: {} for kind in kinds}
     for kind in kinds:
         for link, (axis, group) in groups.items():
-            t_small, t_large = (_time_link(kind, axis, group, b) for b in (small, large))
+            t_small, t_large = seen[(link, kind, small)], seen[(link, kind, large)]
             steps, wire = steps_and_wire(kind, group, large - small)
             fitted[kind][link] = Link(alpha=t_small / steps, beta=max(t_large - t_small, 0.0) / wire,
                                       per_operand=per_operand)
