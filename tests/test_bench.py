@@ -81,6 +81,7 @@ def test_spread_over_ten_percent_is_flagged_and_warned(monkeypatch):
 def test_a_busy_machine_flags_every_figure(monkeypatch):
     busy = {"loadavg": [3.0, 3.0, 3.0], "other_cpu": 0.6}
     monkeypatch.setattr(_timing, "idle_load", lambda seconds: busy)
+    monkeypatch.setattr(_timing.LoadMeter, "stop", lambda self: busy)  # the real machine's load must not decide
     run = _timing.measure({"a": scripted([1.0] * 5)}, rounds=5, warmup=0, self_timed=True)
     assert "load" in run["flags"] and "load" in run["cases"]["a"]["flags"]
     assert any("machine busy: other processes used 60%" in w for w in run["warnings"])
@@ -116,6 +117,51 @@ def test_a_running_worker_of_ours_is_not_counted_as_other_load():
         subprocess.run(["pkill", "-9", "-P", str(worker.pid)], check=False)  # the grandchild, before it is orphaned
         worker.kill()
         worker.wait(timeout=10)
+
+
+_SIBLING = """import os, sys, time
+ready, spun = sys.argv[1], sys.argv[2]
+while not os.path.exists(ready):
+    time.sleep(0.02)
+t = time.process_time()
+while time.process_time() - t < 0.6:
+    pass
+open(spun, "w").close()
+time.sleep(30)
+"""
+_MEASURER = """import os, sys, time
+from spmdkit._bench import _timing
+ready, spun = sys.argv[1], sys.argv[2]
+before = _timing._own_cpu()
+open(ready, "w").close()
+while not os.path.exists(spun):
+    time.sleep(0.02)
+print(_timing._own_cpu() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_process_of_a_launch_counts_the_other_processes_of_the_launch_as_its_own(tmp_path, launched):
+    """Each of a launch's processes (the launcher sets SPMDKIT_LAUNCHER_PID; this test process
+    stands in for it) counts its sibling's work as the run's own, not as another process's load;
+    without the variable a process counts only itself and its descendants."""
+    from spmdkit._launch import ENV_LAUNCHER_PID
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_LAUNCHER_PID}
+    if launched:
+        env[ENV_LAUNCHER_PID] = str(os.getpid())
+    ready, spun = str(tmp_path / "ready"), str(tmp_path / "spun")
+    procs = [subprocess.Popen([sys.executable, "-c", _SIBLING, ready, spun], env=env),
+             subprocess.Popen([sys.executable, "-c", _MEASURER, ready, spun], env=env, stdout=subprocess.PIPE, text=True)]
+    try:
+        out, _ = procs[1].communicate(timeout=120)
+        counted = float(out.strip())
+        assert (counted >= 0.5) if launched else (counted < 0.3), counted  # the sibling's 0.6 s spin
+    finally:
+        for p in procs:
+            p.kill()  # SIGKILL: nothing is left behind whatever failed
+            p.wait(timeout=10)
 
 
 # ---- the multiprocess suite's cases and levers -------------------------------------

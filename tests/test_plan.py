@@ -65,6 +65,65 @@ def test_target_file_without_collective_sync_ops_loads_and_prices_no_wait(tmp_pa
             from_json(dict(old, collective_sync_ops=bad))
 
 
+def test_per_operand_link_pays_alpha_per_operand_and_round_trips(tmp_path):
+    """A link whose runtime runs a combined collective as one call per operand (gloo between
+    processes) pays alpha per operand; bytes on the wire are the same either way."""
+    once = Target("t", "test", 4, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)})
+    per = Target("t", "test", 4, {"float32": 1e12}, 1e11,
+                 {"intra_host": Link(1e-5, 1e-9, per_operand=True),
+                  "inter_host": Link(1e-4, 1e-8, pieces=((2048.0, Link(2e-4, 0.0)), (None, Link(1e-4, 1e-8))),
+                                     per_operand=True)})
+    n, b = 4, 1000.0
+    assert collective_time(once, "all_reduce", b, n, "intra_host", operands=16) == pytest.approx(
+        collective_time(once, "all_reduce", b, n, "intra_host"))  # alpha once: as before
+    assert collective_time(per, "all_reduce", b, n, "intra_host", operands=16) == pytest.approx(
+        16 * 6 * 1e-5 + 1.5 * b * 1e-9)
+    assert collective_time(per, "all_gather", b, n, "inter_host", operands=3) == pytest.approx(3 * 3 * 2e-4)  # piece
+    assert from_json(json.loads(json.dumps(per.to_json()))) == per  # the file format round-trips
+    assert per.to_json()["links"]["intra_host"]["per_operand"] is True
+    assert "per_operand" not in once.to_json()["links"]["intra_host"]  # files without it read as before
+    data = once.to_json()
+    data["links"]["intra_host"]["per_operand"] = "yes"
+    with pytest.raises(TargetError, match="per_operand"):
+        from_json(data)
+
+
+def test_combined_all_reduce_counts_its_operands_and_is_priced_per_operand():
+    from spmdkit._plan._cost import collective_costs
+
+    mesh = spmdkit.make_mesh(data=8)
+    f = jax.jit(jax.shard_map(lambda *xs: tuple(jax.lax.psum(list(xs), "data")), mesh=mesh,
+                              in_specs=(P("data"),) * 3, out_specs=(P(),) * 3, check_vma=False))
+    xs = [jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P("data")))] * 3
+    program = analyse(f.lower(*xs).compile().as_text(), dict(mesh.shape))
+    (ar,) = program.collectives
+    assert (ar.kind, ar.operands, ar.bytes) == ("all_reduce", 3, 3 * 8 * 4)  # one all-reduce of 3 arrays
+    once = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 0.0)})
+    per = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 0.0, per_operand=True)})
+    (a,), (b,) = collective_costs(program, once, 8), collective_costs(program, per, 8)
+    assert a["operands"] == 3 and a["seconds"] == pytest.approx(14 * 1e-5) and b["seconds"] == pytest.approx(3 * 14e-5)
+
+
+def test_process_links_are_measured_only_over_processes():
+    from spmdkit._plan._processes import agreed_target, with_process_links
+
+    t = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)})
+    assert with_process_links(t) is t and agreed_target("cpu") == "cpu"  # a lone process: as given
+
+
+def test_plan_over_processes_without_running_them_says_which_links_are_guesses():
+    from spmdkit._plan._processes import links_note
+
+    make_state = lambda rng: {"w": jnp.zeros((16, 32))}  # noqa: E731
+    step = lambda s, b: ({"w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"])}, {})  # noqa: E731
+    result = spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=("dp",), target="h100x8", processes=2)
+    assert "not measured in a multi-process program" in result["target"]["links_note"]
+    assert "inter_host is a fixed guess" in links_note("cpu", "measured at plan time")
+    assert links_note("cpu", "x; links measured at plan start in this 2-process program").startswith("measured")
+    assert "links_note" not in spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=("dp",),
+                                            target="h100x8")["target"]  # one process: nothing to say
+
+
 # ---------------------------------------------------------------- HLO
 def test_psum_over_one_axis_is_one_all_reduce_over_that_axis():
     mesh = spmdkit.make_mesh(data=2, model=4)
@@ -406,6 +465,9 @@ def test_cli_plan_measures_over_two_processes(tmp_path):
     links = [(tuple(c["axes"]), c["link"]) for r in ok for c in r["collectives"]]
     assert links and all(link == ("inter_host" if "data" in axes else "intra_host") for axes, link in links), links
     assert {link for _, link in links} == {"inter_host", "intra_host"}
+    # The links were measured in the 2 processes at plan start, as their runtime routes them.
+    assert "links measured at plan start in this 2-process program" in plan["target"]["source"], plan["target"]
+    assert plan["target"]["links_note"].startswith("measured at plan start")
 
 
 def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path):

@@ -34,6 +34,8 @@ ENV_COORDINATOR = "SPMDKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "SPMDKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "SPMDKIT_PROCESS_ID"
 ENV_RESUME = "SPMDKIT_RESUME"  # set on a restart: spmdkit train then resumes from its --checkpoint-dir
+# The launcher's pid, for its processes: a timing in one of them counts the whole launch as its own load.
+ENV_LAUNCHER_PID = "SPMDKIT_LAUNCHER_PID"
 
 
 def free_port() -> int:
@@ -160,7 +162,7 @@ class _Group:
         self.pumps: list[threading.Thread] = []
         for i in range(processes):
             env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
-                   ENV_PROCESS_ID: str(i)}
+                   ENV_PROCESS_ID: str(i), ENV_LAUNCHER_PID: str(os.getpid())}
             if devices_per_process is not None:
                 env["SPMDKIT_HOST_DEVICES"] = str(devices_per_process)
             if restart:

@@ -15,7 +15,9 @@ Two optional fields price what a loop of nothing but collectives does not show:
 (``{"<devices in the group>": operations}``: what each collective adds when it sits between
 computation, where its devices wait for each other, in units of the step's mean time per
 operation; the planner adds it per execution, loop trips included, and never overlaps it with
-compute). A file without them prices neither.
+compute). A file without them prices neither. A link's optional ``per_operand`` (default
+false) says that the runtime runs a collective of several operands as one call per operand
+(gloo between processes does), so alpha is paid per operand.
 
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},
@@ -65,6 +67,10 @@ class Link:
     # Optional: a piecewise fit by payload size, ((max_bytes or None for the rest, Link), ...);
     # ``spmdkit calibrate`` writes one where a single line misses small or large payloads.
     pieces: tuple = ()
+    # Optional (default False): the runtime runs a collective of several operands (XLA combines
+    # a step's gradient all-reduces into one) as one call per operand, so ``alpha`` is paid per
+    # operand (gloo between processes does); False: once per collective.
+    per_operand: bool = False
 
     def at(self, nbytes: float) -> Link:
         """The (alpha, beta) for a payload of ``nbytes``: its piece, or this link without pieces."""
@@ -168,6 +174,8 @@ class Target:
 
 def _link_json(v: Link) -> dict[str, Any]:
     out: dict[str, Any] = {"alpha": v.alpha, "beta": v.beta}
+    if v.per_operand:
+        out["per_operand"] = True
     if v.pieces:
         out["pieces"] = [{**({} if m is None else {"max_bytes": m}), **_link_json(p)} for m, p in v.pieces]
     return out
@@ -191,14 +199,22 @@ def steps_and_wire(kind: str, n: int, nbytes: float) -> tuple[float, float]:
     return n - 1, (n - 1) / n * nbytes
 
 
-def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str) -> float:
+def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str, operands: int = 1) -> float:
     """Seconds for one collective of ``kind`` over ``n`` devices with payload ``nbytes``
-    (see the module docstring for which array's bytes), on ``link``."""
+    (see the module docstring for which array's bytes; all ``operands`` together), on ``link``:
+    alpha once, or once per operand on a link with ``per_operand``.
+
+    Example:
+        >>> t = Target("t", "example", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 0.0, per_operand=True)})
+        >>> round(collective_time(t, "all_reduce", 1000, 2, "intra_host", operands=3), 9)  # 2 steps x 3 operands
+        6e-05
+    """
     steps, wire = steps_and_wire(kind, n, nbytes)
     if n <= 1:
         return 0.0
-    ab = target.link(kind, link).at(nbytes)
-    return steps * ab.alpha + wire * ab.beta
+    base = target.link(kind, link)
+    ab = base.at(nbytes)
+    return steps * ab.alpha * (max(int(operands), 1) if base.per_operand else 1) + wire * ab.beta
 
 
 # ---------------------------------------------------------------- reading
@@ -222,8 +238,13 @@ def _link(data: Any, where: str) -> Link:
         at = f"{where}.pieces[{i}]"
         piece = _link(p, at)
         parsed.append((None if p.get("max_bytes") is None else _number(p, "max_bytes", at), piece))
+    per_operand = data.get("per_operand", False)
+    if not isinstance(per_operand, bool):
+        raise TargetError(fix(f"{where}.per_operand is {per_operand!r}, not true or false.",
+                              'write "per_operand": true (alpha paid per operand of a combined collective) or leave '
+                              "it out."))
     return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False),
-                pieces=tuple(parsed))
+                pieces=tuple(parsed), per_operand=per_operand)
 
 
 def _sync(data: Any, where: str) -> dict[int, float]:

@@ -51,17 +51,32 @@ def _proc_stat() -> tuple[float, float] | None:
     return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
 
 
-def _live_descendants_cpu() -> float:
-    """CPU seconds of this process's descendants that are still running (or not yet waited for).
+def _launch_root() -> int:
+    """This process, or the ``spmdkit launch`` that started it (its ``SPMDKIT_LAUNCHER_PID``,
+    when that process is an ancestor of this one): the root of the process tree whose CPU time
+    is this run's own. Each of the processes of one launch (calibrate's or plan's workers) would
+    otherwise count the others, and the launcher, as other people's load."""
+    from spmdkit._launch import ENV_LAUNCHER_PID
 
-    A suite that keeps worker processes for the whole run (the lm suite, calibrate's and the
-    multiprocess suite's launches while they run) must not count their work as other people's
-    load; ``os.times`` only counts children once they have been waited for.
-    """
+    me = os.getpid()
+    given = os.environ.get(ENV_LAUNCHER_PID, "")
+    if not given.isdigit() or int(given) == me:
+        return me
+    parents = _process_table()[0]
+    p, seen = parents.get(me), 0
+    while p is not None and p > 1 and seen < 64:
+        if p == int(given):
+            return p
+        p, seen = parents.get(p), seen + 1
+    return me  # a stale value (a process started by the launched command, then detached): ours alone
+
+
+def _process_table() -> tuple[dict[int, int], dict[int, float]]:
+    """``(parent of each pid, CPU seconds of each: its own and its waited-for children's)`` from /proc."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return 0.0
+        return {}, {}
     parent: dict[int, int] = {}
     cpu: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -77,7 +92,19 @@ def _live_descendants_cpu() -> float:
         pid = int(name)
         parent[pid] = int(fields[1])
         cpu[pid] = sum(float(v) for v in fields[11:15]) / tick
-    me, total = os.getpid(), 0.0
+    return parent, cpu
+
+
+def _live_descendants_cpu(root: int | None = None) -> float:
+    """CPU seconds of the descendants of ``root`` (default: this process) that are still
+    running (or not yet waited for).
+
+    A suite that keeps worker processes for the whole run (the lm suite, calibrate's and the
+    multiprocess suite's launches while they run) must not count their work as other people's
+    load; ``os.times`` only counts children once they have been waited for.
+    """
+    parent, cpu = _process_table()
+    me, total = os.getpid() if root is None else root, 0.0
     for pid in cpu:
         p, seen = parent.get(pid), 0
         while p is not None and p > 1 and seen < 64:
@@ -90,7 +117,11 @@ def _live_descendants_cpu() -> float:
 
 def _own_cpu() -> float:
     """CPU seconds of this process, of its children that have been waited for, and of its
-    descendants still running."""
+    descendants still running; in a process of ``spmdkit launch``, of the whole launch: the
+    launcher, every process it started, and theirs."""
+    root = _launch_root()
+    if root != os.getpid():
+        return _process_table()[1].get(root, 0.0) + _live_descendants_cpu(root)
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system + _live_descendants_cpu()
 

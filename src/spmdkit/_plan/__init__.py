@@ -18,7 +18,7 @@ import numpy as np
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_table
 from spmdkit._plan._report import explain, measure as _measure, pareto, print_plan, save_png, spearman, time_steps
 from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, from_process_0,
-                                      slowest)
+                                      links_note, slowest)
 from spmdkit._plan._search import plan as _plan
 from spmdkit._strategies._base import put_global
 from spmdkit._strategies.sharded import Sharded
@@ -109,6 +109,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     result = _plan(make_state, train_step, batch, memory_per_device=memory_per_device, target=target, rules=rules,
                    remat=remat, accum=accum, step_for=step_for, processes=processes, dtype=dtype, rng=rng,
                    activations=activations, state_axes=state_axes, progress=progress)
+    if processes > 1:
+        result["target"]["links_note"] = links_note(target, result["target"]["source"])
     result["frontier"] = [r["label"] for r in pareto(result["candidates"])]
     result["why"] = explain(result)
     result = from_process_0(result)  # several processes: all measure process 0's ranking, in its order

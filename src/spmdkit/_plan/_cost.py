@@ -44,10 +44,10 @@ def collective_costs(program: Program, target: Target, devices_per_host: int,
     out = []
     for c in program.collectives:
         link = link_of(c, devices_per_host)
-        each = collective_time(target, c.kind, c.bytes, c.group_size, link)
+        each = collective_time(target, c.kind, c.bytes, c.group_size, link, c.operands)
         sync = target.sync_ops_for(c.group_size) * op_seconds
         out.append({"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "group_size": c.group_size,
-                    "count": c.count, "link": link, "seconds": (each + sync) * c.count,
+                    "count": c.count, "operands": c.operands, "link": link, "seconds": (each + sync) * c.count,
                     "sync_seconds": sync * c.count})
     return out
 

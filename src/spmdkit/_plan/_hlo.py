@@ -37,6 +37,7 @@ class Collective(NamedTuple):
     count: int
     groups: tuple[tuple[int, ...], ...]  # device indices (positions in mesh.devices.flat)
     name: str
+    operands: int = 1  # arrays it moves at once (XLA combines a step's gradient all-reduces into one)
 
 
 class Program(NamedTuple):
@@ -268,10 +269,11 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
             size = max(len(g) for g in groups) if kind != "collective_permute" else 2
             axes = axes_of(groups, mesh_shape)
             nbytes = _payload(ins, kind, shapes[comp])
-            key = (kind, nbytes, size, axes)
+            key = (kind, nbytes, size, axes, max(len(ins.operands), 1))
             entry_ = found.setdefault(key, [0, groups, ins.name])
             entry_[0] += t
-    collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2]) for k, v in found.items()]
+    collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2], k[4])
+                   for k, v in found.items()]
     collectives.sort(key=lambda c: -c.bytes * c.count)
     return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops)
 

@@ -115,8 +115,8 @@ def slowest(times: list[float], memory: Any) -> tuple[list[float], Any]:
 
 def agreed_target(target: Any) -> Any:
     """The hardware target every process prices with: a name or file loaded (``cpu``: measured
-    by every process at once, over its own devices), then process 0's on all. ``target`` as
-    given in a lone process."""
+    by every process at once, over its own devices, then its links as this program routes them:
+    :func:`with_process_links`), then process 0's on all. ``target`` as given in a lone process."""
     from spmdkit._target import Target, from_json, load_target
 
     if jax.process_count() == 1:
@@ -124,10 +124,151 @@ def agreed_target(target: Any) -> Any:
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices("spmdkit plan: measure the target")  # all measure under one load
+    measure_links = isinstance(target, str) and target == "cpu"
     if not isinstance(target, Target):
         target = load_target(target, jax.local_device_count())
+    if measure_links:
+        target = with_process_links(target)
     return from_json(from_process_0(target.to_json()), where="process 0's target")
 
 
+# Payloads (bytes per device, as the alpha-beta model takes them) of the links measured at plan
+# start over processes, and the operands of the combined all-reduce that tells whether alpha is
+# paid per operand.
+LINK_SIZES = (4096, 1 << 20)
+LINK_OPERANDS = 8
+
+
+def _link_program(kind: str, axis: str, group: int, parts: int, loops: int):
+    """``loops`` collectives of ``kind`` over mesh axis ``axis`` (``proc``: across processes,
+    ``local``: within each) of a ``(processes, local devices)`` mesh over every device, on
+    ``parts`` arrays at once; each device's blocks keep their size (one dispatch per call)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), -1), ("proc", "local"))
+    if kind == "all_reduce":
+        one = lambda vs: [v * (1.0 / group) for v in jax.lax.psum(vs, axis)]  # noqa: E731
+    else:  # all_gather: the gathered output is the block
+        one = lambda vs: [jax.lax.all_gather(v[: v.shape[0] // group], axis, tiled=True) for v in vs]  # noqa: E731
+    spec = P(("proc", "local"))
+    body = lambda *xs: tuple(jax.lax.fori_loop(0, loops, lambda i, vs: one(vs), list(xs)))  # noqa: E731
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * parts, out_specs=(spec,) * parts,
+                                       check_vma=False))
+
+
+def _link_case(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, loops: int = 10):
+    """A blocking call that returns its seconds per collective of ``kind`` over ``axis``,
+    ``nbytes`` per device in ``parts`` arrays; compiled and warmed up (every process runs the
+    same calls in the same order)."""
+    import time
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh, program = _link_program(kind, axis, group, parts, loops)
+    per = max(nbytes // 4 // parts // group, 1) * group
+    sharding = NamedSharding(mesh, P(("proc", "local")))
+    xs = [jax.make_array_from_callback((mesh.size * per,), sharding, lambda idx: np.ones((per,), np.float32))
+          for _ in range(parts)]
+    jax.block_until_ready(program(*xs))  # compile and warm up
+
+    def run() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(program(*xs))
+        return (time.perf_counter() - start) / loops
+
+    return run
+
+
+def _interleaved(cases: dict, rounds: int = 5) -> dict:
+    """The median seconds of each case over ``rounds`` rounds in rotating order: a drift of the
+    machine's load hits the small and the large payload alike (their difference is beta)."""
+    import statistics
+
+    names = list(cases)
+    times: dict = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            times[k].append(cases[k]())
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather")) -> dict[str, Any]:
+    """The links of this multi-process program as its runtime routes them, measured now by every
+    process at once (every process must call it): ``{"links": {link: Link}, "collectives":
+    {kind: {link: Link}}, "per_operand_ratio": r}``. ``inter_host``: a group of one device per
+    process (mesh axis across processes); ``intra_host``: the devices of one process, which a
+    multi-process XLA:CPU program may run through the same inter-process library (gloo), not
+    the in-process path a lone process uses. Alpha-beta of each from two payloads
+    (:data:`LINK_SIZES`); ``per_operand`` on every link when an all-reduce of
+    :data:`LINK_OPERANDS` small arrays costs more than half a small one's time per extra array
+    (``r``: that extra over the one-array time, largest of the two links). All cases interleaved."""
+    from spmdkit._target import Link, steps_and_wire
+
+    groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", jax.local_device_count())}
+    groups = {k: v for k, v in groups.items() if v[1] > 1}
+    small, large = LINK_SIZES
+    cases = {}
+    for link, (axis, group) in groups.items():
+        cases[(link, "operands")] = _link_case("all_reduce", axis, group, small, parts=LINK_OPERANDS)
+        for kind in kinds:
+            for size in (small, large):
+                cases[(link, kind, size)] = _link_case(kind, axis, group, size)
+    seen = _interleaved(cases)
+    ratio = 0.0
+    for link in groups:
+        one, many = seen[(link, "all_reduce", small)], seen[(link, "operands")]
+        ratio = max(ratio, (many - one) / (LINK_OPERANDS - 1) / one if one > 0 else 0.0)
+    per_operand = ratio > 0.5
+    fitted: dict[str, dict[str, Link]] = {kind: {} for kind in kinds}
+    for kind in kinds:
+        for link, (axis, group) in groups.items():
+            t_small, t_large = seen[(link, kind, small)], seen[(link, kind, large)]
+            steps, wire = steps_and_wire(kind, group, large - small)
+            fitted[kind][link] = Link(alpha=t_small / steps, beta=max(t_large - t_small, 0.0) / wire,
+                                      per_operand=per_operand)
+    base = fitted.get("all_reduce") or next(iter(fitted.values()), {})
+    return {"links": dict(base), "collectives": fitted, "per_operand_ratio": ratio}
+
+
+def links_note(target: Any, source: str) -> str:
+    """Where the links that price collectives over several processes come from, and which of
+    them is a guess: ``target`` as passed to the planner, ``source`` the loaded target's.
+
+    >>> links_note("cpu", "measured at plan time")[:60]
+    'priced without running the processes: inter_host is a fixed '
+    """
+    if "links measured at plan start" in source:
+        return ("measured at plan start in the running processes, as their runtime routes them (see the target's "
+                "source)")
+    if isinstance(target, str) and target == "cpu":
+        return ("priced without running the processes: inter_host is a fixed guess (0.8 ms + 7.5 ns/B per ring step, "
+                "alpha once per collective) and intra_host is measured within one process, where a multi-process "
+                "program on CPU runs it through the inter-process library too (alpha per operand); pass --target FILE "
+                "(spmdkit calibrate measures inter_host) or --measure K (measures both links in the processes)")
+    return ("the target's links as written, not measured in a multi-process program (a link's per_operand says "
+            "whether alpha is paid per operand)")
+
+
+def with_process_links(target: Any) -> Any:
+    """``target`` with the links :func:`measure_process_links` measures in this multi-process
+    program (every process must call it), its source saying so; unchanged in a lone process."""
+    import dataclasses
+
+    if jax.process_count() == 1:
+        return target
+    seen = measure_process_links()
+    links = {**target.links, **seen["links"]}
+    collectives = {kind: {**target.collectives.get(kind, {}), **per} for kind, per in seen["collectives"].items()}
+    for kind in set(target.collectives) - set(collectives):  # a kind not measured over processes: the base links
+        collectives[kind] = {k: v for k, v in target.collectives[kind].items() if k not in seen["links"]}
+    how = "; ".join(f"{kind} " + ", ".join(f"{link} {ab.alpha:.3g} s + {ab.beta:.3g} s/B" for link, ab in per.items())
+                    for kind, per in seen["collectives"].items())
+    note = (f"; links measured at plan start in this {jax.process_count()}-process program ({how}); alpha paid "
+            f"{'per operand' if seen['links'] and next(iter(seen['links'].values())).per_operand else 'once'} "
+            f"(an all-reduce of {LINK_OPERANDS} arrays: {seen['per_operand_ratio']:.2f} of a one-array time per "
+            "extra array)")
+    return dataclasses.replace(target, links=links, collectives=collectives, source=target.source + note)
+
+
 __all__ = ["PlanRunError", "agreed_target", "check_device_order", "check_processes", "check_same", "from_process_0",
-           "slowest"]
+           "links_note", "measure_process_links", "slowest", "with_process_links"]

@@ -85,6 +85,8 @@ def explain(plan: dict[str, Any]) -> list[str]:
 
 def print_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(f"target: {plan['target']['name']} ({plan['target']['source']})", highlight=False)
+    if plan["target"].get("links_note"):
+        console.print(f"links: {plan['target']['links_note']}", highlight=False)
     budget = plan["memory_budget"]
     table = Table(title=f"{plan['devices']} devices, {plan['processes']} process(es), global batch {plan['global_batch']}"
                   + (f", budget {_mib(budget)} MiB per device" if budget else ""))
