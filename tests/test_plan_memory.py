@@ -41,20 +41,16 @@ def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
     assert not off, f"analytic count outside -{within:.0%}..+{high:.0%} of the compiled figure: {off}"
 
 
-# Not yet the 10% the planner aims at. The lm's per-kind counts were fitted on its rolled
-# layer scan; the lm now unrolls its layers by default, and XLA keeps less alive across
-# unrolled layers, so under remat none the count is over by up to 30% (never under): the
-# bound below guards that, until the counts are refitted on the unrolled program. Under
-# remat full and dots it is within 16% (plain data parallelism is over the most).
-# Accumulation is tried under remat none only (the count of its extra gradients does not
-# depend on the policy), to keep the compile time down.
-@pytest.mark.parametrize(("remat", "within", "over", "accum"),
-                         [("none", 0.10, 0.35, "1,2"), ("full", 0.16, None, "1"), ("dots", 0.16, None, "1")])
-def test_lm_analytic_memory_close_to_compiled(tmp_path, capsys, remat, within, over, accum):
+# The lm at its small size under every remat policy (accumulation under remat none only:
+# the count of what accumulating adds does not depend on the policy), to keep the compile
+# time down. The three sizes x policies x accumulation sweep (BENCHMARKS.md, "plan: analytic
+# memory count vs compiled figure") is tools/plan_memory_table.py, outside the tests.
+@pytest.mark.parametrize(("remat", "accum"), [("none", "1,2"), ("full", "1"), ("dots", "1")])
+def test_lm_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys, remat, accum):
     plan, printed = _plan(tmp_path, capsys, "--task", "lm", "--layers", "2", "--d-model", "32", "--heads", "8",
                           "--seq-len", "32", "--batch-size", "16", "--remat-options", remat, accum=accum)
     assert {r["remat"] for r in plan["candidates"]} == {remat}
-    _check_margins(plan, set(ALL_RULES.split(",")), within, {int(a) for a in accum.split(",")}, over)
+    _check_margins(plan, set(ALL_RULES.split(",")), 0.10, {int(a) for a in accum.split(",")})
     assert "margin" in printed
     assert "analytic count: state in and out, batch share, and the model's activations" in printed
 
@@ -81,3 +77,19 @@ def test_gathered_parameters_are_whole_over_batch_axes_only():
     assert gathered_bytes(w, rules_table("fsdp").table, {"data": 8}) == 4096  # FSDP gathers the whole matrix
     assert gathered_bytes(w, rules_table("fsdp+tp").table, {"data": 2, "model": 4}) == 1024  # still split over model
     assert gathered_bytes(w, rules_table("tp").table, {"model": 8}) == 512
+
+
+def test_lm_count_follows_the_program_form():
+    from spmdkit._plan._memory import LM_COUNTS, LM_COUNTS_ROLLED, lm_looped, lm_memory, lm_params
+    from spmdkit._tasks.lm import LMConfig
+
+    unrolled, rolled = LMConfig(layers=4, d_model=32, heads=4), LMConfig(layers=4, d_model=32, heads=4, scan_unroll=1)
+    assert not lm_looped(unrolled) and lm_looped(rolled) and lm_looped(LMConfig(layers=4, scan_unroll=2))
+    table, mesh = list(rules_table("fsdp").table), {"data": 8}
+    whole = sum(nbytes for _, nbytes in lm_params(unrolled))
+    # 8 rows on 8 devices: XLA gathers. Unrolled, every layer's parameters at once; in a loop, one layer's.
+    got = lm_memory(unrolled, 8, "none", 1, table, mesh)
+    assert got["gathered"] == int(LM_COUNTS["none"]["gathered"][0] * (whole - whole // 8))
+    layer = lm_memory(rolled, 8, "none", 1, table, mesh)["gathered"]
+    assert 0 < layer < got["gathered"] / 2
+    assert LM_COUNTS_ROLLED["none"] != LM_COUNTS["none"]
