@@ -166,26 +166,37 @@ def layer_parts(layer: list[tuple[Names, int]], rows: int, accum: int, table: It
 #
 # The counts depend on the program's form (``LMConfig.unroll``, as the lm builds it):
 # - unrolled (every layer in one straight-line program, the default up to 8 layers): XLA
-#   schedules the whole step at once; it reuses buffers across layers, so a layer keeps
-#   fewer arrays than in the loop, and where the rules shard parameters over the batch's
-#   mesh axes (FSDP) it gathers every layer's parameters whole ("gathered": that many
-#   times the bytes gathering adds; under accumulation the running gradient sum and each
-#   micro-batch's gradients take part too). Fitted (min-max relative error) to the
-#   compiled programs (XLA:CPU, jax 0.12) of the lm at three sizes under every default
-#   rules preset, remat policy and accumulation 1 and 2.
-# - rolled (a loop over layers): the loop holds one layer's working set and every layer's
-#   saved arrays in stacked buffers, and gathers one layer's parameters at a time
-#   (:func:`layer_parts`). Fitted to the rolled program before the default unrolled it.
+#   schedules the whole step at once and reuses buffers across layers. Under ``none`` each
+#   layer keeps about 5 residual-shaped arrays, 2.4 of scores and q/k/v/attention/MLP
+#   arrays (heads; the MLP's are among them) for the backward pass; under ``full`` and
+#   ``dots`` hardly anything per layer (the block's input), and the recomputation's working
+#   set takes the room. Where the rules shard parameters over the batch's mesh axes (FSDP)
+#   and XLA gathers (``GATHER_ROWS``), it gathers every layer's parameters at once, with
+#   their gradients before the reduce-scatter ("gathered": that many times what gathering
+#   adds; the second figure under accumulation, where the running sum of gradients is
+#   gathered too); under sequence parallelism each layer keeps its keys and values (and,
+#   under ``none``, their gradients) gathered over the whole length ("kv_gathered").
+#   Fitted (least worst relative error) to the compiled programs (XLA:CPU, jax 0.12) of
+#   the lm on 8 devices at three sizes under every default rules preset and accumulation 1
+#   and 2, with one device's programs at other widths, lengths, heads and depths (1-4
+#   layers) weighed less: XLA's schedule is not a sum of parts (on one device, 2 layers of
+#   width 128 take less room than of width 64; under ``full``, 4 layers less than 2), so the
+#   counts are those of these programs, within 10% for the planner's candidates and 14%
+#   for the others. Attention's layouts change them: re-take with tools/plan_memory_table.py.
+# - rolled (a loop over layers, ``LMConfig.unroll`` < ``layers``): the loop holds one
+#   layer's working set and every layer's saved arrays in stacked buffers, and gathers one
+#   layer's parameters at a time (:func:`layer_parts`). Fitted to the rolled program of an
+#   earlier lm (its MLP on (batch, length, features)).
 LM_COUNTS = {
-    "none": {"saved": {"embed": 4.91, "heads": 8.75, "scores": 2.39}, "working": {"embed": 10.69, "heads": 1.59, "scores": 1.18},
-             "top": {"vocab": 0.91}, "kv_gathered": 3.29, "gathered": (1.92, 2.81),
-             "micro": 0.0},
-    "dots": {"saved": {"embed": 5.55, "heads": 6.6, "scores": 1.07}, "working": {},
-             "top": {"vocab": 0.0}, "kv_gathered": 2.43, "gathered": (1.34, 2.39),
-             "micro": 0.0},
-    "full": {"saved": {"embed": 5.05, "heads": 8.69, "scores": 0.83}, "working": {},
-             "top": {"vocab": 0.0}, "kv_gathered": 2.25, "gathered": (1.68, 2.63),
-             "micro": 0.0},
+    "none": {"saved": {"embed": 4.91, "heads": 8.75, "scores": 2.39},
+             "working": {"embed": 10.69, "heads": 1.59, "scores": 1.18}, "top": {"vocab": 0.91},
+             "kv_gathered": 3.29, "gathered": (1.92, 2.81), "micro": 0.0},
+    "dots": {"saved": {"embed": 0.43},
+             "working": {"embed": 10.3, "heads": 9.0, "scores": 2.36}, "top": {"vocab": 0.51},
+             "kv_gathered": 2.78, "gathered": (1.26, 2.33), "micro": 0.0},
+    "full": {"saved": {},
+             "working": {"embed": 9.94, "heads": 12.38, "scores": 2.76}, "top": {"vocab": 0.0},
+             "kv_gathered": 2.49, "gathered": (1.47, 2.46), "micro": 0.0},
 }
 LM_COUNTS_ROLLED = {
     "none": {"saved": {"embed": 6, "heads": 4, "scores": 1.5, "mlp": 7.5}, "working": {"embed": 9},
