@@ -159,7 +159,10 @@ def table(rows: list[dict]) -> None:
                 mark = "**" if abs(w["margin"]) > 0.10 else ""
                 cells.append(f"{mark}{w['margin']:+.1%}{mark} {w['label'].replace(' remat=' + remat, '')}")
             if count:
-                print(f"| {model} {size} | {' / '.join(sorted(count))} | " + " | ".join(cells) + " |")
+                name = (f"{size['layers']} layers, d {size['d_model']}, {size['heads']} heads, seq {size['seq_len']}"
+                        if model == "lm" else f"{size['layers']} layers {size['embed']}-{size['depth']}-{size['embed']}")
+                print(f"| {model} {name}, batch {size['batch']} | {' / '.join(sorted(count))} | "
+                      + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -194,9 +194,9 @@ LM_COUNTS = {
     "dots": {"saved": {"embed": 0.43},
              "working": {"embed": 10.3, "heads": 9.0, "scores": 2.36}, "top": {"vocab": 0.51},
              "kv_gathered": 2.78, "gathered": (1.26, 2.33), "micro": 0.0},
-    "full": {"saved": {},
-             "working": {"embed": 9.94, "heads": 12.38, "scores": 2.76}, "top": {"vocab": 0.0},
-             "kv_gathered": 2.49, "gathered": (1.47, 2.46), "micro": 0.0},
+    "full": {"saved": {"embed": 0.61},
+             "working": {"embed": 9.33, "heads": 12.89, "scores": 1.17}, "top": {"vocab": 1.13},
+             "kv_gathered": 2.01, "gathered": (1.76, 2.43), "micro": 0.0},
 }
 LM_COUNTS_ROLLED = {
     "none": {"saved": {"embed": 6, "heads": 4, "scores": 1.5, "mlp": 7.5}, "working": {"embed": 9},
