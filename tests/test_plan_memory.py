@@ -23,10 +23,8 @@ def _plan(tmp_path, capsys, *flags: str, accum: str = "1,2") -> tuple[dict, str]
 
 
 def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
-                   accum: frozenset[int] = frozenset({1, 2}), over: float | None = None) -> None:
-    """Every ok candidate's analytic count within ``within`` of the compiled figure; with
-    ``over``, it may exceed the compiled figure by up to ``over`` (never fall short by more
-    than ``within``: a count under the real need would admit a layout that does not fit)."""
+                   accum: frozenset[int] = frozenset({1, 2})) -> None:
+    """Every ok candidate's analytic count within ``within`` of the compiled figure."""
     ok = [r for r in plan["candidates"] if r["status"] == "ok"]
     assert {r["rules"] for r in ok} == rules and {r["accum"] for r in ok} == accum
     for r in ok:
@@ -35,16 +33,14 @@ def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
         assert mem["margin"] == pytest.approx(analytic / compiled - 1)
         assert mem["per_device"] == max(analytic, compiled)  # the budget uses the larger
         assert mem["analytic"]["activations"] == sum(mem["analytic"]["activation_parts"].values()) > 0
-    high = within if over is None else over
-    off = {r["label"]: f"{r['memory']['margin']:+.3f}" for r in ok
-           if not -within <= r["memory"]["margin"] <= high}
-    assert not off, f"analytic count outside -{within:.0%}..+{high:.0%} of the compiled figure: {off}"
+    off = {r["label"]: f"{r['memory']['margin']:+.3f}" for r in ok if abs(r["memory"]["margin"]) > within}
+    assert not off, f"analytic count outside +-{within:.0%} of the compiled figure: {off}"
 
 
-# The lm at its small size under every remat policy (accumulation under remat none only:
-# the count of what accumulating adds does not depend on the policy), to keep the compile
-# time down. The three sizes x policies x accumulation sweep (BENCHMARKS.md, "plan: analytic
-# memory count vs compiled figure") is tools/plan_memory_table.py, outside the tests.
+# The lm at its small size under every remat policy, accumulation under remat none only, to
+# keep the compile time down. The sweep of three sizes x policies x accumulation 1 and 2
+# (BENCHMARKS.md, "plan: analytic memory count vs compiled figure") is
+# tools/plan_memory_table.py, outside the tests: it compiles ~220 candidates.
 @pytest.mark.parametrize(("remat", "accum"), [("none", "1,2"), ("full", "1"), ("dots", "1")])
 def test_lm_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys, remat, accum):
     plan, printed = _plan(tmp_path, capsys, "--task", "lm", "--layers", "2", "--d-model", "32", "--heads", "8",
