@@ -23,10 +23,8 @@ def _plan(tmp_path, capsys, *flags: str, accum: str = "1,2") -> tuple[dict, str]
 
 
 def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
-                   accum: frozenset[int] = frozenset({1, 2}), over: float | None = None) -> None:
-    """Every ok candidate's analytic count within ``within`` of the compiled figure; with
-    ``over``, it may exceed the compiled figure by up to ``over`` (never fall short by more
-    than ``within``: a count under the real need would admit a layout that does not fit)."""
+                   accum: frozenset[int] = frozenset({1, 2})) -> None:
+    """Every ok candidate's analytic count within ``within`` of the compiled figure."""
     ok = [r for r in plan["candidates"] if r["status"] == "ok"]
     assert {r["rules"] for r in ok} == rules and {r["accum"] for r in ok} == accum
     for r in ok:
@@ -35,26 +33,20 @@ def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
         assert mem["margin"] == pytest.approx(analytic / compiled - 1)
         assert mem["per_device"] == max(analytic, compiled)  # the budget uses the larger
         assert mem["analytic"]["activations"] == sum(mem["analytic"]["activation_parts"].values()) > 0
-    high = within if over is None else over
-    off = {r["label"]: f"{r['memory']['margin']:+.3f}" for r in ok
-           if not -within <= r["memory"]["margin"] <= high}
-    assert not off, f"analytic count outside -{within:.0%}..+{high:.0%} of the compiled figure: {off}"
+    off = {r["label"]: f"{r['memory']['margin']:+.3f}" for r in ok if abs(r["memory"]["margin"]) > within}
+    assert not off, f"analytic count outside +-{within:.0%} of the compiled figure: {off}"
 
 
-# Not yet the 10% the planner aims at. The lm's per-kind counts were fitted on its rolled
-# layer scan; the lm now unrolls its layers by default, and XLA keeps less alive across
-# unrolled layers, so under remat none the count is over by up to 30% (never under): the
-# bound below guards that, until the counts are refitted on the unrolled program. Under
-# remat full and dots it is within 16% (plain data parallelism is over the most).
-# Accumulation is tried under remat none only (the count of its extra gradients does not
-# depend on the policy), to keep the compile time down.
-@pytest.mark.parametrize(("remat", "within", "over", "accum"),
-                         [("none", 0.10, 0.35, "1,2"), ("full", 0.16, None, "1"), ("dots", 0.16, None, "1")])
-def test_lm_analytic_memory_close_to_compiled(tmp_path, capsys, remat, within, over, accum):
+# The lm at its small size under every remat policy, accumulation under remat none only, to
+# keep the compile time down. The sweep of three sizes x policies x accumulation 1 and 2
+# (BENCHMARKS.md, "plan: analytic memory count vs compiled figure") is
+# tools/plan_memory_table.py, outside the tests: it compiles ~220 candidates.
+@pytest.mark.parametrize(("remat", "accum"), [("none", "1,2"), ("full", "1"), ("dots", "1")])
+def test_lm_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys, remat, accum):
     plan, printed = _plan(tmp_path, capsys, "--task", "lm", "--layers", "2", "--d-model", "32", "--heads", "8",
                           "--seq-len", "32", "--batch-size", "16", "--remat-options", remat, accum=accum)
     assert {r["remat"] for r in plan["candidates"]} == {remat}
-    _check_margins(plan, set(ALL_RULES.split(",")), within, {int(a) for a in accum.split(",")}, over)
+    _check_margins(plan, set(ALL_RULES.split(",")), 0.10, {int(a) for a in accum.split(",")})
     assert "margin" in printed
     assert "analytic count: state in and out, batch share, and the model's activations" in printed
 
@@ -81,3 +73,19 @@ def test_gathered_parameters_are_whole_over_batch_axes_only():
     assert gathered_bytes(w, rules_table("fsdp").table, {"data": 8}) == 4096  # FSDP gathers the whole matrix
     assert gathered_bytes(w, rules_table("fsdp+tp").table, {"data": 2, "model": 4}) == 1024  # still split over model
     assert gathered_bytes(w, rules_table("tp").table, {"model": 8}) == 512
+
+
+def test_lm_count_follows_the_program_form():
+    from spmdkit._plan._memory import LM_COUNTS, LM_COUNTS_ROLLED, lm_looped, lm_memory, lm_params
+    from spmdkit._tasks.lm import LMConfig
+
+    unrolled, rolled = LMConfig(layers=4, d_model=32, heads=4), LMConfig(layers=4, d_model=32, heads=4, scan_unroll=1)
+    assert not lm_looped(unrolled) and lm_looped(rolled) and lm_looped(LMConfig(layers=4, scan_unroll=2))
+    table, mesh = list(rules_table("fsdp").table), {"data": 8}
+    whole = sum(nbytes for _, nbytes in lm_params(unrolled))
+    # 8 rows on 8 devices: XLA gathers. Unrolled, every layer's parameters at once; in a loop, one layer's.
+    got = lm_memory(unrolled, 8, "none", 1, table, mesh)
+    assert got["gathered"] == int(LM_COUNTS["none"]["gathered"][0] * (whole - whole // 8))
+    layer = lm_memory(rolled, 8, "none", 1, table, mesh)["gathered"]
+    assert 0 < layer < got["gathered"] / 2
+    assert LM_COUNTS_ROLLED["none"] != LM_COUNTS["none"]

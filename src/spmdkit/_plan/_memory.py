@@ -5,8 +5,9 @@ its state): the state passed in and the new state returned, into whose buffers t
 optimizer update writes the gradients; the batch's share; and, for a model spmdkit built
 (``lm``, ``mlp``), what its forward and backward passes keep: the activations saved for
 the backward pass under the remat policy, the logits and their gradient, the working set
-of one layer's backward pass, the parameters that data-sharded layouts gather whole for one
-layer at a time, and an accumulating step's gradients of one micro-batch. Each array
+of one layer's backward pass, the parameters that data-sharded layouts gather whole (one
+layer at a time in a loop over layers, all of them in an unrolled program), and an
+accumulating step's gradients of one micro-batch. Each array
 the model keeps is counted through its logical names, so the rules and the mesh decide
 its per-device share as they decide the program's layout. For a step spmdkit did not
 build, the count is the state in and out and the batch (and, when it accumulates, one
@@ -136,16 +137,22 @@ def gathered_bytes(params: Iterable[tuple[Names, int]], table: Iterable[tuple[st
 GATHER_ROWS = 8
 
 
+def gathers(params: list[tuple[Names, int]], rows: int, accum: int, table: list[tuple[str, Any]],
+            mesh: Mapping[str, int]) -> tuple[int, int]:
+    """``(held, extra)``: the bytes of ``params`` a device holds, and what gathering them
+    whole over the batch's mesh axes adds when XLA does (see ``GATHER_ROWS``; 0 otherwise)."""
+    held = int(sum(nbytes / pieces(names, table, mesh) for names, nbytes in params))
+    extra = gathered_bytes(params, table, mesh) - held
+    per_device = rows / pieces(("batch",), table, mesh)
+    return held, extra if extra > 0 and (per_device <= GATHER_ROWS or accum > 1) else 0
+
+
 def layer_parts(layer: list[tuple[Names, int]], rows: int, accum: int, table: Iterable[tuple[str, Any]],
                 mesh: Mapping[str, int]) -> dict[str, int]:
     """One layer's parameters gathered whole (forward and backward, FSDP), and, when the step
     accumulates, one layer's gradients of a micro-batch before they join the running sum."""
-    table = list(table)
-    held = int(sum(nbytes / pieces(names, table, mesh) for names, nbytes in layer))
-    extra = gathered_bytes(layer, table, mesh) - held
-    per_device = rows / pieces(("batch",), table, mesh)
-    gathers = extra > 0 and (per_device <= GATHER_ROWS or accum > 1)
-    return {"gathered": 2 * extra if gathers else 0, "micro_gradients": held if accum > 1 else 0}
+    held, extra = gathers(layer, rows, accum, list(table), mesh)
+    return {"gathered": 2 * extra, "micro_gradients": held if accum > 1 else 0}
 
 
 # ---------------------------------------------------------------- the built-in lm
@@ -154,12 +161,45 @@ def layer_parts(layer: list[tuple[Names, int]], rows: int, accum: int, table: It
 # output; scores: attention probabilities, float32; mlp: the MLP's hidden activations):
 # "saved" for the backward pass by every block, "working" for one block's backward pass at
 # a time (with what the policy recomputes), and "top" the logits, their softmax and
-# gradient (vocab, float32) outside the blocks. The structure follows what JAX's autodiff
-# keeps of ``lm.Block`` (under ``dots`` the projections' outputs, under ``full`` the block's
-# input only); the counts are those of the compiled programs (XLA:CPU, jax 0.12) of the lm
-# at three sizes under every rules preset, where kinds split alike (heads and mlp) are
-# only known together. Under ``none`` the GELU's intermediate values make the mlp count.
+# gradient (vocab, float32) outside the blocks. Kinds split alike (heads and mlp) are only
+# known together.
+#
+# The counts depend on the program's form (``LMConfig.unroll``, as the lm builds it):
+# - unrolled (every layer in one straight-line program, the default up to 8 layers): XLA
+#   schedules the whole step at once and reuses buffers across layers. Under ``none`` each
+#   layer keeps about 5 residual-shaped arrays, 2.4 of scores and q/k/v/attention/MLP
+#   arrays (heads; the MLP's are among them) for the backward pass; under ``full`` and
+#   ``dots`` hardly anything per layer (the block's input), and the recomputation's working
+#   set takes the room. Where the rules shard parameters over the batch's mesh axes (FSDP)
+#   and XLA gathers (``GATHER_ROWS``), it gathers every layer's parameters at once, with
+#   their gradients before the reduce-scatter ("gathered": that many times what gathering
+#   adds; the second figure under accumulation, where the running sum of gradients is
+#   gathered too); under sequence parallelism each layer keeps its keys and values (and,
+#   under ``none``, their gradients) gathered over the whole length ("kv_gathered").
+#   Fitted (least worst relative error) to the compiled programs (XLA:CPU, jax 0.12) of
+#   the lm on 8 devices at three sizes under every default rules preset and accumulation 1
+#   and 2, with one device's programs at other widths, lengths, heads and depths (1-4
+#   layers) weighed less: XLA's schedule is not a sum of parts (on one device, 2 layers of
+#   width 128 take less room than of width 64; under ``full``, 4 layers less than 2), so the
+#   counts are those of these programs, within 10% for the planner's candidates and 14%
+#   for the others. Attention's layouts change them: re-take with tools/plan_memory_table.py.
+# - rolled (a loop over layers, ``LMConfig.unroll`` < ``layers``): the loop holds one
+#   layer's working set and every layer's saved arrays in stacked buffers, and gathers one
+#   layer's parameters at a time (:func:`layer_parts`). Fitted to the rolled program of an
+#   earlier lm (its MLP on (batch, length, features)); on today's, within 10% under ``none``
+#   at the three sizes, up to 20% over under ``full`` and ``dots`` (BENCHMARKS.md).
 LM_COUNTS = {
+    "none": {"saved": {"embed": 4.91, "heads": 8.75, "scores": 2.39},
+             "working": {"embed": 10.69, "heads": 1.59, "scores": 1.18}, "top": {"vocab": 0.91},
+             "kv_gathered": 3.29, "gathered": (1.92, 2.81), "micro": 0.0},
+    "dots": {"saved": {"embed": 3.02},
+             "working": {"embed": 5.06, "heads": 9.24, "scores": 2.37}, "top": {"vocab": 0.45},
+             "kv_gathered": 2.28, "gathered": (1.44, 2.33), "micro": 0.0},
+    "full": {"saved": {"embed": 0.61},
+             "working": {"embed": 9.33, "heads": 12.89, "scores": 1.17}, "top": {"vocab": 1.13},
+             "kv_gathered": 2.01, "gathered": (1.76, 2.43), "micro": 0.0},
+}
+LM_COUNTS_ROLLED = {
     "none": {"saved": {"embed": 6, "heads": 4, "scores": 1.5, "mlp": 7.5}, "working": {"embed": 9},
              "top": {"vocab": 2.35}},
     "dots": {"saved": {"embed": 3, "heads": 2, "mlp": 1}, "working": {"embed": 4.25, "mlp": 6.25},
@@ -187,17 +227,47 @@ def lm_layer_params(cfg: Any) -> list[tuple[Names, int]]:
                                                           (("embed",), 8 * e)]
 
 
+def lm_params(cfg: Any) -> list[tuple[Names, int]]:
+    """``(logical names, bytes)`` of all the lm's parameters (float32): the blocks, the
+    token and position embeddings and the final norm."""
+    e = cfg.d_model
+    return lm_layer_params(cfg) * cfg.layers + [(("vocab", "embed"), 4 * 256 * e),
+                                                (("length", "embed"), 4 * cfg.seq_len * e), (("embed",), 4 * e)]
+
+
+def lm_looped(cfg: Any) -> bool:
+    """Whether the lm's layers run in a loop (a rolled scan) rather than unrolled."""
+    return cfg.layers // cfg.unroll >= 2
+
+
 def lm_memory(cfg: Any, rows: int, remat: str, accum: int, table: Iterable[tuple[str, Any]],
               mesh: Mapping[str, int]) -> dict[str, int]:
     """What the lm's passes keep on one device for ``rows`` rows of the (micro-)batch: the
     saved activations of every block, one block's backward working set (under ``full`` and
-    ``dots`` with the recomputed arrays), the logits and what surrounds them, and one
-    block's gathered parameters and micro-batch gradients (:func:`layer_parts`)."""
-    table, counts = list(table), LM_COUNTS[remat]
-    return {"saved": kept_bytes(_lm_arrays(cfg, counts["saved"], cfg.layers), rows, table, mesh),
-            "working": kept_bytes(_lm_arrays(cfg, counts["working"], 1), rows, table, mesh),
-            "logits": kept_bytes(_lm_arrays(cfg, counts["top"], 1), rows, table, mesh),
-            **layer_parts(lm_layer_params(cfg), rows, accum, table, mesh)}
+    ``dots`` with the recomputed arrays), the logits and what surrounds them, and the
+    parameters gathered whole and micro-batch gradients, counted for the program's form
+    (``LM_COUNTS`` unrolled, ``LM_COUNTS_ROLLED`` in a loop)."""
+    table = list(table)
+    looped = lm_looped(cfg)
+    counts = (LM_COUNTS_ROLLED if looped else LM_COUNTS)[remat]
+    out = {"saved": kept_bytes(_lm_arrays(cfg, counts["saved"], cfg.layers), rows, table, mesh),
+           "working": kept_bytes(_lm_arrays(cfg, counts["working"], 1), rows, table, mesh),
+           "logits": kept_bytes(_lm_arrays(cfg, counts["top"], 1), rows, table, mesh)}
+    if looped:
+        return {**out, **layer_parts(lm_layer_params(cfg), rows, accum, table, mesh)}
+    held, extra = gathers(lm_params(cfg), rows, accum, table, mesh)
+    return {**out, "sequence_gathered": _sequence_gathered(cfg, counts["kv_gathered"] * cfg.layers, rows, table, mesh),
+            "gathered": int(counts["gathered"][accum > 1] * extra),
+            "micro_gradients": int(counts["micro"] * held) if accum > 1 else 0}
+
+
+def _sequence_gathered(cfg: Any, count: float, rows: int, table: list[tuple[str, Any]], mesh: Mapping[str, int]) -> int:
+    """``count`` arrays of the attention's keys or values gathered over the whole length
+    (sequence parallelism splits ``length``; every query needs every key): what they hold
+    beyond their split share. Nothing when the rules leave ``length`` whole."""
+    e, n, item = cfg.d_model, cfg.seq_len, 2 if cfg.precision == "bf16" else 4
+    whole = kept_bytes([Kept(("batch", None, "heads", "kv"), n * e, item, count)], rows, table, mesh)
+    return whole - kept_bytes([Kept(("batch", "length", "heads", "kv"), n * e, item, count)], rows, table, mesh)
 
 
 # ---------------------------------------------------------------- the built-in mlp
