@@ -48,6 +48,29 @@ def test_bad_target_file_is_named(tmp_path):
         load_target(tmp_path / "missing.json")
 
 
+_GOOD = {"format": "spmdkit-target", "version": 1, "devices_per_host": 8, "peak_flops": {"float32": 1e12},
+         "memory_bandwidth": 1e11, "links": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-3])
+@pytest.mark.parametrize("field,example", [
+    (("links", "intra_host", "beta"), "2e-12"), (("links", "intra_host", "alpha"), "5e-6"),
+    (("collectives", "all_reduce", "intra_host", "beta"), "2e-12"), (("memory_bandwidth",), "2e12"),
+    (("peak_flops", "float32"), "67e12"), (("op_overhead",), "5e-6"), (("memory_per_device",), "80e9")])
+def test_target_number_not_finite_or_negative_is_named_with_a_sensible_value(tmp_path, field, value, example):
+    data = json.loads(json.dumps(_GOOD))
+    data["collectives"] = {"all_reduce": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
+    node = data
+    for key in field[:-1]:
+        node = node.setdefault(key, {})
+    node[field[-1]] = value
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))  # NaN / Infinity as Python's json writes them
+    with pytest.raises(TargetError, match=f"{field[-1]}.*not a finite number") as err:
+        load_target(path)
+    assert isinstance(err.value, ValueError) and f"{field[-1]}\": {example}" in str(err.value)
+
+
 def test_target_file_without_collective_sync_ops_loads_and_prices_no_wait(tmp_path):
     old = {"format": "spmdkit-target", "version": 1, "devices_per_host": 8, "peak_flops": {"float32": 1e12},
            "memory_bandwidth": 1e11, "links": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
