@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -15,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import spmdkit
 from spmdkit._cli import main
+from spmdkit._errors import ConfigError
 from spmdkit._plan._candidates import enumerate_candidates, factorisations
 from spmdkit._plan._hlo import analyse
 from spmdkit._target import Link, Target, TargetError, collective_time, example_targets, from_json, load_target
@@ -526,3 +528,42 @@ def _cwd(pid: str) -> str | None:
         return os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------- arguments checked before any work
+def _tiny():
+    make_state = lambda rng: {"w": jnp.zeros((16, 32))}  # noqa: E731
+    step = lambda s, b: ({"w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"])}, {})  # noqa: E731
+    return make_state, step, {"x": jnp.ones((16, 16))}
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"memory_per_device": float("nan")}, "memory_per_device=nan"), ({"memory_per_device": -10}, "memory_per_device=-10"),
+    ({"memory_per_device": 0}, "memory_per_device=0"), ({"measure": -1}, "measure=-1"),
+    ({"measure": 1, "measure_steps": 0}, "measure_steps=0"), ({"measure": 1, "measure_rounds": 0}, "measure_rounds=0"),
+    ({"accum": (0,), "step_for": lambda r, a: None}, "accum=0"),
+    ({"dtype": "fp8"}, "dtype='fp8'.*'bfloat16', 'float32'")])
+def test_plan_bad_numbers_and_dtype_are_named(kwargs, words):
+    make_state, step, batch = _tiny()
+    with pytest.raises(ConfigError, match=words) as err:
+        spmdkit.plan(make_state, step, batch, rules=("dp",), target="h100x8", **kwargs)
+    assert isinstance(err.value, ValueError) and "Fix:" in str(err.value)
+
+
+def test_plan_dtype_alias_rules_string_and_dict():
+    make_state, step, batch = _tiny()
+    one = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", dtype="bf16")
+    assert one["dtype"] == "bfloat16" and [c["label"] for c in one["candidates"]] == ["dp [data=8]"]
+    table = spmdkit.plan(make_state, step, batch, rules=({"batch": "data", "embed": None, "hidden": None},),
+                         target="h100x8")
+    assert [c["label"] for c in table["candidates"]] == ["batch=data,embed=none,hidden=none [data=8]"]
+    assert table["candidates"][0]["step_s"] == pytest.approx(
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]["step_s"])
+
+
+def test_cli_memory_per_device_must_be_positive():
+    from spmdkit._plan_cli import parse_bytes
+
+    assert parse_bytes("512MiB") == 512 * 2**20
+    with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
+        parse_bytes("0")

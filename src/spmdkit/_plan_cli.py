@@ -31,7 +31,10 @@ def parse_bytes(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected bytes like 16e9, 16GB or 512MiB, got {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a budget > 0 bytes like 16GB or 512MiB, got {text!r}")
+    return value
 
 
 def _names(text: str) -> tuple[str, ...]:

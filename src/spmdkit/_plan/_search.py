@@ -140,6 +140,27 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     return row
 
 
+# Short names users write for compute dtypes.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
+                 "fp64": "float64", "f64": "float64"}
+
+
+def compute_dtype(dtype: Any, target: Target) -> str:
+    """``dtype`` as the name the target's ``peak_flops`` uses: an alias resolved, and an error for
+    a name that is no dtype (it would be priced at the float32 peak without a word)."""
+    name = DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if name in target.peak_flops:
+        return name
+    try:
+        name = np.dtype(jax.numpy.dtype(name)).name
+    except (TypeError, ValueError):
+        raise ConfigError(fix(f"plan(dtype={dtype!r}) is not a dtype name; target {target.name!r} gives peak FLOP/s "
+                              f"for {sorted(target.peak_flops)}.",
+                              f"pass one of {sorted(target.peak_flops)} (or a JAX dtype name such as \"bfloat16\"; "
+                              f"aliases {sorted(DTYPE_ALIASES)}).")) from None
+    return name
+
+
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
@@ -165,6 +186,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         raise ConfigError(fix(f"plan(processes={processes}): {n} devices do not split evenly into that many processes.",
                               f"use a divisor of {n}."))
     target = load_target(target, n) if not isinstance(target, Target) else target
+    dtype = compute_dtype(dtype, target)
     devices_per_host = n // processes if processes > 1 else min(target.devices_per_host, n) or n
     budget = memory_per_device if memory_per_device is not None else target.memory_per_device
     abstract_batch = _abstract(batch)
