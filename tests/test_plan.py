@@ -567,3 +567,13 @@ def test_cli_memory_per_device_must_be_positive():
     assert parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
         parse_bytes("0")
+
+
+def test_raise_failure_of_a_killed_process_is_a_plan_run_error():
+    from spmdkit._plan._processes import PlanRunError
+    from spmdkit._plan_cli import _raise_failure
+
+    with pytest.raises(PlanRunError, match=r"(?s)2 processes measuring the plan failed \(exit code -9\).*worker died"):
+        _raise_failure(-9, ["[1] worker died\n"], 2)
+    with pytest.raises(ConfigError, match="--rules nope"):
+        _raise_failure(2, ["[1] error: --rules nope is unknown\n"], 2)

@@ -274,6 +274,8 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
 def _raise_failure(code: int, lines: list[str], processes: int) -> None:
     """A process's own error as this command's (bad input: exit code 2), else the failure with
     the last lines the processes wrote."""
+    from spmdkit._plan._processes import PlanRunError
+
     split = [re.match(r"(?:\[(\d+)\] )?(.*)", line, re.S).groups() for line in lines]  # (process or None, text)
     mine = [text for _, text in split]
     first = next((who for who, text in split if text.startswith("error: ")), None)
