@@ -577,3 +577,14 @@ def test_raise_failure_of_a_killed_process_is_a_plan_run_error():
         _raise_failure(-9, ["[1] worker died\n"], 2)
     with pytest.raises(ConfigError, match="--rules nope"):
         _raise_failure(2, ["[1] error: --rules nope is unknown\n"], 2)
+
+
+def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys):
+    from spmdkit._plan_cli import PlanFileError, check_out
+
+    check_out(str(tmp_path / "plan.json"), "--json")  # writable: nothing to say
+    with pytest.raises(PlanFileError, match="--png .*does not exist") as err:
+        check_out(str(tmp_path / "missing" / "f.png"), "--png")
+    assert isinstance(err.value, OSError)
+    code = main(["plan", "--task", "mlp", "--devices", "8", "--target", "h100x8", "--json", str(tmp_path)])
+    assert code == 5 and "is a directory" in capsys.readouterr().err

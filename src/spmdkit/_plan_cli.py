@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from spmdkit._errors import ConfigError, fix
+from spmdkit._errors import ConfigError, SpmdkitError, fix
 
 # Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
 ENV_PLAN_RESULT = "SPMDKIT_PLAN_RESULT"
@@ -131,8 +131,35 @@ def _mlp(args: argparse.Namespace, batch_size: int):
             mlp_activations(batch_size, **sizes))
 
 
+class PlanFileError(SpmdkitError, OSError):
+    """``--json`` or ``--png`` cannot be written (a missing, read-only or full place)."""
+
+    exit_code = 5  # the CLI's code for an I/O failure
+
+
+def check_out(path: str | None, flag: str) -> None:
+    """An output file, checked writable before minutes of planning."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise PlanFileError(fix(f"{flag} {path!r} is a directory.", f"pass a file name, e.g. {flag} plan.{flag[2:]}."))
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise PlanFileError(fix(f"{flag} {path!r}: directory {parent} does not exist.",
+                                f"create it (mkdir -p {parent}) or pass another path."))
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-plan-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PlanFileError(fix(f"{flag} {path!r}: cannot write in {parent} ({e.strerror or e}).",
+                                "pass a path in a writable directory.")) from None
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Flag errors found before any process starts or any JAX work."""
+    check_out(args.json, "--json")
+    check_out(args.png, "--png")
     if args.measure < 0:
         raise ConfigError(fix(f"--measure {args.measure}: the number of candidates to run cannot be negative.",
                               "pass --measure K with K >= 1, or leave it out (0: price only)."))
