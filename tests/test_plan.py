@@ -588,3 +588,38 @@ def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys)
     assert isinstance(err.value, OSError)
     code = main(["plan", "--task", "mlp", "--devices", "8", "--target", "h100x8", "--json", str(tmp_path)])
     assert code == 5 and "is a directory" in capsys.readouterr().err
+
+
+def test_plan_step_failing_for_every_candidate_raises_its_error():
+    from spmdkit._plan._search import PlanStepError
+
+    make_state, _, batch = _tiny()
+
+    def bad(s, b):
+        raise KeyError("boom in my step")
+
+    with pytest.raises(PlanStepError, match="every candidate .* KeyError: 'boom in my step'") as err:
+        spmdkit.plan(make_state, bad, batch, rules=("dp", "fsdp"), target="h100x8")
+    assert isinstance(err.value, RuntimeError) and isinstance(err.value.__cause__, KeyError)
+
+
+def test_plan_names_an_unmapped_logical_name_and_an_unused_rule():
+    make_state, step, batch = _tiny()
+    typo = spmdkit.plan(make_state, step, batch, rules=("dp", "tp"), target="h100x8",
+                        state_axes={"w": ("embed", "hiddn")})
+    reasons = [c["reason"] for c in typo["candidates"]]
+    assert all("state['w'] has logical name 'hiddn'" in r for r in reasons), reasons  # not "model splits nothing"
+    unused = spmdkit.plan(make_state, step, batch, rules=({"batch": "data", "embed": None, "hiden": "model"},),
+                          target="h100x8", state_axes={"w": ("embed", None)})
+    reason = unused["candidates"][0]["reason"]
+    assert "mesh axis 'model' splits nothing" in reason and "rule(s) ['hiden'] map to it" in reason, reason
+
+
+def test_cli_plan_inline_rules_stay_one_table(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(["plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--batch-size", "16",
+                 "--devices", "8", "--target", "h100x8", "--json", "plan.json", "--rules",
+                 "dp,batch=data,layer=none,embed=none,hidden=none"])
+    capsys.readouterr()
+    labels = [c["label"] for c in json.load(open("plan.json"))["candidates"] if c["status"] == "ok"]
+    assert code == 0 and sorted(labels) == ["batch=data,layer=none,embed=none,hidden=none [data=8]", "dp [data=8]"], labels

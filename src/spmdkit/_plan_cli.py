@@ -41,6 +41,29 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _rules_list(text: str) -> tuple[str, ...]:
+    """``--rules``: names separated by commas, where neighbouring ``logical=axis`` pairs form one
+    inline table (``dp,batch=data,hidden=model`` is two entries); ``;`` separates two inline tables.
+
+    >>> _rules_list("dp,batch=data,hidden=model,tp"), _rules_list("batch=data;batch=data,hidden=model")
+    (('dp', 'batch=data,hidden=model', 'tp'), ('batch=data', 'batch=data,hidden=model'))
+    """
+    out: list[str] = []
+    for group in text.split(";"):
+        pairs: list[str] = []
+        for part in _names(group):
+            if "=" in part:
+                pairs.append(part)
+                continue
+            if pairs:
+                out.append(",".join(pairs))
+                pairs = []
+            out.append(part)
+        if pairs:
+            out.append(",".join(pairs))
+    return tuple(out)
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in _names(text))
@@ -71,8 +94,9 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
     p.add_argument("--target", default="cpu", metavar="cpu|FILE",
                    help="cpu (this machine, measured now), a target JSON file (spmdkit calibrate writes one), "
                    "or h100x8 / tpu-v5e-16 (datasheet examples) (cpu)")
-    p.add_argument("--rules", type=_names, default=DEFAULT_RULES, metavar="LIST",
-                   help=f"rules to try, comma-separated: presets, hsdp+tp, TOML files ({','.join(DEFAULT_RULES)})")
+    p.add_argument("--rules", type=_rules_list, default=DEFAULT_RULES, metavar="LIST",
+                   help="rules to try, comma-separated: presets, hsdp+tp, TOML files, inline logical=axis pairs "
+                   f"(neighbouring pairs form one table; ';' separates two) ({','.join(DEFAULT_RULES)})")
     p.add_argument("--remat-options", type=_names, default=None, metavar="LIST",
                    help="lm: remat policies to try, e.g. none,dots,full (default: --remat, else none)")
     p.add_argument("--grad-accum", type=_ints, default=(1,), metavar="LIST",

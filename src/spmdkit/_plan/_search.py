@@ -14,11 +14,11 @@ from flax import linen as nn
 
 from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
-from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
+from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enumerate_candidates, rules_table
 from spmdkit._plan._cost import collective_costs, compute_time, step_time
 from spmdkit._plan._hlo import analyse, kernels
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
-from spmdkit._rules import AxisRules, ReplicationWarning, _as_tuple
+from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
 from spmdkit._strategies.sharded import Sharded, _is_box, _with_state_axes
 from spmdkit._target import Target, load_target
@@ -68,6 +68,14 @@ def idle_axes(leaves: list[tuple], rules: AxisRules, mesh: dict[str, int]) -> li
     return [axis for axis, size in mesh.items() if size > 1 and axis not in used]
 
 
+def unmapped_names(leaves: list[tuple], rules: AxisRules) -> list[tuple[str, str]]:
+    """``(path, name)`` of every logical name of the state that ``rules`` do not map."""
+    if rules.replicate_unknown:
+        return []
+    table = rules.mapping
+    return [(path, name) for path, _, _, names in leaves for name in names if name is not None and name not in table]
+
+
 def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, Any]]:
     """Large parameters every device holds whole, under rules that shard parameters (data
     parallelism replicates them by design)."""
@@ -87,16 +95,27 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     rules = rules_table(cand.rules)
     row: dict[str, Any] = {"label": cand.label, "mesh": dict(cand.mesh), "rules": cand.rules, "remat": cand.remat,
                            "accum": cand.accum, "status": "ok", "reason": None}
-    idle = idle_axes(leaves, rules, dict(cand.mesh))
-    if idle:
-        return {**row, "status": "pruned", "reason": f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
-                f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it)"}
     clash = conflicts(leaves, rules)
     row["conflicts"] = clash
     if clash:
         first = clash[0]
         return {**row, "status": "pruned", "reason": f"rules map logical names {first['names']} of {first['path']} "
                 f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else "")}
+    unmapped = unmapped_names(leaves, rules)
+    if unmapped:
+        path, name = unmapped[0]
+        return {**row, "status": "pruned", "reason": f"{path} has logical name {name!r}, which rules {cand.rules!r} "
+                f"do not map (they map {sorted(rules.mapping)}): add a rule for it or correct the name"}
+    idle = idle_axes(leaves, rules, dict(cand.mesh))
+    if idle:
+        names = {n for _, _, _, logical in leaves for n in logical if n is not None} | {"batch"}
+        # A table of the user's own (not a preset, written for many models) with a key no array uses: likely a typo.
+        unused = [] if cand.rules in PRESETS or cand.rules in EXTRA_RULES else [
+            k for k, axes in rules.table if idle[0] in _as_tuple(axes) and k not in names]
+        typo = (f"; rule(s) {unused} map to it, but no array of the state has such a logical name (it has "
+                f"{sorted(names)}): a typo?" if unused else "")
+        return {**row, "status": "pruned", "reason": f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
+                f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it){typo}"}
     try:
         strategy = Sharded(make_mesh(**dict(cand.mesh)), rules, state_axes=state_axes)
         with warnings.catch_warnings():
@@ -106,10 +125,10 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         compiled = strategy.step(train_step).lower(layout.abstract, batch).compile()
         row["compile_s"] = time.perf_counter() - started
     except SpmdkitError as e:
-        return {**row, "status": "pruned", "reason": str(e).splitlines()[0]}
+        return {**row, "status": "pruned", "reason": str(e).splitlines()[0], "_error": e}
     except Exception as e:  # noqa: BLE001 - one layout JAX or XLA refuses must not end the plan
         return {**row, "status": "pruned", "reason": f"does not compile: {type(e).__name__}: "
-                f"{(str(e).strip().splitlines() or [''])[0][:300]}"}
+                f"{(str(e).strip().splitlines() or [''])[0][:300]}", "_error": e}
     row["replicated"] = replicated(layout, strategy.mesh.size, rules)
     text = compiled.as_text()
     program = analyse(text, dict(strategy.mesh.shape))
@@ -138,6 +157,30 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         row.update(status="over_budget", reason=f"needs {memory / 2**20:.1f} MiB per device, over the budget of "
                                                 f"{budget / 2**20:.1f} MiB")
     return row
+
+
+class PlanStepError(SpmdkitError, RuntimeError):
+    """Every candidate failed to compile with the same error: the user's step or state, not a layout."""
+
+
+def _raise_common_failure(results: list[dict[str, Any]]) -> None:
+    """Drop the failures kept by :func:`evaluate`; when no candidate compiled and every one that
+    was tried failed alike, raise that failure (spmdkit's own as it is, else with the user's
+    traceback as the cause) instead of a plan of nothing but pruned layouts."""
+    tried = [r for r in results if r["status"] != "pruned" or "_error" in r]  # compiled, or failed to
+    errors = [r.pop("_error") for r in results if "_error" in r]
+    if not errors or any(r["status"] == "ok" for r in results) or len(errors) < len(tried):
+        return
+    first = errors[0]
+    if any(type(e) is not type(first) or str(e) != str(first) for e in errors[1:]):
+        return
+    if isinstance(first, SpmdkitError):
+        raise first
+    raise PlanStepError(fix(f"every candidate ({len(errors)}) failed to compile with the same error, so it is the "
+                            f"step or the state, not a layout: {type(first).__name__}: "
+                            f"{(str(first).strip().splitlines() or [''])[0][:500]}",
+                            "run train_step(make_state(rng), batch) once without spmdkit to debug it; its traceback "
+                            "is the cause below.")) from first
 
 
 # Short names users write for compute dtypes.
@@ -201,6 +244,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         step = step_for(cand.remat, cand.accum) if step_for else train_step
         results.append(evaluate(cand, make_state, step, abstract_batch, target, budget, devices_per_host, dtype,
                                 rng, leaves, activations, state_axes))
+    _raise_common_failure(results)
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["step_s"])
     for rank, r in enumerate(ok, 1):
         r["rank"] = rank
