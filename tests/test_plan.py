@@ -19,6 +19,7 @@ from spmdkit._cli import main
 from spmdkit._errors import ConfigError
 from spmdkit._plan._candidates import enumerate_candidates, factorisations
 from spmdkit._plan._hlo import analyse
+from spmdkit._plan._search import readable_bytes
 from spmdkit._target import Link, Target, TargetError, collective_time, example_targets, from_json, load_target
 
 
@@ -369,7 +370,7 @@ def test_plan_memory_within_10_percent_of_compiled_and_over_budget_excluded(user
     over = [r for r in user_plan["candidates"] if r["status"] == "over_budget"]
     assert over, "the 100 kB budget excludes the replicated layouts"
     for r in over:
-        assert f"{r['memory']['per_device'] / 2**20:.1f} MiB" in r["reason"] and r["memory"]["per_device"] > 100_000
+        assert f"needs {readable_bytes(r['memory']['per_device'])} per device" in r["reason"] and r["memory"]["per_device"] > 100_000
 
 
 def test_plan_measure_compares_predicted_and_measured(user_plan):
@@ -623,3 +624,35 @@ def test_cli_plan_inline_rules_stay_one_table(capsys, tmp_path, monkeypatch):
     capsys.readouterr()
     labels = [c["label"] for c in json.load(open("plan.json"))["candidates"] if c["status"] == "ok"]
     assert code == 0 and sorted(labels) == ["batch=data,layer=none,embed=none,hidden=none [data=8]", "dp [data=8]"], labels
+
+
+def _row(label, comm, step):
+    return {"label": label, "status": "ok", "step_s": step, "step_s_overlapped": step, "step_s_serial": step,
+            "compute_s": 1e-3, "comm_s": sum(c["seconds"] for c in comm), "memory": {"per_device": 2**20},
+            "collectives": comm}
+
+
+def _coll(kind, axes, seconds):
+    return {"kind": kind, "axes": [axes], "bytes": 1024, "count": 1, "seconds": seconds, "link": "intra_host"}
+
+
+def test_explain_runner_up_part_never_exceeds_its_total_and_empty_plans_point_nowhere():
+    from spmdkit._plan import explain
+
+    win = _row("a", [_coll("all_reduce", "data", 0.2e-3)], 1.2e-3)
+    run = _row("b", [_coll("all_gather", "model", 0.35e-3)], 1.35e-3)  # +0.15 ms in all: +0.35 less 0.2
+    line = explain({"candidates": [win, run]})[-1]
+    assert "collectives +0.150 ms" in line and "most of it" not in line, line
+    assert "all_gather over model +0.350 ms less all_reduce over data -0.200 ms" in line, line
+    assert "most of it all_gather" in explain({"candidates": [_row("a", [], 1e-3), run]})[-1]
+    assert "above" not in explain({"candidates": []})[0]
+    over = dict(win, status="over_budget")
+    assert explain({"candidates": [over]}) == ["no candidate fits: all 1 were excluded (0 pruned, 1 over the memory "
+                                               "budget); each one's reason is in its \"reason\" (printed as "
+                                               "\"excluded ...\")."]
+
+
+def test_over_budget_reason_in_readable_units():
+    make_state, step, batch = _tiny()
+    row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100)["candidates"][0]
+    assert row["status"] == "over_budget" and "KiB per device, over the budget of 100 B" in row["reason"], row["reason"]

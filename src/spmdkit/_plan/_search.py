@@ -31,6 +31,18 @@ def _abstract(batch: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
 
 
+def readable_bytes(n: float) -> str:
+    """Bytes in the unit that fits (B, KiB, MiB, GiB, TiB), three significant figures.
+
+    >>> readable_bytes(10), readable_bytes(5000), readable_bytes(3 * 2**30)
+    ('10 B', '4.88 KiB', '3 GiB')
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
 def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[tuple[str, tuple, int, tuple]]:
     """``(path, shape, bytes, logical names)`` of every annotated leaf; rules do not matter."""
     probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
@@ -154,8 +166,8 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
                     sum(c["sync_seconds"] for c in comms), ops_priced),
     })
     if budget is not None and memory > budget:
-        row.update(status="over_budget", reason=f"needs {memory / 2**20:.1f} MiB per device, over the budget of "
-                                                f"{budget / 2**20:.1f} MiB")
+        row.update(status="over_budget", reason=f"needs {readable_bytes(memory)} per device, over the budget of "
+                                                f"{readable_bytes(budget)}")
     return row
 
 
