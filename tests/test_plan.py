@@ -656,3 +656,9 @@ def test_over_budget_reason_in_readable_units():
     make_state, step, batch = _tiny()
     row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100)["candidates"][0]
     assert row["status"] == "over_budget" and "KiB per device, over the budget of 100 B" in row["reason"], row["reason"]
+
+
+def test_a_table_no_mesh_fits_is_labelled_by_its_axes():
+    kept, pruned = enumerate_candidates(6, ("hsdp+tp",), ("none",), (1,), 12)
+    assert not kept and [c.label for c, _ in pruned] == ["hsdp+tp [data,fsdp,model]"]
+    assert "6 devices cannot be split over axes ['data', 'fsdp', 'model']" in pruned[0][1]

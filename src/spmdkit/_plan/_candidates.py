@@ -33,7 +33,7 @@ class Candidate(NamedTuple):
 
     @property
     def label(self) -> str:
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh)
+        mesh = ",".join(f"{k}={v}" if v else k for k, v in self.mesh)  # size 0: a table no mesh fits
         extra = (f" remat={self.remat}" if self.remat != "none" else "") + (f" accum={self.accum}" if self.accum > 1 else "")
         return f"{self.rules} [{mesh}]{extra}"
 
