@@ -662,3 +662,11 @@ def test_a_table_no_mesh_fits_is_labelled_by_its_axes():
     kept, pruned = enumerate_candidates(6, ("hsdp+tp",), ("none",), (1,), 12)
     assert not kept and [c.label for c, _ in pruned] == ["hsdp+tp [data,fsdp,model]"]
     assert "6 devices cannot be split over axes ['data', 'fsdp', 'model']" in pruned[0][1]
+
+
+def test_plan_state_axes_of_the_wrong_rank_names_path_and_both_ranks():
+    from spmdkit._rules import LayoutError
+
+    make_state, step, batch = _tiny()
+    with pytest.raises(LayoutError, match=r"\('embed',\) \(1 name\(s\)\) for state\['w'\], an array of rank 2"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", state_axes={"w": ("embed",)})
