@@ -670,3 +670,12 @@ def test_plan_state_axes_of_the_wrong_rank_names_path_and_both_ranks():
     make_state, step, batch = _tiny()
     with pytest.raises(LayoutError, match=r"\('embed',\) \(1 name\(s\)\) for state\['w'\], an array of rank 2"):
         spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", state_axes={"w": ("embed",)})
+
+
+def test_plan_make_state_with_a_non_array_leaf_is_named():
+    from spmdkit._plan._search import StateLeafError
+
+    _, step, batch = _tiny()
+    with pytest.raises(StateLeafError, match=r"make_state returned a value of type str at state\['name'\]") as err:
+        spmdkit.plan(lambda rng: {"w": jnp.zeros((16, 32)), "name": "hello"}, step, batch, rules="dp", target="h100x8")
+    assert isinstance(err.value, TypeError) and "Fix:" in str(err.value)

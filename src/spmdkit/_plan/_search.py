@@ -43,10 +43,32 @@ def readable_bytes(n: float) -> str:
     return f"{n:.3g} B"
 
 
+class StateLeafError(SpmdkitError, TypeError):
+    """``make_state`` returned something that is not an array (JAX raises TypeError for it)."""
+
+
+def _arrays_only(make_state: Callable) -> Callable:
+    """``make_state`` whose every leaf must be an array (or a number): anything else is named by
+    path before JAX's own error, which names neither ``make_state`` nor the fix."""
+    def checked(rng: Any) -> Any:
+        state = make_state(rng)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]:
+            value = leaf.value if _is_box(leaf) else leaf
+            if not isinstance(value, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+                raise StateLeafError(fix(
+                    f"make_state returned a value of type {type(value).__name__} at state{jax.tree_util.keystr(path)}, not an array: "
+                    "the state a step carries holds arrays only.",
+                    "return it as an array (jnp.asarray(...)), or keep it out of the state (a constant the step "
+                    "closes over, or static configuration)."))
+        return state
+
+    return checked
+
+
 def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[tuple[str, tuple, int, tuple]]:
     """``(path, shape, bytes, logical names)`` of every annotated leaf; rules do not matter."""
     probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
-    boxed = _with_state_axes(probe._abstract_boxed(make_state, as_key(rng)), state_axes)
+    boxed = _with_state_axes(probe._abstract_boxed(_arrays_only(make_state), as_key(rng)), state_axes)
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
         if isinstance(leaf, nn.LogicallyPartitioned):
