@@ -679,3 +679,17 @@ def test_plan_make_state_with_a_non_array_leaf_is_named():
     with pytest.raises(StateLeafError, match=r"make_state returned a value of type str at state\['name'\]") as err:
         spmdkit.plan(lambda rng: {"w": jnp.zeros((16, 32)), "name": "hello"}, step, batch, rules="dp", target="h100x8")
     assert isinstance(err.value, TypeError) and "Fix:" in str(err.value)
+
+
+def test_cli_plan_prints_a_calibrated_target_files_warnings(tmp_path, capsys):
+    data = dict(_GOOD, warnings=["machine busy: other processes used 100% of the 2 cores",
+                                 "only 3 round(s) (figures need >= 5): a smoke run"])
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    assert load_target(path).warnings == tuple(data["warnings"])
+    assert from_json(json.loads(json.dumps(load_target(path).to_json()))) == load_target(path)
+    code = main(["plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--batch-size", "16",
+                 "--devices", "8", "--target", str(path), "--rules", "dp"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "note: the target file's calibration warned 2 time(s): machine busy" in out, out
+    assert "a smoke run" in out

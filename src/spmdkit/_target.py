@@ -104,6 +104,9 @@ class Target:
     # a few cores); the alpha-beta figures, measured in a loop of nothing but collectives, do
     # not see it.
     collective_sync_ops: dict[int, float] = field(default_factory=dict)
+    # Optional: what ``spmdkit calibrate`` warned of when it wrote the file (a busy machine, a
+    # smoke run); the planner shows them as a note.
+    warnings: tuple[str, ...] = ()
 
     def sync_ops_for(self, n: int) -> float:
         """:attr:`collective_sync_ops` for a group of ``n`` devices: the measured figure,
@@ -168,6 +171,8 @@ class Target:
             out["measurements"] = list(self.measurements)
         if self.op_overhead:
             out["op_overhead"] = self.op_overhead
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
         if self.collective_sync_ops:
             out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
         return out
@@ -311,6 +316,7 @@ def from_json(data: Any, where: str = "target") -> Target:
         collectives=collectives, measurements=list(data.get("measurements") or []),
         op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
         collective_sync_ops=_sync(data.get("collective_sync_ops"), where),
+        warnings=tuple(str(w) for w in data.get("warnings") or () if isinstance(data.get("warnings"), list)),
     )
 
 

@@ -98,6 +98,12 @@ def explain(plan: dict[str, Any]) -> list[str]:
 
 def print_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(f"target: {plan['target']['name']} ({plan['target']['source']})", highlight=False)
+    told = plan["target"].get("warnings") or []
+    if told:  # the calibration's own doubts: a busy machine or a smoke run first, then the noisy points
+        told = sorted(told, key=lambda w: "spread" in w)
+        console.print(f"note: the target file's calibration warned {len(told)} time(s): " + "; ".join(told[:3])
+                      + (f"; and {len(told) - 3} more (its \"warnings\")" if len(told) > 3 else "")
+                      + ". Its figures, and this plan's times, may be off.", highlight=False, markup=False)
     if plan["target"].get("links_note"):
         console.print(f"links: {plan['target']['links_note']}", highlight=False)
     budget = plan["memory_budget"]

@@ -282,6 +282,9 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["step_s"])
     for rank, r in enumerate(ok, 1):
         r["rank"] = rank
-    return {"target": {"name": target.name, "source": target.source}, "devices": n, "processes": processes,
+    about = {"name": target.name, "source": target.source}
+    if target.warnings:
+        about["warnings"] = list(target.warnings)
+    return {"target": about, "devices": n, "processes": processes,
             "devices_per_host": devices_per_host, "memory_budget": budget, "global_batch": rows_in_batch,
             "dtype": dtype, "candidates": ok + [r for r in results if r["status"] != "ok"]}
