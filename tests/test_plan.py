@@ -555,6 +555,9 @@ def test_plan_dtype_alias_rules_string_and_dict():
     make_state, step, batch = _tiny()
     one = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", dtype="bf16")
     assert one["dtype"] == "bfloat16" and [c["label"] for c in one["candidates"]] == ["dp [data=8]"]
+    lone = spmdkit.plan(make_state, None, batch, rules="dp", target="h100x8", remat="full", accum=2,
+                        step_for=lambda remat, accum: step)
+    assert [c["label"] for c in lone["candidates"]] == ["dp [data=8] remat=full accum=2"]
     table = spmdkit.plan(make_state, step, batch, rules=({"batch": "data", "embed": None, "hidden": None},),
                          target="h100x8")
     assert [c["label"] for c in table["candidates"]] == ["batch=data,embed=none,hidden=none [data=8]"]

@@ -128,6 +128,9 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         >>> result["candidates"][0]["label"], result["candidates"][0]["collectives"][0]["kind"]
         ('dp [data=8]', 'all_reduce')
     """
+    # A lone value is one entry (a string would otherwise be iterated by character).
+    remat = (remat,) if isinstance(remat, str) else tuple(remat)
+    accum = (accum,) if isinstance(accum, (int, np.integer)) else tuple(accum)
     _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds)
     rules = rules_names(rules)
     processes = check_processes(processes, measure)
