@@ -659,6 +659,13 @@ def test_over_budget_reason_in_readable_units():
     make_state, step, batch = _tiny()
     row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100)["candidates"][0]
     assert row["status"] == "over_budget" and "KiB per device, over the budget of 100 B" in row["reason"], row["reason"]
+    from rich.console import Console
+
+    from spmdkit._plan import print_plan
+
+    console = Console(record=True, width=200)
+    print_plan(spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100), console)
+    assert "budget 100 B per device" in console.export_text()
 
 
 def test_a_table_no_mesh_fits_is_labelled_by_its_axes():

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from spmdkit._plan._search import readable_bytes
+
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
@@ -108,7 +110,7 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         console.print(f"links: {plan['target']['links_note']}", highlight=False)
     budget = plan["memory_budget"]
     table = Table(title=f"{plan['devices']} devices, {plan['processes']} process(es), global batch {plan['global_batch']}"
-                  + (f", budget {_mib(budget)} MiB per device" if budget else ""))
+                  + (f", budget {readable_bytes(budget)} per device" if budget else ""))
     console.print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all, CP collective "
                   "permute; :axes x count per step", highlight=False)
     for col in ("#", "candidate", "step ms", "compute ms", "comm ms", "MiB/device",
