@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -15,8 +16,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import spmdkit
 from spmdkit._cli import main
+from spmdkit._errors import ConfigError
 from spmdkit._plan._candidates import enumerate_candidates, factorisations
 from spmdkit._plan._hlo import analyse
+from spmdkit._plan._search import readable_bytes
 from spmdkit._target import Link, Target, TargetError, collective_time, example_targets, from_json, load_target
 
 
@@ -46,6 +49,29 @@ def test_bad_target_file_is_named(tmp_path):
         load_target(bad)
     with pytest.raises(ValueError, match="neither a file nor a known target"):
         load_target(tmp_path / "missing.json")
+
+
+_GOOD = {"format": "spmdkit-target", "version": 1, "devices_per_host": 8, "peak_flops": {"float32": 1e12},
+         "memory_bandwidth": 1e11, "links": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-3])
+@pytest.mark.parametrize("field,example", [
+    (("links", "intra_host", "beta"), "2e-12"), (("links", "intra_host", "alpha"), "5e-6"),
+    (("collectives", "all_reduce", "intra_host", "beta"), "2e-12"), (("memory_bandwidth",), "2e12"),
+    (("peak_flops", "float32"), "67e12"), (("op_overhead",), "5e-6"), (("memory_per_device",), "80e9")])
+def test_target_number_not_finite_or_negative_is_named_with_a_sensible_value(tmp_path, field, value, example):
+    data = json.loads(json.dumps(_GOOD))
+    data["collectives"] = {"all_reduce": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}
+    node = data
+    for key in field[:-1]:
+        node = node.setdefault(key, {})
+    node[field[-1]] = value
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))  # NaN / Infinity as Python's json writes them
+    with pytest.raises(TargetError, match=f"{field[-1]}.*not a finite number") as err:
+        load_target(path)
+    assert isinstance(err.value, ValueError) and f"{field[-1]}\": {example}" in str(err.value)
 
 
 def test_target_file_without_collective_sync_ops_loads_and_prices_no_wait(tmp_path):
@@ -344,7 +370,7 @@ def test_plan_memory_within_10_percent_of_compiled_and_over_budget_excluded(user
     over = [r for r in user_plan["candidates"] if r["status"] == "over_budget"]
     assert over, "the 100 kB budget excludes the replicated layouts"
     for r in over:
-        assert f"{r['memory']['per_device'] / 2**20:.1f} MiB" in r["reason"] and r["memory"]["per_device"] > 100_000
+        assert f"needs {readable_bytes(r['memory']['per_device'])} per device" in r["reason"] and r["memory"]["per_device"] > 100_000
 
 
 def test_plan_measure_compares_predicted_and_measured(user_plan):
@@ -503,3 +529,177 @@ def _cwd(pid: str) -> str | None:
         return os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------- arguments checked before any work
+def _tiny():
+    make_state = lambda rng: {"w": jnp.zeros((16, 32))}  # noqa: E731
+    step = lambda s, b: ({"w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"])}, {})  # noqa: E731
+    return make_state, step, {"x": jnp.ones((16, 16))}
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"memory_per_device": float("nan")}, "memory_per_device=nan"), ({"memory_per_device": -10}, "memory_per_device=-10"),
+    ({"memory_per_device": 0}, "memory_per_device=0"), ({"measure": -1}, "measure=-1"),
+    ({"measure": 1, "measure_steps": 0}, "measure_steps=0"), ({"measure": 1, "measure_rounds": 0}, "measure_rounds=0"),
+    ({"accum": (0,), "step_for": lambda r, a: None}, "accum=0"),
+    ({"dtype": "fp8"}, "dtype='fp8'.*'bfloat16', 'float32'")])
+def test_plan_bad_numbers_and_dtype_are_named(kwargs, words):
+    make_state, step, batch = _tiny()
+    with pytest.raises(ConfigError, match=words) as err:
+        spmdkit.plan(make_state, step, batch, rules=("dp",), target="h100x8", **kwargs)
+    assert isinstance(err.value, ValueError) and "Fix:" in str(err.value)
+
+
+def test_plan_dtype_alias_rules_string_and_dict():
+    make_state, step, batch = _tiny()
+    one = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", dtype="bf16")
+    assert one["dtype"] == "bfloat16" and [c["label"] for c in one["candidates"]] == ["dp [data=8]"]
+    lone = spmdkit.plan(make_state, None, batch, rules="dp", target="h100x8", remat="full", accum=2,
+                        step_for=lambda remat, accum: step)
+    assert [c["label"] for c in lone["candidates"]] == ["dp [data=8] remat=full accum=2"]
+    table = spmdkit.plan(make_state, step, batch, rules=({"batch": "data", "embed": None, "hidden": None},),
+                         target="h100x8")
+    assert [c["label"] for c in table["candidates"]] == ["batch=data,embed=none,hidden=none [data=8]"]
+    assert table["candidates"][0]["step_s"] == pytest.approx(
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]["step_s"])
+
+
+def test_cli_memory_per_device_must_be_positive():
+    from spmdkit._plan_cli import parse_bytes
+
+    assert parse_bytes("512MiB") == 512 * 2**20
+    with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
+        parse_bytes("0")
+
+
+def test_raise_failure_of_a_killed_process_is_a_plan_run_error():
+    from spmdkit._plan._processes import PlanRunError
+    from spmdkit._plan_cli import _raise_failure
+
+    with pytest.raises(PlanRunError, match=r"(?s)2 processes measuring the plan failed \(exit code -9\).*worker died"):
+        _raise_failure(-9, ["[1] worker died\n"], 2)
+    with pytest.raises(ConfigError, match="--rules nope"):
+        _raise_failure(2, ["[1] error: --rules nope is unknown\n"], 2)
+
+
+def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys):
+    from spmdkit._plan_cli import PlanFileError, check_out
+
+    check_out(str(tmp_path / "plan.json"), "--json")  # writable: nothing to say
+    with pytest.raises(PlanFileError, match="--png .*does not exist") as err:
+        check_out(str(tmp_path / "missing" / "f.png"), "--png")
+    assert isinstance(err.value, OSError)
+    code = main(["plan", "--task", "mlp", "--devices", "8", "--target", "h100x8", "--json", str(tmp_path)])
+    assert code == 5 and "is a directory" in capsys.readouterr().err
+
+
+def test_plan_step_failing_for_every_candidate_raises_its_error():
+    from spmdkit._plan._search import PlanStepError
+
+    make_state, _, batch = _tiny()
+
+    def bad(s, b):
+        raise KeyError("boom in my step")
+
+    with pytest.raises(PlanStepError, match="every candidate .* KeyError: 'boom in my step'") as err:
+        spmdkit.plan(make_state, bad, batch, rules=("dp", "fsdp"), target="h100x8")
+    assert isinstance(err.value, RuntimeError) and isinstance(err.value.__cause__, KeyError)
+
+
+def test_plan_names_an_unmapped_logical_name_and_an_unused_rule():
+    make_state, step, batch = _tiny()
+    typo = spmdkit.plan(make_state, step, batch, rules=("dp", "tp"), target="h100x8",
+                        state_axes={"w": ("embed", "hiddn")})
+    reasons = [c["reason"] for c in typo["candidates"]]
+    assert all("state['w'] has logical name 'hiddn'" in r for r in reasons), reasons  # not "model splits nothing"
+    unused = spmdkit.plan(make_state, step, batch, rules=({"batch": "data", "embed": None, "hiden": "model"},),
+                          target="h100x8", state_axes={"w": ("embed", None)})
+    reason = unused["candidates"][0]["reason"]
+    assert "mesh axis 'model' splits nothing" in reason and "rule(s) ['hiden'] map to it" in reason, reason
+
+
+def test_cli_plan_inline_rules_stay_one_table(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(["plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--batch-size", "16",
+                 "--devices", "8", "--target", "h100x8", "--json", "plan.json", "--rules",
+                 "dp,batch=data,layer=none,embed=none,hidden=none"])
+    capsys.readouterr()
+    labels = [c["label"] for c in json.load(open("plan.json"))["candidates"] if c["status"] == "ok"]
+    assert code == 0 and sorted(labels) == ["batch=data,layer=none,embed=none,hidden=none [data=8]", "dp [data=8]"], labels
+
+
+def _row(label, comm, step):
+    return {"label": label, "status": "ok", "step_s": step, "step_s_overlapped": step, "step_s_serial": step,
+            "compute_s": 1e-3, "comm_s": sum(c["seconds"] for c in comm), "memory": {"per_device": 2**20},
+            "collectives": comm}
+
+
+def _coll(kind, axes, seconds):
+    return {"kind": kind, "axes": [axes], "bytes": 1024, "count": 1, "seconds": seconds, "link": "intra_host"}
+
+
+def test_explain_runner_up_part_never_exceeds_its_total_and_empty_plans_point_nowhere():
+    from spmdkit._plan import explain
+
+    win = _row("a", [_coll("all_reduce", "data", 0.2e-3)], 1.2e-3)
+    run = _row("b", [_coll("all_gather", "model", 0.35e-3)], 1.35e-3)  # +0.15 ms in all: +0.35 less 0.2
+    line = explain({"candidates": [win, run]})[-1]
+    assert "collectives +0.150 ms" in line and "most of it" not in line, line
+    assert "all_gather over model +0.350 ms less all_reduce over data -0.200 ms" in line, line
+    assert "most of it all_gather" in explain({"candidates": [_row("a", [], 1e-3), run]})[-1]
+    assert "above" not in explain({"candidates": []})[0]
+    over = dict(win, status="over_budget")
+    assert explain({"candidates": [over]}) == ["no candidate fits: all 1 were excluded (0 pruned, 1 over the memory "
+                                               "budget); each one's reason is in its \"reason\" (printed as "
+                                               "\"excluded ...\")."]
+
+
+def test_over_budget_reason_in_readable_units():
+    make_state, step, batch = _tiny()
+    row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100)["candidates"][0]
+    assert row["status"] == "over_budget" and "KiB per device, over the budget of 100 B" in row["reason"], row["reason"]
+    from rich.console import Console
+
+    from spmdkit._plan import print_plan
+
+    console = Console(record=True, width=200)
+    print_plan(spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100), console)
+    assert "budget 100 B per device" in console.export_text()
+
+
+def test_a_table_no_mesh_fits_is_labelled_by_its_axes():
+    kept, pruned = enumerate_candidates(6, ("hsdp+tp",), ("none",), (1,), 12)
+    assert not kept and [c.label for c, _ in pruned] == ["hsdp+tp [data,fsdp,model]"]
+    assert "6 devices cannot be split over axes ['data', 'fsdp', 'model']" in pruned[0][1]
+
+
+def test_plan_state_axes_of_the_wrong_rank_names_path_and_both_ranks():
+    from spmdkit._rules import LayoutError
+
+    make_state, step, batch = _tiny()
+    with pytest.raises(LayoutError, match=r"\('embed',\) \(1 name\(s\)\) for state\['w'\], an array of rank 2"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", state_axes={"w": ("embed",)})
+
+
+def test_plan_make_state_with_a_non_array_leaf_is_named():
+    from spmdkit._plan._search import StateLeafError
+
+    _, step, batch = _tiny()
+    with pytest.raises(StateLeafError, match=r"make_state returned a value of type str at state\['name'\]") as err:
+        spmdkit.plan(lambda rng: {"w": jnp.zeros((16, 32)), "name": "hello"}, step, batch, rules="dp", target="h100x8")
+    assert isinstance(err.value, TypeError) and "Fix:" in str(err.value)
+
+
+def test_cli_plan_prints_a_calibrated_target_files_warnings(tmp_path, capsys):
+    data = dict(_GOOD, warnings=["machine busy: other processes used 100% of the 2 cores",
+                                 "only 3 round(s) (figures need >= 5): a smoke run"])
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    assert load_target(path).warnings == tuple(data["warnings"])
+    assert from_json(json.loads(json.dumps(load_target(path).to_json()))) == load_target(path)
+    code = main(["plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--batch-size", "16",
+                 "--devices", "8", "--target", str(path), "--rules", "dp"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "note: the target file's calibration warned 2 time(s): machine busy" in out, out
+    assert "a smoke run" in out

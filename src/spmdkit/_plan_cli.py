@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from spmdkit._errors import ConfigError, fix
+from spmdkit._errors import ConfigError, SpmdkitError, fix
 
 # Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
 ENV_PLAN_RESULT = "SPMDKIT_PLAN_RESULT"
@@ -31,11 +31,37 @@ def parse_bytes(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected bytes like 16e9, 16GB or 512MiB, got {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a budget > 0 bytes like 16GB or 512MiB, got {text!r}")
+    return value
 
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _rules_list(text: str) -> tuple[str, ...]:
+    """``--rules``: names separated by commas, where neighbouring ``logical=axis`` pairs form one
+    inline table (``dp,batch=data,hidden=model`` is two entries); ``;`` separates two inline tables.
+
+    >>> _rules_list("dp,batch=data,hidden=model,tp"), _rules_list("batch=data;batch=data,hidden=model")
+    (('dp', 'batch=data,hidden=model', 'tp'), ('batch=data', 'batch=data,hidden=model'))
+    """
+    out: list[str] = []
+    for group in text.split(";"):
+        pairs: list[str] = []
+        for part in _names(group):
+            if "=" in part:
+                pairs.append(part)
+                continue
+            if pairs:
+                out.append(",".join(pairs))
+                pairs = []
+            out.append(part)
+        if pairs:
+            out.append(",".join(pairs))
+    return tuple(out)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -68,8 +94,9 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
     p.add_argument("--target", default="cpu", metavar="cpu|FILE",
                    help="cpu (this machine, measured now), a target JSON file (spmdkit calibrate writes one), "
                    "or h100x8 / tpu-v5e-16 (datasheet examples) (cpu)")
-    p.add_argument("--rules", type=_names, default=DEFAULT_RULES, metavar="LIST",
-                   help=f"rules to try, comma-separated: presets, hsdp+tp, TOML files ({','.join(DEFAULT_RULES)})")
+    p.add_argument("--rules", type=_rules_list, default=DEFAULT_RULES, metavar="LIST",
+                   help="rules to try, comma-separated: presets, hsdp+tp, TOML files, inline logical=axis pairs "
+                   f"(neighbouring pairs form one table; ';' separates two) ({','.join(DEFAULT_RULES)})")
     p.add_argument("--remat-options", type=_names, default=None, metavar="LIST",
                    help="lm: remat policies to try, e.g. none,dots,full (default: --remat, else none)")
     p.add_argument("--grad-accum", type=_ints, default=(1,), metavar="LIST",
@@ -128,8 +155,35 @@ def _mlp(args: argparse.Namespace, batch_size: int):
             mlp_activations(batch_size, **sizes))
 
 
+class PlanFileError(SpmdkitError, OSError):
+    """``--json`` or ``--png`` cannot be written (a missing, read-only or full place)."""
+
+    exit_code = 5  # the CLI's code for an I/O failure
+
+
+def check_out(path: str | None, flag: str) -> None:
+    """An output file, checked writable before minutes of planning."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise PlanFileError(fix(f"{flag} {path!r} is a directory.", f"pass a file name, e.g. {flag} plan.{flag[2:]}."))
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise PlanFileError(fix(f"{flag} {path!r}: directory {parent} does not exist.",
+                                f"create it (mkdir -p {parent}) or pass another path."))
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-plan-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PlanFileError(fix(f"{flag} {path!r}: cannot write in {parent} ({e.strerror or e}).",
+                                "pass a path in a writable directory.")) from None
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Flag errors found before any process starts or any JAX work."""
+    check_out(args.json, "--json")
+    check_out(args.png, "--png")
     if args.measure < 0:
         raise ConfigError(fix(f"--measure {args.measure}: the number of candidates to run cannot be negative.",
                               "pass --measure K with K >= 1, or leave it out (0: price only)."))
@@ -271,6 +325,8 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
 def _raise_failure(code: int, lines: list[str], processes: int) -> None:
     """A process's own error as this command's (bad input: exit code 2), else the failure with
     the last lines the processes wrote."""
+    from spmdkit._plan._processes import PlanRunError
+
     split = [re.match(r"(?:\[(\d+)\] )?(.*)", line, re.S).groups() for line in lines]  # (process or None, text)
     mine = [text for _, text in split]
     first = next((who for who, text in split if text.startswith("error: ")), None)

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,9 @@ class Target:
     # a few cores); the alpha-beta figures, measured in a loop of nothing but collectives, do
     # not see it.
     collective_sync_ops: dict[int, float] = field(default_factory=dict)
+    # Optional: what ``spmdkit calibrate`` warned of when it wrote the file (a busy machine, a
+    # smoke run); the planner shows them as a note.
+    warnings: tuple[str, ...] = ()
 
     def sync_ops_for(self, n: int) -> float:
         """:attr:`collective_sync_ops` for a group of ``n`` devices: the measured figure,
@@ -167,6 +171,8 @@ class Target:
             out["measurements"] = list(self.measurements)
         if self.op_overhead:
             out["op_overhead"] = self.op_overhead
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
         if self.collective_sync_ops:
             out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
         return out
@@ -218,11 +224,22 @@ def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str,
 
 
 # ---------------------------------------------------------------- reading
+# A sensible value per field, for the fix text (SI units).
+_EXAMPLES = {"alpha": "5e-6 (seconds per step)", "beta": "2e-12 (seconds per byte)",
+             "memory_bandwidth": "2e12 (bytes/s)", "memory_per_device": "80e9 (bytes)",
+             "op_overhead": "5e-6 (seconds per operation)", "max_bytes": "2097152 (bytes)"}
+
+
 def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
+    """A finite number, > 0 with ``positive`` (a rate, a size), else >= 0."""
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and not value > 0):
-        raise TargetError(fix(f"{where}: {key!r} is {value!r}, not a number > 0.",
-                              f'write e.g. "{key}": 1e-5 (SI units: seconds, bytes, FLOP/s, bytes/s).'))
+    bound = "> 0" if positive else ">= 0"
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not (value > 0 if positive else value >= 0)):
+        example = _EXAMPLES.get(key, "67e12 (FLOP/s)" if "peak_flops" in where else
+                                "1.0 (operation times)" if "collective_sync_ops" in where else "a value")
+        raise TargetError(fix(f"{where}: {key!r} is {value!r}, not a finite number {bound}.",
+                              f'write e.g. "{key}": {example}.'))
     return float(value)
 
 
@@ -299,6 +316,7 @@ def from_json(data: Any, where: str = "target") -> Target:
         collectives=collectives, measurements=list(data.get("measurements") or []),
         op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
         collective_sync_ops=_sync(data.get("collective_sync_ops"), where),
+        warnings=tuple(str(w) for w in data.get("warnings") or () if isinstance(data.get("warnings"), list)),
     )
 
 

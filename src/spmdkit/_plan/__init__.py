@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_table
+from spmdkit._errors import ConfigError, fix
+from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
 from spmdkit._plan._report import explain, measure as _measure, pareto, print_plan, save_png, spearman, time_steps
 from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, from_process_0,
                                       links_note, slowest)
@@ -63,6 +64,26 @@ def _preparer(make_state: Callable, train_step: Callable | None, step_for: Calla
     return prepare
 
 
+def _whole(name: str, value: Any, least: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ConfigError(fix(f"plan({name}={value!r}): need a whole number >= {least}.", hint))
+
+
+def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps: Any, measure_rounds: Any) -> None:
+    """The numbers ``plan`` takes, checked before anything is traced or compiled."""
+    if memory_per_device is not None and (
+            isinstance(memory_per_device, bool) or not isinstance(memory_per_device, (int, float, np.number))
+            or not np.isfinite(memory_per_device) or memory_per_device <= 0):
+        raise ConfigError(fix(f"plan(memory_per_device={memory_per_device!r}): need a finite number of bytes > 0.",
+                              "pass e.g. memory_per_device=16e9 (16 GB per device), or leave it out (the target's "
+                              "memory_per_device, else no budget)."))
+    _whole("measure", measure, 0, "pass measure=K (K >= 1: run the K best) or measure=0 (price only).")
+    _whole("measure_steps", measure_steps, 1, "pass e.g. measure_steps=5 (timed steps per candidate per round).")
+    _whole("measure_rounds", measure_rounds, 1, "pass e.g. measure_rounds=3 (rounds the candidates take turns in).")
+    for a in tuple(accum):
+        _whole("accum", a, 1, f"pass accumulation counts >= 1, e.g. accum=(1, 2) (got {tuple(accum)!r}).")
+
+
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
@@ -75,7 +96,12 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     rules table names (``rules``: presets, ``"hsdp+tp"``, TOML files), times ``remat``
     and ``accum`` (which need ``step_for(remat, accum) -> train_step``). ``batch`` is the
     global batch (arrays or ``jax.ShapeDtypeStruct``); ``state_axes`` names the dimensions
-    of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`. Each is compiled, never run,
+    of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`. A rules entry is a
+    name (a preset, ``"hsdp+tp"``, a TOML file, inline ``"batch=data,hidden=model"``) or a dict
+    ``{logical name: mesh axis or None}`` as :class:`spmdkit.Sharded` takes; a lone string is one
+    entry. ``dtype`` is the compute dtype whose peak rate prices the FLOPs (``"float32"``,
+    ``"bfloat16"``, any JAX dtype name; aliases ``"bf16"``, ``"fp16"``, ``"fp32"``); a dtype the
+    target gives no peak for is priced at its float32 peak. Each is compiled, never run,
     unless ``measure=K``: then the K best run, taking turns ``measure_rounds`` times
     ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
 
@@ -102,6 +128,11 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         >>> result["candidates"][0]["label"], result["candidates"][0]["collectives"][0]["kind"]
         ('dp [data=8]', 'all_reduce')
     """
+    # A lone value is one entry (a string would otherwise be iterated by character).
+    remat = (remat,) if isinstance(remat, str) else tuple(remat)
+    accum = (accum,) if isinstance(accum, (int, np.integer)) else tuple(accum)
+    _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds)
+    rules = rules_names(rules)
     processes = check_processes(processes, measure)
     if jax.process_count() > 1:
         check_device_order()

@@ -9,10 +9,12 @@ and vocabulary over ``model``: hybrid sharded data parallelism with tensor paral
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import product
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from spmdkit._rules import PRESETS, AxisRules, _as_tuple
+from spmdkit._errors import fix
+from spmdkit._rules import PRESETS, AxisRules, LayoutError, _as_tuple
 
 _TP = {"heads": "model", "mlp": "model", "vocab": "model", "hidden": "model"}
 EXTRA_RULES = {
@@ -31,13 +33,45 @@ class Candidate(NamedTuple):
 
     @property
     def label(self) -> str:
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh)
+        mesh = ",".join(f"{k}={v}" if v else k for k, v in self.mesh)  # size 0: a table no mesh fits
         extra = (f" remat={self.remat}" if self.remat != "none" else "") + (f" accum={self.accum}" if self.accum > 1 else "")
         return f"{self.rules} [{mesh}]{extra}"
 
 
+# Rules tables given as dicts, by the name they are planned under (their inline form).
+_GIVEN: dict[str, AxisRules] = {}
+
+
+def rules_names(rules: Any) -> tuple[str, ...]:
+    """``plan``'s ``rules`` as names: a lone string is one entry (not its characters); a dict
+    (``{logical: mesh axis or None}``, as :class:`spmdkit.Sharded` takes) is kept under its
+    inline form ``batch=data,embed=none``.
+
+    >>> rules_names("dp"), rules_names(({"batch": "data", "embed": None},))
+    (('dp',), ('batch=data,embed=none',))
+    """
+    if isinstance(rules, (str, Mapping, AxisRules)):
+        rules = (rules,)
+    out = []
+    for entry in rules:
+        if isinstance(entry, Mapping):
+            entry = AxisRules.from_mapping(entry)
+        if isinstance(entry, AxisRules):
+            name = ",".join(f"{k}={'+'.join(_as_tuple(v)) or 'none'}" for k, v in entry.table)
+            _GIVEN[name] = entry
+            entry = name
+        if not isinstance(entry, str):
+            raise LayoutError(fix(f"plan(rules=...): the entry {entry!r} is neither a rules name nor a dict.",
+                                  'pass names such as ("dp", "fsdp+tp"), or dicts such as '
+                                  '({"batch": "data", "hidden": "model"},).'))
+        out.append(entry)
+    return tuple(out)
+
+
 def rules_table(name: str) -> AxisRules:
-    """A planner rules name: a preset, ``hsdp+tp``, a TOML file or inline pairs."""
+    """A planner rules name: a preset, ``hsdp+tp``, a TOML file, inline pairs, or a table given as a dict."""
+    if name in _GIVEN:
+        return AxisRules(_GIVEN[name].table, name)
     if name in EXTRA_RULES:
         return AxisRules.from_mapping(EXTRA_RULES[name], name=name)
     if name in PRESETS:

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from spmdkit._plan._search import readable_bytes
+
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
@@ -52,7 +54,12 @@ def explain(plan: dict[str, Any]) -> list[str]:
     """Why the winner wins: what it pays, what it avoids, what the runner-up costs more."""
     ok = [r for r in plan["candidates"] if r["status"] == "ok"]
     if not ok:
-        return ["no candidate fits: see the pruned and over-budget ones above."]
+        rows = plan["candidates"]
+        if not rows:
+            return ["no candidate at all: the rules given yield no layout; pass rules such as (\"dp\", \"fsdp\")."]
+        over = sum(r["status"] == "over_budget" for r in rows)
+        return [f"no candidate fits: all {len(rows)} were excluded ({len(rows) - over} pruned, {over} over the memory "
+                "budget); each one's reason is in its \"reason\" (printed as \"excluded ...\")."]
     win = ok[0]
     lines = [f"winner: {win['label']}: {_ms(win['step_s_overlapped'])}-{_ms(win['step_s_serial'])} ms per step "
              f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"
@@ -71,13 +78,21 @@ def explain(plan: dict[str, Any]) -> list[str]:
         lines.append("  avoids: " + "; ".join(f"{kind} over {axes}" for kind, axes in avoided[:6]))
     if len(ok) > 1:
         run = ok[1]
-        extra = {k: v["seconds"] - _by_kind(win).get(k, {"seconds": 0.0})["seconds"] for k, v in _by_kind(run).items()}
+        theirs, ours = _by_kind(run), _by_kind(win)
+        # Over the kinds either pays: one the winner alone pays counts against the runner-up's total.
+        extra = {k: theirs.get(k, {"seconds": 0.0})["seconds"] - ours.get(k, {"seconds": 0.0})["seconds"]
+                 for k in {**theirs, **ours}}
         worst = max(extra.items(), key=lambda kv: kv[1], default=None)
+        best = min(extra.items(), key=lambda kv: kv[1], default=None)
+        comm = run["comm_s"] - win["comm_s"]
         lines.append(
             f"  runner-up {run['label']}: +{_ms(run['step_s'] - win['step_s'])} ms per step (compute "
             f"{'+' if run['compute_s'] >= win['compute_s'] else ''}{_ms(run['compute_s'] - win['compute_s'])} ms, "
             f"collectives {'+' if run['comm_s'] >= win['comm_s'] else ''}{_ms(run['comm_s'] - win['comm_s'])} ms"
-            + (f", most of it {worst[0][0]} over {worst[0][1]} +{_ms(worst[1])} ms" if worst and worst[1] > 0 else "")
+            + ((f", most of it {worst[0][0]} over {worst[0][1]} +{_ms(worst[1])} ms" if worst[1] <= comm else
+                f", {worst[0][0]} over {worst[0][1]} +{_ms(worst[1])} ms"
+                + (f" less {best[0][0]} over {best[0][1]} {_ms(best[1])} ms" if best[1] < 0 else ""))
+               if worst and worst[1] > 0 else "")
             + f"), memory {'+' if run['memory']['per_device'] >= win['memory']['per_device'] else ''}"
             f"{_mib(run['memory']['per_device'] - win['memory']['per_device'])} MiB per device")
     return lines
@@ -85,11 +100,17 @@ def explain(plan: dict[str, Any]) -> list[str]:
 
 def print_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(f"target: {plan['target']['name']} ({plan['target']['source']})", highlight=False)
+    told = plan["target"].get("warnings") or []
+    if told:  # the calibration's own doubts: a busy machine or a smoke run first, then the noisy points
+        told = sorted(told, key=lambda w: "spread" in w)
+        console.print(f"note: the target file's calibration warned {len(told)} time(s): " + "; ".join(told[:3])
+                      + (f"; and {len(told) - 3} more (its \"warnings\")" if len(told) > 3 else "")
+                      + ". Its figures, and this plan's times, may be off.", highlight=False, markup=False)
     if plan["target"].get("links_note"):
         console.print(f"links: {plan['target']['links_note']}", highlight=False)
     budget = plan["memory_budget"]
     table = Table(title=f"{plan['devices']} devices, {plan['processes']} process(es), global batch {plan['global_batch']}"
-                  + (f", budget {_mib(budget)} MiB per device" if budget else ""))
+                  + (f", budget {readable_bytes(budget)} per device" if budget else ""))
     console.print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all, CP collective "
                   "permute; :axes x count per step", highlight=False)
     for col in ("#", "candidate", "step ms", "compute ms", "comm ms", "MiB/device",

@@ -14,11 +14,11 @@ from flax import linen as nn
 
 from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
-from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
+from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enumerate_candidates, rules_table
 from spmdkit._plan._cost import collective_costs, compute_time, step_time
 from spmdkit._plan._hlo import analyse, kernels
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
-from spmdkit._rules import AxisRules, ReplicationWarning, _as_tuple
+from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
 from spmdkit._strategies.sharded import Sharded, _is_box, _with_state_axes
 from spmdkit._target import Target, load_target
@@ -31,10 +31,44 @@ def _abstract(batch: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
 
 
+def readable_bytes(n: float) -> str:
+    """Bytes in the unit that fits (B, KiB, MiB, GiB, TiB), three significant figures.
+
+    >>> readable_bytes(10), readable_bytes(5000), readable_bytes(3 * 2**30)
+    ('10 B', '4.88 KiB', '3 GiB')
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+class StateLeafError(SpmdkitError, TypeError):
+    """``make_state`` returned something that is not an array (JAX raises TypeError for it)."""
+
+
+def _arrays_only(make_state: Callable) -> Callable:
+    """``make_state`` whose every leaf must be an array (or a number): anything else is named by
+    path before JAX's own error, which names neither ``make_state`` nor the fix."""
+    def checked(rng: Any) -> Any:
+        state = make_state(rng)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]:
+            value = leaf.value if _is_box(leaf) else leaf
+            if not isinstance(value, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+                raise StateLeafError(fix(
+                    f"make_state returned a value of type {type(value).__name__} at state{jax.tree_util.keystr(path)}, not an array: "
+                    "the state a step carries holds arrays only.",
+                    "return it as an array (jnp.asarray(...)), or keep it out of the state (a constant the step "
+                    "closes over, or static configuration)."))
+        return state
+
+    return checked
+
+
 def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[tuple[str, tuple, int, tuple]]:
     """``(path, shape, bytes, logical names)`` of every annotated leaf; rules do not matter."""
     probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
-    boxed = _with_state_axes(probe._abstract_boxed(make_state, as_key(rng)), state_axes)
+    boxed = _with_state_axes(probe._abstract_boxed(_arrays_only(make_state), as_key(rng)), state_axes)
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
         if isinstance(leaf, nn.LogicallyPartitioned):
@@ -68,6 +102,14 @@ def idle_axes(leaves: list[tuple], rules: AxisRules, mesh: dict[str, int]) -> li
     return [axis for axis, size in mesh.items() if size > 1 and axis not in used]
 
 
+def unmapped_names(leaves: list[tuple], rules: AxisRules) -> list[tuple[str, str]]:
+    """``(path, name)`` of every logical name of the state that ``rules`` do not map."""
+    if rules.replicate_unknown:
+        return []
+    table = rules.mapping
+    return [(path, name) for path, _, _, names in leaves for name in names if name is not None and name not in table]
+
+
 def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, Any]]:
     """Large parameters every device holds whole, under rules that shard parameters (data
     parallelism replicates them by design)."""
@@ -87,16 +129,27 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     rules = rules_table(cand.rules)
     row: dict[str, Any] = {"label": cand.label, "mesh": dict(cand.mesh), "rules": cand.rules, "remat": cand.remat,
                            "accum": cand.accum, "status": "ok", "reason": None}
-    idle = idle_axes(leaves, rules, dict(cand.mesh))
-    if idle:
-        return {**row, "status": "pruned", "reason": f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
-                f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it)"}
     clash = conflicts(leaves, rules)
     row["conflicts"] = clash
     if clash:
         first = clash[0]
         return {**row, "status": "pruned", "reason": f"rules map logical names {first['names']} of {first['path']} "
                 f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else "")}
+    unmapped = unmapped_names(leaves, rules)
+    if unmapped:
+        path, name = unmapped[0]
+        return {**row, "status": "pruned", "reason": f"{path} has logical name {name!r}, which rules {cand.rules!r} "
+                f"do not map (they map {sorted(rules.mapping)}): add a rule for it or correct the name"}
+    idle = idle_axes(leaves, rules, dict(cand.mesh))
+    if idle:
+        names = {n for _, _, _, logical in leaves for n in logical if n is not None} | {"batch"}
+        # A table of the user's own (not a preset, written for many models) with a key no array uses: likely a typo.
+        unused = [] if cand.rules in PRESETS or cand.rules in EXTRA_RULES else [
+            k for k, axes in rules.table if idle[0] in _as_tuple(axes) and k not in names]
+        typo = (f"; rule(s) {unused} map to it, but no array of the state has such a logical name (it has "
+                f"{sorted(names)}): a typo?" if unused else "")
+        return {**row, "status": "pruned", "reason": f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
+                f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it){typo}"}
     try:
         strategy = Sharded(make_mesh(**dict(cand.mesh)), rules, state_axes=state_axes)
         with warnings.catch_warnings():
@@ -106,10 +159,10 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         compiled = strategy.step(train_step).lower(layout.abstract, batch).compile()
         row["compile_s"] = time.perf_counter() - started
     except SpmdkitError as e:
-        return {**row, "status": "pruned", "reason": str(e).splitlines()[0]}
+        return {**row, "status": "pruned", "reason": str(e).splitlines()[0], "_error": e}
     except Exception as e:  # noqa: BLE001 - one layout JAX or XLA refuses must not end the plan
         return {**row, "status": "pruned", "reason": f"does not compile: {type(e).__name__}: "
-                f"{(str(e).strip().splitlines() or [''])[0][:300]}"}
+                f"{(str(e).strip().splitlines() or [''])[0][:300]}", "_error": e}
     row["replicated"] = replicated(layout, strategy.mesh.size, rules)
     text = compiled.as_text()
     program = analyse(text, dict(strategy.mesh.shape))
@@ -135,9 +188,54 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
                     sum(c["sync_seconds"] for c in comms), ops_priced),
     })
     if budget is not None and memory > budget:
-        row.update(status="over_budget", reason=f"needs {memory / 2**20:.1f} MiB per device, over the budget of "
-                                                f"{budget / 2**20:.1f} MiB")
+        row.update(status="over_budget", reason=f"needs {readable_bytes(memory)} per device, over the budget of "
+                                                f"{readable_bytes(budget)}")
     return row
+
+
+class PlanStepError(SpmdkitError, RuntimeError):
+    """Every candidate failed to compile with the same error: the user's step or state, not a layout."""
+
+
+def _raise_common_failure(results: list[dict[str, Any]]) -> None:
+    """Drop the failures kept by :func:`evaluate`; when no candidate compiled and every one that
+    was tried failed alike, raise that failure (spmdkit's own as it is, else with the user's
+    traceback as the cause) instead of a plan of nothing but pruned layouts."""
+    tried = [r for r in results if r["status"] != "pruned" or "_error" in r]  # compiled, or failed to
+    errors = [r.pop("_error") for r in results if "_error" in r]
+    if not errors or any(r["status"] == "ok" for r in results) or len(errors) < len(tried):
+        return
+    first = errors[0]
+    if any(type(e) is not type(first) or str(e) != str(first) for e in errors[1:]):
+        return
+    if isinstance(first, SpmdkitError):
+        raise first
+    raise PlanStepError(fix(f"every candidate ({len(errors)}) failed to compile with the same error, so it is the "
+                            f"step or the state, not a layout: {type(first).__name__}: "
+                            f"{(str(first).strip().splitlines() or [''])[0][:500]}",
+                            "run train_step(make_state(rng), batch) once without spmdkit to debug it; its traceback "
+                            "is the cause below.")) from first
+
+
+# Short names users write for compute dtypes.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
+                 "fp64": "float64", "f64": "float64"}
+
+
+def compute_dtype(dtype: Any, target: Target) -> str:
+    """``dtype`` as the name the target's ``peak_flops`` uses: an alias resolved, and an error for
+    a name that is no dtype (it would be priced at the float32 peak without a word)."""
+    name = DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if name in target.peak_flops:
+        return name
+    try:
+        name = np.dtype(jax.numpy.dtype(name)).name
+    except (TypeError, ValueError):
+        raise ConfigError(fix(f"plan(dtype={dtype!r}) is not a dtype name; target {target.name!r} gives peak FLOP/s "
+                              f"for {sorted(target.peak_flops)}.",
+                              f"pass one of {sorted(target.peak_flops)} (or a JAX dtype name such as \"bfloat16\"; "
+                              f"aliases {sorted(DTYPE_ALIASES)}).")) from None
+    return name
 
 
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
@@ -165,6 +263,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         raise ConfigError(fix(f"plan(processes={processes}): {n} devices do not split evenly into that many processes.",
                               f"use a divisor of {n}."))
     target = load_target(target, n) if not isinstance(target, Target) else target
+    dtype = compute_dtype(dtype, target)
     devices_per_host = n // processes if processes > 1 else min(target.devices_per_host, n) or n
     budget = memory_per_device if memory_per_device is not None else target.memory_per_device
     abstract_batch = _abstract(batch)
@@ -179,9 +278,13 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         step = step_for(cand.remat, cand.accum) if step_for else train_step
         results.append(evaluate(cand, make_state, step, abstract_batch, target, budget, devices_per_host, dtype,
                                 rng, leaves, activations, state_axes))
+    _raise_common_failure(results)
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["step_s"])
     for rank, r in enumerate(ok, 1):
         r["rank"] = rank
-    return {"target": {"name": target.name, "source": target.source}, "devices": n, "processes": processes,
+    about = {"name": target.name, "source": target.source}
+    if target.warnings:
+        about["warnings"] = list(target.warnings)
+    return {"target": about, "devices": n, "processes": processes,
             "devices_per_host": devices_per_host, "memory_budget": budget, "global_batch": rows_in_batch,
             "dtype": dtype, "candidates": ok + [r for r in results if r["status"] != "ok"]}

@@ -310,6 +310,26 @@ def _shapes(tree: Any) -> list[tuple]:
     return [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(tree, is_leaf=_is_box)]
 
 
+def _check_ranks(state: Any, parts: list) -> None:
+    """A part of ``state_axes`` with the structure of (a part of) the state, whose names for an
+    array are not one per dimension: named by path with both ranks (rather than "matches nothing")."""
+    for _, want, names, _ in parts:
+        def same(x, want=want):
+            return not _is_box(x) and jax.tree.structure(x, is_leaf=_is_box) == want
+
+        for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=same)[0]:
+            if not same(x):
+                continue
+            for (sub, leaf), n in zip(jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_box)[0], names):
+                shape = getattr(leaf, "shape", None)
+                if n is not None and shape is not None and not _is_box(leaf) and len(n) != len(shape):
+                    where = "state" + jax.tree_util.keystr((*path, *sub))
+                    raise LayoutError(fix(
+                        f"state_axes names {tuple(n)} ({len(n)} name(s)) for {where}, an array of rank {len(shape)} "
+                        f"(shape {tuple(shape)}).",
+                        f"give one logical name (or None) per dimension: {len(shape)} for {where}."))
+
+
 def _with_state_axes(state: Any, axes: Any) -> Any:
     """Plain leaves boxed with the user's logical names (``state_axes``); boxed leaves kept.
 
@@ -363,6 +383,7 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     state = box(state) if match(state) is not None else jax.tree.map(
         lambda x: box(x) if match(x) is not None else x, state, is_leaf=lambda x: match(x) is not None)
     if not matched:
+        _check_ranks(state, parts)
         raise LayoutError(
             fix(f"state_axes (structure {jax.tree.structure(axes, is_leaf=_is_names)}) matches neither the state "
                 f"nor any part of it (state structure {jax.tree.structure(state, is_leaf=_is_box)}).",
