@@ -146,8 +146,11 @@ class Block(nn.Module):
         h = RMSNorm(dt, name="attn_norm")(x)
         shape = (cfg.d_model, cfg.heads, cfg.head_dim)
         w_qkv = [_param(self, n, dense, ("embed", "heads", "kv"), shape).astype(dt) for n in ("query", "key", "value")]
+        # The scores' 1/sqrt(kv) applied to the query weight (embed x d_model numbers) rather than to
+        # the (batch, heads, length, length) scores: one pass over the largest activation fewer.
+        w_qkv[0] = w_qkv[0] / math.sqrt(cfg.head_dim)
         q, k, v = _project_qkv(h, w_qkv, flat=not _length_split())
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = _named(jax.nn.softmax(scores, axis=-1).astype(dt), "batch", "heads", "length", None)
