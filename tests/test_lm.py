@@ -216,3 +216,17 @@ def test_lm_options_from_a_config_file(tmp_path):
         load_toml(str(path))
     with pytest.raises(spmdkit.ConfigError, match=r"task 'mlp' does not take option\(s\) \['text_dir'\]"):
         spmdkit.get_task("mlp", text_dir="corpus")
+
+
+def test_the_one_qkv_product_computes_the_three_projections():
+    # The default path (one product of the flattened tokens with the weights side by side) against
+    # the sequence-parallel one (a product per projection): the same q, k, v in (batch, heads, length, kv).
+    keys = jax.random.split(jax.random.key(0), 4)
+    h = jax.random.normal(keys[0], (2, 8, 16))
+    weights = [jax.random.normal(k, (16, 4, 4)) for k in keys[1:]]
+    flat, per = lm._project_qkv(h, weights, flat=True), lm._project_qkv(h, weights, flat=False)
+    for i, (a, b) in enumerate(zip(flat, per, strict=True)):
+        assert a.shape == b.shape == (2, 4, 8, 4)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg="qkv"[i])
+        expected = np.einsum("ble,ehd->bhld", np.asarray(h), np.asarray(weights[i]))
+        np.testing.assert_allclose(np.asarray(a), expected, atol=1e-4, err_msg="qkv"[i])

@@ -145,15 +145,18 @@ class Block(nn.Module):
         out_init = nn.initializers.normal(0.02 / math.sqrt(2 * cfg.layers))
         h = RMSNorm(dt, name="attn_norm")(x)
         shape = (cfg.d_model, cfg.heads, cfg.head_dim)
-        q, k, v = (_named(jnp.einsum("ble,ehd->blhd", h, _param(self, n, dense, ("embed", "heads", "kv"), shape).astype(dt)),
-                          "batch", "length", "heads", "kv") for n in ("query", "key", "value"))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
+        w_qkv = [_param(self, n, dense, ("embed", "heads", "kv"), shape).astype(dt) for n in ("query", "key", "value")]
+        # The scores' 1/sqrt(kv) applied to the query weight (embed x d_model numbers) rather than to
+        # the (batch, heads, length, length) scores: one pass over the largest activation fewer.
+        w_qkv[0] = w_qkv[0] / math.sqrt(cfg.head_dim)
+        q, k, v = _project_qkv(h, w_qkv, flat=not _length_split())
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = _named(jax.nn.softmax(scores, axis=-1).astype(dt), "batch", "heads", "length", None)
-        attn = _named(jnp.einsum("bhqk,bkhd->bqhd", probs, v), "batch", "length", "heads", "kv")
+        attn = _named(jnp.einsum("bhqk,bhkd->bhqd", probs, v), "batch", "heads", "length", "kv")
         w_out = _param(self, "out", out_init, ("heads", "kv", "embed"), (cfg.heads, cfg.head_dim, cfg.d_model))
-        x = _named(x + jnp.einsum("blhd,hde->ble", attn, w_out.astype(dt)), "batch", "length", "embed")
+        x = _named(x + jnp.einsum("bhld,hde->ble", attn, w_out.astype(dt)), "batch", "length", "embed")
         h = RMSNorm(dt, name="mlp_norm")(x)
         hidden = cfg.mlp_ratio * cfg.d_model
         w_in = _param(self, "mlp_in", dense, ("embed", "mlp"), (cfg.d_model, hidden)).astype(dt)
@@ -167,6 +170,27 @@ class Block(nn.Module):
         b, l = x.shape[:2]
         h = _named(jax.nn.gelu(h.reshape(b * l, -1) @ w_in), "batch", "mlp")
         return _named(x + (h @ w_mlp_out).reshape(b, l, -1), "batch", "length", "embed"), None
+
+
+def _project_qkv(h: jax.Array, weights: list[jax.Array], flat: bool):
+    """Queries, keys and values ``(batch, heads, length, kv)`` of ``h (batch, length, embed)``: the
+    layout the attention's batched products take, so that no copy sits between them.
+
+    ``flat``: the three projections as one product of the tokens ``(batch x length, embed)`` with
+    the three weights side by side ``(embed, heads, 3, kv)``: one larger matrix product instead of
+    three, whose gradient's weight part is one product too (not three, each contracting batch and
+    length). Under sequence parallelism (``flat=False``) the tokens keep ``(batch, length)``, each
+    projection its own product.
+    """
+    if not flat:
+        return tuple(_named(jnp.einsum("ble,ehd->bhld", h, w), "batch", "heads", "length", "kv") for w in weights)
+    b, l, e = h.shape
+    heads, kv = weights[0].shape[1:]
+    # (embed, heads, 3, kv): heads the major of the merged dimension, so a split of heads stays one
+    # contiguous block of it (tensor parallelism needs no resharding for the reshape).
+    w = jnp.stack(weights, axis=2).reshape(e, heads * 3 * kv)
+    qkv = (h.reshape(b * l, e) @ w).reshape(b, l, heads, 3, kv)
+    return tuple(_named(qkv[:, :, :, i].transpose(0, 2, 1, 3), "batch", "heads", "length", "kv") for i in range(3))
 
 
 def _length_split() -> bool:
