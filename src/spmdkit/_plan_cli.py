@@ -103,10 +103,11 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
                    help="accumulation steps to try at the same global batch, e.g. 1,2,4 (1)")
     p.add_argument("--batch-size", type=positive_int, help="global batch (the task's)")
     p.add_argument("--measure", type=int, default=0, metavar="K", help="also run the K best for real and compare (0)")
-    p.add_argument("--measure-steps", type=positive_int, default=5, metavar="S",
-                   help="--measure: timed steps per candidate per round (5)")
-    p.add_argument("--measure-rounds", type=positive_int, default=3, metavar="R",
-                   help="--measure: rounds in which the candidates take turns (3)")
+    p.add_argument("--measure-steps", type=positive_int, default=3, metavar="S",
+                   help="--measure: timed steps per candidate per round (3)")
+    p.add_argument("--measure-rounds", type=positive_int, default=14, metavar="R",
+                   help="--measure: rounds in which the candidates take turns (14: candidates 3-5%% apart "
+                   "need many rounds; steps within a round share its load)")
     p.add_argument("--measure-timeout", type=positive_int, default=1800, metavar="S",
                    help="--measure with --processes P > 1: seconds before every process is killed (1800)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")

@@ -78,8 +78,8 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
                               "pass e.g. memory_per_device=16e9 (16 GB per device), or leave it out (the target's "
                               "memory_per_device, else no budget)."))
     _whole("measure", measure, 0, "pass measure=K (K >= 1: run the K best) or measure=0 (price only).")
-    _whole("measure_steps", measure_steps, 1, "pass e.g. measure_steps=5 (timed steps per candidate per round).")
-    _whole("measure_rounds", measure_rounds, 1, "pass e.g. measure_rounds=3 (rounds the candidates take turns in).")
+    _whole("measure_steps", measure_steps, 1, "pass e.g. measure_steps=3 (timed steps per candidate per round).")
+    _whole("measure_rounds", measure_rounds, 1, "pass e.g. measure_rounds=14 (rounds the candidates take turns in).")
     for a in tuple(accum):
         _whole("accum", a, 1, f"pass accumulation counts >= 1, e.g. accum=(1, 2) (got {tuple(accum)!r}).")
 
@@ -87,8 +87,8 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
-         processes: int | None = None, dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 5,
-         measure_rounds: int = 3, activations: Callable[[Candidate, int, int], int] | None = None,
+         processes: int | None = None, dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 3,
+         measure_rounds: int = 14, activations: Callable[[Candidate, int, int], int] | None = None,
          state_axes: Any = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Rank the sharded layouts of ``make_state``/``train_step`` on the devices of every process.
 
