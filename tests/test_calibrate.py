@@ -192,8 +192,9 @@ def _check_fields(target, devices, links):
             assert q["points"] == len(errs) and q["max_rel_err"] == pytest.approx(max(errs))
 
 
-def _fake_two_processes(calls, factor=1.0):
-    """A stand-in for the 2-process launch: records its arguments, returns points as the worker does."""
+def _fake_two_processes(calls, factor=1.0, ratio=None):
+    """A stand-in for the 2-process launch: records its arguments, returns points as the worker does
+    (with ``ratio``: the worker's per-operand measurement on every point)."""
 
     def run(sizes, kinds, rounds, target_s, timeout, reps=None):
         calls.append({"sizes": list(sizes), "kinds": list(kinds), "rounds": rounds, "reps": reps})
@@ -203,6 +204,8 @@ def _fake_two_processes(calls, factor=1.0):
                   for i, (b, k) in enumerate((b, k) for b in sizes for k in kinds)]
         for p in points:  # the other statistics of the same rounds: 10% apart from the first
             p.update(min_seconds=p["seconds"], single_seconds=p["seconds"] * (1.1 if reps else 1.0))
+            if ratio is not None:
+                p["per_operand_ratio"] = ratio
         return points, []
 
     return run
@@ -349,6 +352,9 @@ def test_cli_two_processes_measure_the_inter_host_link_and_check_replays_it(tmp_
     inter = {(m["kind"], m["n"], m["bytes"]): m for m in target["measurements"] if m["link"] == "inter_host"}
     assert set(inter) == {(k, 2, b) for k in KINDS for b in (4096, 65536)}
     assert "2-process all-reduce" in stdout and f"wrote {out}" in stdout
+    # the workers also measured whether alpha is paid per operand of a combined all-reduce
+    assert math.isfinite(target["per_operand_ratio"])
+    assert target["links"]["inter_host"].get("per_operand", False) is (target["per_operand_ratio"] > 0.5)
     # the check's processes run the calibration's programs: same repetitions (passed to the workers)
     code, stdout, stderr = _run([SPMDKIT, "calibrate", "--check", str(out), "--quick", "--json", "--timeout", "200"],
                                 timeout=260)
@@ -358,3 +364,23 @@ def test_cli_two_processes_measure_the_inter_host_link_and_check_replays_it(tmp_
     assert [(r["bytes"], r["reps"]) for r in result["rows"]] == [
         (b, inter[("all_reduce", 2, b)]["reps"]) for b in (4096, 65536)]
     assert all(r["seconds"] > 0 and math.isfinite(r["vs_then"]) for r in result["rows"])
+
+
+@pytest.mark.parametrize("ratio, per_operand", [(1.3, True), (0.1, False)])
+def test_calibration_marks_inter_host_per_operand_as_measured_and_plan_reads_it(tmp_path, monkeypatch, ratio,
+                                                                                 per_operand):
+    from spmdkit._target import collective_time, load_target, steps_and_wire
+
+    monkeypatch.setattr(_calibrate, "run_two_processes", _fake_two_processes([], ratio=ratio))
+    out = tmp_path / "target.json"
+    made = calibrate(devices=2, processes=2, sizes=[4096, 65536], rounds=2, quick=True, out=out)
+    assert made["per_operand_ratio"] == ratio
+    assert made["links"]["inter_host"].get("per_operand", False) is per_operand
+    assert all(fits["inter_host"].get("per_operand", False) is per_operand for fits in made["collectives"].values())
+    assert "per_operand" not in made["links"]["intra_host"]  # a lone process's link is priced once
+    target = load_target(str(out))
+    one = collective_time(target, "all_reduce", 4096, 2, "inter_host", operands=1)
+    five = collective_time(target, "all_reduce", 4096, 2, "inter_host", operands=5)
+    alpha = target.link("all_reduce", "inter_host").at(4096).alpha
+    steps, _ = steps_and_wire("all_reduce", 2, 4096)  # ring steps, each paying alpha
+    assert five - one == pytest.approx(4 * steps * alpha if per_operand else 0.0, rel=1e-6, abs=1e-15)

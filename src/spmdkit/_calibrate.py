@@ -419,12 +419,35 @@ def _fit_all(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
     return collectives
 
 
+def _per_operand(collectives: dict[str, dict[str, dict[str, Any]]], points: Sequence[dict[str, Any]]) -> float | None:
+    """Mark the inter-host fits ``per_operand`` when the 2-process run found alpha paid per operand
+    of a combined all-reduce (its ``per_operand_ratio``, see
+    :func:`spmdkit._plan._processes.measure_process_links`); the ratio, or None if not measured.
+
+    Example:
+        >>> fits = {"all_reduce": {"inter_host": {"alpha": 1e-4, "beta": 1e-9}}}
+        >>> _per_operand(fits, [{"link": "inter_host", "per_operand_ratio": 1.3}]), fits["all_reduce"]["inter_host"]["per_operand"]
+        (1.3, True)
+    """
+    from spmdkit._plan._processes import PER_OPERAND_RATIO
+
+    ratios = [p["per_operand_ratio"] for p in points if p.get("link") == "inter_host" and "per_operand_ratio" in p]
+    if not ratios:
+        return None
+    if ratios[0] > PER_OPERAND_RATIO:
+        for per_link in collectives.values():
+            if "inter_host" in per_link:
+                per_link["inter_host"]["per_operand"] = True
+    return ratios[0]
+
+
 def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devices_per_host: int,
                  processes: int, warnings: Sequence[str]) -> dict[str, Any]:
     """The target dict (target-schema.md) from measured points and compute figures."""
     import jax
 
     collectives = _fit_all(points)
+    ratio = _per_operand(collectives, points)
     links = {link: dict(collectives["all_reduce"][link]) for link in LINKS if link in collectives.get("all_reduce", {})}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = platform.node() or "this host"
@@ -442,6 +465,8 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
     }
     if compute.get("op_overhead"):
         target["op_overhead"] = compute["op_overhead"]
+    if ratio is not None:  # optional: the evidence for inter_host's per_operand
+        target["per_operand_ratio"] = ratio
     rows = prediction_errors(target, points)
     target["measurements"] = [{k: r[k] for k in ("kind", "link", "n", "bytes", "seconds", "predicted", "rel_err",
                                                  "iqr_rel", "min_seconds", "single_seconds", "fixed_seconds", "reps",
@@ -454,7 +479,9 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
         f"intra_host: {devices_per_host} simulated CPU devices in one process sharing {os.cpu_count()} cores; "
         "XLA:CPU collectives within a process are memory copies plus a rendezvous of the devices' threads, "
         "measured with every device of the mesh busy (mesh axes of n devices, all groups at once)",
-        "inter_host: 2 processes x 1 device on this machine, jax.distributed with gloo over loopback TCP",
+        "inter_host: 2 processes x 1 device on this machine, jax.distributed with gloo over loopback TCP; "
+        "per_operand (if present): a combined all-reduce of several arrays costs alpha per array "
+        "(per_operand_ratio: each extra array's share of a one-array call)",
         "every collective timed inside one compiled loop: seconds = median over interleaved rounds of "
         "(t(2 reps) - t(reps)) / reps, each call after a barrier, so no fixed cost per call (dispatch, the wait "
         "for the peer process) is in it; fixed_seconds = that fixed cost per call",

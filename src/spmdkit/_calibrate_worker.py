@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     reps = {(kind, int(nbytes)): int(r) for kind, nbytes, r in (item.split(":") for item in a.reps)}
     points, warnings = measure_collectives(jax.devices(), [jax.device_count()], a.sizes, a.kinds, "inter_host",
                                            rounds=a.rounds, target_s=a.target_seconds, reps=reps)
+    # Whether this runtime runs a combined all-reduce as one call per operand (gloo does): the
+    # planner then pays alpha per operand on this link (``per_operand`` in the target).
+    from spmdkit._plan._processes import measure_process_links
+
+    ratio = measure_process_links(kinds=("all_reduce",))["per_operand_ratio"]
+    for p in points:
+        p["per_operand_ratio"] = ratio
     if jax.process_index() == 0:
         tmp = a.out + ".tmp"
         with open(tmp, "w") as fh:

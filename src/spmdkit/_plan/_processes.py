@@ -137,6 +137,9 @@ def agreed_target(target: Any) -> Any:
 # paid per operand.
 LINK_SIZES = (4096, 1 << 20)
 LINK_OPERANDS = 8
+# Alpha is paid per operand when each extra array of a combined all-reduce costs more than this
+# share of a one-array call (gloo between processes: ~1-1.6; an in-process call: well below).
+PER_OPERAND_RATIO = 0.5
 
 
 def _link_program(kind: str, axis: str, group: int, parts: int, loops: int):
@@ -218,7 +221,7 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     for link in groups:
         one, many = seen[(link, "all_reduce", small)], seen[(link, "operands")]
         ratio = max(ratio, (many - one) / (LINK_OPERANDS - 1) / one if one > 0 else 0.0)
-    per_operand = ratio > 0.5
+    per_operand = ratio > PER_OPERAND_RATIO
     fitted: dict[str, dict[str, Link]] = {kind: {} for kind in kinds}
     for kind in kinds:
         for link, (axis, group) in groups.items():
@@ -270,5 +273,5 @@ def with_process_links(target: Any) -> Any:
     return dataclasses.replace(target, links=links, collectives=collectives, source=target.source + note)
 
 
-__all__ = ["PlanRunError", "agreed_target", "check_device_order", "check_processes", "check_same", "from_process_0",
+__all__ = ["PER_OPERAND_RATIO", "PlanRunError", "agreed_target", "check_device_order", "check_processes", "check_same", "from_process_0",
            "links_note", "measure_process_links", "slowest", "with_process_links"]
