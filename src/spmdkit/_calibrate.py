@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit._errors import SpmdkitError, fix
+from spmdkit._errors import SpmdkitError, fix, unwritable
 from spmdkit._target import _link, measure_op_overhead, steps_and_wire  # the cost model shared with the planner
 
 FORMAT = "spmdkit-target"
@@ -284,19 +284,9 @@ def check_out(out: str | os.PathLike | None) -> str | None:
     if out is None:
         return None
     path = os.fspath(out)
-    if os.path.isdir(path):
-        raise CalibrationFileError(fix(f"out={path!r} (--out) is a directory.", "pass a file name, e.g. --out target.json."))
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise CalibrationFileError(fix(f"out={path!r} (--out): directory {parent} does not exist.",
-                                       f"create it (mkdir -p {parent}) or pass another path."))
-    try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-calibrate-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise CalibrationFileError(fix(f"out={path!r} (--out): cannot write in {parent} ({e.strerror or e}).",
-                                       "pass a path in a directory you can write to.")) from None
+    problem = unwritable(path, f"out={path!r} (--out)", "--out target.json")
+    if problem:
+        raise CalibrationFileError(fix(*problem)) from None
     return path
 
 

@@ -41,6 +41,33 @@ def fix(message: str, remedy: str) -> str:
     return f"{message}\n  Fix: {remedy}"
 
 
+def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
+    """Why an output file at ``path`` cannot be written, as ``(message, remedy)`` for
+    :func:`fix`, or None if it can: checked before minutes of work that would end by writing it.
+    ``label`` names the argument in the message (``"--json 'x.json'"``), ``example`` a good one.
+
+    Example:
+        >>> import tempfile
+        >>> unwritable(tempfile.gettempdir(), "--out '/tmp'", "--out target.json")[0]
+        "--out '/tmp' is a directory."
+    """
+    import os
+    import tempfile
+
+    if os.path.isdir(path):
+        return f"{label} is a directory.", f"pass a file name, e.g. {example}."
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{label}: directory {parent} does not exist.", f"create it (mkdir -p {parent}) or pass another path."
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{label}: cannot write in {parent} ({e.strerror or e}).", "pass a path in a directory you can write to."
+    return None
+
+
 class ConfigError(SpmdkitError, ValueError):
     """A training option or config-file key is invalid."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from spmdkit._errors import ConfigError, SpmdkitError, fix
+from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable
 
 # Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
 ENV_PLAN_RESULT = "SPMDKIT_PLAN_RESULT"
@@ -164,21 +164,9 @@ class PlanFileError(SpmdkitError, OSError):
 
 def check_out(path: str | None, flag: str) -> None:
     """An output file, checked writable before minutes of planning."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        raise PlanFileError(fix(f"{flag} {path!r} is a directory.", f"pass a file name, e.g. {flag} plan.{flag[2:]}."))
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise PlanFileError(fix(f"{flag} {path!r}: directory {parent} does not exist.",
-                                f"create it (mkdir -p {parent}) or pass another path."))
-    try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-plan-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise PlanFileError(fix(f"{flag} {path!r}: cannot write in {parent} ({e.strerror or e}).",
-                                "pass a path in a writable directory.")) from None
+    problem = None if path is None else unwritable(path, f"{flag} {path!r}", f"{flag} plan.{flag[2:]}")
+    if problem:
+        raise PlanFileError(fix(*problem))
 
 
 def _check_args(args: argparse.Namespace) -> None:
