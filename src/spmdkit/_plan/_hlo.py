@@ -47,6 +47,7 @@ class Program(NamedTuple):
     extra_bytes: float  # likewise for bytes accessed
     unknown_loops: int  # loops without a known trip count (counted once)
     ops: int = 0  # operations (kernels) one device executes per step, loop trips included
+    kernels: tuple = ()  # (matmul FLOPs, bytes, executions) of each operation: see :func:`kernels`
 
 
 def shape_bytes(text: str) -> int:
@@ -275,16 +276,23 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
     collectives = [Collective(k[0], k[1], k[2], k[3], v[0], tuple(tuple(g) for g in v[1]), v[2], k[4])
                    for k, v in found.items()]
     collectives.sort(key=lambda c: -c.bytes * c.count)
-    return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops)
+    return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops,
+                   tuple(_kernels(comps, shapes, true, fused)))
 
 
 def kernels(text: str) -> list[tuple[float, int, int]]:
     """Every operation one device executes per step as ``(matmul FLOPs, bytes read and written,
     executions)`` with loop trips counted; a fusion is one operation (its matmuls' FLOPs, its
     operands' and output's bytes); collectives are left out (the target's links price them).
-    Equal ones are merged, so the list stays short for a program unrolled over many layers."""
+    Equal ones are merged, so the list stays short for a program unrolled over many layers.
+    :func:`analyse` gives the same list as ``Program.kernels`` from its own parse."""
     comps, shapes, entry = parse(text)
     true, _, fused, _ = multiplicities(comps, entry)
+    return _kernels(comps, shapes, true, fused)
+
+
+def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], true: dict[str, int],
+             fused: set[str]) -> list[tuple[float, int, int]]:
     merged: dict[tuple[float, int], int] = defaultdict(int)
     for comp, instrs in comps.items():
         t = true.get(comp, 0)

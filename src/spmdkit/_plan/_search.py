@@ -16,7 +16,7 @@ from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enumerate_candidates, rules_table
 from spmdkit._plan._cost import collective_costs, compute_time, step_time
-from spmdkit._plan._hlo import analyse, kernels
+from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
@@ -121,25 +121,20 @@ def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, 
             for leaf in params if not any(leaf.spec) and leaf.bytes >= LARGE_SHARE * total]
 
 
-def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch: Any, target: Target,
-             budget: float | None, devices_per_host: int, dtype: str, rng: Any,
-             leaves: list[tuple], activations: Callable[[Candidate, int, int], Any] | None,
-             state_axes: Any = None) -> dict[str, Any]:
-    """One candidate compiled (never run) and priced; ``status`` ok, pruned or over_budget."""
-    rules = rules_table(cand.rules)
-    row: dict[str, Any] = {"label": cand.label, "mesh": dict(cand.mesh), "rules": cand.rules, "remat": cand.remat,
-                           "accum": cand.accum, "status": "ok", "reason": None}
+def _rules_problem(cand: Candidate, leaves: list[tuple], rules: AxisRules) -> tuple[list[dict[str, Any]], str | None]:
+    """The candidate's rule conflicts, and why to prune it before compiling (None: compile it):
+    two logical names on one mesh axis, a logical name the rules do not map, or a mesh axis that
+    splits nothing (with the rule keys no array uses, when the table is the user's own)."""
     clash = conflicts(leaves, rules)
-    row["conflicts"] = clash
     if clash:
         first = clash[0]
-        return {**row, "status": "pruned", "reason": f"rules map logical names {first['names']} of {first['path']} "
-                f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else "")}
+        return clash, (f"rules map logical names {first['names']} of {first['path']} "
+                       f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""))
     unmapped = unmapped_names(leaves, rules)
     if unmapped:
         path, name = unmapped[0]
-        return {**row, "status": "pruned", "reason": f"{path} has logical name {name!r}, which rules {cand.rules!r} "
-                f"do not map (they map {sorted(rules.mapping)}): add a rule for it or correct the name"}
+        return clash, (f"{path} has logical name {name!r}, which rules {cand.rules!r} "
+                       f"do not map (they map {sorted(rules.mapping)}): add a rule for it or correct the name")
     idle = idle_axes(leaves, rules, dict(cand.mesh))
     if idle:
         names = {n for _, _, _, logical in leaves for n in logical if n is not None} | {"batch"}
@@ -148,8 +143,23 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
             k for k, axes in rules.table if idle[0] in _as_tuple(axes) and k not in names]
         typo = (f"; rule(s) {unused} map to it, but no array of the state has such a logical name (it has "
                 f"{sorted(names)}): a typo?" if unused else "")
-        return {**row, "status": "pruned", "reason": f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
-                f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it){typo}"}
+        return clash, (f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
+                       f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it){typo}")
+    return clash, None
+
+
+def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch: Any, target: Target,
+             budget: float | None, devices_per_host: int, dtype: str, rng: Any,
+             leaves: list[tuple], activations: Callable[[Candidate, int, int], Any] | None,
+             state_axes: Any = None) -> dict[str, Any]:
+    """One candidate compiled (never run) and priced; ``status`` ok, pruned or over_budget."""
+    rules = rules_table(cand.rules)
+    row: dict[str, Any] = {"label": cand.label, "mesh": dict(cand.mesh), "rules": cand.rules, "remat": cand.remat,
+                           "accum": cand.accum, "status": "ok", "reason": None}
+    clash, reason = _rules_problem(cand, leaves, rules)
+    row["conflicts"] = clash
+    if reason:
+        return {**row, "status": "pruned", "reason": reason}
     try:
         strategy = Sharded(make_mesh(**dict(cand.mesh)), rules, state_axes=state_axes)
         with warnings.catch_warnings():
@@ -164,9 +174,8 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         return {**row, "status": "pruned", "reason": f"does not compile: {type(e).__name__}: "
                 f"{(str(e).strip().splitlines() or [''])[0][:300]}", "_error": e}
     row["replicated"] = replicated(layout, strategy.mesh.size, rules)
-    text = compiled.as_text()
-    program = analyse(text, dict(strategy.mesh.shape))
-    ops_priced = kernels(text)
+    program = analyse(compiled.as_text(), dict(strategy.mesh.shape))
+    ops_priced = program.kernels
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     flops = float(cost.get("flops", 0.0)) + program.extra_flops
