@@ -47,7 +47,7 @@ def test_a_torch_python_that_cannot_import_torch_is_named(monkeypatch, tmp_path)
     monkeypatch.setenv(lm_suite.TORCH_PYTHON_ENV, str(tmp_path / "no-python"))
     python, why = lm_suite.torch_python()
     assert python is None and lm_suite.TORCH_PYTHON_ENV in why and "no-python" in why
-    assert {framework for framework, _ in lm_suite.cases(quick=False, torch=False).values()} == {"jax"}
+    assert {framework for framework, _, _ in lm_suite.cases(quick=False, torch=False).values()} == {"jax"}
 
 
 def test_the_target_compares_with_the_faster_pytorch_f32_case():

@@ -28,6 +28,8 @@ from spmdkit._devices import (
 )
 from spmdkit._cache import ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_dir, enable_compile_cache
 from spmdkit._errors import SpmdkitError
+from spmdkit._host_memory import _apply as _reuse_host_memory
+from spmdkit._host_memory import host_memory
 
 EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged step
 
@@ -334,6 +336,7 @@ def _cmd_devices(args: argparse.Namespace, console: Console) -> int:
         "process_count": jax.process_count(),
         "suggested_mesh": suggest_mesh(n),
         "suggested_model_parallel_mesh": model_parallel_suggestion(n),
+        "host_memory": {"reused": host_memory().reused, "why": host_memory().why},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -345,6 +348,7 @@ def _cmd_devices(args: argparse.Namespace, console: Console) -> int:
         table.add_row(str(r["id"]), r["platform"], r["kind"], str(r["process_index"]))
     console.print(table)
     console.print("devices per process: " + ", ".join(f"{k}: {v}" for k, v in per_process.items()))
+    console.print(f"host memory: {host_memory()}", markup=False)
     fmt = lambda m: ", ".join(f"{k}={v}" for k, v in m.items())  # noqa: E731
     console.print(
         f"suggested mesh: spmdkit.make_mesh({fmt(info['suggested_mesh'])})  (data parallel)"
@@ -610,6 +614,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Tables are for reading in logs too: do not fold them to 80 columns off a terminal.
     console = Console(width=None if sys.stdout.isatty() else 120)
     try:
+        # Before any JAX work: XLA's threads take their malloc arenas when its backends start.
+        _reuse_host_memory(strict=False)
         _setup_devices(args)
         return _COMMANDS[args.command](args, console)
     except SpmdkitError as e:

@@ -45,6 +45,7 @@ from spmdkit._bench import lm_worker
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
 from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
+from spmdkit._host_memory import ENV_HOST_ALLOCATOR, MALLOC_SETTINGS
 from spmdkit._tasks.lm import LMConfig, load_text, lm_functions, windows
 
 # Model, batch and corpus sizes; a round (``steps`` steps of every case) takes seconds on 2 cores.
@@ -61,26 +62,35 @@ SIZES = {
 }
 BASE = "spmdkit f32"
 ROLLED = "spmdkit f32, rolled scan"
+TORCH_REUSE = "PyTorch f32, torch.compile, spmdkit's malloc settings"
 START_TIMEOUT = 600  # s: start-up includes importing torch or JAX, and the first eval
 RUN_TIMEOUT = 1800  # s: a warm-up run includes compiling (torch.compile takes minutes on a busy machine)
 
 
 # ---------------------------------------------------------------- the cases
-def cases(quick: bool, torch: bool) -> dict[str, tuple[str, list[str]]]:
-    """label -> (framework, worker arguments)."""
+SYSTEM_ALLOC = "spmdkit f32, system allocator"
+REUSE = "reuse"  # the host memory as the spmdkit command sets it (spmdkit._host_memory)
+SYSTEM = "system"  # glibc's defaults
+
+
+def cases(quick: bool, torch: bool) -> dict[str, tuple[str, list[str], str]]:
+    """label -> (framework, worker arguments, host allocator: REUSE or SYSTEM)."""
     out = {
-        BASE: ("jax", ["--precision", "f32"]),
-        "spmdkit bf16": ("jax", ["--precision", "bf16"]),
-        "spmdkit f32, remat full": ("jax", ["--precision", "f32", "--remat", "full"]),
-        # A lever row: the scan over layers as a rolled loop (scan_unroll=1), the default before
-        # the model unrolled it.
-        ROLLED: ("jax", ["--precision", "f32", "--scan-unroll", "1"]),
+        BASE: ("jax", ["--precision", "f32"], REUSE),
+        "spmdkit bf16": ("jax", ["--precision", "bf16"], REUSE),
+        "spmdkit f32, remat full": ("jax", ["--precision", "f32", "--remat", "full"], REUSE),
+        # Lever rows: the scan over layers as a rolled loop (scan_unroll=1), the default before
+        # the model unrolled it; glibc's allocator defaults, before spmdkit reused host memory.
+        ROLLED: ("jax", ["--precision", "f32", "--scan-unroll", "1"], REUSE),
+        SYSTEM_ALLOC: ("jax", ["--precision", "f32"], SYSTEM),
     }
     if torch:
-        out["PyTorch f32, eager"] = ("torch", ["--precision", "f32"])
+        out["PyTorch f32, eager"] = ("torch", ["--precision", "f32"], SYSTEM)
         if not quick:  # torch.compile takes minutes to compile: not for smoke runs
-            out["PyTorch f32, torch.compile"] = ("torch", ["--precision", "f32", "--compile"])
-            out["PyTorch bf16 autocast, eager"] = ("torch", ["--precision", "bf16"])
+            out["PyTorch f32, torch.compile"] = ("torch", ["--precision", "f32", "--compile"], SYSTEM)
+            # PyTorch's best configuration may include the allocator settings spmdkit uses: measured too.
+            out[TORCH_REUSE] = ("torch", ["--precision", "f32", "--compile"], REUSE)
+            out["PyTorch bf16 autocast, eager"] = ("torch", ["--precision", "bf16"], SYSTEM)
     return out
 
 
@@ -100,22 +110,30 @@ def torch_python() -> tuple[str | None, str]:
     return named, f"torch {version} in {named} ({TORCH_PYTHON_ENV})"
 
 
-def worker_env() -> dict[str, str]:
-    """This process's environment for a worker with one CPU device (no simulated devices)."""
+def worker_env(allocator: str = REUSE) -> dict[str, str]:
+    """This process's environment for a worker with one CPU device (no simulated devices),
+    with glibc's malloc set as spmdkit sets it (``REUSE``) or left at its defaults (``SYSTEM``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("SPMDKIT_HOST_DEVICES", "JAX_NUM_CPU_DEVICES")}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags)
+    for key in MALLOC_SETTINGS:
+        env.pop(key, None)
+    if allocator == REUSE:
+        env.update(MALLOC_SETTINGS)  # from its start: glibc reads them once, before any thread
+        env.pop(ENV_HOST_ALLOCATOR, None)
+    else:
+        env[ENV_HOST_ALLOCATOR] = SYSTEM
     return env
 
 
 class Worker:
     """One worker process, asked one JSON command at a time; ``None`` answers when it failed."""
 
-    def __init__(self, label: str, cmd: list[str], errors: dict[str, str]):
+    def __init__(self, label: str, cmd: list[str], errors: dict[str, str], allocator: str = REUSE):
         self.label, self.errors = label, errors
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      text=True, env=worker_env())
+                                      text=True, env=worker_env(allocator))
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -184,12 +202,12 @@ def _command(framework: str, args: list[str], python: str | None, size: dict[str
     return [python, lm_worker.__file__, "--framework", "torch", "--init", str(init), *model, *args]
 
 
-def _start(labels: dict[str, tuple[str, list[str]]], python, size, data, init, params: int, errors):
+def _start(labels: dict[str, tuple[str, list[str], str]], python, size, data, init, params: int, errors):
     """Start every worker (one after another: start-up is not timed), check its parameter count,
     and take its held-out bits per byte at initialisation."""
     workers, before, counts = {}, {}, {}
-    for label, (framework, args) in labels.items():
-        w = Worker(label, _command(framework, args, python, size, data, init), errors)
+    for label, (framework, args, allocator) in labels.items():
+        w = Worker(label, _command(framework, args, python, size, data, init), errors, allocator)
         workers[label] = w
         ready = w.answer(START_TIMEOUT)
         if ready is None:
@@ -249,6 +267,9 @@ def _ratios(run: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     pairs = [("spmdkit bf16 / spmdkit f32", "spmdkit bf16", BASE),
              ("spmdkit remat full / no remat", "spmdkit f32, remat full", BASE),
              ("spmdkit rolled scan / unrolled", ROLLED, BASE),
+             ("spmdkit system allocator / reused host memory", SYSTEM_ALLOC, BASE),
+             ("PyTorch torch.compile, spmdkit's malloc settings / its defaults", TORCH_REUSE,
+              "PyTorch f32, torch.compile"),
              ("PyTorch bf16 autocast / PyTorch f32 eager", "PyTorch bf16 autocast, eager", "PyTorch f32, eager"),
              ("spmdkit bf16 / PyTorch bf16 autocast", "spmdkit bf16", "PyTorch bf16 autocast, eager")]
     for name, a, b in pairs:

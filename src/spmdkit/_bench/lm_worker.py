@@ -185,6 +185,9 @@ def flatten_params(params) -> dict[str, np.ndarray]:
 
 
 def _jax_worker(a: argparse.Namespace, data: dict[str, np.ndarray]):
+    from spmdkit._host_memory import _apply
+
+    _apply(strict=False)  # as the spmdkit command does, before JAX starts (the suite's env decides)
     import jax
     import optax
 
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     with np.load(a.data) as f:
         data = {"train": f["train"], "held_out": f["held_out"]}
     params, step, evaluate = (_jax_worker if a.framework == "jax" else _torch_worker)(a, data)
-    _say({"ready": True, "params": int(params), "framework": a.framework, "config": vars(a)})
+    _say({"ready": True, "params": int(params), "framework": a.framework, "config": vars(a),
+          "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}})
     for line in sys.stdin:
         cmd = json.loads(line)
         if "run" in cmd:

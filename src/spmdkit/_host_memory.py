@@ -1,0 +1,154 @@
+"""Host memory that XLA:CPU reuses from step to step instead of taking it from the kernel anew.
+
+XLA:CPU allocates a compiled program's temporary buffers with ``malloc`` at every execution
+and frees them at its end. With glibc's defaults, buffers larger than its mmap threshold (at
+most 32 MiB), and the per-thread arenas' heaps that XLA's worker threads use, go back to the
+kernel when freed, so the next step faults every page in again and the kernel zeroes it. The
+language model of ``spmdkit bench --suite lm`` paid about 72,000 page faults per training step
+that way (its 280 MiB of temporaries), about a quarter of its step time. One arena, no mmap
+and no trimming make glibc keep that memory and hand the same pages out again: no faults, the
+same results (``BENCHMARKS.md``, "lm").
+
+The price: the process keeps its high-water mark of host memory until it exits (it is reused,
+not returned), as a caching allocator does. ``SPMDKIT_HOST_ALLOCATOR=system`` keeps glibc's
+defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from dataclasses import dataclass
+
+from spmdkit._errors import ConfigError, DeviceSetupError, fix
+
+ENV_HOST_ALLOCATOR = "SPMDKIT_HOST_ALLOCATOR"
+_MODES = ("reuse", "system")
+# glibc's environment names for the same settings: read once, at a process's start, so they
+# carry the settings to every process this one starts (workers, `spmdkit launch`'s processes).
+MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+# mallopt(3) parameter numbers (malloc.h) of the same settings, for this process.
+_MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_MMAP_MAX_": -4, "MALLOC_TRIM_THRESHOLD_": -1}
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+_applied = False
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Whether this process reuses its host memory, and why (or why not)."""
+
+    reused: bool
+    why: str
+
+    def __str__(self) -> str:
+        return f"{'reused' if self.reused else 'system default'} ({self.why})"
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV_HOST_ALLOCATOR, "").strip().lower() or "reuse"
+    if mode not in _MODES:
+        raise ConfigError(fix(
+            f"{ENV_HOST_ALLOCATOR}={os.environ[ENV_HOST_ALLOCATOR]!r} is not one of {', '.join(_MODES)}.",
+            f"set {ENV_HOST_ALLOCATOR}=reuse (the default: XLA:CPU reuses its buffers) or "
+            f"{ENV_HOST_ALLOCATOR}=system (glibc's defaults), or unset it.",
+        ))
+    return mode
+
+
+def _not_applicable() -> str | None:
+    """Why these settings do not apply to this process, or None if they do."""
+    if _mode() == "system":
+        return f"{ENV_HOST_ALLOCATOR}=system"
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return "the C library is not glibc; the settings are glibc's"
+    preloaded = [a for a in _OTHER_ALLOCATORS if a in os.environ.get("LD_PRELOAD", "")]
+    if preloaded:
+        return f"LD_PRELOAD names {preloaded[0]}, which manages host memory itself"
+    foreign = {k: os.environ[k] for k in MALLOC_SETTINGS if k in os.environ and os.environ[k] != MALLOC_SETTINGS[k]}
+    if foreign:
+        return "the environment sets " + ", ".join(f"{k}={v}" for k, v in foreign.items()) + ": left as set"
+    return None
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge  # the public API has no "have backends started" question
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _settled() -> HostMemory | None:
+    """The setting when nothing is left to do (not applicable, or already in effect), else None."""
+    why_not = _not_applicable()
+    if why_not:
+        return HostMemory(False, why_not)
+    if _applied:
+        return HostMemory(True, "set by spmdkit in this process")
+    if all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items()):
+        return HostMemory(True, "set in the environment")
+    return None
+
+
+def _apply(strict: bool) -> HostMemory:
+    global _applied
+    settled = _settled()
+    if settled is not None:
+        return settled
+    if _backends_started():
+        # XLA's threads already hold their own arenas: settings made now would not reach them.
+        if not strict:
+            return HostMemory(False, "JAX had started its backends first")
+        raise DeviceSetupError(fix(
+            "reuse_host_memory() was called after JAX had started its backends; XLA's threads "
+            "already have their own malloc arenas, which the settings would not reach.",
+            "call spmdkit.reuse_host_memory() right after `import spmdkit`, before any JAX "
+            "operation (creating an array, jax.devices(), a jit call); or start Python with "
+            + " ".join(f"{k}={v}" for k, v in MALLOC_SETTINGS.items()) + " in the environment.",
+        ))
+    libc = ctypes.CDLL(None)
+    failed = [k for k, v in MALLOC_SETTINGS.items() if libc.mallopt(_MALLOPT[k], int(v)) != 1]
+    if failed:
+        return HostMemory(False, f"glibc refused mallopt for {', '.join(failed)}")
+    os.environ.update(MALLOC_SETTINGS)
+    _applied = True
+    return HostMemory(True, "set by spmdkit in this process")
+
+
+def reuse_host_memory() -> HostMemory:
+    """Make XLA:CPU reuse its host buffers from step to step (glibc: one arena, no mmap, no trim).
+
+    Call it once, before the first JAX operation: XLA's threads take their malloc arenas
+    when JAX starts its backends. A CPU training step then no longer faults its temporary
+    buffers in from the kernel at every execution (the bench language model: about 72,000
+    faults per step before, none after, and about 1.3x the tokens per second). The process
+    keeps its high-water mark of host memory until it exits. The ``spmdkit`` command does
+    this itself; processes started from this one inherit the settings through the
+    environment. It does nothing, and says why, when ``SPMDKIT_HOST_ALLOCATOR=system`` is
+    set, the C library is not glibc, ``LD_PRELOAD`` names another allocator, or the
+    environment already sets other ``MALLOC_*`` values. Called after JAX has started, it
+    raises :class:`DeviceSetupError` with the fix.
+
+    Example:
+        >>> import spmdkit
+        >>> try:
+        ...     status = spmdkit.reuse_host_memory()  # first thing, before any JAX work
+        ... except spmdkit.DeviceSetupError:  # JAX had started first: the error says what to do
+        ...     status = spmdkit.host_memory()
+        >>> isinstance(status.reused, bool)
+        True
+    """
+    return _apply(strict=True)
+
+
+def host_memory() -> HostMemory:
+    """This process's host-memory setting, without changing it.
+
+    Example:
+        >>> import spmdkit
+        >>> isinstance(spmdkit.host_memory().reused, bool)
+        True
+    """
+    return _settled() or HostMemory(
+        False, "glibc's defaults: call spmdkit.reuse_host_memory() before the first JAX operation")

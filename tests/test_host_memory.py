@@ -1,0 +1,135 @@
+"""Host memory that XLA:CPU reuses: what `reuse_host_memory` changes, and when it says no."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import spmdkit
+from spmdkit import _host_memory
+from spmdkit._bench import lm_suite
+
+SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
+GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+# A program whose temporaries (3 x 32 MiB) exceed glibc's largest mmap threshold: with glibc's
+# defaults every call maps them afresh and faults every page in; reused, the pages stay.
+_FAULTS = """
+import json, os, resource, subprocess, sys
+import spmdkit
+status = spmdkit.reuse_host_memory()
+import jax, jax.numpy as jnp
+x = jnp.ones((8192, 256)); w = jnp.ones((256, 1024)) * 1e-3
+f = jax.jit(lambda x, w: jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w.T) ** 2))(w).sum())
+value = float(f(x, w))
+faults = []
+for _ in range(16):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert float(f(x, w)) == value  # the same result every call
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('MALLOC_ARENA_MAX'))"],
+                       capture_output=True, text=True, timeout=60).stdout.strip()
+print(json.dumps({"reused": status.reused, "why": status.why, "faults": faults, "value": value, "child": child}))
+"""
+
+
+def _run(code: str, **env: str) -> dict:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != spmdkit.ENV_HOST_ALLOCATOR}
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=full)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="the settings are glibc's; elsewhere reuse_host_memory says so (tested below)")
+def test_reused_host_memory_is_not_faulted_in_again_at_every_call():
+    reused = _run(_FAULTS)
+    system = _run(_FAULTS, **{spmdkit.ENV_HOST_ALLOCATOR: "system"})
+    assert reused["reused"] and reused["why"] == "set by spmdkit in this process"
+    assert not system["reused"] and "SPMDKIT_HOST_ALLOCATOR=system" in system["why"]
+    assert reused["value"] == system["value"]
+    # With glibc's defaults every call faults its ~96 MiB of temporaries in (about 24,000 pages);
+    # reused, the heap settles in a few calls and the last calls fault (almost) nothing.
+    per_call_system = sorted(system["faults"][-8:])[4]
+    assert per_call_system > 10_000, system["faults"]
+    assert sum(reused["faults"][-8:]) < 0.3 * sum(system["faults"][-8:]), (reused["faults"], system["faults"])
+    # Processes started from a reusing process inherit the settings; from a system one, not.
+    assert reused["child"] == "1" and system["child"] == "None"
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    """This process as if spmdkit had set nothing: no MALLOC_* variables, nothing applied."""
+    for key in [*_host_memory.MALLOC_SETTINGS, spmdkit.ENV_HOST_ALLOCATOR, "LD_PRELOAD"]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(_host_memory, "_applied", False)
+    return monkeypatch
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere the call returns 'not glibc' (tested below)")
+def test_a_call_after_jax_started_raises_with_the_fix(clean):
+    import jax
+
+    jax.devices()  # the backends have started in this process
+    with pytest.raises(spmdkit.DeviceSetupError) as e:
+        spmdkit.reuse_host_memory()
+    msg = str(e.value)
+    assert "after JAX had started its backends" in msg and "before any JAX operation" in msg
+    assert "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0" in msg
+    assert not _host_memory._apply(strict=False).reused  # the spmdkit command goes on without
+    assert not spmdkit.host_memory().reused and "reuse_host_memory()" in spmdkit.host_memory().why
+
+
+def test_settings_in_the_environment_count_as_reused(clean):
+    for key, value in _host_memory.MALLOC_SETTINGS.items():
+        clean.setenv(key, value)
+    status = spmdkit.host_memory()
+    assert status.reused == GLIBC and (status.why == "set in the environment" or not GLIBC)
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
+@pytest.mark.parametrize("env, why", [
+    ({"SPMDKIT_HOST_ALLOCATOR": "system"}, "SPMDKIT_HOST_ALLOCATOR=system"),
+    ({"SPMDKIT_HOST_ALLOCATOR": " System "}, "SPMDKIT_HOST_ALLOCATOR=system"),
+    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD names jemalloc"),
+    ({"MALLOC_ARENA_MAX": "4"}, "the environment sets MALLOC_ARENA_MAX=4: left as set"),
+])
+def test_it_steps_aside_and_says_why(clean, env, why):
+    for key, value in env.items():
+        clean.setenv(key, value)
+    status = spmdkit.reuse_host_memory()  # no error even though JAX has started: nothing to do
+    assert not status.reused and why in status.why and why in str(status)
+
+
+def test_a_bad_mode_names_the_variable_and_the_choices(clean):
+    clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "fast")
+    with pytest.raises(spmdkit.ConfigError, match=r"SPMDKIT_HOST_ALLOCATOR='fast' is not one of reuse, system"):
+        spmdkit.reuse_host_memory()
+
+
+def test_the_spmdkit_command_reuses_host_memory_and_says_so():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != spmdkit.ENV_HOST_ALLOCATOR}
+    out = subprocess.run([SPMDKIT, "devices", "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["host_memory"] == (
+        {"reused": True, "why": "set by spmdkit in this process"} if GLIBC
+        else {"reused": False, "why": "the C library is not glibc; the settings are glibc's"})
+    env[spmdkit.ENV_HOST_ALLOCATOR] = "wrong"
+    out = subprocess.run([SPMDKIT, "devices"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "SPMDKIT_HOST_ALLOCATOR='wrong'" in out.stderr
+
+
+def test_bench_workers_get_the_allocator_their_case_names(monkeypatch):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # as the spmdkit command leaves it
+    reuse, system = lm_suite.worker_env(lm_suite.REUSE), lm_suite.worker_env(lm_suite.SYSTEM)
+    assert all(reuse[k] == v for k, v in _host_memory.MALLOC_SETTINGS.items())
+    assert not any(k.startswith("MALLOC_") for k in system) and system[spmdkit.ENV_HOST_ALLOCATOR] == "system"
+    cases = lm_suite.cases(quick=False, torch=True)
+    assert cases[lm_suite.SYSTEM_ALLOC][2] == lm_suite.SYSTEM and cases[lm_suite.BASE][2] == lm_suite.REUSE
+    assert cases["PyTorch f32, torch.compile"][2] == lm_suite.SYSTEM and cases[lm_suite.TORCH_REUSE][2] == lm_suite.REUSE
