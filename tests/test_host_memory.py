@@ -133,3 +133,18 @@ def test_bench_workers_get_the_allocator_their_case_names(monkeypatch):
     cases = lm_suite.cases(quick=False, torch=True)
     assert cases[lm_suite.SYSTEM_ALLOC][2] == lm_suite.SYSTEM and cases[lm_suite.BASE][2] == lm_suite.REUSE
     assert cases["PyTorch f32, torch.compile"][2] == lm_suite.SYSTEM and cases[lm_suite.TORCH_REUSE][2] == lm_suite.REUSE
+
+
+def test_a_training_run_records_its_host_memory(tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    x = np.linspace(-1, 1, 32, dtype=np.float32)
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(())},
+                        loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] - b["y"]) ** 2), {}),
+                        train_data={"x": x, "y": 2 * x})
+    result = spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
+                         out_dir=tmp_path, progress=False)
+    recorded = json.loads((tmp_path / "summary.json").read_text())["host_memory"]
+    assert recorded == result.summary["host_memory"] == str(spmdkit.host_memory())

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import optax
 
+from spmdkit._host_memory import host_memory
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
@@ -593,6 +594,7 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
         **({f"eval_{k}": v for k, v in eval_row.items() if k not in ("split", "step", "loss")} if eval_row else {}),
         "wall_time_s": elapsed,
         "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
+        "host_memory": str(host_memory()),  # glibc's defaults slow CPU steps: say which this run had
         "params_digest": art.params_digest(params),
         **({"resumed_from_step": start_step, "checkpoint_dir": str(ckpt.directory), "checkpoint_steps": ckpt.steps(),
             "checkpoint_blocked_s": ckpt.blocked} if ckpt is not None else {}),
