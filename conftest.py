@@ -10,6 +10,8 @@ import tempfile
 import spmdkit
 
 spmdkit.use_host_devices(8)
+# As the spmdkit command does, before JAX starts: tests run steps as users' runs do.
+spmdkit.reuse_host_memory()
 # The commands that tests start keep their compiled programs here, not in the user's
 # home; later tests (and later runs) start faster from it.
 os.environ.setdefault(

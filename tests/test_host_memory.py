@@ -148,3 +148,21 @@ def test_a_training_run_records_its_host_memory(tmp_path):
                          out_dir=tmp_path, progress=False)
     recorded = json.loads((tmp_path / "summary.json").read_text())["host_memory"]
     assert recorded == result.summary["host_memory"] == str(spmdkit.host_memory())
+
+
+def test_a_cpu_run_on_glibc_defaults_says_how_to_reuse_host_memory(clean, tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    x = np.linspace(-1, 1, 32, dtype=np.float32)
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(())},
+                        loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] - b["y"]) ** 2), {}),
+                        train_data={"x": x, "y": 2 * x})
+    said: list[str] = []
+    spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=8), log=said.append)
+    assert any("spmdkit.reuse_host_memory()" in line and "SPMDKIT_HOST_ALLOCATOR=system" in line for line in said) == GLIBC
+    said.clear()
+    clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "system")  # the user's choice: no note
+    spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=8), log=said.append)
+    assert not any("reuse_host_memory" in line for line in said)

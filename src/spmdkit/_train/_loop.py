@@ -417,6 +417,8 @@ class _Run:
             self.writer.write(row)
         self.bar = ProgressHook(self.plan.total, f"{task.name} / {strategy.name}", start=self.start_step) \
             if progress and self.primary else None
+        if progress and self.primary:
+            _hint_host_memory(log)
         self.watchdog = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else _NoWatchdog()
         self.hooks = self._hooks(checkpoint)
 
@@ -541,6 +543,16 @@ class _Run:
         if self.failure is not None:
             summary["error"] = str(self.failure).splitlines()[0]
         return summary
+
+
+def _hint_host_memory(log: Callable[[str], None]) -> None:
+    """A CPU run on glibc's malloc defaults faults its temporaries in at every step: say how not to."""
+    status = host_memory()
+    if jax.default_backend() == "cpu" and not status.reused and status.why.startswith("glibc's defaults"):
+        log("note: each CPU step takes its temporary buffers from the kernel anew (glibc's malloc defaults); "
+            "call spmdkit.reuse_host_memory() first thing, before any JAX operation, to reuse them (the "
+            "spmdkit command does; up to 1.4x the steps/s, README 'Host memory on CPU'), or set "
+            "SPMDKIT_HOST_ALLOCATOR=system to keep the defaults without this note.")
 
 
 def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | None:
