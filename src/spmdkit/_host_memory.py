@@ -32,6 +32,9 @@ MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRI
 # mallopt(3) parameter numbers (malloc.h) of the same settings, for this process.
 _MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_MMAP_MAX_": -4, "MALLOC_TRIM_THRESHOLD_": -1}
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# GLIBC_TUNABLES' names of the same settings: glibc lets them win over the MALLOC_* names.
+_TUNABLES = {"glibc.malloc.arena_max": "MALLOC_ARENA_MAX", "glibc.malloc.mmap_max": "MALLOC_MMAP_MAX_",
+             "glibc.malloc.trim_threshold": "MALLOC_TRIM_THRESHOLD_"}
 
 _applied = False
 
@@ -67,9 +70,11 @@ def _not_applicable() -> str | None:
     preloaded = [a for a in _OTHER_ALLOCATORS if a in os.environ.get("LD_PRELOAD", "")]
     if preloaded:
         return f"LD_PRELOAD names {preloaded[0]}, which manages host memory itself"
-    foreign = {k: os.environ[k] for k in MALLOC_SETTINGS if k in os.environ and os.environ[k] != MALLOC_SETTINGS[k]}
+    foreign = [f"{k}={os.environ[k]}" for k in MALLOC_SETTINGS if os.environ.get(k, MALLOC_SETTINGS[k]) != MALLOC_SETTINGS[k]]
+    tunables = (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
+    foreign += [f"GLIBC_TUNABLES={k}={v}" for k, _, v in tunables if k in _TUNABLES and v != MALLOC_SETTINGS[_TUNABLES[k]]]
     if foreign:
-        return "the environment sets " + ", ".join(f"{k}={v}" for k, v in foreign.items()) + ": left as set"
+        return "the environment sets " + ", ".join(foreign) + ": left as set"
     return None
 
 
@@ -127,8 +132,9 @@ def reuse_host_memory() -> HostMemory:
     this itself; processes started from this one inherit the settings through the
     environment. It does nothing, and says why, when ``SPMDKIT_HOST_ALLOCATOR=system`` is
     set, the C library is not glibc, ``LD_PRELOAD`` names another allocator, or the
-    environment already sets other ``MALLOC_*`` values. Called after JAX has started, it
-    raises :class:`DeviceSetupError` with the fix.
+    environment already sets other ``MALLOC_*`` values (or ``GLIBC_TUNABLES`` other
+    ``glibc.malloc.arena_max``, ``mmap_max`` or ``trim_threshold`` values). Called after
+    JAX has started, it raises :class:`DeviceSetupError` with the fix.
 
     Example:
         >>> import spmdkit
