@@ -10,8 +10,10 @@ and no trimming make glibc keep that memory and hand the same pages out again: n
 same results (``BENCHMARKS.md``, "lm").
 
 The price: the process keeps its high-water mark of host memory until it exits (it is reused,
-not returned), as a caching allocator does. ``SPMDKIT_HOST_ALLOCATOR=system`` keeps glibc's
-defaults.
+not returned), as a caching allocator does, and more when large arrays are freed inside the
+heap and replaced by larger ones that their holes cannot hold (README, "Host memory on CPU";
+glibc's ``malloc_trim(0)`` gives free pages back). ``SPMDKIT_HOST_ALLOCATOR=system`` keeps
+glibc's defaults.
 """
 
 from __future__ import annotations
@@ -128,9 +130,10 @@ def reuse_host_memory() -> HostMemory:
     when JAX starts its backends. A CPU training step then no longer faults its temporary
     buffers in from the kernel at every execution (the bench language model: about 72,000
     faults per step before, none after, and about 1.3x the tokens per second). The process
-    keeps its high-water mark of host memory until it exits. The ``spmdkit`` command does
-    this itself; processes started from this one inherit the settings through the
-    environment. It does nothing, and says why, when ``SPMDKIT_HOST_ALLOCATOR=system`` is
+    keeps its high-water mark of host memory until it exits, and more when large arrays
+    are freed and replaced by larger ones (README, "Host memory on CPU"). The ``spmdkit``
+    command does this itself; processes started from this one inherit the settings through
+    the environment. It does nothing, and says why, when ``SPMDKIT_HOST_ALLOCATOR=system`` is
     set, the C library is not glibc, ``LD_PRELOAD`` names another allocator, or the
     environment already sets other ``MALLOC_*`` values (or ``GLIBC_TUNABLES`` other
     ``glibc.malloc.arena_max``, ``mmap_max`` or ``trim_threshold`` values). Called after
