@@ -22,3 +22,5 @@ run "TUNABLES mmap_threshold=4096" GLIBC_TUNABLES=glibc.malloc.mmap_threshold=40
 run "env all three" MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647
 run "env three + TUNABLES first (mmap_max=65536)" GLIBC_TUNABLES=glibc.malloc.mmap_max=65536 MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647
 run "env three + TUNABLES last" MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 GLIBC_TUNABLES=glibc.malloc.mmap_max=65536
+# a child of a reusing process (inherited MALLOC_*) that opts out: really reused, was reported "system default"
+run "inherited MALLOC_* + SPMDKIT_HOST_ALLOCATOR=system" MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 SPMDKIT_HOST_ALLOCATOR=system

@@ -192,3 +192,15 @@ def test_a_training_run_refuses_a_bad_mode_before_its_first_step(clean, tmp_path
         spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
                     out_dir=tmp_path / "run", progress=False)
     assert not steps and not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
+def test_opting_out_too_late_is_not_reported_as_glibc_defaults(clean):
+    # A child of a reusing process inherits the MALLOC_* settings; glibc has read them before
+    # any Python runs, so SPMDKIT_HOST_ALLOCATOR=system in that child cannot undo them.
+    for key, value in _host_memory.MALLOC_SETTINGS.items():
+        clean.setenv(key, value)
+    clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "system")
+    status = spmdkit.host_memory()
+    assert status.reused and "SPMDKIT_HOST_ALLOCATOR=system cannot undo" in status.why
+    assert "start it without them" in status.why and spmdkit.reuse_host_memory() == status

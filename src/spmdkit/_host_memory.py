@@ -89,11 +89,16 @@ def _backends_started() -> bool:
 def _settled() -> HostMemory | None:
     """The setting when nothing is left to do (not applicable, or already in effect), else None."""
     why_not = _not_applicable()
+    inherited = all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items())
+    if why_not == f"{ENV_HOST_ALLOCATOR}=system" and inherited:
+        # glibc read them when the process started (a child of a reusing process): too late to opt out.
+        return HostMemory(True, "set in the environment; glibc read " + ", ".join(MALLOC_SETTINGS) + " when this "
+                          f"process started, so {ENV_HOST_ALLOCATOR}=system cannot undo them: start it without them")
     if why_not:
         return HostMemory(False, why_not)
     if _applied:
         return HostMemory(True, "set by spmdkit in this process")
-    if all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items()):
+    if inherited:
         return HostMemory(True, "set in the environment")
     return None
 
