@@ -552,8 +552,8 @@ def _hint_host_memory(status: HostMemory, log: Callable[[str], None]) -> None:
     if jax.default_backend() == "cpu" and not status.reused and status.why.startswith("glibc's defaults"):
         log("note: each CPU step takes its temporary buffers from the kernel anew (glibc's malloc defaults); "
             "call spmdkit.reuse_host_memory() first thing, before any JAX operation, to reuse them (the "
-            "spmdkit command does; up to 1.4x the steps/s, README 'Host memory on CPU'), or set "
-            "SPMDKIT_HOST_ALLOCATOR=system to keep the defaults without this note.")
+            "spmdkit command does; up to 1.4x the steps/s for more resident host memory, README 'Host memory "
+            "on CPU'), or set SPMDKIT_HOST_ALLOCATOR=system to keep the defaults without this note.")
 
 
 def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | None:
