@@ -33,7 +33,7 @@ if os.environ.get("RSS_SAMPLE"):
 rc = cli.main(sys.argv[1:])
 wall = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
-print("RSSJSON " + json.dumps({"rc": rc, **status(), "minflt": ru.ru_minflt, "wall_s": round(wall, 1),
+print("RSSJSON " + json.dumps({"rc": rc, **status(), "minflt": ru.ru_minflt, "wall_s": round(wall, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
                                "host_memory": str(host_memory())}), file=sys.stderr)
 if os.environ.get("RSS_TRIM") == "1":
     ctypes.CDLL(None).malloc_trim(0)

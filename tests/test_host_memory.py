@@ -204,3 +204,15 @@ def test_opting_out_too_late_is_not_reported_as_glibc_defaults(clean):
     status = spmdkit.host_memory()
     assert status.reused and "SPMDKIT_HOST_ALLOCATOR=system cannot undo" in status.why
     assert "start it without them" in status.why and spmdkit.reuse_host_memory() == status
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
+def test_another_malloc_under_any_file_name_is_left_alone(clean):
+    # An allocator preloaded from a file whose name says nothing (a site's own build of jemalloc)
+    # interposes malloc all the same: glibc's settings would not reach it.
+    assert _host_memory._mallocs_is_glibcs()  # this test process: glibc's malloc
+    clean.setenv("LD_PRELOAD", "/opt/site/lib/libfastalloc.so")
+    clean.setattr(_host_memory, "_mallocs_is_glibcs", lambda: False)
+    status = spmdkit.reuse_host_memory()
+    assert not status.reused and "malloc here is not glibc's" in status.why and "libfastalloc.so" in status.why
+    assert "MALLOC_ARENA_MAX" not in os.environ  # nothing passed on to child processes either

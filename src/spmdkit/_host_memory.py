@@ -72,12 +72,22 @@ def _not_applicable() -> str | None:
     preloaded = [a for a in _OTHER_ALLOCATORS if a in os.environ.get("LD_PRELOAD", "")]
     if preloaded:
         return f"LD_PRELOAD names {preloaded[0]}, which manages host memory itself"
+    if not _mallocs_is_glibcs():
+        preload = os.environ.get("LD_PRELOAD")
+        return ("malloc here is not glibc's" + (f" (LD_PRELOAD={preload!r})" if preload else "")
+                + "; that allocator manages host memory itself")
     foreign = [f"{k}={os.environ[k]}" for k in MALLOC_SETTINGS if os.environ.get(k, MALLOC_SETTINGS[k]) != MALLOC_SETTINGS[k]]
     tunables = (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
     foreign += [f"GLIBC_TUNABLES={k}={v}" for k, _, v in tunables if k in _TUNABLES and v != MALLOC_SETTINGS[_TUNABLES[k]]]
     if foreign:
         return "the environment sets " + ", ".join(foreign) + ": left as set"
     return None
+
+
+def _mallocs_is_glibcs() -> bool:
+    """Whether this process's malloc is glibc's (an allocator under any file name can interpose)."""
+    first = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    return first == ctypes.cast(ctypes.CDLL("libc.so.6").malloc, ctypes.c_void_p).value
 
 
 def _backends_started() -> bool:
@@ -139,7 +149,7 @@ def reuse_host_memory() -> HostMemory:
     are freed and replaced by larger ones (README, "Host memory on CPU"). The ``spmdkit``
     command does this itself; processes started from this one inherit the settings through
     the environment. It does nothing, and says why, when ``SPMDKIT_HOST_ALLOCATOR=system`` is
-    set, the C library is not glibc, ``LD_PRELOAD`` names another allocator, or the
+    set, the C library is not glibc, another allocator's malloc comes first, or the
     environment already sets other ``MALLOC_*`` values (or ``GLIBC_TUNABLES`` other
     ``glibc.malloc.arena_max``, ``mmap_max`` or ``trim_threshold`` values). Called after
     JAX has started, it raises :class:`DeviceSetupError` with the fix.
