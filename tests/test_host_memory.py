@@ -66,7 +66,7 @@ def test_reused_host_memory_is_not_faulted_in_again_at_every_call():
 @pytest.fixture
 def clean(monkeypatch):
     """This process as if spmdkit had set nothing: no MALLOC_* variables, nothing applied."""
-    for key in [*_host_memory.MALLOC_SETTINGS, spmdkit.ENV_HOST_ALLOCATOR, "LD_PRELOAD"]:
+    for key in [*_host_memory.MALLOC_SETTINGS, spmdkit.ENV_HOST_ALLOCATOR, "LD_PRELOAD", "GLIBC_TUNABLES"]:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(_host_memory, "_applied", False)
     return monkeypatch
@@ -99,6 +99,11 @@ def test_settings_in_the_environment_count_as_reused(clean):
     ({"SPMDKIT_HOST_ALLOCATOR": " System "}, "SPMDKIT_HOST_ALLOCATOR=system"),
     ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "LD_PRELOAD names jemalloc"),
     ({"MALLOC_ARENA_MAX": "4"}, "the environment sets MALLOC_ARENA_MAX=4: left as set"),
+    # glibc lets GLIBC_TUNABLES win over MALLOC_*: neither overridden here nor claimed as reused in children
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:glibc.malloc.mmap_max=65536"},
+     "the environment sets GLIBC_TUNABLES=glibc.malloc.mmap_max=65536: left as set"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536", "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+      "MALLOC_TRIM_THRESHOLD_": "2147483647"}, "GLIBC_TUNABLES=glibc.malloc.mmap_max=65536: left as set"),
 ])
 def test_it_steps_aside_and_says_why(clean, env, why):
     for key, value in env.items():
@@ -166,3 +171,48 @@ def test_a_cpu_run_on_glibc_defaults_says_how_to_reuse_host_memory(clean, tmp_pa
     clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "system")  # the user's choice: no note
     spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=8), log=said.append)
     assert not any("reuse_host_memory" in line for line in said)
+
+
+def test_a_training_run_refuses_a_bad_mode_before_its_first_step(clean, tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    x = np.linspace(-1, 1, 32, dtype=np.float32)
+    steps: list[int] = []
+
+    def loss(p, b, rng):
+        steps.append(1)  # traced only when the run gets as far as its step
+        return jnp.mean((p["w"] * b["x"] - b["y"]) ** 2), {}
+
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(())}, loss_fn=loss,
+                        train_data={"x": x, "y": 2 * x})
+    clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "off")
+    with pytest.raises(spmdkit.ConfigError, match=r"SPMDKIT_HOST_ALLOCATOR='off' is not one of reuse, system"):
+        spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
+                    out_dir=tmp_path / "run", progress=False)
+    assert not steps and not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
+def test_opting_out_too_late_is_not_reported_as_glibc_defaults(clean):
+    # A child of a reusing process inherits the MALLOC_* settings; glibc has read them before
+    # any Python runs, so SPMDKIT_HOST_ALLOCATOR=system in that child cannot undo them.
+    for key, value in _host_memory.MALLOC_SETTINGS.items():
+        clean.setenv(key, value)
+    clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "system")
+    status = spmdkit.host_memory()
+    assert status.reused and "SPMDKIT_HOST_ALLOCATOR=system cannot undo" in status.why
+    assert "start it without them" in status.why and spmdkit.reuse_host_memory() == status
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
+def test_another_malloc_under_any_file_name_is_left_alone(clean):
+    # An allocator preloaded from a file whose name says nothing (a site's own build of jemalloc)
+    # interposes malloc all the same: glibc's settings would not reach it.
+    assert _host_memory._mallocs_is_glibcs()  # this test process: glibc's malloc
+    clean.setenv("LD_PRELOAD", "/opt/site/lib/libfastalloc.so")
+    clean.setattr(_host_memory, "_mallocs_is_glibcs", lambda: False)
+    status = spmdkit.reuse_host_memory()
+    assert not status.reused and "malloc here is not glibc's" in status.why and "libfastalloc.so" in status.why
+    assert "MALLOC_ARENA_MAX" not in os.environ  # nothing passed on to child processes either

@@ -10,8 +10,10 @@ and no trimming make glibc keep that memory and hand the same pages out again: n
 same results (``BENCHMARKS.md``, "lm").
 
 The price: the process keeps its high-water mark of host memory until it exits (it is reused,
-not returned), as a caching allocator does. ``SPMDKIT_HOST_ALLOCATOR=system`` keeps glibc's
-defaults.
+not returned), as a caching allocator does, and more when large arrays are freed inside the
+heap and replaced by larger ones that their holes cannot hold (README, "Host memory on CPU";
+glibc's ``malloc_trim(0)`` gives free pages back). ``SPMDKIT_HOST_ALLOCATOR=system`` keeps
+glibc's defaults.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRI
 # mallopt(3) parameter numbers (malloc.h) of the same settings, for this process.
 _MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_MMAP_MAX_": -4, "MALLOC_TRIM_THRESHOLD_": -1}
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# GLIBC_TUNABLES' names of the same settings: glibc lets them win over the MALLOC_* names.
+_TUNABLES = {"glibc.malloc.arena_max": "MALLOC_ARENA_MAX", "glibc.malloc.mmap_max": "MALLOC_MMAP_MAX_",
+             "glibc.malloc.trim_threshold": "MALLOC_TRIM_THRESHOLD_"}
 
 _applied = False
 
@@ -67,10 +72,22 @@ def _not_applicable() -> str | None:
     preloaded = [a for a in _OTHER_ALLOCATORS if a in os.environ.get("LD_PRELOAD", "")]
     if preloaded:
         return f"LD_PRELOAD names {preloaded[0]}, which manages host memory itself"
-    foreign = {k: os.environ[k] for k in MALLOC_SETTINGS if k in os.environ and os.environ[k] != MALLOC_SETTINGS[k]}
+    if not _mallocs_is_glibcs():
+        preload = os.environ.get("LD_PRELOAD")
+        return ("malloc here is not glibc's" + (f" (LD_PRELOAD={preload!r})" if preload else "")
+                + "; that allocator manages host memory itself")
+    foreign = [f"{k}={os.environ[k]}" for k in MALLOC_SETTINGS if os.environ.get(k, MALLOC_SETTINGS[k]) != MALLOC_SETTINGS[k]]
+    tunables = (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
+    foreign += [f"GLIBC_TUNABLES={k}={v}" for k, _, v in tunables if k in _TUNABLES and v != MALLOC_SETTINGS[_TUNABLES[k]]]
     if foreign:
-        return "the environment sets " + ", ".join(f"{k}={v}" for k, v in foreign.items()) + ": left as set"
+        return "the environment sets " + ", ".join(foreign) + ": left as set"
     return None
+
+
+def _mallocs_is_glibcs() -> bool:
+    """Whether this process's malloc is glibc's (an allocator under any file name can interpose)."""
+    first = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    return first == ctypes.cast(ctypes.CDLL("libc.so.6").malloc, ctypes.c_void_p).value
 
 
 def _backends_started() -> bool:
@@ -82,11 +99,16 @@ def _backends_started() -> bool:
 def _settled() -> HostMemory | None:
     """The setting when nothing is left to do (not applicable, or already in effect), else None."""
     why_not = _not_applicable()
+    inherited = all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items())
+    if why_not == f"{ENV_HOST_ALLOCATOR}=system" and inherited:
+        # glibc read them when the process started (a child of a reusing process): too late to opt out.
+        return HostMemory(True, "set in the environment; glibc read " + ", ".join(MALLOC_SETTINGS) + " when this "
+                          f"process started, so {ENV_HOST_ALLOCATOR}=system cannot undo them: start it without them")
     if why_not:
         return HostMemory(False, why_not)
     if _applied:
         return HostMemory(True, "set by spmdkit in this process")
-    if all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items()):
+    if inherited:
         return HostMemory(True, "set in the environment")
     return None
 
@@ -123,12 +145,14 @@ def reuse_host_memory() -> HostMemory:
     when JAX starts its backends. A CPU training step then no longer faults its temporary
     buffers in from the kernel at every execution (the bench language model: about 72,000
     faults per step before, none after, and about 1.3x the tokens per second). The process
-    keeps its high-water mark of host memory until it exits. The ``spmdkit`` command does
-    this itself; processes started from this one inherit the settings through the
-    environment. It does nothing, and says why, when ``SPMDKIT_HOST_ALLOCATOR=system`` is
-    set, the C library is not glibc, ``LD_PRELOAD`` names another allocator, or the
-    environment already sets other ``MALLOC_*`` values. Called after JAX has started, it
-    raises :class:`DeviceSetupError` with the fix.
+    keeps its high-water mark of host memory until it exits, and more when large arrays
+    are freed and replaced by larger ones (README, "Host memory on CPU"). The ``spmdkit``
+    command does this itself; processes started from this one inherit the settings through
+    the environment. It does nothing, and says why, when ``SPMDKIT_HOST_ALLOCATOR=system`` is
+    set, the C library is not glibc, another allocator's malloc comes first, or the
+    environment already sets other ``MALLOC_*`` values (or ``GLIBC_TUNABLES`` other
+    ``glibc.malloc.arena_max``, ``mmap_max`` or ``trim_threshold`` values). Called after
+    JAX has started, it raises :class:`DeviceSetupError` with the fix.
 
     Example:
         >>> import spmdkit

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 
-from spmdkit._host_memory import host_memory
+from spmdkit._host_memory import HostMemory, host_memory
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
@@ -390,6 +390,8 @@ class _Run:
     def __init__(self, task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout):
         self.entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
         self.task, self.strategy, self.config, self.run_info = task, strategy, config, run_info
+        # Read (and a bad SPMDKIT_HOST_ALLOCATOR refused) before any step, not in the summary after the last.
+        self.host_memory = host_memory()
         self.feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
         self.plan = _plan(task, strategy, config, self.feed)
         validate_task(task, config.batch_size, self.feed.example())
@@ -418,7 +420,7 @@ class _Run:
         self.bar = ProgressHook(self.plan.total, f"{task.name} / {strategy.name}", start=self.start_step) \
             if progress and self.primary else None
         if progress and self.primary:
-            _hint_host_memory(log)
+            _hint_host_memory(self.host_memory, log)
         self.watchdog = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else _NoWatchdog()
         self.hooks = self._hooks(checkpoint)
 
@@ -537,7 +539,7 @@ class _Run:
         train_seconds = None if self.t_first is None else time.perf_counter() - self.t_first - eval_seconds
         summary = _summary(self.task, self.strategy, self.config, self.plan, self.status, self.last.step, self.start_step,
                            self.history, self.metrics.last_row, params, self.elapsed, train_seconds, self.ckpt,
-                           self.run_info)
+                           self.run_info, self.host_memory)
         summary["first_step_s"] = None if self.first_step_s is None else round(self.first_step_s, 3)
         summary["first_step_in_fit_s"] = None if self.t_first is None else round(self.t_first - self.entered, 3)
         if self.failure is not None:
@@ -545,14 +547,13 @@ class _Run:
         return summary
 
 
-def _hint_host_memory(log: Callable[[str], None]) -> None:
+def _hint_host_memory(status: HostMemory, log: Callable[[str], None]) -> None:
     """A CPU run on glibc's malloc defaults faults its temporaries in at every step: say how not to."""
-    status = host_memory()
     if jax.default_backend() == "cpu" and not status.reused and status.why.startswith("glibc's defaults"):
         log("note: each CPU step takes its temporary buffers from the kernel anew (glibc's malloc defaults); "
             "call spmdkit.reuse_host_memory() first thing, before any JAX operation, to reuse them (the "
-            "spmdkit command does; up to 1.4x the steps/s, README 'Host memory on CPU'), or set "
-            "SPMDKIT_HOST_ALLOCATOR=system to keep the defaults without this note.")
+            "spmdkit command does; up to 1.4x the steps/s for more resident host memory, README 'Host memory "
+            "on CPU'), or set SPMDKIT_HOST_ALLOCATOR=system to keep the defaults without this note.")
 
 
 def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | None:
@@ -586,7 +587,7 @@ def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Calla
 
 
 def _summary(task, strategy, config, plan, status, done, start_step, history, last_train, params, elapsed,
-             train_seconds, ckpt, run_info) -> dict[str, Any]:
+             train_seconds, ckpt, run_info, host: HostMemory) -> dict[str, Any]:
     last_train = {k: v for k, v in (last_train or {}).items() if k not in ("split", "step", "epoch", "steps_per_sec", "elapsed_s")}
     eval_row = next((r for r in reversed(history) if r["split"] == "eval"), None)
     return {
@@ -606,7 +607,7 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
         **({f"eval_{k}": v for k, v in eval_row.items() if k not in ("split", "step", "loss")} if eval_row else {}),
         "wall_time_s": elapsed,
         "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
-        "host_memory": str(host_memory()),  # glibc's defaults slow CPU steps: say which this run had
+        "host_memory": str(host),  # glibc's defaults slow CPU steps: say which this run had
         "params_digest": art.params_digest(params),
         **({"resumed_from_step": start_step, "checkpoint_dir": str(ckpt.directory), "checkpoint_steps": ckpt.steps(),
             "checkpoint_blocked_s": ckpt.blocked} if ckpt is not None else {}),
