@@ -11,7 +11,13 @@ from spmdkit._devices import (
     use_host_devices,
 )
 from spmdkit._cache import disable_compile_cache, enable_compile_cache
-from spmdkit._host_memory import ENV_HOST_ALLOCATOR, HostMemory, host_memory, reuse_host_memory
+from spmdkit._host_memory import (
+    ENV_HOST_ALLOCATOR,
+    HostMemory,
+    host_memory,
+    release_host_memory,
+    reuse_host_memory,
+)
 from spmdkit._calibrate import calibrate
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from spmdkit._config import OptimizerConfig, RunConfig, TrainConfig
@@ -84,6 +90,7 @@ __all__ = [
     "ENV_HOST_ALLOCATOR",
     "HostMemory",
     "host_memory",
+    "release_host_memory",
     "reuse_host_memory",
     "BatchError",
     "DataExhaustedError",

@@ -176,3 +176,21 @@ def host_memory() -> HostMemory:
     """
     return _settled() or HostMemory(
         False, "glibc's defaults: call spmdkit.reuse_host_memory() before the first JAX operation")
+
+
+def release_host_memory() -> bool:
+    """Give a reusing process's free host pages back to the kernel (glibc's ``malloc_trim(0)``).
+
+    The settings stay: later steps take the pages back from the kernel once, then reuse
+    them again. :func:`spmdkit.fit` calls it when a run ends, so a process that trains
+    several models in turn, or goes on with other work, does not keep a run's high-water
+    mark. Returns whether memory went back (False when host memory is not reused here).
+
+    Example:
+        >>> import spmdkit
+        >>> isinstance(spmdkit.release_host_memory(), bool)
+        True
+    """
+    if not host_memory().reused:
+        return False
+    return bool(ctypes.CDLL(None).malloc_trim(0))

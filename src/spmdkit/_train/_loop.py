@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 
-from spmdkit._host_memory import HostMemory, host_memory
+from spmdkit._host_memory import HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
@@ -506,6 +506,7 @@ class _Run:
         if self.out is not None and self.primary:
             saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
             _write_artifacts(self.out, saved, summary, self.history, self.task)
+        release_host_memory()  # the run's temporaries are free: a sweep of fits keeps no run's peak
         if self.failure is not None:
             raise self.failure
         return FitResult(state, params, summary, self.history)
@@ -547,9 +548,15 @@ class _Run:
         return summary
 
 
+_hinted = False
+
+
 def _hint_host_memory(status: HostMemory, log: Callable[[str], None]) -> None:
-    """A CPU run on glibc's malloc defaults faults its temporaries in at every step: say how not to."""
-    if jax.default_backend() == "cpu" and not status.reused and status.why.startswith("glibc's defaults"):
+    """A CPU run on glibc's malloc defaults faults its temporaries in at every step: say how not
+    to, once per process (a sweep of fits needs it once)."""
+    global _hinted
+    if not _hinted and jax.default_backend() == "cpu" and not status.reused and status.why.startswith("glibc's defaults"):
+        _hinted = True
         log("note: each CPU step takes its temporary buffers from the kernel anew (glibc's malloc defaults); "
             "call spmdkit.reuse_host_memory() first thing, before any JAX operation, to reuse them (the "
             "spmdkit command does; up to 1.4x the steps/s for more resident host memory, README 'Host memory "
