@@ -7,6 +7,7 @@ device count of a process is fixed by its first JAX operation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -326,7 +327,7 @@ def _setup_devices(args: argparse.Namespace) -> None:
 def _cmd_devices(args: argparse.Namespace, console: Console) -> int:
     import jax
 
-    rows = device_table()
+    rows, host = device_table(), host_memory()
     per_process = dict(sorted(Counter(r["process_index"] for r in rows).items()))
     n = len(rows)
     info = {
@@ -336,7 +337,7 @@ def _cmd_devices(args: argparse.Namespace, console: Console) -> int:
         "process_count": jax.process_count(),
         "suggested_mesh": suggest_mesh(n),
         "suggested_model_parallel_mesh": model_parallel_suggestion(n),
-        "host_memory": {"reused": host_memory().reused, "why": host_memory().why},
+        "host_memory": dataclasses.asdict(host),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -348,7 +349,7 @@ def _cmd_devices(args: argparse.Namespace, console: Console) -> int:
         table.add_row(str(r["id"]), r["platform"], r["kind"], str(r["process_index"]))
     console.print(table)
     console.print("devices per process: " + ", ".join(f"{k}: {v}" for k, v in per_process.items()))
-    console.print(f"host memory: {host_memory()}", markup=False)
+    console.print(f"host memory: {host}", markup=False)
     fmt = lambda m: ", ".join(f"{k}={v}" for k, v in m.items())  # noqa: E731
     console.print(
         f"suggested mesh: spmdkit.make_mesh({fmt(info['suggested_mesh'])})  (data parallel)"

@@ -39,6 +39,8 @@ _TUNABLES = {"glibc.malloc.arena_max": "MALLOC_ARENA_MAX", "glibc.malloc.mmap_ma
              "glibc.malloc.trim_threshold": "MALLOC_TRIM_THRESHOLD_"}
 
 _applied = False
+# What host_memory() says when reuse could apply but nobody asked for it (fit's note keys on it).
+DEFAULTS_WHY = "glibc's defaults: call spmdkit.reuse_host_memory() before the first JAX operation"
 
 
 @dataclass(frozen=True)
@@ -91,16 +93,18 @@ def _mallocs_is_glibcs() -> bool:
 
 
 def _backends_started() -> bool:
-    from jax._src import xla_bridge  # the public API has no "have backends started" question
-
-    return xla_bridge.backends_are_initialized()
+    try:  # the public API has no "have backends started" question; every JAX from 0.10 has this one
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:  # moved in a later JAX: settings made late are harmless, only ineffective
+        return False
+    return backends_are_initialized()
 
 
 def _settled() -> HostMemory | None:
     """The setting when nothing is left to do (not applicable, or already in effect), else None."""
     why_not = _not_applicable()
     inherited = all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items())
-    if why_not == f"{ENV_HOST_ALLOCATOR}=system" and inherited:
+    if inherited and _mode() == "system":
         # glibc read them when the process started (a child of a reusing process): too late to opt out.
         return HostMemory(True, "set in the environment; glibc read " + ", ".join(MALLOC_SETTINGS) + " when this "
                           f"process started, so {ENV_HOST_ALLOCATOR}=system cannot undo them: start it without them")
@@ -174,8 +178,7 @@ def host_memory() -> HostMemory:
         >>> isinstance(spmdkit.host_memory().reused, bool)
         True
     """
-    return _settled() or HostMemory(
-        False, "glibc's defaults: call spmdkit.reuse_host_memory() before the first JAX operation")
+    return _settled() or HostMemory(False, DEFAULTS_WHY)
 
 
 def release_host_memory() -> bool:

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 
-from spmdkit._host_memory import HostMemory, host_memory, release_host_memory
+from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
@@ -555,7 +555,7 @@ def _hint_host_memory(status: HostMemory, log: Callable[[str], None]) -> None:
     """A CPU run on glibc's malloc defaults faults its temporaries in at every step: say how not
     to, once per process (a sweep of fits needs it once)."""
     global _hinted
-    if not _hinted and jax.default_backend() == "cpu" and not status.reused and status.why.startswith("glibc's defaults"):
+    if not _hinted and jax.default_backend() == "cpu" and status.why == DEFAULTS_WHY:
         _hinted = True
         log("note: each CPU step takes its temporary buffers from the kernel anew (glibc's malloc defaults); "
             "call spmdkit.reuse_host_memory() first thing, before any JAX operation, to reuse them (the "
