@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from spmdkit import _checkpoint_read as _read
+from spmdkit._crc import crc32
 from spmdkit._errors import SpmdkitError, fix
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -137,21 +137,21 @@ _BUFFERS = threading.local()
 
 
 def _crc32(path: Path) -> str:
-    # CRC-32 finds changed, truncated or torn bytes at ~3x SHA-256's speed here (it runs over
-    # every byte of every save and restore); the checkpoints are not guarded against forgery.
+    # CRC-32 finds changed, truncated or torn bytes (it runs over every byte of every save and
+    # restore, so its speed matters: see _crc); the checkpoints are not guarded against forgery.
     buf = getattr(_BUFFERS, "buf", None)
     if buf is None:
         buf = _BUFFERS.buf = memoryview(bytearray(1 << 22))  # one per thread, reused: no new pages per block
     crc = 0
     with open(path, "rb", buffering=0) as fh:
         while n := fh.readinto(buf):
-            crc = zlib.crc32(buf[:n], crc)
+            crc = crc32(buf[:n], crc)
     return f"{crc:08x}"
 
 
 def _crc32s(paths: list[Path]) -> list[str]:
-    """The checksums of many files, read in parallel: zlib releases the GIL, so a save's or
-    a restore's checksums use every core (they are most of a save's CPU time)."""
+    """The checksums of many files, read in parallel: the CRC releases the GIL, so a save's
+    or a restore's checksums use every core."""
     big = [p for p in paths if p.stat().st_size >= 1 << 20] if len(paths) > 1 else []
     if len(big) < 2:
         return [_crc32(p) for p in paths]

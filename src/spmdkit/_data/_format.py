@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit._data._errors import DatasetCorruptError, DatasetFileError, DatasetLayoutError
+from spmdkit._crc import crc32
 from spmdkit._errors import DataError, fix
 
 FORMAT = "spmdkit-dataset"
@@ -76,7 +76,7 @@ def crc32_file(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return f"{crc:08x}"
 
 

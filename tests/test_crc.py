@@ -1,0 +1,46 @@
+"""The checksum of checkpoints and data sets: zlib's CRC-32, computed by zlib-ng."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from spmdkit import _crc
+
+
+def test_the_dependency_is_what_computes_it():
+    # zlib-ng is a dependency so that every save and restore checksums at the CRC
+    # instructions' speed; the fallback is for a platform where it did not install.
+    assert _crc.IMPLEMENTATION == "zlib-ng"
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 3 * 2**20 + 5])
+def test_it_is_zlibs_crc32_whole_and_chained(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert _crc.crc32(data) == zlib.crc32(data)
+    chained = 0
+    for start in range(0, size, 1000):  # files are checksummed in pieces, as they are read
+        chained = _crc.crc32(memoryview(data)[start:start + 1000], chained)
+    assert chained == zlib.crc32(data)
+
+
+def test_a_checkpoint_written_with_zlibs_checksums_still_verifies_and_restores(tmp_path, monkeypatch):
+    # Steps saved before zlib-ng (or on a platform without it) carry the same CRC-32 values.
+    import jax.numpy as jnp
+
+    import spmdkit
+    from spmdkit import _checkpoint, _checkpoint_read
+
+    monkeypatch.setattr(_checkpoint, "crc32", zlib.crc32)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    ckpt.save(1, {"w": jnp.arange(4096.0)}, {})
+    ckpt.close()
+    monkeypatch.undo()
+    assert _checkpoint.crc32 is _crc.crc32 and _checkpoint_read.crc32 is _crc.crc32
+    assert _checkpoint.describe_directory(tmp_path / "ck", verify=True)[0]["status"] == "complete, verified"
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    restored, _ = ckpt.restore(1, {"w": jnp.zeros(4096)})
+    ckpt.close()
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4096.0))
