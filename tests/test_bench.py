@@ -19,6 +19,8 @@ import numpy as np
 import optax
 import pytest
 
+import spmdkit
+from spmdkit import _host_memory
 from spmdkit._bench import _timing, multiprocess_suite, mp_worker
 
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
@@ -178,20 +180,35 @@ def test_multiprocess_cases_without_torch_are_spmdkit_only():
     assert multiprocess_suite.check_levers("all") == list(multiprocess_suite.LEVERS)
 
 
-def test_pytorch_cases_run_with_the_torch_interpreter_and_jax_cases_with_this_one():
-    torch = ("/envs/torch/bin/python", {"PYTHONPATH": "/src"})
+def test_pytorch_cases_run_with_the_torch_interpreter_and_jax_cases_with_this_one(monkeypatch):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # as the spmdkit command leaves it for its children
+    torch = ("/envs/torch/bin/python", {"PYTHONPATH": "/src", "MALLOC_ARENA_MAX": "1"})
     base = ["--model", "mlp"]
-    for label, (prefix, args) in multiprocess_suite._cases(quick=True, torch=True, levers=[]).items():
-        cmd, env = multiprocess_suite._command(prefix, args, base, torch)
+    for label, (prefix, args, allocator) in multiprocess_suite._cases(quick=True, torch=True, levers=[]).items():
+        cmd, env = multiprocess_suite._command(prefix, args, base, torch, allocator)
         launched = prefix is multiprocess_suite.LAUNCH
         worker = len(prefix) if launched else 0
         assert cmd[worker + 1 : worker + 3] == ["-m", "spmdkit._bench.mp_worker"] and cmd[-2:] == base
-        if label.startswith(("(c)", "(d)")):
-            assert cmd[worker] == "/envs/torch/bin/python" and env == torch[1], label
+        if label.startswith(("(c)", "(d)")):  # on glibc's defaults, the spmdkit launcher included
+            assert cmd[worker] == "/envs/torch/bin/python", label
+            assert env == {"PYTHONPATH": "/src", spmdkit.ENV_HOST_ALLOCATOR: "system"}, label
         else:
-            assert cmd[worker] == sys.executable and env is None, label
+            assert cmd[worker] == sys.executable, label
+            assert all(env[k] == v for k, v in _host_memory.MALLOC_SETTINGS.items()), label
         # The launcher itself stays on this interpreter: it is spmdkit's own launch.
         assert not launched or cmd[:worker] == multiprocess_suite.LAUNCH
+
+
+def test_pytorchs_best_cases_also_run_with_spmdkits_malloc_settings():
+    # The baseline is PyTorch's best: its fastest cases on glibc's defaults and with the
+    # settings every spmdkit case gets, as in the lm suite.
+    cases = multiprocess_suite._cases(quick=False, torch=True, levers=[])
+    note = multiprocess_suite.MALLOC_NOTE
+    for label in ("(c) PyTorch, 1 process", "(c) PyTorch, 1 process, torch.compile",
+                  "(d) PyTorch DDP, 2 processes, cores/processes threads"):
+        assert cases[label][2] == "system" and cases[label + note][2] == "reuse", label
+        assert cases[label][:2] == cases[label + note][:2], label
+    assert all(alloc == "reuse" for label, (_, _, alloc) in cases.items() if label.startswith(("(a)", "(b)")))
 
 
 def test_torch_python_that_cannot_import_torch_is_a_clear_error(tmp_path):

@@ -140,6 +140,15 @@ def test_bench_workers_get_the_allocator_their_case_names(monkeypatch):
     assert cases["PyTorch f32, torch.compile"][2] == lm_suite.SYSTEM and cases[lm_suite.TORCH_REUSE][2] == lm_suite.REUSE
 
 
+def test_a_childs_environment_names_its_allocator_from_its_start():
+    env = {"HOME": "/h", "MALLOC_ARENA_MAX": "4", spmdkit.ENV_HOST_ALLOCATOR: "system"}
+    reuse = _host_memory.child_env(env, "reuse")
+    assert reuse == {"HOME": "/h", **_host_memory.MALLOC_SETTINGS}  # ours replace the user's, opt-out dropped
+    assert _host_memory.child_env(reuse, "system") == {"HOME": "/h", spmdkit.ENV_HOST_ALLOCATOR: "system"}
+    with pytest.raises(ValueError, match="'jemalloc' is not one of reuse, system"):
+        _host_memory.child_env(env, "jemalloc")
+
+
 def test_a_training_run_records_its_host_memory(tmp_path):
     import jax.numpy as jnp
     import numpy as np

@@ -22,6 +22,7 @@ import ctypes
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from spmdkit._errors import ConfigError, DeviceSetupError, fix
@@ -140,6 +141,26 @@ def _apply(strict: bool) -> HostMemory:
     os.environ.update(MALLOC_SETTINGS)
     _applied = True
     return HostMemory(True, "set by spmdkit in this process")
+
+
+def child_env(env: Mapping[str, str], mode: str) -> dict[str, str]:
+    """``env`` for a child process whose glibc malloc is set as spmdkit sets it (``"reuse"``)
+    or left at glibc's defaults (``"system"``) from its start: glibc reads the settings once,
+    before the child's first thread, and a ``spmdkit`` command in the child keeps to the mode.
+
+    Example:
+        >>> from spmdkit._host_memory import child_env
+        >>> child_env({"MALLOC_ARENA_MAX": "1", "HOME": "/h"}, "system")
+        {'HOME': '/h', 'SPMDKIT_HOST_ALLOCATOR': 'system'}
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode={mode!r} is not one of {', '.join(_MODES)}")
+    out = {k: v for k, v in env.items() if k not in MALLOC_SETTINGS and k != ENV_HOST_ALLOCATOR}
+    if mode == "reuse":
+        out.update(MALLOC_SETTINGS)
+    else:
+        out[ENV_HOST_ALLOCATOR] = mode
+    return out
 
 
 def reuse_host_memory() -> HostMemory:

@@ -45,7 +45,7 @@ from spmdkit._bench import lm_worker
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
 from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
-from spmdkit._host_memory import ENV_HOST_ALLOCATOR, MALLOC_SETTINGS
+from spmdkit._host_memory import child_env
 from spmdkit._tasks.lm import LMConfig, load_text, lm_functions, windows
 
 # Model, batch and corpus sizes; a round (``steps`` steps of every case) takes seconds on 2 cores.
@@ -116,14 +116,7 @@ def worker_env(allocator: str = REUSE) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SPMDKIT_HOST_DEVICES", "JAX_NUM_CPU_DEVICES")}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags)
-    for key in MALLOC_SETTINGS:
-        env.pop(key, None)
-    if allocator == REUSE:
-        env.update(MALLOC_SETTINGS)  # from its start: glibc reads them once, before any thread
-        env.pop(ENV_HOST_ALLOCATOR, None)
-    else:
-        env[ENV_HOST_ALLOCATOR] = SYSTEM
-    return env
+    return child_env(env, allocator)
 
 
 class Worker:

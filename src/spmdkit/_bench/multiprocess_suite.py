@@ -30,6 +30,7 @@ from typing import Any
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
 from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
+from spmdkit._host_memory import child_env
 
 WORKER = [sys.executable, "-m", "spmdkit._bench.mp_worker"]
 LAUNCH = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
@@ -62,24 +63,35 @@ LEVERS: dict[str, list[tuple[str, list[str], list[str]]]] = {
 }
 
 
-def _cases(quick: bool, torch: bool, levers: list[str]) -> dict[str, tuple[list[str], list[str]]]:
-    """label -> (command prefix, worker arguments), for one model (``--framework torch``: run by the torch interpreter)."""
+REUSE, SYSTEM = "reuse", "system"  # glibc's malloc as the spmdkit command sets it, or its defaults
+MALLOC_NOTE = ", spmdkit's malloc settings"
+
+
+def _cases(quick: bool, torch: bool, levers: list[str]) -> dict[str, tuple[list[str], list[str], str]]:
+    """label -> (command prefix, worker arguments, host allocator); ``--framework torch``
+    cases are run by the torch interpreter. PyTorch runs on glibc's defaults, and its
+    best cases also with spmdkit's malloc settings, so its best of both is the baseline."""
     cases = {
-        "(a) spmdkit, 1 process": (WORKER, ["--framework", "jax"]),
-        "(b) spmdkit, 2 processes, default": (LAUNCH, ["--framework", "jax"]),
+        "(a) spmdkit, 1 process": (WORKER, ["--framework", "jax"], REUSE),
+        "(b) spmdkit, 2 processes, default": (LAUNCH, ["--framework", "jax"], REUSE),
     }
     if not quick:
-        cases["(b) hand shard_map, one all-reduce per leaf"] = (LAUNCH, ["--framework", "jax", "--allreduce", "leaf"])
+        cases["(b) hand shard_map, one all-reduce per leaf"] = (LAUNCH, ["--framework", "jax", "--allreduce", "leaf"],
+                                                                 REUSE)
     if torch:
-        cases["(c) PyTorch, 1 process"] = (WORKER, ["--framework", "torch"])
-        cases["(d) PyTorch DDP, 2 processes, cores/processes threads"] = (LAUNCH, ["--framework", "torch"])
+        c, d = "(c) PyTorch, 1 process", "(d) PyTorch DDP, 2 processes, cores/processes threads"
+        cases[c] = (WORKER, ["--framework", "torch"], SYSTEM)
+        cases[d] = (LAUNCH, ["--framework", "torch"], SYSTEM)
         if not quick:
-            cases["(c) PyTorch, 1 process, torch.compile"] = (WORKER, ["--framework", "torch", "--compile"])
-            cases["(d) PyTorch DDP, default threads"] = (LAUNCH, ["--framework", "torch", "--torch-threads", "0"])
-            cases["(d) PyTorch DDP, torch.compile"] = (LAUNCH, ["--framework", "torch", "--compile"])
+            compiled = "(c) PyTorch, 1 process, torch.compile"
+            cases[compiled] = (WORKER, ["--framework", "torch", "--compile"], SYSTEM)
+            cases["(d) PyTorch DDP, default threads"] = (LAUNCH, ["--framework", "torch", "--torch-threads", "0"], SYSTEM)
+            cases["(d) PyTorch DDP, torch.compile"] = (LAUNCH, ["--framework", "torch", "--compile"], SYSTEM)
+            for label in (c, compiled, d):
+                cases[label + MALLOC_NOTE] = (*cases[label][:2], REUSE)
     for lever in levers:
         for label, prefix, extra in LEVERS[lever]:
-            cases[label] = (prefix, ["--framework", "jax", *extra])
+            cases[label] = (prefix, ["--framework", "jax", *extra], REUSE)
     return cases
 
 
@@ -177,12 +189,16 @@ def _model_targets(model: str, run: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _command(prefix: list[str], args: list[str], base: list[str], torch: tuple[str, dict[str, str]] | None):
-    """The case's command line and environment: PyTorch cases run the worker with the torch interpreter."""
-    worker, env = WORKER, None
-    if torch and "torch" in args and torch[0] != sys.executable:
-        worker, env = [torch[0], *WORKER[1:]], torch[1]
-    return (LAUNCH if prefix is LAUNCH else []) + worker + args + base, env
+def _command(prefix: list[str], args: list[str], base: list[str], torch: tuple[str, dict[str, str]] | None,
+             allocator: str) -> tuple[list[str], dict[str, str]]:
+    """The case's command line and environment: PyTorch cases run the worker with the torch
+    interpreter; every case's processes start with the host allocator it names."""
+    worker, env = WORKER, dict(os.environ)
+    if torch and "torch" in args:
+        env = dict(torch[1])
+        if torch[0] != sys.executable:
+            worker = [torch[0], *WORKER[1:]]
+    return (LAUNCH if prefix is LAUNCH else []) + worker + args + base, child_env(env, allocator)
 
 
 def run(quick: bool = False, rounds: int | None = None, levers: str | None = None,
@@ -197,8 +213,8 @@ def run(quick: bool = False, rounds: int | None = None, levers: str | None = Non
         base = ["--model", model, "--steps", str(steps), "--batch", str(BATCH)]
         # A case's prefix is WORKER (one process) or LAUNCH (two): LAUNCH runs WORKER under it.
         cases = {}
-        for label, (prefix, args) in _cases(quick, torch is not None, chosen).items():
-            cmd, env = _command(prefix, args, base, torch)
+        for label, (prefix, args, allocator) in _cases(quick, torch is not None, chosen).items():
+            cmd, env = _command(prefix, args, base, torch, allocator)
             cases[label] = _launcher(cmd, errors, f"{model}: {label}", step_times, env)
         if not quick:
             first = next(iter(cases))
