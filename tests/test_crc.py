@@ -44,3 +44,14 @@ def test_a_checkpoint_written_with_zlibs_checksums_still_verifies_and_restores(t
     restored, _ = ckpt.restore(1, {"w": jnp.zeros(4096)})
     ckpt.close()
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4096.0))
+
+
+def test_without_zlib_ng_the_standard_librarys_crc32_gives_the_same_checksums():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['zlib_ng'] = None; sys.modules['zlib_ng.zlib_ng'] = None\n"
+            "from spmdkit import _crc; print(_crc.IMPLEMENTATION, f'{_crc.crc32(b\"spmdkit\", 7):08x}')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["zlib", f"{zlib.crc32(b'spmdkit', 7):08x}"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 try:  # both release the GIL on large buffers, so threads checksum on every core
     from zlib_ng.zlib_ng import crc32
     IMPLEMENTATION = "zlib-ng"
-except ImportError:  # pragma: no cover - zlib-ng is a dependency; this is its fallback
+except ImportError:  # zlib-ng is a dependency; this is its fallback (tests/test_crc.py)
     from zlib import crc32
     IMPLEMENTATION = "zlib"
 
