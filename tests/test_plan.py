@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import spmdkit
@@ -665,7 +666,10 @@ def test_over_budget_reason_in_readable_units():
 
     console = Console(record=True, width=200)
     print_plan(spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100), console)
-    assert "budget 100 B per device" in console.export_text()
+    text = console.export_text()
+    assert "budget 100 B per device" in text
+    per_device = readable_bytes(row["memory"]["per_device"])
+    assert "KiB" in per_device and per_device in text and " 0.00 " not in text  # a tiny model's memory, not 0.00 MiB
 
 
 def test_a_table_no_mesh_fits_is_labelled_by_its_axes():
@@ -703,3 +707,42 @@ def test_cli_plan_prints_a_calibrated_target_files_warnings(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0 and "note: the target file's calibration warned 2 time(s): machine busy" in out, out
     assert "a smoke run" in out
+
+
+def test_plan_checks_the_rules_against_an_nnx_models_sharding_names():
+    # nnx.with_partitioning names: the rule checks read them as Sharded does (a rules name
+    # maps by the rule, a mesh axis stands for itself), so a typo, a clash or an axis that
+    # splits nothing is named before compiling, as for a Flax model.
+    from tests._user_models import nnx_make_state, nnx_train_step  # kernels ("embed", "hidden"), ("hidden", "embed")
+    batch = {"x": np.ones((16, 16), np.float32), "label": np.zeros((16,), np.int32)}
+    leaves = {leaf.path: leaf for leaf in spmdkit._plan._search.logical_leaves(nnx_make_state, jax.random.key(0))}
+    kernel = "state['params']['linear1']['kernel']"
+    assert leaves[kernel].names == ("embed", "hidden") and leaves[kernel].direct and leaves[kernel].bytes == 16 * 32 * 4
+
+    def reasons(rules):
+        result = spmdkit.plan(nnx_make_state, nnx_train_step, batch, rules=(rules,), target="h100x8")
+        return {c["label"]: (c["status"], c["reason"], c["conflicts"]) for c in result["candidates"]}
+
+    typo = reasons({"batch": "data", "embed": None, "hiden": "model"})
+    assert all(status == "pruned" and "has sharding name 'hidden'" in why for status, why, _ in typo.values()), typo
+    clash = reasons({"batch": "data", "embed": "model", "hidden": "model"})
+    assert any(c and c[0]["names"] == ["embed", "hidden"] and c[0]["axis"] == "model" for _, _, c in clash.values())
+    fine = reasons({"batch": "data", "embed": None, "hidden": "model"})
+    assert any(status == "ok" and "model=" in label for label, (status, _, _) in fine.items()), fine
+
+    def direct_state(rng):  # a kernel sharded over the mesh axis "model" by its own name
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "model"))
+        with nnx.use_eager_sharding(False):
+            return {"params": nnx.state(nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(rng)), nnx.Param)}
+
+    def direct_step(state, batch):
+        return state, {"loss": jnp.zeros(())}
+
+    # "model" is no rules name: it names the mesh axis, so it is neither unmapped nor idle there,
+    # and a mesh without that axis names it.
+    result = spmdkit.plan(direct_state, direct_step, batch, rules=({"batch": "data", "embed": None, "mlp": "model"},
+                                                                   {"batch": "data", "embed": None}), target="h100x8")
+    rows = {c["label"]: c for c in result["candidates"]}
+    assert any(r["status"] == "ok" and r["mesh"].get("model", 1) > 1 for r in rows.values()), rows
+    assert any(r["status"] == "pruned" and "mesh {'data': 8} has no axis of that name" in r["reason"]
+               for r in rows.values()), rows

@@ -17,7 +17,8 @@ from spmdkit._plan._search import readable_bytes
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f}"
+    """Bytes in the unit that fits, signed when negative (a difference): tiny models read in KiB."""
+    return ("-" if n < 0 else "") + readable_bytes(abs(n))
 
 
 def _ms(s: float) -> str:
@@ -64,12 +65,12 @@ def explain(plan: dict[str, Any]) -> list[str]:
     lines = [f"winner: {win['label']}: {_ms(win['step_s_overlapped'])}-{_ms(win['step_s_serial'])} ms per step "
              f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"
              + (f", {_ms(win['sync_s'])} ms of it waiting at them" if win.get("sync_s") else "") + "), "
-             f"{_mib(win['memory']['per_device'])} MiB per device"]
+             f"{_mib(win['memory']['per_device'])} per device"]
     paid = sorted(_by_kind(win).items(), key=lambda kv: -kv[1]["seconds"])
     if paid:
         lines.append("  pays: " + "; ".join(
             f"{kind} over {axes}{' (across hosts)' if v['across_hosts'] else ''} x{int(v['count'])} "
-            f"({v['bytes'] / 2**20:.2f} MiB, {_ms(v['seconds'])} ms)" for (kind, axes), v in paid[:4]))
+            f"({_mib(v['bytes'])}, {_ms(v['seconds'])} ms)" for (kind, axes), v in paid[:4]))
     else:
         lines.append("  pays: no collective at all")
     others = {key for r in ok[1:] for key in _by_kind(r)}
@@ -94,7 +95,7 @@ def explain(plan: dict[str, Any]) -> list[str]:
                 + (f" less {best[0][0]} over {best[0][1]} {_ms(best[1])} ms" if best[1] < 0 else ""))
                if worst and worst[1] > 0 else "")
             + f"), memory {'+' if run['memory']['per_device'] >= win['memory']['per_device'] else ''}"
-            f"{_mib(run['memory']['per_device'] - win['memory']['per_device'])} MiB per device")
+            f"{_mib(run['memory']['per_device'] - win['memory']['per_device'])} per device")
     return lines
 
 
@@ -113,7 +114,7 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
                   + (f", budget {readable_bytes(budget)} per device" if budget else ""))
     console.print("collectives: AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all, CP collective "
                   "permute; :axes x count per step", highlight=False)
-    for col in ("#", "candidate", "step ms", "compute ms", "comm ms", "MiB/device",
+    for col in ("#", "candidate", "step ms", "compute ms", "comm ms", "memory/device",
                 "analytic/compiled", "margin", "collectives", "flags"):
         table.add_column(col, justify="left" if col in ("candidate", "collectives", "flags") else "right")
     for r in plan["candidates"]:
@@ -136,13 +137,13 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         console.print(f"excluded {r['label']}: {r['reason']}", highlight=False, markup=False)
     for r in plan["candidates"]:
         if r.get("replicated"):
-            names = ", ".join(f"{f['path']} {tuple(f['shape'])} ({f['bytes'] / 2**20:.2f} MiB)" for f in r["replicated"])
+            names = ", ".join(f"{f['path']} {tuple(f['shape'])} ({_mib(f['bytes'])})" for f in r["replicated"])
             console.print(f"{r['label']}: rules {r['rules']!r} leave these large parameters replicated on every "
                           f"device: {names}", highlight=False, markup=False)
     front = pareto(plan["candidates"])
     if front:
         console.print("Pareto frontier (memory vs step time): " + " | ".join(
-            f"{r['label']} {_mib(r['memory']['per_device'])} MiB {_ms(r['step_s'])} ms" for r in front),
+            f"{r['label']} {_mib(r['memory']['per_device'])} {_ms(r['step_s'])} ms" for r in front),
                       highlight=False, markup=False)
     console.print("memory per device: the larger of the analytic count and the compiled figure; XLA:CPU never "
                   "fails for lack of memory, so neither is an out-of-memory verdict here.", highlight=False)
@@ -259,8 +260,8 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
     procs = measured.get("processes", 1)
     table = Table(title="predicted vs measured (" + (f"{procs} processes, each step as long as the slowest process "
                         "took; " if procs > 1 else "") + "simulated devices: they share this machine's cores)")
-    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted MiB (analytic)",
-                "measured MiB"):
+    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted memory (analytic)",
+                "measured memory"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for m in measured["runs"]:
         table.add_row(str(m["rank"]), escape(m["label"]), _ms(m["predicted_s"]),

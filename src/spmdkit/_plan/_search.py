@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from flax import linen as nn
+from flax import nnx
 
 from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
@@ -20,7 +21,7 @@ from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
-from spmdkit._strategies.sharded import Sharded, _is_box, _with_state_axes
+from spmdkit._strategies.sharded import Sharded, _is_box, _nnx_names, _unboxed, _with_state_axes
 from spmdkit._target import Target, load_target
 
 # A replicated parameter is flagged when it holds at least this share of the parameters.
@@ -53,7 +54,7 @@ def _arrays_only(make_state: Callable) -> Callable:
     def checked(rng: Any) -> Any:
         state = make_state(rng)
         for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]:
-            value = leaf.value if _is_box(leaf) else leaf
+            value = _unboxed(leaf)
             if not isinstance(value, (jax.Array, np.ndarray, np.generic, int, float, complex)):
                 raise StateLeafError(fix(
                     f"make_state returned a value of type {type(value).__name__} at state{jax.tree_util.keystr(path)}, not an array: "
@@ -65,49 +66,78 @@ def _arrays_only(make_state: Callable) -> Callable:
     return checked
 
 
-def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[tuple[str, tuple, int, tuple]]:
-    """``(path, shape, bytes, logical names)`` of every annotated leaf; rules do not matter."""
+class NamedLeaf(NamedTuple):
+    """An annotated leaf of the state: its path, shape, bytes and names. ``direct``: an NNX
+    variable's names, where a name the rules do not map and the mesh has stands for that mesh
+    axis itself (as :class:`spmdkit.Sharded` reads them); a Flax logical name is always a rule's."""
+    path: str
+    shape: tuple
+    bytes: int
+    names: tuple
+    direct: bool = False
+
+
+def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[NamedLeaf]:
+    """Every leaf annotated with logical names (Flax boxes, ``state_axes``, NNX ``sharding``
+    metadata); rules do not matter."""
     probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
     boxed = _with_state_axes(probe._abstract_boxed(_arrays_only(make_state), as_key(rng)), state_axes)
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
+        where = "state" + jax.tree_util.keystr(path)
         if isinstance(leaf, nn.LogicallyPartitioned):
-            value = leaf.value
-            nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
-            out.append(("state" + jax.tree_util.keystr(path), tuple(value.shape), nbytes, tuple(leaf.names)))
+            value, names, direct = leaf.value, tuple(leaf.names), False
+        elif isinstance(leaf, nnx.Variable) and (names := _nnx_names(leaf)):
+            value, direct = _unboxed(leaf), True
+        else:
+            continue
+        nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+        out.append(NamedLeaf(where, tuple(value.shape), nbytes, tuple(names), direct))
     return out
 
 
-def conflicts(leaves: list[tuple], rules: AxisRules) -> list[dict[str, Any]]:
+def _axes(leaf: NamedLeaf, name: str, table: dict[str, Any], mesh_axes: Collection[str]) -> tuple[str, ...] | None:
+    """The mesh axes ``name`` of ``leaf`` maps to under a rules ``table``; None when unmapped."""
+    if name in table:
+        return _as_tuple(table[name])
+    return (name,) if leaf.direct and name in mesh_axes else None
+
+
+def conflicts(leaves: list[NamedLeaf], rules: AxisRules, mesh_axes: Collection[str] = ()) -> list[dict[str, Any]]:
     """Arrays in which two logical names map to one mesh axis (that axis cannot split both)."""
     found = []
     table = rules.mapping
-    for path, _, _, names in leaves:
+    for leaf in leaves:
         seen: dict[str, str] = {}
-        for name in names:
-            for axis in _as_tuple(table.get(name)) if name is not None else ():
+        for name in leaf.names:
+            for axis in (_axes(leaf, name, table, mesh_axes) or ()) if name is not None else ():
                 if axis in seen:
-                    found.append({"path": path, "names": [seen[axis], name], "axis": axis})
+                    found.append({"path": leaf.path, "names": [seen[axis], name], "axis": axis})
                 seen.setdefault(axis, name)
     return found
 
 
-def idle_axes(leaves: list[tuple], rules: AxisRules, mesh: dict[str, int]) -> list[str]:
+def idle_axes(leaves: list[NamedLeaf], rules: AxisRules, mesh: dict[str, int]) -> list[str]:
     """Mesh axes (of size > 1) that the rules map from no name of the parameters or the batch:
     the devices along them would repeat each other's work (an axis for another model's names)."""
     if not leaves:  # a plain state without names: nothing to judge by
         return []
-    names = {"batch"} | {n for _, _, _, logical in leaves for n in logical if n is not None}
-    used = {axis for name, axes in rules.table if name in names for axis in _as_tuple(axes)}
+    table = rules.mapping
+    used = set(_as_tuple(table.get("batch")))
+    for leaf in leaves:
+        for name in leaf.names:
+            used.update((_axes(leaf, name, table, mesh) or ()) if name is not None else ())
     return [axis for axis, size in mesh.items() if size > 1 and axis not in used]
 
 
-def unmapped_names(leaves: list[tuple], rules: AxisRules) -> list[tuple[str, str]]:
-    """``(path, name)`` of every logical name of the state that ``rules`` do not map."""
+def unmapped_names(leaves: list[NamedLeaf], rules: AxisRules, mesh_axes: Collection[str] = ()) -> list[tuple[str, str]]:
+    """``(path, name)`` of every logical name of the state that ``rules`` do not map (nor, for
+    an NNX variable, a mesh axis of that name)."""
     if rules.replicate_unknown:
         return []
     table = rules.mapping
-    return [(path, name) for path, _, _, names in leaves for name in names if name is not None and name not in table]
+    return [(leaf.path, name) for leaf in leaves for name in leaf.names
+            if name is not None and _axes(leaf, name, table, mesh_axes) is None]
 
 
 def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, Any]]:
@@ -125,19 +155,21 @@ def _rules_problem(cand: Candidate, leaves: list[tuple], rules: AxisRules) -> tu
     """The candidate's rule conflicts, and why to prune it before compiling (None: compile it):
     two logical names on one mesh axis, a logical name the rules do not map, or a mesh axis that
     splits nothing (with the rule keys no array uses, when the table is the user's own)."""
-    clash = conflicts(leaves, rules)
+    clash = conflicts(leaves, rules, dict(cand.mesh))
     if clash:
         first = clash[0]
         return clash, (f"rules map logical names {first['names']} of {first['path']} "
                        f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""))
-    unmapped = unmapped_names(leaves, rules)
+    unmapped = unmapped_names(leaves, rules, dict(cand.mesh))
     if unmapped:
         path, name = unmapped[0]
-        return clash, (f"{path} has logical name {name!r}, which rules {cand.rules!r} "
-                       f"do not map (they map {sorted(rules.mapping)}): add a rule for it or correct the name")
+        nnx_leaf = any(leaf.path == path and leaf.direct for leaf in leaves)
+        mesh = f" and mesh {dict(cand.mesh)} has no axis of that name" if nnx_leaf else ""
+        return clash, (f"{path} has {'sharding' if nnx_leaf else 'logical'} name {name!r}, which rules {cand.rules!r} "
+                       f"do not map (they map {sorted(rules.mapping)}){mesh}: add a rule for it or correct the name")
     idle = idle_axes(leaves, rules, dict(cand.mesh))
     if idle:
-        names = {n for _, _, _, logical in leaves for n in logical if n is not None} | {"batch"}
+        names = {n for leaf in leaves for n in leaf.names if n is not None} | {"batch"}
         # A table of the user's own (not a preset, written for many models) with a key no array uses: likely a typo.
         unused = [] if cand.rules in PRESETS or cand.rules in EXTRA_RULES else [
             k for k, axes in rules.table if idle[0] in _as_tuple(axes) and k not in names]

@@ -54,6 +54,21 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, (meta.AxisMetadata, nnx.Variable))
 
 
+def _unboxed(leaf: Any) -> Any:
+    """The array in a Flax box or NNX variable (NNX deprecates ``.value``), else ``leaf``."""
+    if isinstance(leaf, nnx.Variable):
+        (value,) = jax.tree_util.tree_leaves(leaf)
+        return value
+    return leaf.value if isinstance(leaf, meta.AxisMetadata) else leaf
+
+
+def _nnx_names(variable: nnx.Variable) -> tuple | None:
+    """An NNX variable's sharding names (``nnx.with_partitioning``, ``sharding_names=``), or None."""
+    info = variable.get_metadata()
+    names = info.get("out_sharding") or info.get("sharding") or info.get("sharding_names")
+    return tuple(names) if names else None
+
+
 def _nnx_spec(names: tuple, rules: AxisRules, mesh: Mesh, where: str) -> P:
     """NNX ``sharding``/``out_sharding`` names: a rule's name maps by the rule, a mesh
     axis name stands for itself, anything else is an unknown logical name."""
@@ -79,16 +94,11 @@ def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "sta
         elif isinstance(leaf, nn.Partitioned):
             spec = P(*leaf.names)  # with_partitioning names mesh axes directly
         elif isinstance(leaf, nnx.Variable):
-            info = leaf.get_metadata()
-            names = info.get("out_sharding") or info.get("sharding") or info.get("sharding_names")
-            logical = None if not names else tuple(names)
-            spec = P() if not names else _nnx_spec(tuple(names), rules, mesh, where)
+            logical = _nnx_names(leaf)
+            spec = P() if not logical else _nnx_spec(logical, rules, mesh, where)
         else:
             spec = P()
-        if isinstance(leaf, nnx.Variable):
-            (value,) = jax.tree_util.tree_leaves(leaf)
-        else:
-            value = leaf.value if _is_box(leaf) else leaf
+        value = _unboxed(leaf)
         shape = tuple(value.shape)
         check_spec(spec, shape, mesh, where, logical)
         sharding = NamedSharding(mesh, spec)
