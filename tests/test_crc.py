@@ -17,13 +17,15 @@ def test_the_dependency_is_what_computes_it():
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 4096, 3 * 2**20 + 5])
-def test_it_is_zlibs_crc32_whole_and_chained(size):
+def test_it_is_zlibs_crc32_whole_chained_and_of_a_file(size, tmp_path):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     assert _crc.crc32(data) == zlib.crc32(data)
     chained = 0
     for start in range(0, size, 1000):  # files are checksummed in pieces, as they are read
         chained = _crc.crc32(memoryview(data)[start:start + 1000], chained)
     assert chained == zlib.crc32(data)
+    (tmp_path / "f").write_bytes(data.tobytes())  # read in 4 MiB pieces into one reused buffer
+    assert _crc.crc32_file(tmp_path / "f") == f"{zlib.crc32(data):08x}"
 
 
 def test_a_checkpoint_written_with_zlibs_checksums_still_verifies_and_restores(tmp_path, monkeypatch):
@@ -33,12 +35,12 @@ def test_a_checkpoint_written_with_zlibs_checksums_still_verifies_and_restores(t
     import spmdkit
     from spmdkit import _checkpoint, _checkpoint_read
 
-    monkeypatch.setattr(_checkpoint, "crc32", zlib.crc32)
+    monkeypatch.setattr(_crc, "crc32", zlib.crc32)  # what crc32_file calls: the save's manifest
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     ckpt.save(1, {"w": jnp.arange(4096.0)}, {})
     ckpt.close()
     monkeypatch.undo()
-    assert _checkpoint.crc32 is _crc.crc32 and _checkpoint_read.crc32 is _crc.crc32
+    assert _checkpoint_read.crc32 is _crc.crc32 and _crc.crc32 is not zlib.crc32
     assert _checkpoint.describe_directory(tmp_path / "ck", verify=True)[0]["status"] == "complete, verified"
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     restored, _ = ckpt.restore(1, {"w": jnp.zeros(4096)})

@@ -160,3 +160,32 @@ def test_cli_writes_from_an_npz_and_names_a_missing_one(tmp_path, capsys):
     assert spmdkit.load_dataset(tmp_path / "ds")["x"].tolist() == list(np.arange(6.0))
     assert main(["data", "write", str(tmp_path / "ds2"), "--npz", str(tmp_path / "missing.npz")]) == 2
     assert "missing.npz: cannot be read" in " ".join(capsys.readouterr().err.split())  # as wrapped by the console
+
+
+def test_cli_train_refuses_a_file_swapped_for_another_of_the_same_shape(tmp_path, capsys):
+    # Sizes, shapes and dtypes all match: only the CRC-32 tells, and `spmdkit train --data`
+    # checks it by default, before the first step.
+    from spmdkit._cli import main
+
+    d = tmp_path / "lin"
+    assert main(["data", "write", str(d), "--task", "linreg"]) == 0
+    y = d / "train" / "y.npy"
+    np.save(y, np.load(y)[::-1].copy())  # the labels of another ordering: same shape, dtype and size
+    out = tmp_path / "run"
+    args = ["train", "--task", "linreg", "--data", str(d), "--steps", "2", "--no-progress", "--out", str(out)]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "y.npy: checksum" in err and "differs from the manifest's" in err and "Fix:" in err
+    assert not (out / "summary.json").exists()  # refused before training
+    assert main([*args, "--no-verify-data"]) == 0  # the user's choice: opened unverified, as load_dataset does
+    capsys.readouterr()
+    assert main(["train", "--config", str(_toml(tmp_path, 'verify-data = "no"')), "--data", str(d)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "verify-data = true" in err and "--no-verify-data on the command line" in err, err
+
+
+def _toml(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text + "\n")
+    return path

@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from spmdkit import _checkpoint_read as _read
-from spmdkit._crc import crc32
+from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -133,30 +133,14 @@ def _files(step_dir: Path) -> dict[str, int]:
     return {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*")) if p.is_file()}
 
 
-_BUFFERS = threading.local()
-
-
-def _crc32(path: Path) -> str:
-    # CRC-32 finds changed, truncated or torn bytes (it runs over every byte of every save and
-    # restore, so its speed matters: see _crc); the checkpoints are not guarded against forgery.
-    buf = getattr(_BUFFERS, "buf", None)
-    if buf is None:
-        buf = _BUFFERS.buf = memoryview(bytearray(1 << 22))  # one per thread, reused: no new pages per block
-    crc = 0
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            crc = crc32(buf[:n], crc)
-    return f"{crc:08x}"
-
-
 def _crc32s(paths: list[Path]) -> list[str]:
     """The checksums of many files, read in parallel: the CRC releases the GIL, so a save's
     or a restore's checksums use every core."""
     big = [p for p in paths if p.stat().st_size >= 1 << 20] if len(paths) > 1 else []
     if len(big) < 2:
-        return [_crc32(p) for p in paths]
+        return [crc32_file(p) for p in paths]
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="spmdkit-crc") as pool:
-        return list(pool.map(_crc32, paths))
+        return list(pool.map(crc32_file, paths))
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -115,6 +115,9 @@ class RunConfig:
     data_dir: str | None = None
     data: str | None = None  # a data set directory (spmdkit.write_dataset) the task trains on instead
     eval_data: str | None = None  # a data set directory the task evaluates on instead
+    # --data / --eval-data: every file's CRC-32 checked before the first step (one read of the data
+    # set; a file swapped for another of the same shape would otherwise train silently).
+    verify_data: bool = True
     # Task options (mlp): None means the task's own default.
     layers: int | None = None
     depth: int | None = None
@@ -147,6 +150,7 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "data_dir": (None, "data_dir"),
     "data": (None, "data"),
     "eval_data": (None, "eval_data"),
+    "verify_data": (None, "verify_data"),
     "mesh": (None, "mesh"),
     "rules": (None, "rules"),
     "replicate_unknown": (None, "replicate_unknown"),
@@ -173,7 +177,7 @@ CONFIG_KEYS = tuple(_KEYS)
 
 # The type of every key: a TOML value of another type is an error, never a guess
 # (the string "false" is not False; 5 is not a mesh).
-_BOOLS = {"bagging", "replicate_unknown", "scan", "progress", "drop_remainder", "resume", "overwrite_checkpoints"}
+_BOOLS = {"bagging", "replicate_unknown", "scan", "progress", "verify_data", "drop_remainder", "resume", "overwrite_checkpoints"}
 _POSITIVE = {"members", "layers", "depth", "embed", "host_devices", "steps", "epochs", "batch_size", "eval_every",
              "eval_batch_size", "log_every", "grad_accum", "checkpoint_every", "keep",
              "d_model", "heads", "seq_len", "text_bytes"}
@@ -185,8 +189,12 @@ _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', 
              "checkpoint_dir": '"ck"'}
 
 
+# Keys whose flag turns them off (on by default).
+_NEGATED_FLAGS = {"progress": "--no-progress", "verify_data": "--no-verify-data"}
+
+
 def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
+    return _NEGATED_FLAGS.get(key) or "--" + key.replace("_", "-")
 
 
 def check_value(key: str, value: Any, source: str) -> None:

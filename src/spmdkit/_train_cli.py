@@ -85,14 +85,14 @@ def build_task(run: RunConfig) -> Task:
         return get_task(run.task, data_dir=run.data_dir, **options)
     if run.data is None:
         task = get_task(run.task, data_dir=run.data_dir, **options)
-        held_out = load_dataset(eval_split(run.eval_data))
+        held_out = load_dataset(eval_split(run.eval_data), verify=run.verify_data)
         _check_eval(task.train_data, held_out, f"--task {run.task}'s training set", f"--eval-data {run.eval_data}", run)
         return dataclasses.replace(task, eval_data=held_out)
     train_dir, eval_dir = data_splits(run.data, run.eval_data, run.task)
-    train = load_dataset(train_dir)
+    train = load_dataset(train_dir, verify=run.verify_data)
     module = TASKS[run.task]
     if eval_dir is not None:
-        held_out = load_dataset(eval_dir)
+        held_out = load_dataset(eval_dir, verify=run.verify_data)
         _check_eval(train, held_out, f"the training split {train_dir}",
                     f"--eval-data {eval_dir}" if run.eval_data else f"the eval split {eval_dir}", run)
         if hasattr(module, "from_data") and not options:  # the model alone: the task's own files are not read

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit._data._errors import DatasetCorruptError, DatasetFileError, DatasetLayoutError
-from spmdkit._crc import crc32
+from spmdkit._crc import crc32_file
 from spmdkit._errors import DataError, fix
 
 FORMAT = "spmdkit-dataset"
@@ -70,14 +70,6 @@ def _file_name(key: tuple[str, ...], used: set[str]) -> str:
         name, i = f"{stem}_{i}.npy", i + 1
     used.add(name)
     return name
-
-
-def crc32_file(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, overwrite: bool = False) -> Path:
@@ -175,8 +167,8 @@ def _open_leaf(directory: Path, entry: dict[str, Any], count: int, verify: bool)
         raise DatasetCorruptError(fix(f"{path} has {size} bytes; the manifest says {entry['bytes']}: it is "
                                       f"{'truncated' if size < entry['bytes'] else 'longer than written'}.",
                                       "restore the file from an intact copy, or write the data set again."))
-    if verify and crc32_file(path) != entry["crc32"]:
-        raise DatasetCorruptError(fix(f"{path}: checksum {crc32_file(path)} differs from the manifest's "
+    if verify and (crc := crc32_file(path)) != entry["crc32"]:
+        raise DatasetCorruptError(fix(f"{path}: checksum {crc} differs from the manifest's "
                                       f"{entry['crc32']}: the file is damaged.", "restore it, or write the data set again."))
     try:
         x = np.load(path, mmap_mode="r", allow_pickle=False)
