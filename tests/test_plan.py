@@ -746,3 +746,11 @@ def test_plan_checks_the_rules_against_an_nnx_models_sharding_names():
     assert any(r["status"] == "ok" and r["mesh"].get("model", 1) > 1 for r in rows.values()), rows
     assert any(r["status"] == "pruned" and "mesh {'data': 8} has no axis of that name" in r["reason"]
                for r in rows.values()), rows
+
+
+def test_readable_bytes_writes_1000_to_1023_of_a_unit_without_an_exponent():
+    # :.3g alone wrote 1023 B as "1.02e+03 B" and a 1023.4 KiB memory column as "1.02e+03 KiB".
+    assert readable_bytes(1023) == "1023 B" and readable_bytes(2**20 - 600) == "1023 KiB"
+    assert readable_bytes(1000 * 2**20) == "1000 MiB" and readable_bytes(5 * 2**50) == "5120 TiB"
+    assert readable_bytes(999) == "999 B" and readable_bytes(5000) == "4.88 KiB" and readable_bytes(2**20) == "1 MiB"
+    assert spmdkit._plan._report._mib(-(2**20 - 600)) == "-1023 KiB"

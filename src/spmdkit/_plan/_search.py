@@ -40,8 +40,13 @@ def readable_bytes(n: float) -> str:
     """
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.3g} B"
+            return f"{_figures(n / size)} {unit}"
+    return f"{_figures(n)} B"
+
+
+def _figures(x: float) -> str:
+    """Three significant figures, but 1000-1023 of a unit whole (``:.3g`` writes 1.02e+03)."""
+    return f"{x:.3g}" if abs(x) < 999.5 else f"{x:.0f}"
 
 
 class StateLeafError(SpmdkitError, TypeError):
