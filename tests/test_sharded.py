@@ -210,3 +210,17 @@ def test_plan_with_the_older_init_and_optimizer_arguments_says_what_it_takes():
     strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")
     with pytest.raises(TypeError, match=r"takes the function that builds the whole state"):
         strategy.plan(lambda rng: {"w": jax.numpy.zeros(3)}, optax.sgd(0.1))
+
+
+def test_replication_warning_names_the_parameters_of_a_dict_state():
+    # A dict state's paths read state['params'][...]: the warning listed none ("parameters: .").
+    import warnings
+
+    def make_state(rng):
+        return {"params": {"big": jnp.zeros((512, 512))}}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), {"batch": "data", "mlp": "model"}).plan(make_state, 0)
+    messages = [str(w.message) for w in caught if "replicated on every device" in str(w.message)]
+    assert messages and "state['params']['big'] (512, 512) (1.0 MiB)" in messages[0], messages

@@ -124,7 +124,8 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
     """Warn, naming the largest replicated arrays, when sharding was meant but did little."""
     if mesh.size == 1:
         return
-    params = [leaf for leaf in layout.leaves if leaf.path.startswith("state.params")]
+    # A TrainState's .params or a dict state's ['params'] (this listed nothing for a dict state).
+    params = [leaf for leaf in layout.leaves if leaf.path.startswith(("state.params", "state['params']"))]
     wants_sharding = any(axes is not None for name, axes in rules.table if name != "batch")
     fraction = layout.replicated_fraction()
     if wants_sharding and fraction > 0.5:
