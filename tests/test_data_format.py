@@ -179,6 +179,9 @@ def test_cli_train_refuses_a_file_swapped_for_another_of_the_same_shape(tmp_path
     assert "y.npy: checksum" in err and "differs from the manifest's" in err and "Fix:" in err
     assert not (out / "summary.json").exists()  # refused before training
     assert main([*args, "--no-verify-data"]) == 0  # the user's choice: opened unverified, as load_dataset does
+    off = _toml(tmp_path, "verify-data = false")
+    assert main([*args, "--config", str(off)]) == 0
+    assert main([*args, "--config", str(off), "--verify-data"]) == 2  # the flag turns the file's choice back on
     capsys.readouterr()
     assert main(["train", "--config", str(_toml(tmp_path, 'verify-data = "no"')), "--data", str(d)]) == 2
     err = " ".join(capsys.readouterr().err.split())

@@ -201,6 +201,9 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
                    "the task's training set, and evaluate on its held-out split DIR/eval if it has one")
     p.add_argument("--eval-data", metavar="DIR", help="evaluate on this data set directory instead (same leaves as "
                    "the training set)")
+    p.add_argument("--verify-data", dest="verify_data", action="store_true",
+                   help="check every --data/--eval-data file's CRC-32 before training (the default; overrides "
+                   "verify-data = false in a --config file)")
     p.add_argument("--no-verify-data", dest="verify_data", action="store_false",
                    help="--data/--eval-data: skip the CRC-32 check of every file before training (by default the "
                    "data set is read once to check it)")
