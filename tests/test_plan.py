@@ -753,4 +753,4 @@ def test_readable_bytes_writes_1000_to_1023_of_a_unit_without_an_exponent():
     assert readable_bytes(1023) == "1023 B" and readable_bytes(2**20 - 600) == "1023 KiB"
     assert readable_bytes(1000 * 2**20) == "1000 MiB" and readable_bytes(5 * 2**50) == "5120 TiB"
     assert readable_bytes(999) == "999 B" and readable_bytes(5000) == "4.88 KiB" and readable_bytes(2**20) == "1 MiB"
-    assert spmdkit._plan._report._mib(-(2**20 - 600)) == "-1023 KiB"
+    assert readable_bytes(-(2**20 - 600)) == "-1023 KiB"

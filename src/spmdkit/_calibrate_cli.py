@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spmdkit._calibrate import ACCEPT_REL_ERR, DEFAULT_SIZES, QUICK_SIZES, CalibrationError, calibrate, check, parse_size
+from spmdkit._console import stderr_console
 
 DEFAULT_OUT = "spmdkit-target.json"
 
@@ -125,7 +126,7 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
                 console.print("the same rounds summarised otherwise reproduce within: "
                               + ", ".join(f"{name} {max(v):.0%}" for name, v in other.items()), highlight=False)
         return 0 if result["ok"] else 1
-    err = Console(stderr=True)
+    err = stderr_console()
     target = calibrate(processes=args.processes, sizes=args.sizes, rounds=args.rounds, quick=args.quick,
                        out=args.out, timeout=args.timeout, log=lambda line: err.print(line, highlight=False))
     if args.json:

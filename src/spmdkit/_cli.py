@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spmdkit import __version__
+from spmdkit._console import stderr_console
 from spmdkit._devices import (
     ENV_HOST_DEVICES,
     device_table,
@@ -302,7 +303,7 @@ def _setup_compile_cache(args: argparse.Namespace) -> None:
         if asked:
             raise
         # The default directory is a convenience: without it, everything still runs.
-        Console(stderr=True).print(f"warning: running without the compile cache: {e}", markup=False)
+        stderr_console().print(f"warning: running without the compile cache: {e}", markup=False)
 
 
 def _setup_devices(args: argparse.Namespace) -> None:
@@ -626,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _setup_devices(args)
         return _COMMANDS[args.command](args, console)
     except SpmdkitError as e:
-        Console(stderr=True).print(Text("error: ", style="bold red") + Text(str(e)))
+        stderr_console().print(Text("error: ", style="bold red") + Text(str(e)))
         return getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
 
 

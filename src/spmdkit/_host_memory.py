@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from spmdkit._errors import ConfigError, DeviceSetupError, fix
 
 ENV_HOST_ALLOCATOR = "SPMDKIT_HOST_ALLOCATOR"
-_MODES = ("reuse", "system")
+REUSE, SYSTEM = "reuse", "system"  # the modes: glibc set as spmdkit sets it, or its defaults
+_MODES = (REUSE, SYSTEM)
 # glibc's environment names for the same settings: read once, at a process's start, so they
 # carry the settings to every process this one starts (workers, `spmdkit launch`'s processes).
 MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
@@ -156,7 +157,7 @@ def child_env(env: Mapping[str, str], mode: str) -> dict[str, str]:
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r} is not one of {', '.join(_MODES)}")
     out = {k: v for k, v in env.items() if k not in MALLOC_SETTINGS and k != ENV_HOST_ALLOCATOR}
-    if mode == "reuse":
+    if mode == REUSE:
         out.update(MALLOC_SETTINGS)
     else:
         out[ENV_HOST_ALLOCATOR] = mode

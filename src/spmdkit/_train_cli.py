@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spmdkit._config import RunConfig, build_run_config, check_keys, load_toml, strategy_options, task_options
+from spmdkit._console import stderr_console
 from spmdkit._data import is_pipeline, load_dataset
 from spmdkit._data._errors import DatasetLayoutError
 from spmdkit._data._splits import check_splits_match, data_splits, eval_split
@@ -70,7 +71,7 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
             log=lambda message: console.print(message, highlight=False, markup=False),
         )
     except NonFiniteLossError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
+        stderr_console().print(f"[bold red]error:[/] {e}", markup=True, highlight=False)
         return EXIT_DIVERGED
     if jax.process_index() == 0:
         _print_summary(result.summary, Path(run.out), console)

@@ -45,7 +45,7 @@ from spmdkit._bench import lm_worker
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
 from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
-from spmdkit._host_memory import child_env
+from spmdkit._host_memory import REUSE, SYSTEM, child_env
 from spmdkit._tasks.lm import LMConfig, load_text, lm_functions, windows
 
 # Model, batch and corpus sizes; a round (``steps`` steps of every case) takes seconds on 2 cores.
@@ -69,8 +69,6 @@ RUN_TIMEOUT = 1800  # s: a warm-up run includes compiling (torch.compile takes m
 
 # ---------------------------------------------------------------- the cases
 SYSTEM_ALLOC = "spmdkit f32, system allocator"
-REUSE = "reuse"  # the host memory as the spmdkit command sets it (spmdkit._host_memory)
-SYSTEM = "system"  # glibc's defaults
 
 
 def cases(quick: bool, torch: bool) -> dict[str, tuple[str, list[str], str]]:

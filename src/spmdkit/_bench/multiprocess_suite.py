@@ -30,7 +30,7 @@ from typing import Any
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
 from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
-from spmdkit._host_memory import child_env
+from spmdkit._host_memory import REUSE, SYSTEM, child_env
 
 WORKER = [sys.executable, "-m", "spmdkit._bench.mp_worker"]
 LAUNCH = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
@@ -63,7 +63,6 @@ LEVERS: dict[str, list[tuple[str, list[str], list[str]]]] = {
 }
 
 
-REUSE, SYSTEM = "reuse", "system"  # glibc's malloc as the spmdkit command sets it, or its defaults
 MALLOC_NOTE = ", spmdkit's malloc settings"
 
 

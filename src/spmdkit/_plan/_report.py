@@ -16,11 +16,6 @@ from rich.table import Table
 from spmdkit._plan._search import readable_bytes
 
 
-def _mib(n: float) -> str:
-    """Bytes in the unit that fits, signed when negative (a difference): tiny models read in KiB."""
-    return ("-" if n < 0 else "") + readable_bytes(abs(n))
-
-
 def _ms(s: float) -> str:
     ms = s * 1e3
     return f"{ms:.3f}" if abs(ms) >= 0.01 or ms == 0 else f"{ms:.2g}"
@@ -65,12 +60,12 @@ def explain(plan: dict[str, Any]) -> list[str]:
     lines = [f"winner: {win['label']}: {_ms(win['step_s_overlapped'])}-{_ms(win['step_s_serial'])} ms per step "
              f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"
              + (f", {_ms(win['sync_s'])} ms of it waiting at them" if win.get("sync_s") else "") + "), "
-             f"{_mib(win['memory']['per_device'])} per device"]
+             f"{readable_bytes(win['memory']['per_device'])} per device"]
     paid = sorted(_by_kind(win).items(), key=lambda kv: -kv[1]["seconds"])
     if paid:
         lines.append("  pays: " + "; ".join(
             f"{kind} over {axes}{' (across hosts)' if v['across_hosts'] else ''} x{int(v['count'])} "
-            f"({_mib(v['bytes'])}, {_ms(v['seconds'])} ms)" for (kind, axes), v in paid[:4]))
+            f"({readable_bytes(v['bytes'])}, {_ms(v['seconds'])} ms)" for (kind, axes), v in paid[:4]))
     else:
         lines.append("  pays: no collective at all")
     others = {key for r in ok[1:] for key in _by_kind(r)}
@@ -95,7 +90,7 @@ def explain(plan: dict[str, Any]) -> list[str]:
                 + (f" less {best[0][0]} over {best[0][1]} {_ms(best[1])} ms" if best[1] < 0 else ""))
                if worst and worst[1] > 0 else "")
             + f"), memory {'+' if run['memory']['per_device'] >= win['memory']['per_device'] else ''}"
-            f"{_mib(run['memory']['per_device'] - win['memory']['per_device'])} per device")
+            f"{readable_bytes(run['memory']['per_device'] - win['memory']['per_device'])} per device")
     return lines
 
 
@@ -127,8 +122,8 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
             flags.insert(0, "[red]over budget[/]")
         kinds = ", ".join(f"{_SHORT[k]}:{a} x{int(v['count'])}" for (k, a), v in sorted(_by_kind(r).items()))
         table.add_row(str(r.get("rank", "-")), escape(r["label"]), f"{_ms(r['step_s_overlapped'])}-{_ms(r['step_s_serial'])}",
-                      _ms(r["compute_s"]), _ms(r["comm_s"]), _mib(mem["per_device"]),
-                      f"{_mib(mem['analytic']['total'])}/{_mib(mem['compiled']['total'])}",
+                      _ms(r["compute_s"]), _ms(r["comm_s"]), readable_bytes(mem["per_device"]),
+                      f"{readable_bytes(mem['analytic']['total'])}/{readable_bytes(mem['compiled']['total'])}",
                       "n/a" if mem["margin"] is None else f"{mem['margin']:+.1%}", kinds or "none",
                       "; ".join(flags))
     console.print(table)
@@ -137,13 +132,13 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         console.print(f"excluded {r['label']}: {r['reason']}", highlight=False, markup=False)
     for r in plan["candidates"]:
         if r.get("replicated"):
-            names = ", ".join(f"{f['path']} {tuple(f['shape'])} ({_mib(f['bytes'])})" for f in r["replicated"])
+            names = ", ".join(f"{f['path']} {tuple(f['shape'])} ({readable_bytes(f['bytes'])})" for f in r["replicated"])
             console.print(f"{r['label']}: rules {r['rules']!r} leave these large parameters replicated on every "
                           f"device: {names}", highlight=False, markup=False)
     front = pareto(plan["candidates"])
     if front:
         console.print("Pareto frontier (memory vs step time): " + " | ".join(
-            f"{r['label']} {_mib(r['memory']['per_device'])} {_ms(r['step_s'])} ms" for r in front),
+            f"{r['label']} {readable_bytes(r['memory']['per_device'])} {_ms(r['step_s'])} ms" for r in front),
                       highlight=False, markup=False)
     console.print("memory per device: the larger of the analytic count and the compiled figure; XLA:CPU never "
                   "fails for lack of memory, so neither is an out-of-memory verdict here.", highlight=False)
@@ -266,7 +261,7 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
     for m in measured["runs"]:
         table.add_row(str(m["rank"]), escape(m["label"]), _ms(m["predicted_s"]),
                       f"{_ms(m['measured_s'])} ({_ms(m['measured_spread_s'][0])}-{_ms(m['measured_spread_s'][1])})",
-                      _mib(m["predicted_memory"]), "n/a" if m["measured_memory"] is None else _mib(m["measured_memory"]))
+                      readable_bytes(m["predicted_memory"]), "n/a" if m["measured_memory"] is None else readable_bytes(m["measured_memory"]))
     console.print(table)
     sources = sorted({m["measured_memory_source"] for m in measured["runs"]})
     if sources:

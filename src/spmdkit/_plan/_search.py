@@ -21,7 +21,7 @@ from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key
-from spmdkit._strategies.sharded import Sharded, _is_box, _nnx_names, _unboxed, _with_state_axes
+from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes
 from spmdkit._target import Target, load_target
 
 # A replicated parameter is flagged when it holds at least this share of the parameters.
@@ -96,7 +96,7 @@ def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> li
             value, direct = _unboxed(leaf), True
         else:
             continue
-        nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+        nbytes = math.prod(value.shape) * _itemsize(value.dtype)
         out.append(NamedLeaf(where, tuple(value.shape), nbytes, tuple(names), direct))
     return out
 
