@@ -12,7 +12,7 @@ import pytest
 import spmdkit
 from spmdkit._cli import main
 from spmdkit._config import build_run_config
-from spmdkit._data._splits import write_splits
+from spmdkit._data._splits import data_splits, write_splits
 from spmdkit._tasks import mnist
 from spmdkit._train_cli import build_task, resolve_options
 
@@ -109,3 +109,17 @@ def test_a_data_set_of_other_leaves_than_the_task_reads_is_named_before_training
     flat = spmdkit.write_dataset(tmp_path / "flat", {"x": np.ones((4, 1), np.float32)})
     with pytest.raises(spmdkit.DataError, match=r"holds leaves \['x'\]; --task linreg reads \['x'\], \['y'\]"):
         build_task(build_run_config(resolve_options({"task": "linreg", "data": str(flat)})))
+
+
+def test_a_single_data_set_with_an_eval_folder_inside_is_refused_not_ignored(tmp_path, capsys):
+    xy = {"x": np.ones((8, 1), np.float32), "y": np.zeros((8, 1), np.float32)}
+    flat = spmdkit.write_dataset(tmp_path / "flat", xy)
+    spmdkit.write_dataset(flat / "eval", xy)  # the user's held-out set, put where a split would be
+    assert main(["train", "--task", "linreg", "--data", str(flat), "--no-progress", "--steps", "1"]) == 2
+    err = _err(capsys)
+    assert all(t in err for t in _said(f"with a folder {flat / 'eval'} inside it", f"--eval-data {flat / 'eval'}"))
+    # the fix it names works: the same folder evaluated on explicitly
+    assert data_splits(flat, flat / "eval") == (flat, flat / "eval")
+    assert main(["train", "--task", "linreg", "--data", str(flat), "--eval-data", str(flat / "eval"),
+                 "--batch-size", "8", "--eval-batch-size", "8", "--steps", "1", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 0

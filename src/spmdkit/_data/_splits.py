@@ -79,6 +79,12 @@ def data_splits(data: str | os.PathLike, eval_data: str | os.PathLike | None = N
     if eval_data is not None:
         return train, eval_split(eval_data)
     if not split:
+        if (d / EVAL).is_dir():  # a held-out set the user put there would otherwise be ignored without a word
+            raise DatasetLayoutError(fix(
+                f"--data {d} is a single data set ({d / MANIFEST}) with a folder {d / EVAL} inside it: a single "
+                "data set has no eval split, so that folder would not be evaluated on.",
+                f"evaluate on it with --eval-data {d / EVAL}; or keep the splits side by side ({d}/{TRAIN} and "
+                f"{d}/{EVAL}: spmdkit data write DIR --task {task}); or move {d / EVAL} out of the data set."))
         return train, None
     if not (d / EVAL / MANIFEST).exists():
         raise DatasetFileError(fix(f"--data {d} has a training split but no eval split: {d / EVAL / MANIFEST} is "
