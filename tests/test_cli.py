@@ -125,6 +125,14 @@ def test_inspect_json_and_show():
     assert report["show"]["grid"][0][1] == "[:, 128:256, :]"
 
 
+def test_inspect_writes_a_tiny_models_sizes_in_bytes_not_as_zero_mib():
+    out = run_cli("inspect", "--task", "mlp", "--layers", "2", "--depth", "8", "--embed", "4", "--mesh", "data=8",
+                  "--rules", "dp")
+    assert out.returncode == 0, out.stderr
+    assert "0.00 MiB" not in out.stdout and "256 B" in out.stdout  # each (2, 4, 8) float32 matrix
+    assert "parameters: 512 B in all, 512 B per device" in out.stdout
+
+
 def test_inspect_names_the_rule_error():
     out = run_cli("inspect", "--mesh", "data=8", "--rules", "dp+tp")
     assert out.returncode == 2

@@ -20,7 +20,7 @@ from spmdkit._cli import main
 from spmdkit._errors import ConfigError
 from spmdkit._plan._candidates import enumerate_candidates, factorisations
 from spmdkit._plan._hlo import analyse
-from spmdkit._plan._search import readable_bytes
+from spmdkit._console import readable_bytes
 from spmdkit._target import Link, Target, TargetError, collective_time, example_targets, from_json, load_target
 
 

@@ -10,6 +10,7 @@ import optax
 from rich.console import Console
 from rich.table import Table
 
+from spmdkit._console import readable_bytes
 from spmdkit._errors import fix
 from spmdkit._rules import LayoutError
 from spmdkit._strategies.sharded import Sharded
@@ -90,27 +91,23 @@ def array_layout(strategy: Sharded, path: str) -> dict[str, Any]:
             "grid": grid.tolist(), "device_ids": np.vectorize(lambda d: d.id)(strategy.mesh.devices).tolist()}
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
 def print_report(report: dict[str, Any], console: Console) -> None:
     table = Table(title=f"{report['task']}: rules {report['rules']!r} on mesh {report['mesh']}")
     for col in ("parameter", "shape", "logical axes", "PartitionSpec", "per device"):
         table.add_column(col, justify="right" if col == "per device" else "left")
     for p in report["params"]:
-        table.add_row(p["path"], str(tuple(p["shape"])), str(p["logical"]), p["spec"], _mib(p["bytes_per_device"]))
+        table.add_row(p["path"], str(tuple(p["shape"])), str(p["logical"]), p["spec"], readable_bytes(p["bytes_per_device"]))
     console.print(table)
     m = report["step_memory_per_device"]
     console.print(
-        f"parameters: {_mib(report['param_bytes'])} in all, {_mib(report['param_bytes_per_device'])} per device; "
-        f"optimizer state {_mib(report['optimizer_bytes_per_device'])} per device; "
+        f"parameters: {readable_bytes(report['param_bytes'])} in all, {readable_bytes(report['param_bytes_per_device'])} per device; "
+        f"optimizer state {readable_bytes(report['optimizer_bytes_per_device'])} per device; "
         f"{report['replicated_fraction']:.0%} of the state replicated"
     )
     console.print(
-        f"compiled train step (batch {report['batch_size']}), per device: arguments {_mib(m['argument'])}, "
-        f"outputs {_mib(m['output'])}, temporaries {_mib(m['temp'])}; "
-        f"{report['step_flops_per_device'] / 1e9:.3f} GFLOP, {_mib(report['step_bytes_accessed_per_device'])} accessed"
+        f"compiled train step (batch {report['batch_size']}), per device: arguments {readable_bytes(m['argument'])}, "
+        f"outputs {readable_bytes(m['output'])}, temporaries {readable_bytes(m['temp'])}; "
+        f"{report['step_flops_per_device'] / 1e9:.3f} GFLOP, {readable_bytes(report['step_bytes_accessed_per_device'])} accessed"
     )
 
 

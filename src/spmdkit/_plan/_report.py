@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from spmdkit._plan._search import readable_bytes
+from spmdkit._console import readable_bytes
 
 
 def _ms(s: float) -> str:

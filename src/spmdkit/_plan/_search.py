@@ -13,6 +13,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
+from spmdkit._console import readable_bytes
 from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enumerate_candidates, rules_table
@@ -30,23 +31,6 @@ LARGE_SHARE = 0.05
 
 def _abstract(batch: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-
-
-def readable_bytes(n: float) -> str:
-    """Bytes in the unit that fits (B, KiB, MiB, GiB, TiB), three significant figures.
-
-    >>> readable_bytes(10), readable_bytes(5000), readable_bytes(3 * 2**30)
-    ('10 B', '4.88 KiB', '3 GiB')
-    """
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{_figures(n / size)} {unit}"
-    return f"{_figures(n)} B"
-
-
-def _figures(x: float) -> str:
-    """Three significant figures, but 1000-1023 of a unit whole (``:.3g`` writes 1.02e+03)."""
-    return f"{x:.3g}" if abs(x) < 999.5 else f"{x:.0f}"
 
 
 class StateLeafError(SpmdkitError, TypeError):
