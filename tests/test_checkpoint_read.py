@@ -84,3 +84,27 @@ def test_a_changed_chunk_is_named_and_a_format_it_does_not_know_goes_to_orbax(tm
     plain = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ckFalse")), log=lambda m: None)
     with pytest.raises(spmdkit.CheckpointError, match=r"step 1 is damaged: file spmdkit_1/state/w/1\.3 has changed"):
         plain.restore(1, target)
+
+
+def test_a_partial_restore_names_damage_in_a_leaf_outside_its_target(tmp_path):
+    """Restoring the parameters alone still checks the optimizer's files: every process then
+    finds the same damage, and a damaged step is never half-trusted."""
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", "model")))  # noqa: E731
+    state = {"params": {"w": put(jnp.ones((8, 8)))}, "opt": {"mu": put(jnp.full((8, 8), 2.0))}}
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    ckpt.save(1, state, {})
+    ckpt.save(2, state, {})
+    ckpt.close()
+    files = read_manifest(tmp_path / "ck", 1)[0]["files"]
+    mu = sorted(n for n in files if _read.is_chunk_file(n) and "mu" in n)
+    assert mu, sorted(files)
+    path = tmp_path / "ck" / step_name(1) / mu[0]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state["params"])
+    with pytest.raises(spmdkit.CheckpointError, match=r"step 1 is damaged: .*mu"):
+        ckpt.restore(1, target)
+    got, _ = ckpt.restore(2, target)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.ones((8, 8)))
