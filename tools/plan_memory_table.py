@@ -6,7 +6,7 @@ for the mlp and the lm at three sizes each (the lm under remat none, full and do
 1 and 2), and prints the worst margin (analytic / compiled - 1) per model, size and policy.
 Memory figures are deterministic: the machine's load does not change them.
 
-    python tools/plan_memory_table.py [--only lm|mlp] [--sizes 0,1,2] [--remat none,full,dots]
+    python tools/plan_memory_table.py [--only lm|mlp] [--sizes 0,1,2,3] [--remat none,full,dots]
         [--scan-unroll N] [--json FILE]
 """
 
@@ -24,11 +24,19 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 RULES = ("dp", "fsdp", "tp", "dp+tp", "fsdp+tp", "fsdp+sp", "hsdp+tp")
+# Sizes 1-3 of each model are the three that `spmdkit plan --measure` is benchmarked at
+# (BENCHMARKS.md "plan"); size 0 is a smaller one; the lm's sizes 4-6 widen the fit of its
+# counts (tools/plan_memory_fit.py) to other depths, widths, heads and lengths.
 LM_SIZES = [dict(layers=2, d_model=32, heads=8, seq_len=32, batch=16),
             dict(layers=2, d_model=64, heads=4, seq_len=64, batch=32),
-            dict(layers=4, d_model=128, heads=8, seq_len=128, batch=32)]
+            dict(layers=4, d_model=64, heads=4, seq_len=64, batch=32),
+            dict(layers=4, d_model=128, heads=8, seq_len=128, batch=32),
+            dict(layers=3, d_model=96, heads=6, seq_len=48, batch=24),
+            dict(layers=2, d_model=128, heads=8, seq_len=128, batch=16),
+            dict(layers=6, d_model=64, heads=4, seq_len=64, batch=16)]
 MLP_SIZES = [dict(layers=2, embed=64, depth=256, batch=32),
              dict(layers=4, embed=128, depth=512, batch=64),
+             dict(layers=4, embed=256, depth=1024, batch=128),
              dict(layers=8, embed=256, depth=1024, batch=128)]
 
 
@@ -86,7 +94,7 @@ def rows_of(result: dict, **key) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("lm", "mlp"))
-    p.add_argument("--sizes", default="0,1,2")
+    p.add_argument("--sizes", default=None, help="size numbers, e.g. 1,2,3 (default: all of each model)")
     p.add_argument("--remat", default="none,full,dots")
     p.add_argument("--accum", default="1,2")
     p.add_argument("--scan-unroll", type=int, default=None, help="lm: layers per loop iteration (default: the lm's)")
@@ -99,14 +107,14 @@ def main() -> None:
         rows = [r for fn in a.table for r in json.load(open(fn))]
         table([recount(r) for r in rows] if a.recount else rows)
         return
-    sizes = [int(s) for s in a.sizes.split(",")]
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else None
     accum = tuple(int(s) for s in a.accum.split(","))
     rows: list[dict] = []
     started = time.time()
     for model in ("mlp", "lm"):
         if a.only not in (None, model):
             continue
-        for i in sizes:
+        for i in sizes if sizes is not None else range(len(LM_SIZES if model == "lm" else MLP_SIZES)):
             for remat in (a.remat.split(",") if model == "lm" else ["none"]):
                 res = (lm_plan(LM_SIZES[i], (remat,), accum, a.scan_unroll) if model == "lm"
                        else mlp_plan(MLP_SIZES[i], accum))
@@ -140,7 +148,8 @@ def recount(row: dict) -> dict:
         parts = mlp_memory(size["layers"], size["depth"], size["embed"], rows, row["accum"], table_, mesh)
     a = row["analytic"]
     total = 2 * a["new_state"] + a["batch"] + sum(parts.values())
-    return {**row, "margin": total / row["compiled"]["total"] - 1}
+    analytic = {**row["analytic"], "activation_parts": parts, "activations": sum(parts.values()), "total": total}
+    return {**row, "analytic": analytic, "margin": total / row["compiled"]["total"] - 1}
 
 
 def table(rows: list[dict]) -> None:

@@ -130,29 +130,47 @@ def gathered_bytes(params: Iterable[tuple[Names, int]], table: Iterable[tuple[st
 
 
 # XLA's partitioner, for a matmul whose weight is split along a mesh axis that also splits
-# the batch, gathers the weight (one layer's, and its gradient whole before the
-# reduce-scatter) when a device holds few rows of the (micro-)batch or the step
-# accumulates; with more rows it moves the activations instead and gathers nothing whole.
-# Measured on XLA:CPU for the built-in models (jax 0.12): 8 rows or fewer.
-GATHER_ROWS = 8
-
-
-def gathers(params: list[tuple[Names, int]], rows: int, accum: int, table: list[tuple[str, Any]],
+# the batch (FSDP), gathers the weight whole (one layer's in a loop over layers; and its
+# gradient whole before the reduce-scatter), at every batch size measured on XLA:CPU (4 to
+# 64 rows per device, jax 0.12). Whether the gathered copies take room of their own is the
+# buffer assignment's call: it places a temporary in an output buffer of the step that is
+# not yet written and large enough, and the new state's leaf of a stacked parameter holds
+# every layer's share. When that leaf is at least one layer's gathered weight (as many
+# layers as the weight is split over the batch's axes, or more), the gathered copies live
+# there: an mlp of 4 layers on [data=8] holds 4 gathered matrices in temporaries (+4 MiB
+# at 1024 x 256), of 8 layers none (0.9 MiB of temporaries in all).
+def gathers(params: Iterable[tuple[Names, int]], table: list[tuple[str, Any]],
             mesh: Mapping[str, int]) -> tuple[int, int]:
     """``(held, extra)``: the bytes of ``params`` a device holds, and what gathering them
-    whole over the batch's mesh axes adds when XLA does (see ``GATHER_ROWS``; 0 otherwise)."""
+    whole over the batch's mesh axes adds (0 when nothing is split over them)."""
+    params = list(params)
     held = int(sum(nbytes / pieces(names, table, mesh) for names, nbytes in params))
-    extra = gathered_bytes(params, table, mesh) - held
-    per_device = rows / pieces(("batch",), table, mesh)
-    return held, extra if extra > 0 and (per_device <= GATHER_ROWS or accum > 1) else 0
+    return held, max(gathered_bytes(params, table, mesh) - held, 0)
 
 
-def layer_parts(layer: list[tuple[Names, int]], rows: int, accum: int, table: Iterable[tuple[str, Any]],
+def hosted(layer: Iterable[tuple[Names, int]], layers: int, table: list[tuple[str, Any]],
+           mesh: Mapping[str, int]) -> bool:
+    """Whether the new state's leaves can hold one layer's gathered parameters: for each
+    parameter the rules split over the batch's axes, ``layers`` layers' share on one device
+    is at least that parameter gathered (see :func:`gathers`)."""
+    for names, nbytes in layer:
+        share = nbytes / pieces(names, table, mesh)
+        whole = gathered_bytes([(names, nbytes)], table, mesh)
+        if whole > share and layers * share < whole:
+            return False
+    return True
+
+
+def layer_parts(layer: list[tuple[Names, int]], layers: int, accum: int, table: Iterable[tuple[str, Any]],
                 mesh: Mapping[str, int]) -> dict[str, int]:
-    """One layer's parameters gathered whole (forward and backward, FSDP), and, when the step
-    accumulates, one layer's gradients of a micro-batch before they join the running sum."""
-    held, extra = gathers(layer, rows, accum, list(table), mesh)
-    return {"gathered": 2 * extra, "micro_gradients": held if accum > 1 else 0}
+    """In a loop over ``layers`` layers: one layer's parameters gathered whole, forward and
+    backward (FSDP), unless the new state's buffers hold them (:func:`hosted`; an
+    accumulating step still holds the running gradient's gathered layer); and, when the
+    step accumulates, one layer's gradients of a micro-batch before they join the sum."""
+    table = list(table)
+    held, extra = gathers(layer, table, mesh)
+    copies = (1 if accum > 1 else 0) if hosted(layer, layers, table, mesh) else 2
+    return {"gathered": copies * extra, "micro_gradients": held if accum > 1 else 0}
 
 
 # ---------------------------------------------------------------- the built-in lm
@@ -167,37 +185,45 @@ def layer_parts(layer: list[tuple[Names, int]], rows: int, accum: int, table: It
 # The counts depend on the program's form (``LMConfig.unroll``, as the lm builds it):
 # - unrolled (every layer in one straight-line program, the default up to 8 layers): XLA
 #   schedules the whole step at once and reuses buffers across layers. Under ``none`` each
-#   layer keeps about 5 residual-shaped arrays, 2.4 of scores and q/k/v/attention/MLP
-#   arrays (heads; the MLP's are among them) for the backward pass; under ``full`` and
+#   layer keeps about 7 residual-shaped arrays, 1.6 of scores and 14 of q/k/v/attention/MLP
+#   shape (heads; the MLP's are among them) for the backward pass; under ``full`` and
 #   ``dots`` hardly anything per layer (the block's input), and the recomputation's working
 #   set takes the room. Where the rules shard parameters over the batch's mesh axes (FSDP)
-#   and XLA gathers (``GATHER_ROWS``), it gathers every layer's parameters at once, with
+#   and a device holds few rows (``LM_GATHER_ROWS``), XLA gathers every layer's parameters
+#   at once into room of their own, with
 #   their gradients before the reduce-scatter ("gathered": that many times what gathering
 #   adds; the second figure under accumulation, where the running sum of gradients is
 #   gathered too); under sequence parallelism each layer keeps its keys and values (and,
 #   under ``none``, their gradients) gathered over the whole length ("kv_gathered").
-#   Fitted (least worst relative error) to the compiled programs (XLA:CPU, jax 0.12) of
-#   the lm on 8 devices at three sizes under every default rules preset and accumulation 1
-#   and 2, with one device's programs at other widths, lengths, heads and depths (1-4
-#   layers) weighed less: XLA's schedule is not a sum of parts (on one device, 2 layers of
-#   width 128 take less room than of width 64; under ``full``, 4 layers less than 2), so the
-#   counts are those of these programs, within 10% for the planner's candidates and 14%
-#   for the others. Attention's layouts change them: re-take with tools/plan_memory_table.py.
+#   Part of the new parameters' buffers holds temporaries before the update writes them
+#   ("outputs": that share of the parameters one device holds, subtracted). Fitted (least
+#   worst relative error, tools/plan_memory_fit.py) to the compiled programs (XLA:CPU, jax
+#   0.12) of the lm on 8 devices under every default rules preset at seven sizes (2-6
+#   layers, width 32-128, 4-8 heads, length 32-128; accumulation 1 and 2 at four of them):
+#   within 6.4% under ``none``, 7.8% under ``dots``, 10.3% under ``full``. XLA's schedule is
+#   not a sum of parts (under ``full`` a 4-layer step can take less room than a 2-layer
+#   one), so these are the counts of these programs; a fit to four of the sizes was 6-21%
+#   off on the other three. Attention's layouts change them: re-take with
+#   tools/plan_memory_table.py and refit.
 # - rolled (a loop over layers, ``LMConfig.unroll`` < ``layers``): the loop holds one
 #   layer's working set and every layer's saved arrays in stacked buffers, and gathers one
 #   layer's parameters at a time (:func:`layer_parts`). Fitted to the rolled program of an
 #   earlier lm (its MLP on (batch, length, features)); on today's, within 10% under ``none``
 #   at the three sizes, up to 20% over under ``full`` and ``dots`` (BENCHMARKS.md).
+# The unrolled lm's gathered parameters take room of their own where a device holds this
+# many rows of the batch or fewer, or the step accumulates (measured at 4, 8 and 16 rows);
+# with more rows XLA's schedule finds them room in buffers the step holds anyway.
+LM_GATHER_ROWS = 8
 LM_COUNTS = {
-    "none": {"saved": {"embed": 4.91, "heads": 8.75, "scores": 2.39},
-             "working": {"embed": 10.69, "heads": 1.59, "scores": 1.18}, "top": {"vocab": 0.91},
-             "kv_gathered": 3.29, "gathered": (1.92, 2.81), "micro": 0.0},
-    "dots": {"saved": {"embed": 3.02},
-             "working": {"embed": 5.06, "heads": 9.24, "scores": 2.37}, "top": {"vocab": 0.45},
-             "kv_gathered": 2.28, "gathered": (1.44, 2.33), "micro": 0.0},
-    "full": {"saved": {"embed": 0.61},
-             "working": {"embed": 9.33, "heads": 12.89, "scores": 1.17}, "top": {"vocab": 1.13},
-             "kv_gathered": 2.01, "gathered": (1.76, 2.43), "micro": 0.0},
+    "none": {"saved": {"embed": 7.265, "heads": 14.109, "scores": 1.643},
+             "working": {"embed": 2.672}, "top": {"vocab": 3.683},
+             "kv_gathered": 2.926, "gathered": (1.533, 2.552), "micro": 0.0, "outputs": 0.602},
+    "dots": {"saved": {"embed": 2.667},
+             "working": {"embed": 4.032, "heads": 16.076, "scores": 1.923}, "top": {"vocab": 1.567},
+             "kv_gathered": 1.026, "gathered": (0.962, 1.679), "micro": 0.0, "outputs": 0.237},
+    "full": {"saved": {"embed": 0.115},
+             "working": {"embed": 11.171, "heads": 14.109, "scores": 0.907}, "top": {"vocab": 1.338},
+             "kv_gathered": 1.681, "gathered": (1.391, 2.214), "micro": 0.0, "outputs": 0.596},
 }
 LM_COUNTS_ROLLED = {
     "none": {"saved": {"embed": 6, "heads": 4, "scores": 1.5, "mlp": 7.5}, "working": {"embed": 9},
@@ -241,24 +267,27 @@ def lm_looped(cfg: Any) -> bool:
 
 
 def lm_memory(cfg: Any, rows: int, remat: str, accum: int, table: Iterable[tuple[str, Any]],
-              mesh: Mapping[str, int]) -> dict[str, int]:
+              mesh: Mapping[str, int], counts: Mapping[str, Any] | None = None) -> dict[str, int]:
     """What the lm's passes keep on one device for ``rows`` rows of the (micro-)batch: the
     saved activations of every block, one block's backward working set (under ``full`` and
     ``dots`` with the recomputed arrays), the logits and what surrounds them, and the
     parameters gathered whole and micro-batch gradients, counted for the program's form
-    (``LM_COUNTS`` unrolled, ``LM_COUNTS_ROLLED`` in a loop)."""
+    (``counts``: by default ``LM_COUNTS`` unrolled, ``LM_COUNTS_ROLLED`` in a loop)."""
     table = list(table)
     looped = lm_looped(cfg)
-    counts = (LM_COUNTS_ROLLED if looped else LM_COUNTS)[remat]
+    counts = counts if counts is not None else (LM_COUNTS_ROLLED if looped else LM_COUNTS)[remat]
     out = {"saved": kept_bytes(_lm_arrays(cfg, counts["saved"], cfg.layers), rows, table, mesh),
            "working": kept_bytes(_lm_arrays(cfg, counts["working"], 1), rows, table, mesh),
            "logits": kept_bytes(_lm_arrays(cfg, counts["top"], 1), rows, table, mesh)}
     if looped:
-        return {**out, **layer_parts(lm_layer_params(cfg), rows, accum, table, mesh)}
-    held, extra = gathers(lm_params(cfg), rows, accum, table, mesh)
+        return {**out, **layer_parts(lm_layer_params(cfg), cfg.layers, accum, table, mesh)}
+    held, extra = gathers(lm_params(cfg), table, mesh)
+    if rows / pieces(("batch",), table, mesh) > LM_GATHER_ROWS and accum == 1:
+        extra = 0
     return {**out, "sequence_gathered": _sequence_gathered(cfg, counts["kv_gathered"] * cfg.layers, rows, table, mesh),
             "gathered": int(counts["gathered"][accum > 1] * extra),
-            "micro_gradients": int(counts["micro"] * held) if accum > 1 else 0}
+            "micro_gradients": int(counts["micro"] * held) if accum > 1 else 0,
+            "in_new_parameters": -int(counts.get("outputs", 0.0) * held)}
 
 
 def _sequence_gathered(cfg: Any, count: float, rows: int, table: list[tuple[str, Any]], mesh: Mapping[str, int]) -> int:
@@ -279,7 +308,7 @@ def mlp_memory(layers: int, depth: int, embed: int, rows: int, accum: int, table
     table = list(table)
     kept = [Kept(("batch", "hidden"), depth, 4, layers), Kept(("batch", "embed"), embed, 4, 1)]
     layer = [(("embed", "hidden"), 4 * embed * depth), (("hidden", "embed"), 4 * depth * embed)]
-    return {"saved": kept_bytes(kept, rows, table, mesh), **layer_parts(layer, rows, accum, table, mesh)}
+    return {"saved": kept_bytes(kept, rows, table, mesh), **layer_parts(layer, layers, accum, table, mesh)}
 
 
 def _for_candidates(memory: Callable[[int, str, int, list, dict], dict[str, int]],

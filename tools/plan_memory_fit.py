@@ -1,0 +1,98 @@
+"""Refit the unrolled lm's memory counts (``LM_COUNTS`` in ``src/spmdkit/_plan/_memory.py``)
+to compiled figures taken by ``tools/plan_memory_table.py --json``.
+
+The count is linear in its coefficients (arrays per layer of each kind, gathered copies),
+so the fit with the least worst relative error over every candidate is a linear program:
+minimise t subject to |count_i / compiled_i - 1| <= t, coefficients >= 0 (the share of the
+new parameters' buffers that holds temporaries at most 1). Prints, per remat
+policy, the coefficients to paste and the worst margin with them.
+
+    python tools/plan_memory_fit.py lm.json [more.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import plan_memory_table as table_tool
+from scipy.optimize import linprog
+
+# (section, kind): the coefficients of LM_COUNTS; "gathered" has one for accumulation 1 and one for 2
+TERMS = [("saved", "embed"), ("saved", "heads"), ("saved", "scores"), ("working", "embed"), ("working", "heads"),
+         ("working", "scores"), ("top", "vocab"), ("kv_gathered", None), ("gathered", 0), ("gathered", 1),
+         ("outputs", None)]
+# "outputs": the share of the new parameters' buffers that holds temporaries before the
+# update writes them (subtracted; at most all of them)
+BOUNDS = [(0, None)] * (len(TERMS) - 1) + [(0, 1)]
+
+
+def unit_counts(term: tuple[str, object]) -> dict:
+    counts = {"saved": {}, "working": {}, "top": {}, "kv_gathered": 0.0, "gathered": (0.0, 0.0), "micro": 0.0}
+    section, kind = term
+    if section in ("saved", "working", "top"):
+        counts[section] = {kind: 1.0}
+    elif section in ("kv_gathered", "outputs"):
+        counts[section] = 1.0
+    else:
+        counts["gathered"] = (1.0, 0.0) if kind == 0 else (0.0, 1.0)
+    return counts
+
+
+def design(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The count's basis per candidate, its fixed part (state in and out, batch) and the compiled figure."""
+    from spmdkit._plan._candidates import rules_table
+    from spmdkit._plan._memory import lm_memory
+    from spmdkit._tasks import lm
+
+    basis, fixed, compiled = [], [], []
+    for row in rows:
+        size = table_tool.LM_SIZES[row["size"]]
+        cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"))
+        args = (cfg, size["batch"] // row["accum"], row["remat"], row["accum"], list(rules_table(row["rules"]).table),
+                dict(row["mesh"]))
+        basis.append([sum(lm_memory(*args, counts=unit_counts(t)).values()) for t in TERMS])
+        fixed.append(2 * row["analytic"]["new_state"] + row["analytic"]["batch"])
+        compiled.append(row["compiled"]["total"])
+    return np.array(basis, float), np.array(fixed, float), np.array(compiled, float)
+
+
+def fit(basis: np.ndarray, fixed: np.ndarray, compiled: np.ndarray) -> tuple[np.ndarray, float]:
+    """Coefficients >= 0 with the least worst |count / compiled - 1|, and that worst."""
+    n, k = basis.shape
+    a = basis / compiled[:, None]
+    b = 1 - fixed / compiled
+    # variables: k coefficients, then t; a c - t <= b, -a c - t <= -b
+    a_ub = np.vstack([np.hstack([a, -np.ones((n, 1))]), np.hstack([-a, -np.ones((n, 1))])])
+    b_ub = np.concatenate([b, -b])
+    cost = np.zeros(k + 1)
+    cost[-1] = 1
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=[*BOUNDS, (0, None)], method="highs")
+    if not res.success:
+        raise SystemExit(f"the fit failed: {res.message}")
+    return res.x[:k], float(res.x[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("json", nargs="+")
+    a = p.parse_args()
+    rows = []
+    for fn in a.json:
+        with open(fn) as fh:
+            rows += [r for r in json.load(fh) if r["model"] == "lm" and not r.get("unroll")]
+    for remat in ("none", "full", "dots"):
+        got = [r for r in rows if r["remat"] == remat]
+        if not got:
+            continue
+        basis, fixed, compiled = design(got)
+        coef, _ = fit(basis, fixed, compiled)
+        margins = (fixed + basis @ coef) / compiled - 1
+        i = int(np.argmax(np.abs(margins)))
+        print(f"{remat}: {len(got)} candidates, worst {margins[i]:+.1%} ({got[i]['label']}, size {got[i]['size']})")
+        print("   ", {f"{s}.{k}" if k is not None else s: round(float(c), 3) for (s, k), c in zip(TERMS, coef)})
+
+
+if __name__ == "__main__":
+    main()
