@@ -8,6 +8,7 @@ new parameters' buffers that holds temporaries at most 1). Prints, per remat
 policy, the coefficients to paste and the worst margin with them.
 
     python tools/plan_memory_fit.py lm.json [more.json ...]
+    python tools/plan_memory_fit.py --rolled rolled.json   # LM_COUNTS_ROLLED
 """
 
 from __future__ import annotations
@@ -19,17 +20,27 @@ import numpy as np
 import plan_memory_table as table_tool
 from scipy.optimize import linprog
 
-# (section, kind): the coefficients of LM_COUNTS; "gathered" has one for accumulation 1 and one for 2
+# (section, kind): the coefficients of LM_COUNTS; "gathered" has one for accumulation 1 and one for 2;
+# "outputs": the share of the new parameters' buffers that holds temporaries before the update
+# writes them (subtracted; at most all of them)
 TERMS = [("saved", "embed"), ("saved", "heads"), ("saved", "scores"), ("working", "embed"), ("working", "heads"),
          ("working", "scores"), ("top", "vocab"), ("kv_gathered", None), ("gathered", 0), ("gathered", 1),
          ("outputs", None)]
-# "outputs": the share of the new parameters' buffers that holds temporaries before the
-# update writes them (subtracted; at most all of them)
-BOUNDS = [(0, None)] * (len(TERMS) - 1) + [(0, 1)]
+# LM_COUNTS_ROLLED: the loop gathers one layer at a time, counted by the layout (not fitted)
+TERMS_ROLLED = [("saved", "embed"), ("saved", "heads"), ("saved", "scores"), ("saved", "mlp"), ("working", "embed"),
+                ("working", "heads"), ("working", "scores"), ("working", "mlp"), ("top", "vocab"), ("kv_gathered", None),
+                ("outputs", None)]
 
 
-def unit_counts(term: tuple[str, object]) -> dict:
+def bounds(terms: list) -> list[tuple[float, float | None]]:
+    return [(0, 1) if term == ("outputs", None) else (0, None) for term in terms]
+
+
+def unit_counts(term: tuple[str, object] | None) -> dict:
+    """Counts with one coefficient 1 and the others 0 (all 0 for ``None``)."""
     counts = {"saved": {}, "working": {}, "top": {}, "kv_gathered": 0.0, "gathered": (0.0, 0.0), "micro": 0.0}
+    if term is None:
+        return counts
     section, kind = term
     if section in ("saved", "working", "top"):
         counts[section] = {kind: 1.0}
@@ -40,8 +51,9 @@ def unit_counts(term: tuple[str, object]) -> dict:
     return counts
 
 
-def design(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The count's basis per candidate, its fixed part (state in and out, batch) and the compiled figure."""
+def design(rows: list[dict], terms: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate: the count's basis (linear in its coefficients), its fixed part (state in
+    and out, batch, and what the count adds with every coefficient 0) and the compiled figure."""
     from spmdkit._plan._candidates import rules_table
     from spmdkit._plan._memory import lm_memory
     from spmdkit._tasks import lm
@@ -52,13 +64,14 @@ def design(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"))
         args = (cfg, size["batch"] // row["accum"], row["remat"], row["accum"], list(rules_table(row["rules"]).table),
                 dict(row["mesh"]))
-        basis.append([sum(lm_memory(*args, counts=unit_counts(t)).values()) for t in TERMS])
-        fixed.append(2 * row["analytic"]["new_state"] + row["analytic"]["batch"])
+        zero = sum(lm_memory(*args, counts=unit_counts(None)).values())
+        basis.append([sum(lm_memory(*args, counts=unit_counts(t)).values()) - zero for t in terms])
+        fixed.append(2 * row["analytic"]["new_state"] + row["analytic"]["batch"] + zero)
         compiled.append(row["compiled"]["total"])
     return np.array(basis, float), np.array(fixed, float), np.array(compiled, float)
 
 
-def fit(basis: np.ndarray, fixed: np.ndarray, compiled: np.ndarray) -> tuple[np.ndarray, float]:
+def fit(basis: np.ndarray, fixed: np.ndarray, compiled: np.ndarray, bound: list) -> tuple[np.ndarray, float]:
     """Coefficients >= 0 with the least worst |count / compiled - 1|, and that worst."""
     n, k = basis.shape
     a = basis / compiled[:, None]
@@ -68,7 +81,7 @@ def fit(basis: np.ndarray, fixed: np.ndarray, compiled: np.ndarray) -> tuple[np.
     b_ub = np.concatenate([b, -b])
     cost = np.zeros(k + 1)
     cost[-1] = 1
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=[*BOUNDS, (0, None)], method="highs")
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=[*bound, (0, None)], method="highs")
     if not res.success:
         raise SystemExit(f"the fit failed: {res.message}")
     return res.x[:k], float(res.x[-1])
@@ -77,21 +90,24 @@ def fit(basis: np.ndarray, fixed: np.ndarray, compiled: np.ndarray) -> tuple[np.
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+")
+    p.add_argument("--rolled", action="store_true", help="fit LM_COUNTS_ROLLED to the rolled programs "
+                   "(tools/plan_memory_table.py --scan-unroll 1)")
     a = p.parse_args()
+    terms = TERMS_ROLLED if a.rolled else TERMS
     rows = []
     for fn in a.json:
         with open(fn) as fh:
-            rows += [r for r in json.load(fh) if r["model"] == "lm" and not r.get("unroll")]
+            rows += [r for r in json.load(fh) if r["model"] == "lm" and bool(r.get("unroll")) == a.rolled]
     for remat in ("none", "full", "dots"):
         got = [r for r in rows if r["remat"] == remat]
         if not got:
             continue
-        basis, fixed, compiled = design(got)
-        coef, _ = fit(basis, fixed, compiled)
+        basis, fixed, compiled = design(got, terms)
+        coef, _ = fit(basis, fixed, compiled, bounds(terms))
         margins = (fixed + basis @ coef) / compiled - 1
         i = int(np.argmax(np.abs(margins)))
         print(f"{remat}: {len(got)} candidates, worst {margins[i]:+.1%} ({got[i]['label']}, size {got[i]['size']})")
-        print("   ", {f"{s}.{k}" if k is not None else s: round(float(c), 3) for (s, k), c in zip(TERMS, coef)})
+        print("   ", {f"{s}.{k}" if k is not None else s: round(float(c), 3) for (s, k), c in zip(terms, coef)})
 
 
 if __name__ == "__main__":
