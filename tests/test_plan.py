@@ -230,16 +230,33 @@ def test_collective_wait_priced_per_execution_including_loop_trips():
     assert target.sync_ops_for(4) == pytest.approx(3.0) and all(c["sync_seconds"] == 0 for c in without)
 
 
-def test_collective_wait_is_never_overlapped_with_compute():
+def test_only_parameter_gathers_overlap_compute():
     from spmdkit._plan._cost import step_time
 
     t = _sync_target({8: 5.0})
     # compute 10 ms (1e10 FLOPs at 1e12 FLOP/s); collectives 2 ms, of which 1 ms waits
     s = step_time(1e10, 0.0, 2e-3, t, "float32", 0, 1e-3)
     assert s["compute_s"] == pytest.approx(1e-2)
-    assert s["step_s_overlapped"] == pytest.approx(1.1e-2)  # the alpha-beta 1 ms hides under compute, the wait not
-    assert s["step_s_serial"] == pytest.approx(1.2e-2)
-    assert step_time(1e10, 0.0, 2e-3, t, "float32")["step_s_overlapped"] == pytest.approx(1e-2)  # no wait: all hidden
+    # an activation's all-reduce or the gradients' reduction takes what computation made: no overlap
+    assert s["step_s_overlapped"] == s["step_s_serial"] == pytest.approx(1.2e-2)
+    # FSDP's parameter gathers need nothing the step computes: they (and their waits) hide under compute
+    s = step_time(1e10, 0.0, 2e-3, t, "float32", 0, 1e-3, prefetched_seconds=1.5e-3)
+    assert s["step_s_overlapped"] == pytest.approx(1.05e-2) and s["step_s_serial"] == pytest.approx(1.2e-2)
+    # more to gather than to compute: the gathers set the pace
+    s = step_time(1e9, 0.0, 2e-3, t, "float32", 0, 0.0, prefetched_seconds=2e-3)
+    assert s["step_s_overlapped"] == pytest.approx(2e-3) and s["step_s_serial"] == pytest.approx(3e-3)
+
+
+def test_fsdp_parameter_gathers_are_marked_prefetched():
+    from spmdkit._plan._cost import collective_costs
+    from spmdkit._plan._hlo import Collective, Program
+
+    gather = Collective("all_gather", 4096, 8, ("data",), 3, (tuple(range(8)),), "ag")
+    reduce = Collective("all_reduce", 4096, 8, ("data",), 1, (tuple(range(8)),), "ar")
+    model = Collective("all_gather", 4096, 8, ("model",), 1, (tuple(range(8)),), "sp")
+    t = _sync_target({8: 5.0})
+    got = collective_costs(Program([gather, reduce, model], 0.0, 0.0, 0.0, 0), t, 8, 1e-4, ("data",))
+    assert [c["prefetched"] for c in got] == [True, False, False]
 
 
 def test_compute_priced_per_operation_memory_bound_ones_add_to_matmuls():
@@ -380,6 +397,28 @@ def test_plan_measure_compares_predicted_and_measured(user_plan):
     assert all(m["measured_s"] > 0 and m["measured_memory"] > 0 and m["measured_memory_source"] for m in runs)
     assert user_plan["measured"]["spearman"] is None  # fewer than 3 runs: no rank correlation claimed
     assert user_plan["measured"]["ties"] == []  # one round each: no spread to judge a tie by
+
+
+def test_measured_order_is_paired_by_round_not_by_overall_medians():
+    from spmdkit._plan._report import measure
+
+    # a beats b in two of three rounds; b's overall median is lower only because a's slow
+    # rounds fell where b's were fast: the rounds' own comparison decides
+    rounds = {"a": [1.0, 10.0, 10.0], "b": [2.0, 2.0, 20.0]}
+    row = {"status": "ok", "step_s": 1.0, "step_s_overlapped": 1.0, "step_s_serial": 1.0,
+           "memory": {"analytic": {"total": 1}, "per_device": 1}}
+    plan = {"candidates": [{**row, "label": k, "rank": i + 1} for i, k in enumerate(rounds)]}
+
+    def prepare(r):
+        left = list(rounds[r["label"]])
+        return (lambda steps: [left.pop(0)] * steps), 1, "compiled"
+
+    got = measure(plan, 2, prepare, steps=1, rounds=3)
+    a, b = got["runs"]
+    assert a["measured_s"] > b["measured_s"]  # overall medians: 10 against 2
+    assert a["measured_relative"] < 1 < b["measured_relative"]
+    assert got["measured_fastest"] == "a" and got["measured_fastest_predicted_rank"] == 1
+    assert a["measured_relative_rounds"] == pytest.approx([2 ** -0.5, 5 ** 0.5, 2 ** -0.5])
 
 
 def test_measured_ties_are_the_candidates_whose_rounds_overlap(capsys):

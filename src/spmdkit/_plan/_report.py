@@ -59,7 +59,9 @@ def explain(plan: dict[str, Any]) -> list[str]:
     win = ok[0]
     lines = [f"winner: {win['label']}: {_ms(win['step_s_overlapped'])}-{_ms(win['step_s_serial'])} ms per step "
              f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"
-             + (f", {_ms(win['sync_s'])} ms of it waiting at them" if win.get("sync_s") else "") + "), "
+             + (f", {_ms(win['sync_s'])} ms of it waiting at them" if win.get("sync_s") else "")
+             + (f", {_ms(win['prefetched_s'])} ms of it parameter gathers that can run during compute"
+                if win.get("prefetched_s") else "") + "), "
              f"{readable_bytes(win['memory']['per_device'])} per device"]
     paid = sorted(_by_kind(win).items(), key=lambda kv: -kv[1]["seconds"])
     if paid:
@@ -208,7 +210,10 @@ def measure(plan: dict[str, Any], k: int,
     ``prepare(row) -> (run(steps) -> seconds per step, memory, where the memory figure comes from)``. The candidates take turns,
     ``rounds`` times ``steps`` steps each, each round starting one candidate later than the last, so a change in the
     machine's load and whoever ran just before fall on all alike; a candidate's time is the median of its rounds'
-    medians (``measured_rounds_s``)."""
+    medians (``measured_rounds_s``). The measured order (rank correlation, fastest, ties) comes from each round's
+    medians relative to that round's geometric mean over the candidates (``measured_relative``, the median of
+    ``measured_relative_rounds``): a paired comparison, so a slow minute of the machine, which falls on one round,
+    does not reorder candidates."""
     rows = [r for r in plan["candidates"] if r["status"] == "ok"][:k]
     prepared = [prepare(r) for r in rows]
     times: list[list[float]] = [[] for _ in rows]
@@ -219,26 +224,48 @@ def measure(plan: dict[str, Any], k: int,
             t = prepared[i][0](steps)
             times[i].extend(t)
             per_round[i].append(statistics.median(t))
+    relative = _relative_rounds(per_round)
     out = []
-    for r, (_, memory, source), t, pr in zip(rows, prepared, times, per_round):
+    for r, (_, memory, source), t, pr, rel in zip(rows, prepared, times, per_round, relative):
         out.append({"label": r["label"], "rank": r["rank"], "predicted_s": r["step_s"],
                     "predicted_range_s": [r["step_s_overlapped"], r["step_s_serial"]],
                     "measured_s": statistics.median(pr), "measured_spread_s": [min(t), max(t)],
-                    "measured_rounds_s": pr, "steps": len(t),
+                    "measured_rounds_s": pr, "measured_relative": statistics.median(rel) if rel else None,
+                    "measured_relative_rounds": rel, "steps": len(t),
                     "predicted_memory": r["memory"]["analytic"]["total"], "per_device_memory": r["memory"]["per_device"],
                     "measured_memory": memory,
                     "measured_memory_source": source})
-    fastest = min(out, key=lambda m: m["measured_s"]) if out else None
-    return {"runs": out, "rounds": rounds, "spearman": spearman([m["predicted_s"] for m in out], [m["measured_s"] for m in out]),
+    fastest = min(out, key=_measured_order) if out else None
+    return {"runs": out, "rounds": rounds,
+            "spearman": spearman([m["predicted_s"] for m in out], [_measured_order(m) for m in out]),
             "measured_fastest": fastest["label"] if fastest else None,
             "measured_fastest_predicted_rank": fastest["rank"] if fastest else None,
             "ties": ties(out)}
 
 
+def _relative_rounds(per_round: list[list[float]]) -> list[list[float]]:
+    """Each candidate's round medians over that round's geometric mean across the candidates.
+
+    Example:
+        >>> [[round(x, 6) for x in r] for r in _relative_rounds([[1.0, 2.0], [4.0, 8.0]])]  # round 2 twice as slow
+        [[0.5, 0.5], [2.0, 2.0]]
+    """
+    if not per_round or any(len(pr) != len(per_round[0]) for pr in per_round):
+        return [[] for _ in per_round]
+    logs = np.log(np.array(per_round, dtype=float))
+    return (np.exp(logs - logs.mean(axis=0, keepdims=True))).tolist()
+
+
+def _measured_order(m: dict[str, Any]) -> float:
+    """What the measured candidates are ordered by: their paired relative time, else their median."""
+    return m["measured_relative"] if m.get("measured_relative") is not None else m["measured_s"]
+
+
 def ties(runs: list[dict[str, Any]]) -> list[list[str]]:
     """Pairs of measured candidates whose rounds do not tell them apart: the interquartile
-    ranges of their rounds' medians (``measured_rounds_s``) overlap. Their measured order, and
-    the part of the rank correlation it makes, is noise; more rounds narrow the ranges.
+    ranges of their rounds' relative times (``measured_relative_rounds``; the rounds' medians,
+    ``measured_rounds_s``, where those are missing) overlap. Their measured order, and the
+    part of the rank correlation it makes, is noise; more rounds narrow the ranges.
 
     Example:
         >>> ties([{"label": "a", "measured_rounds_s": [1.0, 1.1, 1.2, 1.3]},
@@ -246,7 +273,8 @@ def ties(runs: list[dict[str, Any]]) -> list[list[str]]:
         ...       {"label": "c", "measured_rounds_s": [2.0, 2.1, 2.2, 2.3]}])
         [['a', 'b']]
     """
-    iqr = [np.percentile(m["measured_rounds_s"], [25, 75]) if len(m["measured_rounds_s"]) > 1 else None for m in runs]
+    rounds = [m.get("measured_relative_rounds") or m["measured_rounds_s"] for m in runs]
+    iqr = [np.percentile(r, [25, 75]) if len(r) > 1 else None for r in rounds]
     return [[a["label"], b["label"]] for i, a in enumerate(runs) for j, b in enumerate(runs)
             if i < j and iqr[i] is not None and iqr[j] is not None and iqr[i][0] <= iqr[j][1] and iqr[j][0] <= iqr[i][1]]
 
@@ -255,18 +283,21 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
     procs = measured.get("processes", 1)
     table = Table(title="predicted vs measured (" + (f"{procs} processes, each step as long as the slowest process "
                         "took; " if procs > 1 else "") + "simulated devices: they share this machine's cores)")
-    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "predicted memory (analytic)",
-                "measured memory"):
+    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "measured / round mean",
+                "predicted memory (analytic)", "measured memory"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for m in measured["runs"]:
         table.add_row(str(m["rank"]), escape(m["label"]), _ms(m["predicted_s"]),
                       f"{_ms(m['measured_s'])} ({_ms(m['measured_spread_s'][0])}-{_ms(m['measured_spread_s'][1])})",
+                      "n/a" if m.get("measured_relative") is None else f"{m['measured_relative']:.3f}",
                       readable_bytes(m["predicted_memory"]), "n/a" if m["measured_memory"] is None else readable_bytes(m["measured_memory"]))
     console.print(table)
     sources = sorted({m["measured_memory_source"] for m in measured["runs"]})
     if sources:
         console.print(f"measured memory: {', '.join(sources)}", highlight=False)
     rho = measured["spearman"]
+    console.print("measured order: each round's times relative to that round's mean over the candidates (a paired "
+                  "comparison: the machine's drift between rounds cancels)", highlight=False, markup=False)
     console.print(f"Spearman rank correlation of predicted and measured step times: "
                   f"{'n/a (fewer than 3 runs)' if rho is None else f'{rho:.3f}'}; measured fastest: "
                   f"{measured['measured_fastest']} (planner's rank {measured['measured_fastest_predicted_rank']})",

@@ -204,7 +204,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     # the step's mean time per operation: what a collective's wait between computation is counted in
     op_seconds = (compute_time(flops, accessed, target, dtype, program.ops, ops_priced) / program.ops
                   if program.ops else 0.0)
-    comms = collective_costs(program, target, devices_per_host, op_seconds)
+    comms = collective_costs(program, target, devices_per_host, op_seconds, _as_tuple(dict(rules.table).get("batch")))
     act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
     analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
     measured = compiled_bytes(compiled)
@@ -215,7 +215,8 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         "flops": flops, "bytes_accessed": accessed, "unknown_loops": program.unknown_loops,
         "collectives": comms, "ops": program.ops,
         **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops,
-                    sum(c["sync_seconds"] for c in comms), ops_priced),
+                    sum(c["sync_seconds"] for c in comms), ops_priced,
+                    sum(c["seconds"] for c in comms if c["prefetched"])),
     })
     if budget is not None and memory > budget:
         row.update(status="over_budget", reason=f"needs {readable_bytes(memory)} per device, over the budget of "
