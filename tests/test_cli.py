@@ -133,6 +133,19 @@ def test_inspect_writes_a_tiny_models_sizes_in_bytes_not_as_zero_mib():
     assert "parameters: 512 B in all, 512 B per device" in out.stdout
 
 
+def test_inspect_counts_a_scanned_models_flops_for_every_layer():
+    flops = {}
+    for scan in ("scan", "no-scan"):
+        out = run_cli("inspect", "--task", "mlp", "--layers", "4", "--depth", "64", "--embed", "32", "--mesh", "data=8",
+                      "--rules", "dp", "--batch-size", "64", "--json", *(["--no-scan"] if scan == "no-scan" else []))
+        assert out.returncode == 0, out.stderr
+        flops[scan] = json.loads(out.stdout)["step_flops_per_device"]
+    # XLA's cost analysis alone counted the scanned body once: a quarter of the 4 layers
+    assert flops["scan"] == pytest.approx(flops["no-scan"], rel=0.1)
+    # 4 layers x 2 matmuls of 8 rows x 32 x 64, forward and backward (3 matmuls each), 2 FLOPs per multiply-add
+    assert flops["scan"] >= 4 * 2 * 3 * 2 * 8 * 32 * 64
+
+
 def test_inspect_names_the_rule_error():
     out = run_cli("inspect", "--mesh", "data=8", "--rules", "dp+tp")
     assert out.returncode == 2

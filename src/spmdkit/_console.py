@@ -26,6 +26,18 @@ def readable_bytes(n: float) -> str:
     return f"{_figures(n)} B"
 
 
+def readable_flops(n: float) -> str:
+    """FLOPs in the SI unit that fits (FLOP, kFLOP, MFLOP, GFLOP, TFLOP), three significant figures.
+
+    >>> readable_flops(640), readable_flops(2.5e7), readable_flops(3.06e9)
+    ('640 FLOP', '25 MFLOP', '3.06 GFLOP')
+    """
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(n) >= size:
+            return f"{_figures(n / size)} {unit}"
+    return f"{_figures(n)} FLOP"
+
+
 def _figures(x: float) -> str:
     """Three significant figures, but 1000-1023 of a unit whole (``:.3g`` writes 1.02e+03)."""
     return f"{x:.3g}" if abs(x) < 999.5 else f"{x:.0f}"
