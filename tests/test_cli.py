@@ -32,6 +32,12 @@ def test_help_lists_commands():
         assert word in out.stdout
 
 
+def test_python_dash_m_spmdkit_is_the_command():
+    out = subprocess.run([sys.executable, "-m", "spmdkit", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "devices" in out.stdout and "plan" in out.stdout
+
+
 def test_devices_json_in_process(capsys):
     assert main(["devices", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -254,9 +254,41 @@ def test_fsdp_parameter_gathers_are_marked_prefetched():
     gather = Collective("all_gather", 4096, 8, ("data",), 3, (tuple(range(8)),), "ag")
     reduce = Collective("all_reduce", 4096, 8, ("data",), 1, (tuple(range(8)),), "ar")
     model = Collective("all_gather", 4096, 8, ("model",), 1, (tuple(range(8)),), "sp")
+    logits = Collective("all_gather", 2048, 8, ("data",), 1, (tuple(range(8)),), "contrastive")
     t = _sync_target({8: 5.0})
-    got = collective_costs(Program([gather, reduce, model], 0.0, 0.0, 0.0, 0), t, 8, 1e-4, ("data",))
-    assert [c["prefetched"] for c in got] == [True, False, False]
+    program = Program([gather, reduce, model, logits], 0.0, 0.0, 0.0, 0)
+    got = collective_costs(program, t, 8, 1e-4, ("data",), {4096})
+    # a parameter's gather; a reduction; a gather over another axis; a gather of something the step computed
+    assert [c["prefetched"] for c in got] == [True, False, False, False]
+    assert not any(c["prefetched"] for c in collective_costs(program, t, 8, 1e-4, ("data",), set()))
+
+
+def test_a_contrastive_loss_gathering_its_logits_under_dp_gathers_no_parameter():
+    """Under dp no parameter is split over the batch's axes: nothing is a parameter gather."""
+    from spmdkit._plan import plan
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16)(x)
+
+    def make_state(rng):
+        return {"params": Net().init(rng, jnp.zeros((1, 8)))["params"]}
+
+    def step(state, batch):
+        def loss(params):
+            out = Net().apply({"params": params}, batch["x"])
+            return jax.nn.logsumexp(out @ out.T, axis=1).mean()  # every row against every row: a gather over data
+
+        grads = jax.grad(loss)(state["params"])
+        return {"params": jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads)}, {}
+
+    batch = {"x": np.ones((32, 8), np.float32)}
+    result = plan(make_state, step, batch, rules=("dp",), target="h100x8")
+    ok = [r for r in result["candidates"] if r["status"] == "ok"]
+    gathers = [c for r in ok for c in r["collectives"] if c["kind"] == "all_gather"]
+    assert gathers and not any(c["prefetched"] for c in gathers)
+    assert all(r["prefetched_s"] == 0 for r in ok)
 
 
 def test_compute_priced_per_operation_memory_bound_ones_add_to_matmuls():
@@ -435,6 +467,10 @@ def test_measured_ties_are_the_candidates_whose_rounds_overlap(capsys):
                     "ties": ties(runs)}, Console(width=200))
     out = capsys.readouterr().out
     assert "a ~ b" in out and "is noise" in out and "c ~" not in out
+    assert "one round only" not in out
+    print_measured({"runs": runs, "rounds": 1, "spearman": 1.0, "measured_fastest": "a",
+                    "measured_fastest_predicted_rank": 1, "ties": []}, Console(width=200))
+    assert "one round only: no spread to judge ties by" in " ".join(capsys.readouterr().out.split())
 
 
 # ---------------------------------------------------------------- the CLI

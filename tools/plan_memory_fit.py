@@ -94,10 +94,13 @@ def main() -> None:
                    "(tools/plan_memory_table.py --scan-unroll 1)")
     a = p.parse_args()
     terms = TERMS_ROLLED if a.rolled else TERMS
-    rows = []
-    for fn in a.json:
-        with open(fn) as fh:
-            rows += [r for r in json.load(fh) if r["model"] == "lm" and bool(r.get("unroll")) == a.rolled]
+    rows = [r for fn in a.json for r in read_rows(fn) if r["model"] == "lm" and looped(r) == a.rolled]
+    if not rows:
+        raise SystemExit(f"no {'rolled' if a.rolled else 'unrolled'} lm candidates in {', '.join(a.json)}: take them "
+                         "with tools/plan_memory_table.py --only lm --json FILE"
+                         + (" --scan-unroll 1" if a.rolled else "") + (", or drop --rolled" if a.rolled else
+                                                                       ", or pass --rolled for rolled programs"))
+    worst_of_all = 0.0
     for remat in ("none", "full", "dots"):
         got = [r for r in rows if r["remat"] == remat]
         if not got:
@@ -106,8 +109,34 @@ def main() -> None:
         coef, _ = fit(basis, fixed, compiled, bounds(terms))
         margins = (fixed + basis @ coef) / compiled - 1
         i = int(np.argmax(np.abs(margins)))
+        worst_of_all = max(worst_of_all, abs(margins[i]))
         print(f"{remat}: {len(got)} candidates, worst {margins[i]:+.1%} ({got[i]['label']}, size {got[i]['size']})")
         print("   ", {f"{s}.{k}" if k is not None else s: round(float(c), 3) for (s, k), c in zip(terms, coef)})
+    if worst_of_all > 0.10:
+        print(f"warning: the best fit of this form is {worst_of_all:.1%} off at worst (the planner's target is 10%)")
+
+
+def looped(row: dict) -> bool:
+    """Whether the candidate's program is the rolled form (a loop over layers), as the count decides it."""
+    from spmdkit._plan._memory import lm_looped
+    from spmdkit._tasks import lm
+
+    size = table_tool.LM_SIZES[row["size"]]
+    return lm_looped(lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll")))
+
+
+def read_rows(path: str) -> list[dict]:
+    """The candidates of one ``plan_memory_table.py --json`` file, or a clear exit."""
+    keys = ("model", "size", "remat", "accum", "rules", "mesh", "label", "compiled", "analytic")
+    try:
+        with open(path) as fh:
+            rows = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read it as JSON ({e}); write it with tools/plan_memory_table.py --json") from e
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in keys) for r in rows):
+        raise SystemExit(f"{path}: not a list of candidates with {', '.join(keys)}; write it with "
+                         "tools/plan_memory_table.py --json")
+    return rows
 
 
 if __name__ == "__main__":

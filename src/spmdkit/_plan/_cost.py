@@ -5,8 +5,10 @@ target's alpha-beta links, plus each collective's wait between computation (the 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from spmdkit._plan._hlo import Collective, Program
 from spmdkit._target import Target, collective_time
@@ -35,14 +37,19 @@ def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str
     return max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
 
 
-def collective_costs(program: Program, target: Target, devices_per_host: int,
-                     op_seconds: float = 0.0, parameter_axes: Collection[str] = ()) -> list[dict[str, Any]]:
+def collective_costs(program: Program, target: Target, devices_per_host: int, op_seconds: float = 0.0,
+                     batch_axes: Collection[str] = (), parameter_gathers: Collection[int] = ()
+                     ) -> list[dict[str, Any]]:
     """Each collective of ``program`` priced per step (``count`` executions, loop trips
     included): ``seconds`` is its alpha-beta time plus ``sync_seconds``, the wait of its group's
     devices for each other at every execution, ``Target.sync_ops_for(group)`` times
-    ``op_seconds`` (the step's mean time per operation). ``prefetched``: an all-gather over
-    mesh axes that split the batch (``parameter_axes``), which is how FSDP gathers parameters:
-    it needs nothing the step computes, so it can run while the step computes."""
+    ``op_seconds`` (the step's mean time per operation). ``prefetched``: FSDP's gather of a
+    parameter, an all-gather over mesh axes that split the batch (``batch_axes``) whose size is
+    a parameter's gathered whole, or one layer's of a stacked one, or 2-4 of those concatenated
+    (``parameter_gathers``, bytes; see :func:`parameter_gathers`): it needs nothing the step
+    computes, so it can run while the step computes. An all-gather of something the step
+    computed (logits for a contrastive loss) is not one, unless its size happens to be such a
+    size under a layout that splits parameters over the batch's axes (the HLO is not traced)."""
     out = []
     for c in program.collectives:
         link = link_of(c, devices_per_host)
@@ -51,7 +58,44 @@ def collective_costs(program: Program, target: Target, devices_per_host: int,
         out.append({"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "group_size": c.group_size,
                     "count": c.count, "operands": c.operands, "link": link, "seconds": (each + sync) * c.count,
                     "sync_seconds": sync * c.count,
-                    "prefetched": c.kind == "all_gather" and bool(c.axes) and set(c.axes) <= set(parameter_axes)})
+                    "prefetched": (c.kind == "all_gather" and bool(c.axes) and set(c.axes) <= set(batch_axes)
+                                   and _of_parameters(c.bytes, parameter_gathers))})
+    return out
+
+
+def _of_parameters(nbytes: int, sizes: Collection[int]) -> bool:
+    """Whether ``nbytes`` is a parameter gather's size, or 2-4 of one size side by side (XLA
+    gathers the query, key and value weights concatenated for one product)."""
+    return any(nbytes == k * size for size in sizes for k in (1, 2, 3, 4))
+
+
+def parameter_gathers(leaves: Iterable[Any], mesh: Mapping[str, int], batch_axes: Collection[str]) -> set[int]:
+    """Bytes of the parameters ``leaves`` (``LeafLayout``: shape, dtype, spec) gathered whole
+    over ``batch_axes`` (still split over the others), and of one layer of each (its first
+    dimension dropped: a scanned stack is gathered a layer at a time); also at 2 bytes an
+    element for float32 ones (mixed precision may gather them cast). Only parameters the
+    layout splits over ``batch_axes``.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from spmdkit._strategies.sharded import LeafLayout
+        >>> w = LeafLayout("w", (4, 256, 1024), "float32", None, P(None, "data", "model"), 0, 0)
+        >>> sorted(parameter_gathers([w], {"data": 8, "model": 2}, ("data",)))  # whole over data, split over model
+        [262144, 524288, 1048576, 2097152]
+    """
+    batch = set(batch_axes)
+    out: set[int] = set()
+    for leaf in leaves:
+        spec = [tuple(a for a in (s if isinstance(s, tuple) else (s,)) if a) for s in leaf.spec]
+        spec += [()] * (len(leaf.shape) - len(spec))
+        if not any(batch & set(axes) for axes in spec):
+            continue
+        dims = [n // math.prod(mesh.get(a, 1) for a in axes if a not in batch) for n, axes in zip(leaf.shape, spec)]
+        itemsize = np.dtype(leaf.dtype).itemsize
+        for item in {itemsize, 2} if itemsize == 4 else {itemsize}:
+            out.add(math.prod(dims) * item)
+            if len(dims) > 1:
+                out.add(math.prod(dims[1:]) * item)
     return out
 
 

@@ -283,7 +283,7 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
     procs = measured.get("processes", 1)
     table = Table(title="predicted vs measured (" + (f"{procs} processes, each step as long as the slowest process "
                         "took; " if procs > 1 else "") + "simulated devices: they share this machine's cores)")
-    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "measured / round mean",
+    for col in ("rank", "candidate", "predicted ms", "measured ms (median, min-max)", "measured / round's geometric mean",
                 "predicted memory (analytic)", "measured memory"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for m in measured["runs"]:
@@ -296,8 +296,10 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
     if sources:
         console.print(f"measured memory: {', '.join(sources)}", highlight=False)
     rho = measured["spearman"]
-    console.print("measured order: each round's times relative to that round's mean over the candidates (a paired "
-                  "comparison: the machine's drift between rounds cancels)", highlight=False, markup=False)
+    console.print("measured order: each round's times relative to that round's geometric mean over the candidates "
+                  "(a paired comparison: the machine's drift between rounds cancels)"
+                  + ("; one round only: no spread to judge ties by, so the order may be noise (--measure-rounds)"
+                     if measured.get("rounds", 2) < 2 else ""), highlight=False, markup=False)
     console.print(f"Spearman rank correlation of predicted and measured step times: "
                   f"{'n/a (fewer than 3 runs)' if rho is None else f'{rho:.3f}'}; measured fastest: "
                   f"{measured['measured_fastest']} (planner's rank {measured['measured_fastest_predicted_rank']})",

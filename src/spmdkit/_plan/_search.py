@@ -17,7 +17,7 @@ from spmdkit._console import readable_bytes
 from spmdkit._errors import ConfigError, SpmdkitError, fix
 from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enumerate_candidates, rules_table
-from spmdkit._plan._cost import collective_costs, compute_time, step_time
+from spmdkit._plan._cost import collective_costs, compute_time, parameter_gathers, step_time
 from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
@@ -204,7 +204,9 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     # the step's mean time per operation: what a collective's wait between computation is counted in
     op_seconds = (compute_time(flops, accessed, target, dtype, program.ops, ops_priced) / program.ops
                   if program.ops else 0.0)
-    comms = collective_costs(program, target, devices_per_host, op_seconds, _as_tuple(dict(rules.table).get("batch")))
+    batch_axes = _as_tuple(dict(rules.table).get("batch"))
+    comms = collective_costs(program, target, devices_per_host, op_seconds, batch_axes,
+                             parameter_gathers(param_leaves(layout), dict(strategy.mesh.shape), batch_axes))
     act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
     analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
     measured = compiled_bytes(compiled)
