@@ -54,19 +54,14 @@ def unit_counts(term: tuple[str, object] | None) -> dict:
 def design(rows: list[dict], terms: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per candidate: the count's basis (linear in its coefficients), its fixed part (state in
     and out, batch, and what the count adds with every coefficient 0) and the compiled figure."""
-    from spmdkit._plan._candidates import rules_table
     from spmdkit._plan._memory import lm_memory
-    from spmdkit._tasks import lm
 
     basis, fixed, compiled = [], [], []
     for row in rows:
-        size = table_tool.LM_SIZES[row["size"]]
-        cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"))
-        args = (cfg, size["batch"] // row["accum"], row["remat"], row["accum"], list(rules_table(row["rules"]).table),
-                dict(row["mesh"]))
+        args = table_tool.lm_count_args(row)
         zero = sum(lm_memory(*args, counts=unit_counts(None)).values())
         basis.append([sum(lm_memory(*args, counts=unit_counts(t)).values()) - zero for t in terms])
-        fixed.append(2 * row["analytic"]["new_state"] + row["analytic"]["batch"] + zero)
+        fixed.append(table_tool.state_and_batch(row) + zero)
         compiled.append(row["compiled"]["total"])
     return np.array(basis, float), np.array(fixed, float), np.array(compiled, float)
 
@@ -119,10 +114,8 @@ def main() -> None:
 def looped(row: dict) -> bool:
     """Whether the candidate's program is the rolled form (a loop over layers), as the count decides it."""
     from spmdkit._plan._memory import lm_looped
-    from spmdkit._tasks import lm
 
-    size = table_tool.LM_SIZES[row["size"]]
-    return lm_looped(lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll")))
+    return lm_looped(table_tool.lm_count_args(row)[0])
 
 
 def read_rows(path: str) -> list[dict]:

@@ -134,20 +134,33 @@ def main() -> None:
     raise SystemExit(1 if bad else 0)
 
 
+def lm_count_args(row: dict) -> tuple:
+    """``lm_memory``'s arguments for a stored lm candidate: (config, rows, remat, accum, rules table, mesh)."""
+    from spmdkit._plan._candidates import rules_table
+    from spmdkit._tasks import lm
+
+    size = LM_SIZES[row["size"]]
+    cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"))
+    return (cfg, size["batch"] // row["accum"], row["remat"], row["accum"], list(rules_table(row["rules"]).table),
+            dict(row["mesh"]))
+
+
+def state_and_batch(row: dict) -> int:
+    """The count's part that does not depend on the model: the state in and out, the batch's share."""
+    return 2 * row["analytic"]["new_state"] + row["analytic"]["batch"]
+
+
 def recount(row: dict) -> dict:
     from spmdkit._plan._candidates import rules_table
     from spmdkit._plan._memory import lm_memory, mlp_memory
-    from spmdkit._tasks import lm
 
-    size = (LM_SIZES if row["model"] == "lm" else MLP_SIZES)[row["size"]]
-    rows, table_, mesh = size["batch"] // row["accum"], list(rules_table(row["rules"]).table), dict(row["mesh"])
     if row["model"] == "lm":
-        cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"))
-        parts = lm_memory(cfg, rows, row["remat"], row["accum"], table_, mesh)
+        parts = lm_memory(*lm_count_args(row))
     else:
-        parts = mlp_memory(size["layers"], size["depth"], size["embed"], rows, row["accum"], table_, mesh)
-    a = row["analytic"]
-    total = 2 * a["new_state"] + a["batch"] + sum(parts.values())
+        size = MLP_SIZES[row["size"]]
+        parts = mlp_memory(size["layers"], size["depth"], size["embed"], size["batch"] // row["accum"], row["accum"],
+                           list(rules_table(row["rules"]).table), dict(row["mesh"]))
+    total = state_and_batch(row) + sum(parts.values())
     analytic = {**row["analytic"], "activation_parts": parts, "activations": sum(parts.values()), "total": total}
     return {**row, "analytic": analytic, "margin": total / row["compiled"]["total"] - 1}
 

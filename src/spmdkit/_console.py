@@ -20,10 +20,7 @@ def readable_bytes(n: float) -> str:
     >>> readable_bytes(10), readable_bytes(5000), readable_bytes(3 * 2**30)
     ('10 B', '4.88 KiB', '3 GiB')
     """
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{_figures(n / size)} {unit}"
-    return f"{_figures(n)} B"
+    return _in_units(n, (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)), "B")
 
 
 def readable_flops(n: float) -> str:
@@ -32,10 +29,15 @@ def readable_flops(n: float) -> str:
     >>> readable_flops(640), readable_flops(2.5e7), readable_flops(3.06e9)
     ('640 FLOP', '25 MFLOP', '3.06 GFLOP')
     """
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+    return _in_units(n, (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)), "FLOP")
+
+
+def _in_units(n: float, units: tuple[tuple[str, float], ...], smallest: str) -> str:
+    """``n`` in the largest of ``units`` (largest first) it reaches, else in ``smallest``."""
+    for unit, size in units:
         if abs(n) >= size:
             return f"{_figures(n / size)} {unit}"
-    return f"{_figures(n)} FLOP"
+    return f"{_figures(n)} {smallest}"
 
 
 def _figures(x: float) -> str:

@@ -8,9 +8,9 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from spmdkit._plan._hlo import Collective, Program
+from spmdkit._rules import _as_tuple
+from spmdkit._strategies.sharded import _itemsize
 from spmdkit._target import Target, collective_time
 
 
@@ -86,12 +86,11 @@ def parameter_gathers(leaves: Iterable[Any], mesh: Mapping[str, int], batch_axes
     batch = set(batch_axes)
     out: set[int] = set()
     for leaf in leaves:
-        spec = [tuple(a for a in (s if isinstance(s, tuple) else (s,)) if a) for s in leaf.spec]
-        spec += [()] * (len(leaf.shape) - len(spec))
+        spec = [_as_tuple(axes) for axes in leaf.spec] + [()] * (len(leaf.shape) - len(leaf.spec))
         if not any(batch & set(axes) for axes in spec):
             continue
         dims = [n // math.prod(mesh.get(a, 1) for a in axes if a not in batch) for n, axes in zip(leaf.shape, spec)]
-        itemsize = np.dtype(leaf.dtype).itemsize
+        itemsize = _itemsize(leaf.dtype)
         for item in {itemsize, 2} if itemsize == 4 else {itemsize}:
             out.add(math.prod(dims) * item)
             if len(dims) > 1:

@@ -204,9 +204,8 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     # the step's mean time per operation: what a collective's wait between computation is counted in
     op_seconds = (compute_time(flops, accessed, target, dtype, program.ops, ops_priced) / program.ops
                   if program.ops else 0.0)
-    batch_axes = _as_tuple(dict(rules.table).get("batch"))
-    comms = collective_costs(program, target, devices_per_host, op_seconds, batch_axes,
-                             parameter_gathers(param_leaves(layout), dict(strategy.mesh.shape), batch_axes))
+    comms = collective_costs(program, target, devices_per_host, op_seconds, strategy.batch_axes,
+                             parameter_gathers(param_leaves(layout), dict(strategy.mesh.shape), strategy.batch_axes))
     act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
     analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
     measured = compiled_bytes(compiled)

@@ -186,9 +186,14 @@ class Sharded(Placement):
         self._known_shapes: dict[Any, set[tuple]] = {}  # treedef -> the leaves' shapes laid out
 
     @property
-    def batch_shards(self) -> int:
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (by the rules' batch name)."""
         spec = self._batch.spec[0]
-        return math.prod(self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else (spec or ())))
+        return (spec,) if isinstance(spec, str) else tuple(spec or ())
+
+    @property
+    def batch_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
     def describe(self) -> dict[str, Any]:
         return {
