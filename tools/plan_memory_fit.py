@@ -1,5 +1,5 @@
-"""Refit the unrolled lm's memory counts (``LM_COUNTS`` in ``src/spmdkit/_plan/_memory.py``)
-to compiled figures taken by ``tools/plan_memory_table.py --json``.
+"""Refit the lm's memory counts (``LM_COUNTS`` and its rolled and bfloat16 siblings in
+``src/spmdkit/_plan/_memory.py``) to compiled figures taken by ``tools/plan_memory_table.py --json``.
 
 The count is linear in its coefficients (arrays per layer of each kind, gathered copies),
 so the fit with the least worst relative error over every candidate is a linear program:
@@ -9,6 +9,7 @@ policy, the coefficients to paste and the worst margin with them.
 
     python tools/plan_memory_fit.py lm.json [more.json ...]
     python tools/plan_memory_fit.py --rolled rolled.json   # LM_COUNTS_ROLLED
+    python tools/plan_memory_fit.py --precision bf16 [--rolled] bf16.json   # LM_COUNTS_BF16 (_ROLLED_BF16)
 """
 
 from __future__ import annotations
@@ -87,14 +88,19 @@ def main() -> None:
     p.add_argument("json", nargs="+")
     p.add_argument("--rolled", action="store_true", help="fit LM_COUNTS_ROLLED to the rolled programs "
                    "(tools/plan_memory_table.py --scan-unroll 1)")
+    p.add_argument("--precision", choices=("f32", "bf16"), default="f32",
+                   help="fit the counts of this compute dtype's programs (f32)")
     a = p.parse_args()
     terms = TERMS_ROLLED if a.rolled else TERMS
-    rows = [r for fn in a.json for r in read_rows(fn) if r["model"] == "lm" and looped(r) == a.rolled]
+    rows = [r for fn in a.json for r in read_rows(fn)
+            if r["model"] == "lm" and looped(r) == a.rolled and r.get("precision", "f32") == a.precision]
     if not rows:
-        raise SystemExit(f"no {'rolled' if a.rolled else 'unrolled'} lm candidates in {', '.join(a.json)}: take them "
-                         "with tools/plan_memory_table.py --only lm --json FILE"
+        raise SystemExit(f"no {'rolled' if a.rolled else 'unrolled'} {a.precision} lm candidates in {', '.join(a.json)}: "
+                         f"take them with tools/plan_memory_table.py --only lm --precision {a.precision} --json FILE"
                          + (" --scan-unroll 1" if a.rolled else "") + (", or drop --rolled" if a.rolled else
-                                                                       ", or pass --rolled for rolled programs"))
+                                                                       ", or pass --rolled for rolled programs")
+                         + ", or pass the --precision they were taken at")
+    print(f"{counts_name(a.rolled, a.precision)} (paste into src/spmdkit/_plan/_memory.py):")
     worst_of_all = 0.0
     for remat in ("none", "full", "dots"):
         got = [r for r in rows if r["remat"] == remat]
@@ -109,6 +115,11 @@ def main() -> None:
         print("   ", {f"{s}.{k}" if k is not None else s: round(float(c), 3) for (s, k), c in zip(terms, coef)})
     if worst_of_all > 0.10:
         print(f"warning: the best fit of this form is {worst_of_all:.1%} off at worst (the planner's target is 10%)")
+
+
+def counts_name(rolled: bool, precision: str) -> str:
+    """The constant in ``_plan/_memory.py`` that a fit of these programs replaces."""
+    return "LM_COUNTS" + ("_ROLLED" if rolled else "") + ("_BF16" if precision == "bf16" else "")
 
 
 def looped(row: dict) -> bool:

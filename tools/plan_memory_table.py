@@ -7,7 +7,7 @@ for the mlp and the lm at three sizes each (the lm under remat none, full and do
 Memory figures are deterministic: the machine's load does not change them.
 
     python tools/plan_memory_table.py [--only lm|mlp] [--sizes 0,1,2,3] [--remat none,full,dots]
-        [--scan-unroll N] [--json FILE]
+        [--scan-unroll N] [--precision f32|bf16] [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ MLP_SIZES = [dict(layers=2, embed=64, depth=256, batch=32),
              dict(layers=8, embed=256, depth=1024, batch=128)]
 
 
-def lm_plan(size: dict, remat: tuple[str, ...], accum: tuple[int, ...], scan_unroll: int | None) -> dict:
+def lm_plan(size: dict, remat: tuple[str, ...], accum: tuple[int, ...], scan_unroll: int | None,
+            precision: str = "f32") -> dict:
     import optax
 
     from spmdkit._plan import plan
@@ -49,8 +50,9 @@ def lm_plan(size: dict, remat: tuple[str, ...], accum: tuple[int, ...], scan_unr
     from spmdkit._train._steps import task_state, task_train_step
 
     sizes = {k: v for k, v in size.items() if k != "batch"}
-    cfg = lm.LMConfig(**sizes, scan_unroll=scan_unroll)
-    task = lm.make(**sizes, scan_unroll=scan_unroll, text_bytes=max(size["batch"] * (cfg.seq_len + 1) * 2, 20_000))
+    cfg = lm.LMConfig(**sizes, scan_unroll=scan_unroll, precision=precision)
+    task = lm.make(**sizes, scan_unroll=scan_unroll, precision=precision,
+                   text_bytes=max(size["batch"] * (cfg.seq_len + 1) * 2, 20_000))
     optimizer = optax.adamw(lm.DEFAULTS["lr"])
 
     def step_for(r: str, a: int):
@@ -98,6 +100,7 @@ def main() -> None:
     p.add_argument("--remat", default="none,full,dots")
     p.add_argument("--accum", default="1,2")
     p.add_argument("--scan-unroll", type=int, default=None, help="lm: layers per loop iteration (default: the lm's)")
+    p.add_argument("--precision", choices=("f32", "bf16"), default="f32", help="lm: compute dtype (f32)")
     p.add_argument("--json", help="write every candidate's figures here")
     p.add_argument("--table", nargs="+", metavar="JSON", help="only print the table of these --json files")
     p.add_argument("--recount", action="store_true", help="with --table: the analytic count of the code as it is "
@@ -116,9 +119,10 @@ def main() -> None:
             continue
         for i in sizes if sizes is not None else range(len(LM_SIZES if model == "lm" else MLP_SIZES)):
             for remat in (a.remat.split(",") if model == "lm" else ["none"]):
-                res = (lm_plan(LM_SIZES[i], (remat,), accum, a.scan_unroll) if model == "lm"
+                res = (lm_plan(LM_SIZES[i], (remat,), accum, a.scan_unroll, a.precision) if model == "lm"
                        else mlp_plan(MLP_SIZES[i], accum))
-                got = rows_of(res, model=model, size=i, unroll=a.scan_unroll)
+                key = {"precision": a.precision} if model == "lm" else {}
+                got = rows_of(res, model=model, size=i, unroll=a.scan_unroll, **key)
                 rows += got
                 worst = max(got, key=lambda r: abs(r["margin"]))
                 print(f"{model} size {i} ({(LM_SIZES if model == 'lm' else MLP_SIZES)[i]}) remat {remat}: "
@@ -140,7 +144,8 @@ def lm_count_args(row: dict) -> tuple:
     from spmdkit._tasks import lm
 
     size = LM_SIZES[row["size"]]
-    cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"))
+    cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"),
+                      precision=row.get("precision", "f32"))
     return (cfg, size["batch"] // row["accum"], row["remat"], row["accum"], list(rules_table(row["rules"]).table),
             dict(row["mesh"]))
 

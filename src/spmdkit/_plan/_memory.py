@@ -237,6 +237,39 @@ LM_COUNTS_ROLLED = {
              "kv_gathered": 1.296, "outputs": 1.0},
 }
 
+# Mixed precision (``--precision bf16``: bfloat16 compute, float32 parameters and optimizer
+# state) makes other programs. XLA:CPU computes most bfloat16 operations in float32 (it
+# converts around them) and keeps arrays of both widths, so its bfloat16 steps take as much
+# room as float32 ones or more; the float32 counts with bfloat16's 2 bytes were 25-41% under
+# them. A GPU or TPU keeps bfloat16 activations at 2 bytes: there these counts are high (the
+# safe side). Fitted as the float32 counts are, to the bfloat16 programs at the same seven
+# sizes (counts of arrays of the compute dtype's size; scores and logits are float32):
+# unrolled within 8.2% under ``none``, 14.3% under ``dots``, 16.7% under ``full`` (there XLA
+# reuses more of a layer's room the more layers there are than this form can follow: the
+# 2-layer programs are under, the 4- and 6-layer ones over); rolled within 5.7% / 7.7% / 10.6%.
+LM_COUNTS_BF16 = {
+    "none": {"saved": {"embed": 13.132, "heads": 36.645, "scores": 1.903},
+             "working": {"embed": 10.851}, "top": {"vocab": 1.334},
+             "kv_gathered": 0.277, "gathered": (0.59, 0.846), "micro": 0.0, "outputs": 0.808},
+    "dots": {"saved": {"heads": 11.94, "scores": 0.192},
+             "working": {"embed": 17.898, "scores": 0.47}, "top": {"vocab": 1.14},
+             "kv_gathered": 0.0, "gathered": (0.779, 1.635), "micro": 0.0, "outputs": 0.0},
+    "full": {"saved": {"heads": 8.12},
+             "working": {"embed": 20.042, "scores": 0.795}, "top": {"vocab": 1.008},
+             "kv_gathered": 0.925, "gathered": (1.194, 1.68), "micro": 0.0, "outputs": 0.0},
+}
+LM_COUNTS_ROLLED_BF16 = {
+    "none": {"saved": {"embed": 10.963, "heads": 26.213, "scores": 0.732},
+             "working": {"embed": 11.552, "scores": 4.668}, "top": {"vocab": 1.068},
+             "kv_gathered": 2.723, "outputs": 0.496},
+    "dots": {"saved": {"embed": 1.056, "heads": 4.033, "scores": 0.498},
+             "working": {"embed": 21.139, "heads": 9.923, "scores": 1.267}, "top": {"vocab": 1.258},
+             "kv_gathered": 1.012, "outputs": 0.56},
+    "full": {"saved": {"embed": 0.946},
+             "working": {"embed": 20.549, "heads": 2.169, "scores": 2.332}, "top": {"vocab": 2.223},
+             "kv_gathered": 1.539, "outputs": 0.958},
+}
+
 
 def _lm_arrays(cfg: Any, counts: Mapping[str, float], layers: int) -> list[Kept]:
     e, m, h, n = cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.heads, cfg.seq_len
@@ -270,16 +303,30 @@ def lm_looped(cfg: Any) -> bool:
     return cfg.layers // cfg.unroll >= 2
 
 
+def lm_counts(cfg: Any, remat: str) -> Mapping[str, Any]:
+    """The fitted counts for the lm's program: rolled or unrolled (:func:`lm_looped`), float32
+    or bfloat16 compute (``cfg.precision``), under ``remat``.
+
+    Example:
+        >>> from spmdkit._tasks.lm import LMConfig
+        >>> lm_counts(LMConfig(precision="bf16"), "none") is LM_COUNTS_BF16["none"]
+        True
+    """
+    by_form = {(False, "f32"): LM_COUNTS, (True, "f32"): LM_COUNTS_ROLLED,
+               (False, "bf16"): LM_COUNTS_BF16, (True, "bf16"): LM_COUNTS_ROLLED_BF16}
+    return by_form[(lm_looped(cfg), cfg.precision)][remat]
+
+
 def lm_memory(cfg: Any, rows: int, remat: str, accum: int, table: Iterable[tuple[str, Any]],
               mesh: Mapping[str, int], counts: Mapping[str, Any] | None = None) -> dict[str, int]:
     """What the lm's passes keep on one device for ``rows`` rows of the (micro-)batch: the
     saved activations of every block, one block's backward working set (under ``full`` and
     ``dots`` with the recomputed arrays), the logits and what surrounds them, and the
     parameters gathered whole and micro-batch gradients, counted for the program's form
-    (``counts``: by default ``LM_COUNTS`` unrolled, ``LM_COUNTS_ROLLED`` in a loop)."""
+    (``counts``: by default :func:`lm_counts`)."""
     table = list(table)
     looped = lm_looped(cfg)
-    counts = counts if counts is not None else (LM_COUNTS_ROLLED if looped else LM_COUNTS)[remat]
+    counts = counts if counts is not None else lm_counts(cfg, remat)
     out = {"saved": kept_bytes(_lm_arrays(cfg, counts["saved"], cfg.layers), rows, table, mesh),
            "working": kept_bytes(_lm_arrays(cfg, counts["working"], 1), rows, table, mesh),
            "logits": kept_bytes(_lm_arrays(cfg, counts["top"], 1), rows, table, mesh)}
