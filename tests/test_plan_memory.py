@@ -59,6 +59,19 @@ def test_lm_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys, rema
     assert "analytic count: state in and out, batch share, and the model's activations" in printed
 
 
+# The unrolled lm under FSDP holds every layer's gathered parameters whatever the rows per
+# device (here 16): a count that added them only up to 8 rows was 11.8% under.
+def test_lm_count_holds_fsdp_gathers_at_many_rows_per_device(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--devices", "8", "--rules", "dp,fsdp", "--target", "h100x8", "--task", "lm", "--layers", "2",
+                 "--d-model", "32", "--heads", "8", "--seq-len", "32", "--batch-size", "128",
+                 "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    _check_margins(plan, {"dp", "fsdp"}, accum=frozenset({1}))
+    fsdp = next(r for r in plan["candidates"] if r["rules"] == "fsdp" and r["mesh"] == {"data": 8})["memory"]
+    assert fsdp["analytic"]["activation_parts"]["gathered"] > 0
+
+
 def test_mlp_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys):
     plan, _ = _plan(tmp_path, capsys, "--task", "mlp")  # the default size: 4 layers 128 -> 512 -> 128, batch 64
     _check_margins(plan, set(ALL_RULES.split(",")) - {"fsdp+sp"})  # the mlp has no sequence to split

@@ -185,12 +185,12 @@ def layer_parts(layer: list[tuple[Names, int]], layers: int, accum: int, table: 
 # The counts depend on the program's form (``LMConfig.unroll``, as the lm builds it):
 # - unrolled (every layer in one straight-line program, the default up to 8 layers): XLA
 #   schedules the whole step at once and reuses buffers across layers. Under ``none`` each
-#   layer keeps about 7 residual-shaped arrays, 1.6 of scores and 14 of q/k/v/attention/MLP
+#   layer keeps about 8 residual-shaped arrays, 1.8 of scores and 14 of q/k/v/attention/MLP
 #   shape (heads; the MLP's are among them) for the backward pass; under ``full`` and
 #   ``dots`` hardly anything per layer (the block's input), and the recomputation's working
-#   set takes the room. Where the rules shard parameters over the batch's mesh axes (FSDP)
-#   and a device holds few rows (``LM_GATHER_ROWS``), XLA gathers every layer's parameters
-#   at once into room of their own, with
+#   set takes the room. Where the rules shard parameters over the batch's mesh axes (FSDP),
+#   XLA gathers every layer's parameters at once into room of their own (under ``full`` and
+#   ``dots`` only where a device holds few rows, ``LM_GATHER_ROWS``), with
 #   their gradients before the reduce-scatter ("gathered": that many times what gathering
 #   adds; the second figure under accumulation, where the running sum of gradients is
 #   gathered too); under sequence parallelism each layer keeps its keys and values (and,
@@ -200,7 +200,7 @@ def layer_parts(layer: list[tuple[Names, int]], layers: int, accum: int, table: 
 #   worst relative error, tools/plan_memory_fit.py) to the compiled programs (XLA:CPU, jax
 #   0.12) of the lm on 8 devices under every default rules preset at seven sizes (2-6
 #   layers, width 32-128, 4-8 heads, length 32-128; accumulation 1 and 2 at four of them):
-#   within 6.4% under ``none``, 7.8% under ``dots``, 10.3% under ``full``. XLA's schedule is
+#   within 6.5% under ``none``, 7.8% under ``dots``, 10.3% under ``full``. XLA's schedule is
 #   not a sum of parts (under ``full`` a 4-layer step can take less room than a 2-layer
 #   one), so these are the counts of these programs; a fit to four of the sizes was 6-21%
 #   off on the other three. Attention's layouts change them: re-take with
@@ -210,14 +210,16 @@ def layer_parts(layer: list[tuple[Names, int]], layers: int, accum: int, table: 
 #   layer's parameters at a time (:func:`layer_parts`, from the layout, not fitted). Fitted
 #   as the unrolled counts are, to the rolled programs at the same seven sizes: within 4.9%
 #   under ``none``, 8.6% under ``full``, 8.3% under ``dots``.
-# The unrolled lm's gathered parameters take room of their own where a device holds this
-# many rows of the batch or fewer, or the step accumulates (measured at 4, 8 and 16 rows);
-# with more rows XLA's schedule finds them room in buffers the step holds anyway.
+# Under ``full`` and ``dots`` the unrolled lm's gathered parameters take room of their own
+# where a device holds this many rows of the batch or fewer, or the step accumulates
+# (measured at 4, 8 and 16 rows); with more rows XLA's schedule finds them room in buffers
+# the recomputation holds anyway. Under ``none`` they always do: counted only up to 8 rows,
+# FSDP over 8 devices at 16 rows each was 10-12% under (measured at 16 and 32 rows).
 LM_GATHER_ROWS = 8
 LM_COUNTS = {
-    "none": {"saved": {"embed": 7.265, "heads": 14.109, "scores": 1.643},
-             "working": {"embed": 2.672}, "top": {"vocab": 3.683},
-             "kv_gathered": 2.926, "gathered": (1.533, 2.552), "micro": 0.0, "outputs": 0.602},
+    "none": {"saved": {"embed": 7.927, "heads": 14.266, "scores": 1.792},
+             "working": {"embed": 0.834}, "top": {"vocab": 3.772},
+             "kv_gathered": 2.202, "gathered": (1.139, 2.481), "micro": 0.0, "outputs": 0.768},
     "dots": {"saved": {"embed": 2.667},
              "working": {"embed": 4.032, "heads": 16.076, "scores": 1.923}, "top": {"vocab": 1.567},
              "kv_gathered": 1.026, "gathered": (0.962, 1.679), "micro": 0.0, "outputs": 0.237},
@@ -248,9 +250,9 @@ LM_COUNTS_ROLLED = {
 # reuses more of a layer's room the more layers there are than this form can follow: the
 # 2-layer programs are under, the 4- and 6-layer ones over); rolled within 5.7% / 7.7% / 10.6%.
 LM_COUNTS_BF16 = {
-    "none": {"saved": {"embed": 13.132, "heads": 36.645, "scores": 1.903},
-             "working": {"embed": 10.851}, "top": {"vocab": 1.334},
-             "kv_gathered": 0.277, "gathered": (0.59, 0.846), "micro": 0.0, "outputs": 0.808},
+    "none": {"saved": {"embed": 13.147, "heads": 36.641, "scores": 1.903},
+             "working": {"embed": 10.787}, "top": {"vocab": 1.325},
+             "kv_gathered": 0.0, "gathered": (0.612, 0.912), "micro": 0.0, "outputs": 0.806},
     "dots": {"saved": {"heads": 11.94, "scores": 0.192},
              "working": {"embed": 17.898, "scores": 0.47}, "top": {"vocab": 1.14},
              "kv_gathered": 0.0, "gathered": (0.779, 1.635), "micro": 0.0, "outputs": 0.0},
@@ -335,7 +337,7 @@ def lm_memory(cfg: Any, rows: int, remat: str, accum: int, table: Iterable[tuple
     out["in_new_parameters"] = -int(counts.get("outputs", 0.0) * held)
     if looped:
         return {**out, **layer_parts(lm_layer_params(cfg), cfg.layers, accum, table, mesh)}
-    if rows / pieces(("batch",), table, mesh) > LM_GATHER_ROWS and accum == 1:
+    if rows / pieces(("batch",), table, mesh) > LM_GATHER_ROWS and accum == 1 and remat != "none":
         extra = 0
     return {**out, "gathered": int(counts["gathered"][accum > 1] * extra),
             "micro_gradients": int(counts["micro"] * held) if accum > 1 else 0}
