@@ -45,7 +45,7 @@ def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
 # (BENCHMARKS.md): that policy is held to 11%, the others to 10%.
 # Mixed precision (bfloat16 compute, float32 parameters) makes other programs: XLA:CPU computes
 # most bfloat16 operations in float32 and keeps both, so the float32 counts at bfloat16's 2
-# bytes were 25-41% under. It has counts of its own.
+# bytes were up to 44% under (38% at this size). It has counts of its own.
 @pytest.mark.parametrize(("remat", "accum", "within", "precision"),
                          [("none", "1,2", 0.10, "f32"), ("full", "1", 0.11, "f32"), ("dots", "1", 0.10, "f32"),
                           ("none", "1,2", 0.10, "bf16")])
@@ -70,6 +70,22 @@ def test_lm_count_holds_fsdp_gathers_at_many_rows_per_device(tmp_path, capsys):
     _check_margins(plan, {"dp", "fsdp"}, accum=frozenset({1}))
     fsdp = next(r for r in plan["candidates"] if r["rules"] == "fsdp" and r["mesh"] == {"data": 8})["memory"]
     assert fsdp["analytic"]["activation_parts"]["gathered"] > 0
+
+
+# The new parameters' buffers hold at most the temporaries there are: with remat full and
+# accumulation over many layers the fitted share of the parameters exceeded the step's
+# activations, and the plan showed a negative count of them (-412 kB at 8 layers).
+def test_lm_activation_count_is_never_negative():
+    from spmdkit._plan._candidates import Candidate
+    from spmdkit._plan._memory import lm_activations, lm_memory
+    from spmdkit._tasks.lm import LMConfig
+
+    cfg = LMConfig(layers=8, d_model=64)
+    raw = lm_memory(cfg, 8, "full", 2, list(rules_table("dp").table), {"data": 8})
+    assert sum(raw.values()) < 0  # the fitted count alone
+    parts = lm_activations(cfg, 16)(Candidate((("data", 8),), "dp", "full", 2), 8, 8)
+    assert sum(parts.values()) == 0 and parts["in_new_parameters"] < 0
+    assert all(v >= 0 for k, v in parts.items() if k != "in_new_parameters")
 
 
 def test_mlp_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys):
@@ -147,12 +163,9 @@ def test_lm_count_follows_the_program_form():
 
 def test_lm_counts_follow_the_compute_dtype():
     from spmdkit._plan._memory import LM_COUNTS, LM_COUNTS_BF16, LM_COUNTS_ROLLED, LM_COUNTS_ROLLED_BF16, lm_counts
-    from spmdkit._plan._memory import lm_memory
     from spmdkit._tasks.lm import LMConfig
 
     for cfg, counts in ((LMConfig(layers=4), LM_COUNTS), (LMConfig(layers=4, precision="bf16"), LM_COUNTS_BF16),
                         (LMConfig(layers=4, scan_unroll=1), LM_COUNTS_ROLLED),
                         (LMConfig(layers=4, scan_unroll=1, precision="bf16"), LM_COUNTS_ROLLED_BF16)):
         assert all(lm_counts(cfg, remat) is counts[remat] for remat in ("none", "full", "dots"))
-        assert lm_memory(cfg, 32, "none", 1, list(rules_table("dp").table), {"data": 8}) == lm_memory(
-            cfg, 32, "none", 1, list(rules_table("dp").table), {"data": 8}, counts=counts["none"])

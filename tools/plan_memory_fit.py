@@ -95,11 +95,7 @@ def main() -> None:
     rows = [r for fn in a.json for r in read_rows(fn)
             if r["model"] == "lm" and looped(r) == a.rolled and r.get("precision", "f32") == a.precision]
     if not rows:
-        raise SystemExit(f"no {'rolled' if a.rolled else 'unrolled'} {a.precision} lm candidates in {', '.join(a.json)}: "
-                         f"take them with tools/plan_memory_table.py --only lm --precision {a.precision} --json FILE"
-                         + (" --scan-unroll 1" if a.rolled else "") + (", or drop --rolled" if a.rolled else
-                                                                       ", or pass --rolled for rolled programs")
-                         + ", or pass the --precision they were taken at")
+        raise SystemExit(nothing_to_fit(a.json, a.rolled, a.precision))
     print(f"{counts_name(a.rolled, a.precision)} (paste into src/spmdkit/_plan/_memory.py):")
     worst_of_all = 0.0
     for remat in ("none", "full", "dots"):
@@ -115,6 +111,29 @@ def main() -> None:
         print("   ", {f"{s}.{k}" if k is not None else s: round(float(c), 3) for (s, k), c in zip(terms, coef)})
     if worst_of_all > 0.10:
         print(f"warning: the best fit of this form is {worst_of_all:.1%} off at worst (the planner's target is 10%)")
+
+
+def nothing_to_fit(paths: list[str], rolled: bool, precision: str) -> str:
+    """Why ``paths`` hold nothing to fit as asked, with what they do hold and the fix."""
+    rows = [r for fn in paths for r in read_rows(fn)]
+    wanted = f"{'rolled' if rolled else 'unrolled'} {precision} lm"
+    take = (f"take them with tools/plan_memory_table.py --only lm --precision {precision} --json FILE"
+            + (" --scan-unroll 1" if rolled else ""))
+    if not rows:
+        return f"{', '.join(paths)}: no candidates at all; {take}"
+    held: dict[str, int] = {}
+    for r in rows:
+        kind = (f"{'rolled' if looped(r) else 'unrolled'} {r.get('precision', 'f32')} lm" if r["model"] == "lm"
+                else r["model"])
+        held[kind] = held.get(kind, 0) + 1
+    have = ", ".join(f"{n} {kind}" for kind, n in sorted(held.items()))
+    lm = [k.split() for k in held if k.endswith(" lm")]
+    fix = take
+    if len(lm) == 1:
+        form, dtype, _ = lm[0]
+        fix = (f"fit those with: python tools/plan_memory_fit.py{' --rolled' if form == 'rolled' else ''} "
+               f"--precision {dtype} {' '.join(paths)}")
+    return f"no {wanted} candidates in {', '.join(paths)}: they hold {have}; {fix}"
 
 
 def counts_name(rolled: bool, precision: str) -> str:

@@ -106,6 +106,9 @@ def main() -> None:
     p.add_argument("--recount", action="store_true", help="with --table: the analytic count of the code as it is "
                    "now against the stored compiled figures (compiling does not depend on the count)")
     a = p.parse_args()
+    for flag, given in (("--precision", a.precision != "f32"), ("--scan-unroll", a.scan_unroll is not None)):
+        if given and a.only != "lm":
+            p.error(f"{flag} applies to the lm only (the mlp has one form, float32): add --only lm")
     if a.table:
         rows = [r for fn in a.table for r in json.load(open(fn))]
         table([recount(r) for r in rows] if a.recount else rows)
@@ -157,10 +160,10 @@ def state_and_batch(row: dict) -> int:
 
 def recount(row: dict) -> dict:
     from spmdkit._plan._candidates import rules_table
-    from spmdkit._plan._memory import lm_memory, mlp_memory
+    from spmdkit._plan._memory import held_in_new_parameters, lm_memory, mlp_memory
 
     if row["model"] == "lm":
-        parts = lm_memory(*lm_count_args(row))
+        parts = held_in_new_parameters(lm_memory(*lm_count_args(row)))
     else:
         size = MLP_SIZES[row["size"]]
         parts = mlp_memory(size["layers"], size["depth"], size["embed"], size["batch"] // row["accum"], row["accum"],
@@ -171,7 +174,13 @@ def recount(row: dict) -> dict:
 
 
 def table(rows: list[dict]) -> None:
-    """The BENCHMARKS.md table: the worst margin per model, size and remat policy."""
+    """The BENCHMARKS.md table: the worst margin per model, size and remat policy (of one
+    precision and program form: their cells would merge)."""
+    for what, key in (("precisions", lambda r: r.get("precision", "f32")), ("program forms", lambda r: r.get("unroll"))):
+        seen = {key(r) for r in rows if r["model"] == "lm"}
+        if len(seen) > 1:
+            raise SystemExit(f"these files hold lm candidates of {len(seen)} {what} ({sorted(map(str, seen))}): their "
+                             "cells would merge; print one table per --precision and --scan-unroll")
     print("| model, size | candidates | remat none | remat full | remat dots |\n| --- | --- | --- | --- | --- |")
     for model, sizes in (("mlp", MLP_SIZES), ("lm", LM_SIZES)):
         for i, size in enumerate(sizes):
