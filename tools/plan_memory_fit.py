@@ -92,10 +92,10 @@ def main() -> None:
                    help="fit the counts of this compute dtype's programs (f32)")
     a = p.parse_args()
     terms = TERMS_ROLLED if a.rolled else TERMS
-    rows = [r for fn in a.json for r in read_rows(fn)
-            if r["model"] == "lm" and looped(r) == a.rolled and r.get("precision", "f32") == a.precision]
+    every = [r for fn in a.json for r in read_rows(fn)]
+    rows = [r for r in every if r["model"] == "lm" and looped(r) == a.rolled and table_tool.precision(r) == a.precision]
     if not rows:
-        raise SystemExit(nothing_to_fit(a.json, a.rolled, a.precision))
+        raise SystemExit(nothing_to_fit(every, a.json, a.rolled, a.precision))
     print(f"{counts_name(a.rolled, a.precision)} (paste into src/spmdkit/_plan/_memory.py):")
     worst_of_all = 0.0
     for remat in ("none", "full", "dots"):
@@ -113,9 +113,8 @@ def main() -> None:
         print(f"warning: the best fit of this form is {worst_of_all:.1%} off at worst (the planner's target is 10%)")
 
 
-def nothing_to_fit(paths: list[str], rolled: bool, precision: str) -> str:
-    """Why ``paths`` hold nothing to fit as asked, with what they do hold and the fix."""
-    rows = [r for fn in paths for r in read_rows(fn)]
+def nothing_to_fit(rows: list[dict], paths: list[str], rolled: bool, precision: str) -> str:
+    """Why ``rows`` (read from ``paths``) hold nothing to fit as asked, with what they do hold and the fix."""
     wanted = f"{'rolled' if rolled else 'unrolled'} {precision} lm"
     take = (f"take them with tools/plan_memory_table.py --only lm --precision {precision} --json FILE"
             + (" --scan-unroll 1" if rolled else ""))
@@ -123,7 +122,7 @@ def nothing_to_fit(paths: list[str], rolled: bool, precision: str) -> str:
         return f"{', '.join(paths)}: no candidates at all; {take}"
     held: dict[str, int] = {}
     for r in rows:
-        kind = (f"{'rolled' if looped(r) else 'unrolled'} {r.get('precision', 'f32')} lm" if r["model"] == "lm"
+        kind = (f"{'rolled' if looped(r) else 'unrolled'} {table_tool.precision(r)} lm" if r["model"] == "lm"
                 else r["model"])
         held[kind] = held.get(kind, 0) + 1
     have = ", ".join(f"{n} {kind}" for kind, n in sorted(held.items()))

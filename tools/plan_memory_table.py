@@ -141,6 +141,11 @@ def main() -> None:
     raise SystemExit(1 if bad else 0)
 
 
+def precision(row: dict) -> str:
+    """The compute dtype a stored lm candidate was compiled at (files before --precision: f32)."""
+    return row.get("precision", "f32")
+
+
 def lm_count_args(row: dict) -> tuple:
     """``lm_memory``'s arguments for a stored lm candidate: (config, rows, remat, accum, rules table, mesh)."""
     from spmdkit._plan._candidates import rules_table
@@ -148,7 +153,7 @@ def lm_count_args(row: dict) -> tuple:
 
     size = LM_SIZES[row["size"]]
     cfg = lm.LMConfig(**{k: v for k, v in size.items() if k != "batch"}, scan_unroll=row.get("unroll"),
-                      precision=row.get("precision", "f32"))
+                      precision=precision(row))
     return (cfg, size["batch"] // row["accum"], row["remat"], row["accum"], list(rules_table(row["rules"]).table),
             dict(row["mesh"]))
 
@@ -176,7 +181,7 @@ def recount(row: dict) -> dict:
 def table(rows: list[dict]) -> None:
     """The BENCHMARKS.md table: the worst margin per model, size and remat policy (of one
     precision and program form: their cells would merge)."""
-    for what, key in (("precisions", lambda r: r.get("precision", "f32")), ("program forms", lambda r: r.get("unroll"))):
+    for what, key in (("precisions", precision), ("program forms", lambda r: r.get("unroll"))):
         seen = {key(r) for r in rows if r["model"] == "lm"}
         if len(seen) > 1:
             raise SystemExit(f"these files hold lm candidates of {len(seen)} {what} ({sorted(map(str, seen))}): their "

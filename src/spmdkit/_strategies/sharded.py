@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies._compile import Placement, as_key, auto_mesh
-from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec
+from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, _as_tuple, check_spec
 from spmdkit._types import MakeState
 
 
@@ -188,8 +188,7 @@ class Sharded(Placement):
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (by the rules' batch name)."""
-        spec = self._batch.spec[0]
-        return (spec,) if isinstance(spec, str) else tuple(spec or ())
+        return _as_tuple(self._batch.spec[0])
 
     @property
     def batch_shards(self) -> int:
