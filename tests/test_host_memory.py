@@ -93,6 +93,33 @@ def test_settings_in_the_environment_count_as_reused(clean):
     assert status.reused == GLIBC and (status.why == "set in the environment" or not GLIBC)
 
 
+EXACT_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
+@pytest.mark.parametrize("env", [
+    {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:" + EXACT_TUNABLES},
+    # two through MALLOC_*, the third through GLIBC_TUNABLES: together the same settings
+    {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=2147483647"},
+])
+def test_the_same_settings_through_glibc_tunables_count_as_reused(clean, env):
+    for key, value in env.items():
+        clean.setenv(key, value)
+    status = spmdkit.host_memory()
+    assert status.reused and "set in the environment (" in status.why and "GLIBC_TUNABLES" in status.why
+    assert spmdkit.reuse_host_memory() == status and not _host_memory._applied  # nothing left to set
+    clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "system")  # too late: glibc read them at the start
+    late = spmdkit.host_memory()
+    assert late.reused and "GLIBC_TUNABLES glibc.malloc.trim_threshold" in late.why and "cannot undo" in late.why
+
+
+@pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
+def test_a_partial_set_of_settings_is_not_claimed_as_reused(clean):
+    clean.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=1")  # the other two at glibc's defaults
+    status = spmdkit.host_memory()
+    assert not status.reused and status.why == _host_memory.DEFAULTS_WHY
+
+
 @pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
 @pytest.mark.parametrize("env, why", [
     ({"SPMDKIT_HOST_ALLOCATOR": "system"}, "SPMDKIT_HOST_ALLOCATOR=system"),
@@ -145,6 +172,10 @@ def test_a_childs_environment_names_its_allocator_from_its_start():
     reuse = _host_memory.child_env(env, "reuse")
     assert reuse == {"HOME": "/h", **_host_memory.MALLOC_SETTINGS}  # ours replace the user's, opt-out dropped
     assert _host_memory.child_env(reuse, "system") == {"HOME": "/h", spmdkit.ENV_HOST_ALLOCATOR: "system"}
+    # GLIBC_TUNABLES would win over either mode: its three settings go, other tunables stay
+    tuned = {"HOME": "/h", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:" + EXACT_TUNABLES}
+    assert _host_memory.child_env(tuned, "system")["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert _host_memory.child_env({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=9"}, "reuse") == _host_memory.MALLOC_SETTINGS
     with pytest.raises(ValueError, match="'jemalloc' is not one of reuse, system"):
         _host_memory.child_env(env, "jemalloc")
 

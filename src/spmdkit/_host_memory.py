@@ -81,11 +81,26 @@ def _not_applicable() -> str | None:
         return ("malloc here is not glibc's" + (f" (LD_PRELOAD={preload!r})" if preload else "")
                 + "; that allocator manages host memory itself")
     foreign = [f"{k}={os.environ[k]}" for k in MALLOC_SETTINGS if os.environ.get(k, MALLOC_SETTINGS[k]) != MALLOC_SETTINGS[k]]
-    tunables = (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
-    foreign += [f"GLIBC_TUNABLES={k}={v}" for k, _, v in tunables if k in _TUNABLES and v != MALLOC_SETTINGS[_TUNABLES[k]]]
+    foreign += [f"GLIBC_TUNABLES={t}={v}" for t, (k, v) in _tunables().items() if v != MALLOC_SETTINGS[k]]
     if foreign:
         return "the environment sets " + ", ".join(foreign) + ": left as set"
     return None
+
+
+def _tunables() -> dict[str, tuple[str, str]]:
+    """The settings ``GLIBC_TUNABLES`` gives, ``{tunable: (MALLOC_* name, value)}``."""
+    items = (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
+    return {t: (_TUNABLES[t], v) for t, _, v in items if t in _TUNABLES}
+
+
+def _inherited() -> str | None:
+    """Where the environment gives glibc every one of these settings at its start (``MALLOC_*``
+    or ``GLIBC_TUNABLES``, which wins), or None when it does not give them all."""
+    given = {k: (k, os.environ[k]) for k in MALLOC_SETTINGS if k in os.environ}
+    given.update({k: (f"GLIBC_TUNABLES {t}", v) for t, (k, v) in _tunables().items()})
+    if set(given) != set(MALLOC_SETTINGS) or any(given[k][1] != MALLOC_SETTINGS[k] for k in given):
+        return None
+    return ", ".join(name for name, _ in given.values())
 
 
 def _mallocs_is_glibcs() -> bool:
@@ -105,17 +120,18 @@ def _backends_started() -> bool:
 def _settled() -> HostMemory | None:
     """The setting when nothing is left to do (not applicable, or already in effect), else None."""
     why_not = _not_applicable()
-    inherited = all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items())
+    inherited = _inherited()
     if inherited and _mode() == "system":
         # glibc read them when the process started (a child of a reusing process): too late to opt out.
-        return HostMemory(True, "set in the environment; glibc read " + ", ".join(MALLOC_SETTINGS) + " when this "
-                          f"process started, so {ENV_HOST_ALLOCATOR}=system cannot undo them: start it without them")
+        return HostMemory(True, f"set in the environment; glibc read {inherited} when this process "
+                          f"started, so {ENV_HOST_ALLOCATOR}=system cannot undo them: start it without them")
     if why_not:
         return HostMemory(False, why_not)
     if _applied:
         return HostMemory(True, "set by spmdkit in this process")
     if inherited:
-        return HostMemory(True, "set in the environment")
+        return HostMemory(True, "set in the environment" + ("" if "GLIBC_TUNABLES" not in inherited
+                                                            else f" ({inherited})"))
     return None
 
 
@@ -148,6 +164,7 @@ def child_env(env: Mapping[str, str], mode: str) -> dict[str, str]:
     """``env`` for a child process whose glibc malloc is set as spmdkit sets it (``"reuse"``)
     or left at glibc's defaults (``"system"``) from its start: glibc reads the settings once,
     before the child's first thread, and a ``spmdkit`` command in the child keeps to the mode.
+    ``GLIBC_TUNABLES`` keeps every tunable but these three settings.
 
     Example:
         >>> from spmdkit._host_memory import child_env
@@ -157,6 +174,10 @@ def child_env(env: Mapping[str, str], mode: str) -> dict[str, str]:
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r} is not one of {', '.join(_MODES)}")
     out = {k: v for k, v in env.items() if k not in MALLOC_SETTINGS and k != ENV_HOST_ALLOCATOR}
+    # GLIBC_TUNABLES wins over MALLOC_*: its values of these three settings go too, the rest stays.
+    rest = [item for item in out.pop("GLIBC_TUNABLES", "").split(":") if item and item.partition("=")[0] not in _TUNABLES]
+    if rest:
+        out["GLIBC_TUNABLES"] = ":".join(rest)
     if mode == REUSE:
         out.update(MALLOC_SETTINGS)
     else:

@@ -345,31 +345,45 @@ def load_target(path_or_name: str | Path, devices: int = 1) -> Target:
 
 
 # ---------------------------------------------------------------- this machine
-def _best_seconds(fn, repeats: int = 5) -> float:
+def _best_seconds(fn, repeats: int = 5, window: float = 0.0) -> float:
+    """The fastest of at least ``repeats`` calls of ``fn`` and of as many more as fit in
+    ``window`` seconds."""
     import jax
 
     jax.block_until_ready(fn())  # compile and warm up
-    best = float("inf")
-    for _ in range(repeats):
+    best, done, began = float("inf"), 0, time.perf_counter()
+    while done < repeats or time.perf_counter() - began < window:
         start = time.perf_counter()
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - start)
+        done += 1
     return best
+
+
+# Seconds each figure of measure_cpu is the best over. On a shared machine a core can be taken
+# away for a few milliseconds: the best of five 1.4 ms matmuls ranged 136-214 GFLOP/s from one
+# call to the next (88-211 at the start of 51 plans), the best over 0.2 s 210-222.
+MEASURE_WINDOW = 0.2
+# Bytes the bandwidth sum reads: beyond any common last-level cache (32 MiB on the development
+# machine, where a 32 MiB sum read 37-98 GB/s, mostly from the cache), as calibrate's 32 MiB per
+# device on 8 devices is.
+STREAM_BYTES = 256 * 2**20
 
 
 def measure_cpu(size: int = 512) -> tuple[float, float]:
     """``(f32 FLOP/s, bytes/s)`` of this process's first CPU device: a matmul, and a sum that
-    reads 32 MB (a copy would mostly time the page faults of its fresh output)."""
+    reads :data:`STREAM_BYTES` from memory (a copy would mostly time the page faults of its
+    fresh output); each the best over :data:`MEASURE_WINDOW` seconds."""
     import jax
     import jax.numpy as jnp
 
     device = jax.local_devices(backend="cpu")[0]  # this process's own: another's cannot be written to
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
-    flops = 2 * size**3 / _best_seconds(lambda: matmul(a))
-    big = jax.device_put(jnp.ones((8 * 2**20,), jnp.float32), device)
+    flops = 2 * size**3 / _best_seconds(lambda: matmul(a), window=MEASURE_WINDOW)
+    big = jax.device_put(jnp.ones((STREAM_BYTES // 4,), jnp.float32), device)
     total = jax.jit(jnp.sum)
-    return flops, big.nbytes / _best_seconds(lambda: total(big))
+    return flops, big.nbytes / _best_seconds(lambda: total(big), window=MEASURE_WINDOW)
 
 
 def _collective_program(kind: str, n: int, loops: int):
