@@ -39,8 +39,15 @@ print(json.dumps({"reused": status.reused, "why": status.why, "faults": faults, 
 """
 
 
+def _glibc_defaults() -> dict[str, str]:
+    """This environment without any of the settings (MALLOC_* or GLIBC_TUNABLES) and no mode."""
+    env = _host_memory.child_env(os.environ, _host_memory.SYSTEM)
+    del env[spmdkit.ENV_HOST_ALLOCATOR]
+    return {k: v for k, v in env.items() if not k.startswith("MALLOC_")}
+
+
 def _run(code: str, **env: str) -> dict:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != spmdkit.ENV_HOST_ALLOCATOR}
+    full = _glibc_defaults()
     full.update(env)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=full)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -97,20 +104,29 @@ EXACT_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.
 
 
 @pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
-@pytest.mark.parametrize("env", [
-    {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:" + EXACT_TUNABLES},
+@pytest.mark.parametrize("env, why", [
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:" + EXACT_TUNABLES},
+     "GLIBC_TUNABLES' arena_max, mmap_max and trim_threshold"),
     # two through MALLOC_*, the third through GLIBC_TUNABLES: together the same settings
-    {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=2147483647"},
+    ({"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=2147483647"},
+     "MALLOC_ARENA_MAX, MALLOC_MMAP_MAX_ and GLIBC_TUNABLES' trim_threshold"),
+    # a tunable wins over its MALLOC_* variable: glibc runs with one arena here, not four
+    ({"MALLOC_ARENA_MAX": "4", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "2147483647",
+      "GLIBC_TUNABLES": "glibc.malloc.arena_max=1"},
+     "MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_ and GLIBC_TUNABLES' arena_max"),
+    # numbers as glibc reads them; an item without "=" is skipped, as glibc skips it
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=0x1:glibc.malloc.mmap_max= 0:glibc.malloc.trim_threshold=0x7fffffff:"
+                        "glibc.malloc.arena_max"}, "GLIBC_TUNABLES' arena_max, mmap_max and trim_threshold"),
 ])
-def test_the_same_settings_through_glibc_tunables_count_as_reused(clean, env):
+def test_the_same_settings_through_glibc_tunables_count_as_reused(clean, env, why):
     for key, value in env.items():
         clean.setenv(key, value)
     status = spmdkit.host_memory()
-    assert status.reused and "set in the environment (" in status.why and "GLIBC_TUNABLES" in status.why
+    assert status.reused and status.why == "set in the environment: " + why
     assert spmdkit.reuse_host_memory() == status and not _host_memory._applied  # nothing left to set
     clean.setenv(spmdkit.ENV_HOST_ALLOCATOR, "system")  # too late: glibc read them at the start
     late = spmdkit.host_memory()
-    assert late.reused and "GLIBC_TUNABLES glibc.malloc.trim_threshold" in late.why and "cannot undo" in late.why
+    assert late.reused and f"glibc read {why} when" in late.why and "cannot undo" in late.why
 
 
 @pytest.mark.skipif(not GLIBC, reason="elsewhere every call says 'not glibc' first")
@@ -146,7 +162,7 @@ def test_a_bad_mode_names_the_variable_and_the_choices(clean):
 
 
 def test_the_spmdkit_command_reuses_host_memory_and_says_so():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != spmdkit.ENV_HOST_ALLOCATOR}
+    env = _glibc_defaults()
     out = subprocess.run([SPMDKIT, "devices", "--json"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["host_memory"] == (

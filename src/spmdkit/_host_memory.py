@@ -80,27 +80,51 @@ def _not_applicable() -> str | None:
         preload = os.environ.get("LD_PRELOAD")
         return ("malloc here is not glibc's" + (f" (LD_PRELOAD={preload!r})" if preload else "")
                 + "; that allocator manages host memory itself")
-    foreign = [f"{k}={os.environ[k]}" for k in MALLOC_SETTINGS if os.environ.get(k, MALLOC_SETTINGS[k]) != MALLOC_SETTINGS[k]]
-    foreign += [f"GLIBC_TUNABLES={t}={v}" for t, (k, v) in _tunables().items() if v != MALLOC_SETTINGS[k]]
+    foreign = [f"{source}={value}" for k, (source, value) in _given().items() if not _same(value, MALLOC_SETTINGS[k])]
     if foreign:
         return "the environment sets " + ", ".join(foreign) + ": left as set"
     return None
 
 
-def _tunables() -> dict[str, tuple[str, str]]:
-    """The settings ``GLIBC_TUNABLES`` gives, ``{tunable: (MALLOC_* name, value)}``."""
-    items = (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
-    return {t: (_TUNABLES[t], v) for t, _, v in items if t in _TUNABLES}
+def _given() -> dict[str, tuple[str, str]]:
+    """The settings the environment gives glibc at a process's start, as glibc takes them:
+    ``{MALLOC_* name: (where, value)}``, a ``GLIBC_TUNABLES`` item winning over its
+    ``MALLOC_*`` variable, and the last of a tunable given twice."""
+    given = {k: (k, os.environ[k]) for k in MALLOC_SETTINGS if k in os.environ}
+    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, eq, value = item.partition("=")
+        if eq and name in _TUNABLES:  # glibc skips an item without "="
+            given[_TUNABLES[name]] = (f"GLIBC_TUNABLES={name}", value)
+    return given
+
+
+def _same(value: str, ours: str) -> bool:
+    """Whether glibc reads ``value`` as the number ``ours`` (it takes " 1", "0x1" and "01" as 1)."""
+    text = value.strip()
+    digits = text.lstrip("+")
+    try:
+        if digits[:2].lower() == "0x":
+            number = int(digits[2:], 16)
+        else:
+            number = int(digits, 8 if digits.startswith("0") and len(digits) > 1 else 10)
+    except ValueError:
+        return text == ours
+    return number == int(ours)
 
 
 def _inherited() -> str | None:
-    """Where the environment gives glibc every one of these settings at its start (``MALLOC_*``
-    or ``GLIBC_TUNABLES``, which wins), or None when it does not give them all."""
-    given = {k: (k, os.environ[k]) for k in MALLOC_SETTINGS if k in os.environ}
-    given.update({k: (f"GLIBC_TUNABLES {t}", v) for t, (k, v) in _tunables().items()})
-    if set(given) != set(MALLOC_SETTINGS) or any(given[k][1] != MALLOC_SETTINGS[k] for k in given):
+    """Where the environment gives glibc every one of these settings at its start, as spmdkit
+    sets them (``MALLOC_*``, ``GLIBC_TUNABLES`` or both), or None when it does not."""
+    given = _given()
+    if set(given) != set(MALLOC_SETTINGS) or not all(_same(v, MALLOC_SETTINGS[k]) for k, (_, v) in given.items()):
         return None
-    return ", ".join(name for name, _ in given.values())
+    names = [where for where, _ in given.values() if "=" not in where]
+    tuned = [where.rpartition(".")[2] for where, _ in given.values() if "=" in where]
+    return _spoken(names + ([f"GLIBC_TUNABLES' {_spoken(tuned)}"] if tuned else []))
+
+
+def _spoken(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _mallocs_is_glibcs() -> bool:
@@ -130,8 +154,7 @@ def _settled() -> HostMemory | None:
     if _applied:
         return HostMemory(True, "set by spmdkit in this process")
     if inherited:
-        return HostMemory(True, "set in the environment" + ("" if "GLIBC_TUNABLES" not in inherited
-                                                            else f" ({inherited})"))
+        return HostMemory(True, "set in the environment" + (f": {inherited}" if "GLIBC_TUNABLES" in inherited else ""))
     return None
 
 

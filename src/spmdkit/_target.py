@@ -28,8 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,17 +347,17 @@ def load_target(path_or_name: str | Path, devices: int = 1) -> Target:
 
 
 # ---------------------------------------------------------------- this machine
-def _best_seconds(fn, repeats: int = 5, window: float = 0.0) -> float:
+def _best_seconds(fn, repeats: int = 5, window: float = 0.0, clock=time.perf_counter) -> float:
     """The fastest of at least ``repeats`` calls of ``fn`` and of as many more as fit in
     ``window`` seconds."""
     import jax
 
     jax.block_until_ready(fn())  # compile and warm up
-    best, done, began = float("inf"), 0, time.perf_counter()
-    while done < repeats or time.perf_counter() - began < window:
-        start = time.perf_counter()
+    best, done, began = float("inf"), 0, clock()
+    while done < repeats or clock() - began < window:
+        start = clock()
         jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
         done += 1
     return best
 
@@ -364,26 +366,51 @@ def _best_seconds(fn, repeats: int = 5, window: float = 0.0) -> float:
 # away for a few milliseconds: the best of five 1.4 ms matmuls ranged 136-214 GFLOP/s from one
 # call to the next (88-211 at the start of 51 plans), the best over 0.2 s 210-222.
 MEASURE_WINDOW = 0.2
-# Bytes the bandwidth sum reads: beyond any common last-level cache (32 MiB on the development
-# machine, where a 32 MiB sum read 37-98 GB/s, mostly from the cache), as calibrate's 32 MiB per
-# device on 8 devices is.
-STREAM_BYTES = 256 * 2**20
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size of this machine's largest CPU cache level as Linux reports it, or None."""
+    sizes = {}
+    for index in glob.glob(os.path.join(root, "index*")):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "size")) as f:
+                text = f.read().strip()
+            sizes[level] = int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        except (OSError, ValueError):
+            continue
+    return sizes[max(sizes)] if sizes else None
+
+
+def stream_bytes(cache: int | None = None) -> int:
+    """Bytes :func:`measure_cpu`'s sum reads: 4x the last-level cache and at least 256 MiB, so
+    memory answers it, not the cache (a 32 MiB sum read 37-98 GB/s here, with a 32 MiB L3;
+    256 MiB reads 29-31), and at most 1 GiB."""
+    cache = last_level_cache_bytes() if cache is None else cache
+    return min(max(4 * (cache or 0), 256 * 2**20), 2**30)
 
 
 def measure_cpu(size: int = 512) -> tuple[float, float]:
     """``(f32 FLOP/s, bytes/s)`` of this process's first CPU device: a matmul, and a sum that
-    reads :data:`STREAM_BYTES` from memory (a copy would mostly time the page faults of its
-    fresh output); each the best over :data:`MEASURE_WINDOW` seconds."""
+    reads :func:`stream_bytes` from memory (a copy would mostly time the page faults of its
+    fresh output); each the best over :data:`MEASURE_WINDOW` seconds. The sum's buffer is
+    freed, and its pages given back when host memory is reused."""
     import jax
     import jax.numpy as jnp
 
+    from spmdkit._host_memory import release_host_memory
+
     device = jax.local_devices(backend="cpu")[0]  # this process's own: another's cannot be written to
-    a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+    a = jnp.ones((size, size), jnp.float32, device=device)
     matmul = jax.jit(lambda x: x @ x)
     flops = 2 * size**3 / _best_seconds(lambda: matmul(a), window=MEASURE_WINDOW)
-    big = jax.device_put(jnp.ones((STREAM_BYTES // 4,), jnp.float32), device)
+    big = jnp.ones((stream_bytes() // 4,), jnp.float32, device=device)
     total = jax.jit(jnp.sum)
-    return flops, big.nbytes / _best_seconds(lambda: total(big), window=MEASURE_WINDOW)
+    bandwidth = big.nbytes / _best_seconds(lambda: total(big), window=MEASURE_WINDOW)
+    big.delete()
+    release_host_memory()
+    return flops, bandwidth
 
 
 def _collective_program(kind: str, n: int, loops: int):
@@ -522,11 +549,14 @@ def cpu_target(devices: int = 1) -> Target:
 
     import jax
 
-    flops, bandwidth = measure_cpu()
+    first = measure_cpu()
     n = max(int(devices), 1)
     measured = {kind: measure_collective(kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
     link = measured["all_reduce"]
     overhead = measure_op_overhead(n)
+    # Again, seconds later: a core taken away for longer than one window halved the GEMM rate in
+    # 1 of 39 measurements; two windows apart rarely both miss.
+    flops, bandwidth = (max(a, b) for a, b in zip(first, measure_cpu()))
     how = ("collectives measured (alpha s, beta s/B): " + ", ".join(
         f"{kind} {ab.alpha:.3g}, {ab.beta:.3g}" for kind, ab in measured.items() if ab) if link else
            f"link alpha {CPU_ALPHA:g} s assumed (spmdkit calibrate measures it)")
