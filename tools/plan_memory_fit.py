@@ -120,13 +120,13 @@ def nothing_to_fit(rows: list[dict], paths: list[str], rolled: bool, precision: 
             + (" --scan-unroll 1" if rolled else ""))
     if not rows:
         return f"{', '.join(paths)}: no candidates at all; {take}"
-    held: dict[str, int] = {}
+    held: dict[tuple[str, ...], int] = {}  # (form, precision, "lm") or (model,)
     for r in rows:
-        kind = (f"{'rolled' if looped(r) else 'unrolled'} {table_tool.precision(r)} lm" if r["model"] == "lm"
-                else r["model"])
+        lm = r["model"] == "lm"
+        kind = ("rolled" if looped(r) else "unrolled", table_tool.precision(r), "lm") if lm else (r["model"],)
         held[kind] = held.get(kind, 0) + 1
-    have = ", ".join(f"{n} {kind}" for kind, n in sorted(held.items()))
-    lm = [k.split() for k in held if k.endswith(" lm")]
+    have = ", ".join(f"{n} {' '.join(kind)}" for kind, n in sorted(held.items()))
+    lm = [kind for kind in held if len(kind) == 3]
     fix = take
     if len(lm) == 1:
         form, dtype, _ = lm[0]

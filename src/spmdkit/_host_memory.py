@@ -80,21 +80,23 @@ def _not_applicable() -> str | None:
         preload = os.environ.get("LD_PRELOAD")
         return ("malloc here is not glibc's" + (f" (LD_PRELOAD={preload!r})" if preload else "")
                 + "; that allocator manages host memory itself")
-    foreign = [f"{source}={value}" for k, (source, value) in _given().items() if not _same(value, MALLOC_SETTINGS[k])]
+    foreign = [f"GLIBC_TUNABLES={t}={v}" if t else f"{k}={v}" for k, (t, v) in _given().items()
+               if not _same(v, MALLOC_SETTINGS[k])]
     if foreign:
         return "the environment sets " + ", ".join(foreign) + ": left as set"
     return None
 
 
-def _given() -> dict[str, tuple[str, str]]:
+def _given() -> dict[str, tuple[str | None, str]]:
     """The settings the environment gives glibc at a process's start, as glibc takes them:
-    ``{MALLOC_* name: (where, value)}``, a ``GLIBC_TUNABLES`` item winning over its
-    ``MALLOC_*`` variable, and the last of a tunable given twice."""
-    given = {k: (k, os.environ[k]) for k in MALLOC_SETTINGS if k in os.environ}
+    ``{MALLOC_* name: (the GLIBC_TUNABLES name it came through, or None, value)}``, a
+    ``GLIBC_TUNABLES`` item winning over its ``MALLOC_*`` variable, and the last of a tunable
+    given twice."""
+    given: dict[str, tuple[str | None, str]] = {k: (None, os.environ[k]) for k in MALLOC_SETTINGS if k in os.environ}
     for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
         name, eq, value = item.partition("=")
         if eq and name in _TUNABLES:  # glibc skips an item without "="
-            given[_TUNABLES[name]] = (f"GLIBC_TUNABLES={name}", value)
+            given[_TUNABLES[name]] = (name, value)
     return given
 
 
@@ -118,8 +120,8 @@ def _inherited() -> str | None:
     given = _given()
     if set(given) != set(MALLOC_SETTINGS) or not all(_same(v, MALLOC_SETTINGS[k]) for k, (_, v) in given.items()):
         return None
-    names = [where for where, _ in given.values() if "=" not in where]
-    tuned = [where.rpartition(".")[2] for where, _ in given.values() if "=" in where]
+    names = [k for k, (t, _) in given.items() if t is None]
+    tuned = [t.rpartition(".")[2] for t, _ in given.values() if t]
     return _spoken(names + ([f"GLIBC_TUNABLES' {_spoken(tuned)}"] if tuned else []))
 
 
