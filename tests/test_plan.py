@@ -498,6 +498,43 @@ def test_measured_ties_are_the_candidates_whose_rounds_overlap(capsys):
     assert "one round only: no spread to judge ties by" in " ".join(capsys.readouterr().out.split())
 
 
+def test_measure_all_runs_every_candidate_and_judges_the_measurement_against_itself(capsys):
+    from rich.console import Console
+
+    from spmdkit._plan._report import measure, print_measured
+
+    # three candidates whose rounds agree on the order (a < b < c), and a fourth priced last
+    rounds = {"a": [1.0, 1.1, 1.0, 1.1, 1.0, 1.1], "b": [2.0, 2.1, 2.0, 2.1, 2.0, 2.1],
+              "c": [3.0, 3.1, 3.0, 3.1, 3.0, 3.1], "d": [2.5, 2.6, 2.5, 2.6, 2.5, 2.6]}
+    row = {"status": "ok", "step_s": 1.0, "step_s_overlapped": 1.0, "step_s_serial": 1.0,
+           "memory": {"analytic": {"total": 1}, "per_device": 1}}
+    plan = {"candidates": [{**row, "label": k, "rank": i + 1, "step_s": float(i + 1)} for i, k in enumerate(rounds)]
+            + [{**row, "label": "e", "status": "pruned"}]}
+
+    def prepare(r):
+        left = list(rounds[r["label"]])
+        return (lambda steps: [left.pop(0)] * steps), 1, "compiled"
+
+    got = measure(plan, "all", prepare, steps=1, rounds=6)
+    assert [m["label"] for m in got["runs"]] == ["a", "b", "c", "d"]  # every ok candidate, none pruned
+    assert got["reproducibility"] == pytest.approx(1.0)  # odd and even rounds order them alike
+    assert got["spearman"] == pytest.approx(0.8)  # d priced last, measured third
+    print_measured(got, Console(width=200))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "its odd rounds' order against its even rounds'): 1.000" in out and "partly noise" not in out
+
+    # rounds that swap a and b back and forth: the measurement does not reproduce its own order
+    rounds = {"a": [1.0, 2.0, 1.0, 2.0], "b": [2.0, 1.0, 2.0, 1.0], "c": [1.5, 1.5, 1.5, 1.5]}
+    plan = {"candidates": [{**row, "label": k, "rank": i + 1, "step_s": float(i + 1)} for i, k in enumerate(rounds)]}
+    got = measure(plan, "all", prepare, steps=1, rounds=4)
+    assert got["reproducibility"] < 0
+    print_measured(got, Console(width=200))
+    assert "partly noise" in " ".join(capsys.readouterr().out.split())
+    # fewer than 4 rounds: not judged
+    rounds = {k: v[:3] for k, v in rounds.items()}
+    assert measure(plan, "all", prepare, steps=1, rounds=3)["reproducibility"] is None
+
+
 # ---------------------------------------------------------------- the CLI
 def test_cli_plan_help(capsys):
     with pytest.raises(SystemExit) as e:
@@ -506,6 +543,18 @@ def test_cli_plan_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--devices", "--processes", "--memory-per-device", "--target", "--measure", "--json", "--png"):
         assert flag in out
+
+
+def test_cli_plan_measure_takes_a_count_or_all(capsys):
+    from spmdkit._cli import build_parser
+
+    args = build_parser().parse_args(["plan", "--devices", "8", "--measure", "all"])
+    assert args.measure == "all"
+    assert build_parser().parse_args(["plan", "--devices", "8", "--measure", "4"]).measure == 4
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["plan", "--devices", "8", "--measure", "most"])
+    assert e.value.code == 2
+    assert "'most' is neither a count of candidates nor 'all'" in capsys.readouterr().err
 
 
 def test_cli_plan_lm_json(tmp_path, capsys):
@@ -642,6 +691,7 @@ def _tiny():
 @pytest.mark.parametrize("kwargs,words", [
     ({"memory_per_device": float("nan")}, "memory_per_device=nan"), ({"memory_per_device": -10}, "memory_per_device=-10"),
     ({"memory_per_device": 0}, "memory_per_device=0"), ({"measure": -1}, "measure=-1"),
+    ({"measure": "every"}, "(?s)measure='every'.*measure=\"all\""),
     ({"measure": 1, "measure_steps": 0}, "measure_steps=0"), ({"measure": 1, "measure_rounds": 0}, "measure_rounds=0"),
     ({"accum": (0,), "step_for": lambda r, a: None}, "accum=0"),
     ({"dtype": "fp8"}, "dtype='fp8'.*'bfloat16', 'float32'")])

@@ -324,9 +324,11 @@ def load_target_json(path: str) -> dict[str, Any]:
 
 # A small all-reduce between 2 processes varies 2-5x from one call to the next (each step of
 # gloo waits for the peer's thread to be scheduled on the shared cores). Idle, the median of 5-7
-# rounds moved 2-4x between two runs a minute apart at 4 KiB-1 MiB; the median of 31 rounds
-# moved under 12% over three runs. Rounds cost little there: a call lasts about 20 ms.
-INTER_HOST_ROUNDS = 31
+# rounds moved 2-4x between two runs a minute apart at 4 KiB-1 MiB; on one machine the median of
+# 31 rounds moved under 12% over three runs, on another (rounds' IQR 100-370% of the median)
+# -62% to +109% between two runs back to back, where 151 rounds moved -24% to +23%. A call lasts
+# about 20 ms, so 151 rounds of the 4 kinds at 8 sizes take about 8 minutes.
+INTER_HOST_ROUNDS = 151
 
 
 def _defaults(quick: bool, rounds: int | None, link: str = "intra_host") -> tuple[int, float]:
@@ -334,7 +336,7 @@ def _defaults(quick: bool, rounds: int | None, link: str = "intra_host") -> tupl
 
     Example:
         >>> _defaults(False, None), _defaults(False, None, "inter_host"), _defaults(False, 5, "inter_host")[0]
-        ((7, 0.02), (31, 0.02), 5)
+        ((7, 0.02), (151, 0.02), 5)
     """
     if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
         raise CalibrationError(fix(f"rounds={rounds!r}: need a whole number >= 1.", "pass e.g. rounds=7 (CLI: --rounds 7)."))
@@ -533,7 +535,7 @@ def calibrate(
 
     Times all_reduce (psum), all_gather, reduce_scatter (psum_scatter) and all_to_all at
     ``sizes`` bytes (default 4 KiB .. 64 MiB, x4 apart; ``quick``: 4 KiB, 64 KiB, 1 MiB), in
-    ``rounds`` interleaved rounds (default 7, and 31 for the 2-process link; ``quick``: 3), on the
+    ``rounds`` interleaved rounds (default 7, and 151 for the 2-process link; ``quick``: 3), on the
     first ``devices`` devices of this process (``intra_host``) and, with ``processes=2``,
     across 2 processes x 1 device (``inter_host``); fits alpha and beta per kind and link;
     measures the float32/bfloat16 GEMM rate and the memory bandwidth per device. Writes the

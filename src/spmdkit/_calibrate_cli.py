@@ -46,7 +46,7 @@ def add_calibrate_parser(sub) -> None:
                    help="1: intra_host only; 2: also inter_host, 2 processes x 1 device (2)")
     p.add_argument("--sizes", type=_size, nargs="+", metavar="BYTES",
                    help="payload sizes, e.g. 4K 64K 1M 16M (binary units; default: 4 KiB .. 64 MiB, x4 apart)")
-    p.add_argument("--rounds", type=int, metavar="R", help="interleaved timing rounds per case (7; 31 for the 2-process link, whose small "
+    p.add_argument("--rounds", type=int, metavar="R", help="interleaved timing rounds per case (7; 151 for the 2-process link, whose small "
                    "collectives vary more; --quick: 3)")
     p.add_argument("--quick", action="store_true", help="3 sizes, largest mesh axis only, 3 rounds: a smoke run")
     p.add_argument("--timeout", type=float, metavar="S", help="seconds before the 2-process run is killed "

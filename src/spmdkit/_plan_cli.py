@@ -64,6 +64,17 @@ def _rules_list(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _measure_count(text: str) -> int | str:
+    """``--measure``: a count of candidates, or ``all``."""
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of candidates nor 'all' "
+                                         "(e.g. --measure 6, or --measure all)") from None
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in _names(text))
@@ -102,7 +113,8 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
     p.add_argument("--grad-accum", type=_ints, default=(1,), metavar="LIST",
                    help="accumulation steps to try at the same global batch, e.g. 1,2,4 (1)")
     p.add_argument("--batch-size", type=positive_int, help="global batch (the task's)")
-    p.add_argument("--measure", type=int, default=0, metavar="K", help="also run the K best for real and compare (0)")
+    p.add_argument("--measure", type=_measure_count, default=0, metavar="K|all",
+                   help="also run the K best (all: every candidate) for real and compare (0)")
     p.add_argument("--measure-steps", type=positive_int, default=3, metavar="S",
                    help="--measure: timed steps per candidate per round (3)")
     p.add_argument("--measure-rounds", type=positive_int, default=14, metavar="R",
@@ -173,9 +185,9 @@ def _check_args(args: argparse.Namespace) -> None:
     """Flag errors found before any process starts or any JAX work."""
     check_out(args.json, "--json")
     check_out(args.png, "--png")
-    if args.measure < 0:
+    if args.measure != "all" and args.measure < 0:
         raise ConfigError(fix(f"--measure {args.measure}: the number of candidates to run cannot be negative.",
-                              "pass --measure K with K >= 1, or leave it out (0: price only)."))
+                              "pass --measure K with K >= 1, --measure all, or leave it out (0: price only)."))
     if args.processes is not None and args.devices % args.processes:
         raise ConfigError(fix(f"--devices {args.devices} do not split evenly over --processes {args.processes}.",
                               f"give --devices a multiple of {args.processes} (e.g. --devices "

@@ -77,7 +77,9 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
         raise ConfigError(fix(f"plan(memory_per_device={memory_per_device!r}): need a finite number of bytes > 0.",
                               "pass e.g. memory_per_device=16e9 (16 GB per device), or leave it out (the target's "
                               "memory_per_device, else no budget)."))
-    _whole("measure", measure, 0, "pass measure=K (K >= 1: run the K best) or measure=0 (price only).")
+    if measure != "all":
+        _whole("measure", measure, 0, "pass measure=K (K >= 1: run the K best), measure=\"all\" (every "
+               "candidate) or measure=0 (price only).")
     _whole("measure_steps", measure_steps, 1, "pass e.g. measure_steps=3 (timed steps per candidate per round).")
     _whole("measure_rounds", measure_rounds, 1, "pass e.g. measure_rounds=14 (rounds the candidates take turns in).")
     for a in tuple(accum):
@@ -87,7 +89,7 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
-         processes: int | None = None, dtype: str = "float32", rng: Any = 0, measure: int = 0, measure_steps: int = 3,
+         processes: int | None = None, dtype: str = "float32", rng: Any = 0, measure: int | str = 0, measure_steps: int = 3,
          measure_rounds: int = 14, activations: Callable[[Candidate, int, int], int] | None = None,
          state_axes: Any = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Rank the sharded layouts of ``make_state``/``train_step`` on the devices of every process.
@@ -102,7 +104,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     entry. ``dtype`` is the compute dtype whose peak rate prices the FLOPs (``"float32"``,
     ``"bfloat16"``, any JAX dtype name; aliases ``"bf16"``, ``"fp16"``, ``"fp32"``); a dtype the
     target gives no peak for is priced at its float32 peak. Each is compiled, never run,
-    unless ``measure=K``: then the K best run, taking turns ``measure_rounds`` times
+    unless ``measure=K`` (or ``"all"``): then the K best (or every candidate) run, taking turns ``measure_rounds`` times
     ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
 
     ``processes``: the hosts the devices are spread over; collectives whose devices span

@@ -26,7 +26,7 @@ class PlanRunError(SpmdkitError, RuntimeError):
     exit_code = 4  # the CLI's code for a lost peer process
 
 
-def check_processes(processes: int | None, measure: int, running: int | None = None) -> int:
+def check_processes(processes: int | None, measure: int | str, running: int | None = None) -> int:
     """The process count to plan for: ``processes``, which must match the processes running
     when there are several; several given to a lone process price only (``measure=0``).
 

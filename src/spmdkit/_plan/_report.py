@@ -202,10 +202,10 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def measure(plan: dict[str, Any], k: int,
+def measure(plan: dict[str, Any], k: int | str,
             prepare: Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]],
             steps: int, rounds: int = 3) -> dict[str, Any]:
-    """Run the ``k`` best candidates for real: predicted vs measured step time and memory.
+    """Run the ``k`` best candidates (``"all"``: every one) for real: predicted vs measured step time and memory.
 
     ``prepare(row) -> (run(steps) -> seconds per step, memory, where the memory figure comes from)``. The candidates take turns,
     ``rounds`` times ``steps`` steps each, each round starting one candidate later than the last, so a change in the
@@ -214,7 +214,7 @@ def measure(plan: dict[str, Any], k: int,
     medians relative to that round's geometric mean over the candidates (``measured_relative``, the median of
     ``measured_relative_rounds``): a paired comparison, so a slow minute of the machine, which falls on one round,
     does not reorder candidates."""
-    rows = [r for r in plan["candidates"] if r["status"] == "ok"][:k]
+    rows = [r for r in plan["candidates"] if r["status"] == "ok"][:None if k == "all" else k]
     prepared = [prepare(r) for r in rows]
     times: list[list[float]] = [[] for _ in rows]
     per_round: list[list[float]] = [[] for _ in rows]
@@ -238,6 +238,7 @@ def measure(plan: dict[str, Any], k: int,
     fastest = min(out, key=_measured_order) if out else None
     return {"runs": out, "rounds": rounds,
             "spearman": spearman([m["predicted_s"] for m in out], [_measured_order(m) for m in out]),
+            "reproducibility": reproducibility(relative),
             "measured_fastest": fastest["label"] if fastest else None,
             "measured_fastest_predicted_rank": fastest["rank"] if fastest else None,
             "ties": ties(out)}
@@ -254,6 +255,26 @@ def _relative_rounds(per_round: list[list[float]]) -> list[list[float]]:
         return [[] for _ in per_round]
     logs = np.log(np.array(per_round, dtype=float))
     return (np.exp(logs - logs.mean(axis=0, keepdims=True))).tolist()
+
+
+def reproducibility(relative: list[list[float]]) -> float | None:
+    """How well the measurement reproduces its own order: the rank correlation of the
+    candidates' medians over the odd rounds with those over the even rounds (``relative``: each
+    candidate's paired times per round). Well below 1, the measured order is partly the
+    machine's noise, and so is any rank correlation against it; more rounds raise it. None for
+    fewer than 4 rounds or 3 candidates.
+
+    Example:
+        >>> round(reproducibility([[1.0, 1.1, 1.0, 1.1], [2.0, 2.1, 2.0, 2.1], [3.0, 2.9, 3.1, 3.0]]), 3)
+        1.0
+        >>> round(reproducibility([[1.0, 2.0, 1.0, 2.0], [2.0, 1.0, 2.0, 1.0], [1.5, 1.5, 1.5, 1.5]]), 3)
+        -1.0
+    """
+    if len(relative) < 3 or not relative[0] or len(relative[0]) < 4:
+        return None
+    odd = [statistics.median(r[0::2]) for r in relative]
+    even = [statistics.median(r[1::2]) for r in relative]
+    return spearman(odd, even)
 
 
 def _measured_order(m: dict[str, Any]) -> float:
@@ -304,6 +325,11 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                   f"{'n/a (fewer than 3 runs)' if rho is None else f'{rho:.3f}'}; measured fastest: "
                   f"{measured['measured_fastest']} (planner's rank {measured['measured_fastest_predicted_rank']})",
                   highlight=False, markup=False)
+    again = measured.get("reproducibility")
+    if again is not None:
+        console.print(f"the measurement against itself (its odd rounds' order against its even rounds'): {again:.3f}"
+                      + (" - below 0.8 the measured order is partly noise, and so is the rank correlation above; "
+                         "more --measure-rounds" if again < 0.8 else ""), highlight=False, markup=False)
     if measured.get("ties"):
         console.print("within each other's spread (the interquartile ranges of their rounds' medians overlap): "
                       + "; ".join(f"{a} ~ {b}" for a, b in measured["ties"]) + ". Their measured order, and what it "
