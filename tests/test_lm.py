@@ -20,9 +20,11 @@ SIZES = dict(layers=2, d_model=32, heads=8, seq_len=16, text_bytes=20_000)
 CONFIG = spmdkit.TrainConfig(steps=6, batch_size=16, eval_every=1000)
 LAYOUTS = [("dp", {"data": 8}), ("fsdp", {"data": 8}), ("tp", {"model": 8}), ("fsdp+tp", {"data": 2, "model": 4}),
            ("fsdp+sp", {"data": 2, "model": 4})]
-# Float32 sums in other orders on other layouts; Adam turns ~1e-7 gradient differences
-# into ~1e-6 in the update.
-TOLERANCE = 1e-5
+# Float32 sums run in other orders on other layouts, and Adam divides each gradient by its own
+# size, so a near-zero gradient's rounding moves its parameter by a visible part of the learning
+# rate (1.06e-5 seen on a CI machine, 1/1700 of lr x steps). The bound is 1/180 of lr x steps, and
+# the held-out bits per byte must still agree to 1e-5.
+TOLERANCE = 1e-4
 
 
 def _fit(task, strategy, config=CONFIG, **kw):

@@ -504,8 +504,7 @@ def test_measure_all_runs_every_candidate_and_judges_the_measurement_against_its
     from spmdkit._plan._report import measure, print_measured
 
     # three candidates whose rounds agree on the order (a < b < c), and a fourth priced last
-    rounds = {"a": [1.0, 1.1, 1.0, 1.1, 1.0, 1.1], "b": [2.0, 2.1, 2.0, 2.1, 2.0, 2.1],
-              "c": [3.0, 3.1, 3.0, 3.1, 3.0, 3.1], "d": [2.5, 2.6, 2.5, 2.6, 2.5, 2.6]}
+    rounds = {k: [t, t + 0.1] * 4 for k, t in (("a", 1.0), ("b", 2.0), ("c", 3.0), ("d", 2.5))}
     row = {"status": "ok", "step_s": 1.0, "step_s_overlapped": 1.0, "step_s_serial": 1.0,
            "memory": {"analytic": {"total": 1}, "per_device": 1}}
     plan = {"candidates": [{**row, "label": k, "rank": i + 1, "step_s": float(i + 1)} for i, k in enumerate(rounds)]
@@ -515,24 +514,43 @@ def test_measure_all_runs_every_candidate_and_judges_the_measurement_against_its
         left = list(rounds[r["label"]])
         return (lambda steps: [left.pop(0)] * steps), 1, "compiled"
 
-    got = measure(plan, "all", prepare, steps=1, rounds=6)
+    got = measure(plan, "all", prepare, steps=1, rounds=8)
     assert [m["label"] for m in got["runs"]] == ["a", "b", "c", "d"]  # every ok candidate, none pruned
-    assert got["reproducibility"] == pytest.approx(1.0)  # odd and even rounds order them alike
+    assert got["reproducibility"] == pytest.approx(1.0)  # both halves order them alike
     assert got["spearman"] == pytest.approx(0.8)  # d priced last, measured third
     print_measured(got, Console(width=200))
     out = " ".join(capsys.readouterr().out.split())
-    assert "its odd rounds' order against its even rounds'): 1.000" in out and "partly noise" not in out
+    assert "one half of its rounds' order against the other's): 1.000" in out and "partly noise" not in out
 
-    # rounds that swap a and b back and forth: the measurement does not reproduce its own order
-    rounds = {"a": [1.0, 2.0, 1.0, 2.0], "b": [2.0, 1.0, 2.0, 1.0], "c": [1.5, 1.5, 1.5, 1.5]}
+    # a and b trade places after the first rotation: the measurement does not reproduce its own order
+    rounds = {"a": [1.0] * 3 + [2.0] * 3, "b": [2.0] * 3 + [1.0] * 3, "c": [1.5] * 6}
     plan = {"candidates": [{**row, "label": k, "rank": i + 1, "step_s": float(i + 1)} for i, k in enumerate(rounds)]}
-    got = measure(plan, "all", prepare, steps=1, rounds=4)
+    got = measure(plan, "all", prepare, steps=1, rounds=6)
     assert got["reproducibility"] < 0
     print_measured(got, Console(width=200))
     assert "partly noise" in " ".join(capsys.readouterr().out.split())
-    # fewer than 4 rounds: not judged
-    rounds = {k: v[:3] for k, v in rounds.items()}
-    assert measure(plan, "all", prepare, steps=1, rounds=3)["reproducibility"] is None
+    # fewer than two whole rotations (2 x 3 candidates): not judged, and said so
+    rounds = {k: v[:5] for k, v in rounds.items()}
+    got = measure(plan, "all", prepare, steps=1, rounds=5)
+    assert got["reproducibility"] is None
+    print_measured(got, Console(width=200))
+    assert "other's): n/a (fewer than 3 runs, or rounds fewer than twice the runs)" in " ".join(
+        capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_reproducibility_halves_see_every_candidate_at_every_place_in_a_round(n):
+    from spmdkit._plan._report import reproducibility
+
+    # The candidates take turns, each round one place later; whoever runs first in a round pays
+    # 10% (the machine's state left by the round before). Halves that put a candidate first in
+    # one half only (odd against even rounds, pairs of rounds for 4 candidates) read that as
+    # disagreement; whole rotations taken in turn do not, also with a part rotation left over.
+    base = [1.0 + 0.02 * i for i in range(n)]
+    for rounds in (2 * n, 4 * n, 4 * n + 2):
+        relative = [[base[i] * (1.1 if (i - r) % n == 0 else 1.0) for r in range(rounds)] for i in range(n)]
+        assert reproducibility(relative) == pytest.approx(1.0)
+    assert reproducibility([[1.0] * (2 * n - 1)] * n) is None
 
 
 # ---------------------------------------------------------------- the CLI
@@ -548,8 +566,14 @@ def test_cli_plan_help(capsys):
 def test_cli_plan_measure_takes_a_count_or_all(capsys):
     from spmdkit._cli import build_parser
 
-    args = build_parser().parse_args(["plan", "--devices", "8", "--measure", "all"])
+    from spmdkit._plan._processes import check_processes
+    from spmdkit._plan_cli import _check_args
+
+    args = build_parser().parse_args(["plan", "--devices", "8", "--measure", " ALL "])
     assert args.measure == "all"
+    _check_args(args)  # "all" is not compared with a number
+    with pytest.raises(ConfigError, match="measure='all'"):  # a lone process cannot measure over 2
+        check_processes(2, "all", running=1)
     assert build_parser().parse_args(["plan", "--devices", "8", "--measure", "4"]).measure == 4
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["plan", "--devices", "8", "--measure", "most"])
@@ -618,7 +642,7 @@ def test_cli_plan_measures_over_two_processes(tmp_path):
            if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
     command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
                "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
-               "--measure", "2", "--measure-steps", "1", "--measure-rounds", "1", "--measure-timeout", "200",
+               "--measure", "all", "--measure-steps", "1", "--measure-rounds", "1", "--measure-timeout", "200",
                "--json", str(out)]
     proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -633,7 +657,7 @@ def test_cli_plan_measures_over_two_processes(tmp_path):
     plan = json.loads(out.read_text())
     assert (plan["processes"], plan["devices"], plan["devices_per_host"]) == (2, 8, 4)
     runs = plan["measured"]["runs"]
-    assert [m["rank"] for m in runs] == [1, 2] and plan["measured"]["processes"] == 2
+    assert [m["rank"] for m in runs] == [1, 2, 3] and plan["measured"]["processes"] == 2  # --measure all
     assert all(np.isfinite(m["measured_s"]) and m["measured_s"] > 0 and m["steps"] == 1 for m in runs)
     ok = [r for r in plan["candidates"] if r["status"] == "ok"]
     assert {r["label"] for r in ok} == {"dp [data=8]", "dp+tp [data=2,model=4]", "dp+tp [data=4,model=2]"}

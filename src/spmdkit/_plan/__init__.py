@@ -78,7 +78,7 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
                               "pass e.g. memory_per_device=16e9 (16 GB per device), or leave it out (the target's "
                               "memory_per_device, else no budget)."))
     if measure != "all":
-        _whole("measure", measure, 0, "pass measure=K (K >= 1: run the K best), measure=\"all\" (every "
+        _whole("measure", measure, 0, "pass measure=K (K >= 1: run the K best), measure=\"all\" (every ranked "
                "candidate) or measure=0 (price only).")
     _whole("measure_steps", measure_steps, 1, "pass e.g. measure_steps=3 (timed steps per candidate per round).")
     _whole("measure_rounds", measure_rounds, 1, "pass e.g. measure_rounds=14 (rounds the candidates take turns in).")
@@ -104,8 +104,9 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     entry. ``dtype`` is the compute dtype whose peak rate prices the FLOPs (``"float32"``,
     ``"bfloat16"``, any JAX dtype name; aliases ``"bf16"``, ``"fp16"``, ``"fp32"``); a dtype the
     target gives no peak for is priced at its float32 peak. Each is compiled, never run,
-    unless ``measure=K`` (or ``"all"``): then the K best (or every candidate) run, taking turns ``measure_rounds`` times
-    ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation).
+    unless ``measure=K`` (or ``"all"``): then the K best (or every ranked candidate) run, taking turns ``measure_rounds`` times
+    ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation, and
+    ``reproducibility``: the measurement's order in one half of its rounds against the other's).
 
     ``processes``: the hosts the devices are spread over; collectives whose devices span
     them are priced with the target's ``inter_host`` link. Default: the processes running

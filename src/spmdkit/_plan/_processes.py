@@ -44,7 +44,7 @@ def check_processes(processes: int | None, measure: int | str, running: int | No
                               f"(jax.process_count() == {running}).",
                               f"pass processes={running}, or leave processes out."))
     if running == 1 and processes > 1 and measure:
-        raise ConfigError(fix(f"plan(processes={processes}, measure={measure}) in a single process: measuring "
+        raise ConfigError(fix(f"plan(processes={processes}, measure={measure!r}) in a single process: measuring "
                               f"over {processes} processes needs them running.",
                               f"start the script in {processes} processes (spmdkit launch -n {processes} "
                               "--host-devices-per-process N -- python script.py, which calls "

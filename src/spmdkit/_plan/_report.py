@@ -205,7 +205,7 @@ def spearman(a: list[float], b: list[float]) -> float | None:
 def measure(plan: dict[str, Any], k: int | str,
             prepare: Callable[[dict[str, Any]], tuple[Callable[[int], list[float]], int, str]],
             steps: int, rounds: int = 3) -> dict[str, Any]:
-    """Run the ``k`` best candidates (``"all"``: every one) for real: predicted vs measured step time and memory.
+    """Run the ``k`` best candidates (``"all"``: every ranked one) for real: predicted vs measured step time and memory.
 
     ``prepare(row) -> (run(steps) -> seconds per step, memory, where the memory figure comes from)``. The candidates take turns,
     ``rounds`` times ``steps`` steps each, each round starting one candidate later than the last, so a change in the
@@ -259,22 +259,31 @@ def _relative_rounds(per_round: list[list[float]]) -> list[list[float]]:
 
 def reproducibility(relative: list[list[float]]) -> float | None:
     """How well the measurement reproduces its own order: the rank correlation of the
-    candidates' medians over the odd rounds with those over the even rounds (``relative``: each
-    candidate's paired times per round). Well below 1, the measured order is partly the
-    machine's noise, and so is any rank correlation against it; more rounds raise it. None for
-    fewer than 4 rounds or 3 candidates.
+    candidates' medians over one half of the rounds with those over the other half
+    (``relative``: each candidate's paired times per round, all of one length). The
+    candidates' turns rotate by one place a round, so ``n`` candidates take ``n`` rounds to
+    hold every place once; the halves are these whole rotations taken in turn (rounds 0..n-1,
+    2n..3n-1, ... against n..2n-1, ...), so that a place in the round that costs more, such as
+    the first, falls on every candidate in both halves. A trailing part rotation is left out.
+    Well below 1, the measured order is partly the machine's noise, and so is any rank
+    correlation against it; more rounds raise it. Each half has half the rounds, so the whole
+    measurement is steadier than this figure says. None for fewer than 3 candidates, fewer
+    than two whole rotations (``2 * n`` rounds), or when either half ties every candidate.
 
     Example:
-        >>> round(reproducibility([[1.0, 1.1, 1.0, 1.1], [2.0, 2.1, 2.0, 2.1], [3.0, 2.9, 3.1, 3.0]]), 3)
+        >>> round(reproducibility([[1.0, 1.1, 1.0, 1.1, 1.0, 1.1], [2.0, 2.1, 2.0, 2.1, 2.0, 2.1],
+        ...                        [3.0, 2.9, 3.1, 3.0, 3.0, 2.9]]), 3)
         1.0
-        >>> round(reproducibility([[1.0, 2.0, 1.0, 2.0], [2.0, 1.0, 2.0, 1.0], [1.5, 1.5, 1.5, 1.5]]), 3)
+        >>> round(reproducibility([[1.0] * 3 + [2.0] * 3, [2.0] * 3 + [1.0] * 3, [1.5] * 6]), 3)
         -1.0
     """
-    if len(relative) < 3 or not relative[0] or len(relative[0]) < 4:
+    n = len(relative)
+    whole = len(relative[0]) // n if n else 0
+    if n < 3 or whole < 2:
         return None
-    odd = [statistics.median(r[0::2]) for r in relative]
-    even = [statistics.median(r[1::2]) for r in relative]
-    return spearman(odd, even)
+    halves = [[statistics.median(x for k, x in enumerate(r[:whole * n]) if (k // n) % 2 == half) for r in relative]
+              for half in (0, 1)]
+    return spearman(*halves)
 
 
 def _measured_order(m: dict[str, Any]) -> float:
@@ -325,11 +334,13 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                   f"{'n/a (fewer than 3 runs)' if rho is None else f'{rho:.3f}'}; measured fastest: "
                   f"{measured['measured_fastest']} (planner's rank {measured['measured_fastest_predicted_rank']})",
                   highlight=False, markup=False)
-    again = measured.get("reproducibility")
-    if again is not None:
-        console.print(f"the measurement against itself (its odd rounds' order against its even rounds'): {again:.3f}"
+    if "reproducibility" in measured:
+        again = measured["reproducibility"]
+        console.print("the measurement against itself (one half of its rounds' order against the other's): "
+                      + ("n/a (fewer than 3 runs, or rounds fewer than twice the runs)" if again is None else f"{again:.3f}")
                       + (" - below 0.8 the measured order is partly noise, and so is the rank correlation above; "
-                         "more --measure-rounds" if again < 0.8 else ""), highlight=False, markup=False)
+                         "more --measure-rounds" if again is not None and again < 0.8 else ""),
+                      highlight=False, markup=False)
     if measured.get("ties"):
         console.print("within each other's spread (the interquartile ranges of their rounds' medians overlap): "
                       + "; ".join(f"{a} ~ {b}" for a, b in measured["ties"]) + ". Their measured order, and what it "
