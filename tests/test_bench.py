@@ -296,18 +296,17 @@ def test_bench_levers_only_for_multiprocess():
     assert out.returncode == 2 and "--torch-python '/no/such/python'" in out.stdout and "Traceback" not in out.stderr
 
 
-def test_bench_all_quick_writes_one_json_and_markdown_per_suite(tmp_path):
+def test_bench_all_quick_writes_one_json_and_markdown_per_suite(bench_all_quick):
     from spmdkit._bench import SUITES
 
-    out = run_cli("bench", "--all", "--quick", "--json", str(tmp_path / "json"), "--markdown", str(tmp_path / "md"),
-                  timeout=2400)
+    out = bench_all_quick.done
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert sorted(os.listdir(tmp_path / "json")) == sorted(f"{s}.json" for s in SUITES)
-    assert sorted(os.listdir(tmp_path / "md")) == sorted(f"{s}.md" for s in SUITES)
-    reports = {s: json.loads((tmp_path / "json" / f"{s}.json").read_text()) for s in SUITES}
+    assert sorted(os.listdir(bench_all_quick.json)) == sorted(f"{s}.json" for s in SUITES)
+    assert sorted(os.listdir(bench_all_quick.markdown)) == sorted(f"{s}.md" for s in SUITES)
+    reports = {s: json.loads((bench_all_quick.json / f"{s}.json").read_text()) for s in SUITES}
     for name, report in reports.items():
         assert report["suite"] == name and report["machine"]["devices"] == 8
-        assert "target" in (tmp_path / "md" / f"{name}.md").read_text() or not report.get("targets")
+        assert "target" in (bench_all_quick.markdown / f"{name}.md").read_text() or not report.get("targets")
 
     # Every suite that uses the method records rounds, per-round times and the load.
     for name in ("data", "ensemble", "sharded", "checkpoint", "multiprocess", "startup", "step"):

@@ -6,10 +6,6 @@ No test asserts a speed: the machine running the tests is shared.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -18,8 +14,6 @@ import pytest
 
 from spmdkit._bench import lm_suite, lm_worker
 from spmdkit._tasks.lm import TOKEN_EMBED_STD, LMConfig, lm_functions
-
-SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
 
 
 def test_pytorch_model_is_the_lm_task_model():
@@ -66,12 +60,10 @@ def test_workers_run_on_one_device():
     assert "xla_force_host_platform_device_count" not in env["XLA_FLAGS"] and "SPMDKIT_HOST_DEVICES" not in env
 
 
-def test_bench_lm_quick(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
-    out = subprocess.run([SPMDKIT, "bench", "--suite", "lm", "--quick", "--json", str(tmp_path / "lm.json")],
-                         capture_output=True, text=True, timeout=900, env=env)
+def test_bench_lm_quick(bench_all_quick):
+    out = bench_all_quick.done  # the lm suite's part of `bench --all --quick`
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads((tmp_path / "lm.json").read_text())
+    report = json.loads((bench_all_quick.json / "lm.json").read_text())
     rows = {r["case"]: r for r in report["rows"]}
     assert {"spmdkit f32", "spmdkit bf16", "spmdkit f32, remat full", lm_suite.ROLLED} <= set(rows)
     assert report["errors"] == {}

@@ -102,10 +102,9 @@ def test_demo_runs_seed000_and_trains_on_eight_devices(tmp_path):
     assert summary["device_count"] == 8 and summary["steps"] == 60
 
 
-def test_bench_pmap_quick_writes_json(tmp_path):
-    path = tmp_path / "pmap.json"
-    md = tmp_path / "pmap.md"
-    out = run_cli("bench", "--suite", "pmap", "--quick", "--json", str(path), "--markdown", str(md))
+def test_bench_pmap_quick_writes_json(bench_all_quick):
+    path, md = bench_all_quick.json / "pmap.json", bench_all_quick.markdown / "pmap.md"
+    out = bench_all_quick.done  # the pmap suite's part of `bench --all --quick`
     assert out.returncode == 0, out.stderr
     report = json.loads(path.read_text())
     assert report["suite"] == "pmap" and report["machine"]["devices"] == 8
