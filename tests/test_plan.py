@@ -534,7 +534,7 @@ def test_measure_all_runs_every_candidate_and_judges_the_measurement_against_its
     got = measure(plan, "all", prepare, steps=1, rounds=5)
     assert got["reproducibility"] is None
     print_measured(got, Console(width=200))
-    assert "other's): n/a (fewer than 3 runs, or rounds fewer than twice the runs)" in " ".join(
+    assert "other's): n/a (fewer than 3 runs, or --measure-rounds below twice the runs)" in " ".join(
         capsys.readouterr().out.split())
 
 

@@ -337,7 +337,8 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
     if "reproducibility" in measured:
         again = measured["reproducibility"]
         console.print("the measurement against itself (one half of its rounds' order against the other's): "
-                      + ("n/a (fewer than 3 runs, or rounds fewer than twice the runs)" if again is None else f"{again:.3f}")
+                      + (f"{again:.3f}" if again is not None
+                         else "n/a (fewer than 3 runs, or --measure-rounds below twice the runs)")
                       + (" - below 0.8 the measured order is partly noise, and so is the rank correlation above; "
                          "more --measure-rounds" if again is not None and again < 0.8 else ""),
                       highlight=False, markup=False)
