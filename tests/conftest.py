@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,16 @@ def bench_all_quick(tmp_path_factory) -> BenchRun:
     out = tmp_path_factory.mktemp("bench-all-quick")
     env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
     cmd = [SPMDKIT, "bench", "--all", "--quick", "--json", str(out / "json"), "--markdown", str(out / "md")]
+    # Its own session: the multiprocess and lm suites start workers of their own, and a
+    # timeout kills them all with the bench.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=2400, env=env)
-    except subprocess.TimeoutExpired:  # subprocess.run kills the child (SIGKILL) before raising
+        stdout, stderr = proc.communicate(timeout=2400)
+    except subprocess.TimeoutExpired:
         pytest.fail("spmdkit bench --all --quick took over 40 minutes")
-    return BenchRun(out / "json", out / "md", done)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return BenchRun(out / "json", out / "md", subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))

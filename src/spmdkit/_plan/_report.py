@@ -336,11 +336,12 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                   highlight=False, markup=False)
     if "reproducibility" in measured:
         again = measured["reproducibility"]
-        console.print("the measurement against itself (one half of its rounds' order against the other's): "
-                      + (f"{again:.3f}" if again is not None
-                         else "n/a (fewer than 3 runs, or --measure-rounds below twice the runs)")
-                      + (" - below 0.8 the measured order is partly noise, and so is the rank correlation above; "
-                         "more --measure-rounds" if again is not None and again < 0.8 else ""),
+        if again is None:
+            verdict = "n/a (fewer than 3 runs, or --measure-rounds below twice the runs)"
+        else:
+            verdict = f"{again:.3f}" + (" - below 0.8 the measured order is partly noise, and so is the rank "
+                                        "correlation above; more --measure-rounds" if again < 0.8 else "")
+        console.print(f"the measurement against itself (one half of its rounds' order against the other's): {verdict}",
                       highlight=False, markup=False)
     if measured.get("ties"):
         console.print("within each other's spread (the interquartile ranges of their rounds' medians overlap): "
