@@ -31,7 +31,7 @@ from spmdkit._calibrate import (
     steps_and_wire,
 )
 from spmdkit._calibrate_measure import pair_case, per_collective
-from spmdkit._target import TargetError, collective_time, load_target
+from spmdkit._target import CACHE_CURVE_BYTES, TargetError, collective_time, load_target
 from spmdkit._cli import main
 
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
@@ -244,6 +244,9 @@ def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_pat
         target["collectives"]["all_gather"]["intra_host"]["beta"])
     # the per-operation cost the planner charges for every op of a step is calibrated too
     assert 0 < target["op_overhead"] < 1e-2 and loaded.op_overhead == target["op_overhead"]
+    # and the warm bytes' rates: one point a size, 32 KiB to 32 MiB read and written
+    assert [b for b, _ in loaded.cache_bandwidth] == [2 * b for b in CACHE_CURVE_BYTES]
+    assert all(r > 0 for _, r in loaded.cache_bandwidth)
 
 
 # ---- bad input: named errors before anything is measured -----------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -19,7 +20,7 @@ import spmdkit
 from spmdkit._cli import main
 from spmdkit._errors import ConfigError
 from spmdkit._plan._candidates import enumerate_candidates, factorisations
-from spmdkit._plan._hlo import analyse
+from spmdkit._plan._hlo import Kernel, analyse
 from spmdkit._console import readable_bytes
 from spmdkit._target import Link, Target, TargetError, collective_time, example_targets, from_json, load_target
 
@@ -296,11 +297,59 @@ def test_compute_priced_per_operation_memory_bound_ones_add_to_matmuls():
 
     t = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)}, op_overhead=1e-6)
     # a matmul of 10 ms (compute-bound) and an elementwise op of 10 ms (memory-bound), three times
-    ops = [(1e10, 1e6, 1), (0.0, 1e9, 3)]
+    ops = [Kernel(1e10, 10**6, 1), Kernel(0.0, 10**9, 3)]
     assert compute_time(1e10, 3.001e9, t, "float32", 4, ops) == pytest.approx(1e-2 + 3e-2 + 4e-6)
     # one roofline over the totals hid the memory-bound time under the matmul's (or the other way)
     assert compute_time(1e10, 3.001e9, t, "float32", 4) == pytest.approx(3.001e-2 + 4e-6)
     assert step_time(1e10, 3.001e9, 0.0, t, "float32", 4, 0.0, ops)["compute_s"] == pytest.approx(4.0004e-2)
+
+
+def test_warm_bytes_are_priced_by_the_cache_curve_cold_ones_and_matmuls_at_memory_bandwidth():
+    from spmdkit._plan._cost import compute_time
+
+    curve = ((2**15, 8e11), (2**25, 2e11))  # 32 KiB: 8x memory's rate; 32 MiB: 2x
+    t = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)}, cache_bandwidth=curve)
+    plain = dataclasses.replace(t, cache_bandwidth=())
+    small, large = Kernel(0.0, 2**15, 1), Kernel(0.0, 2**25, 1)
+    assert compute_time(0, 0, t, "float32", 0, [small]) == pytest.approx(2**15 / 8e11)
+    assert compute_time(0, 0, t, "float32", 0, [large]) == pytest.approx(2**25 / 2e11)
+    assert compute_time(0, 0, plain, "float32", 0, [small]) == pytest.approx(2**15 / 1e11)  # no curve: memory's rate
+    # half of it the step's state: that half at memory bandwidth, the other from the cache
+    half = Kernel(0.0, 2**25, 1, cold=2**24)
+    assert compute_time(0, 0, t, "float32", 0, [half]) == pytest.approx(2**24 / 1e11 + 2**24 / 2e11)
+    # a matmul's roofline keeps memory bandwidth, warm or not
+    mm = Kernel(1e3, 2**25, 1)
+    assert compute_time(0, 0, t, "float32", 0, [mm]) == pytest.approx(2**25 / 1e11)
+
+
+def test_cache_curve_goes_through_a_target_file_and_a_bad_one_names_the_fix():
+    t = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)},
+               cache_bandwidth=((32768.0, 8e9), (33554432.0, 2e9)))
+    back = from_json(json.loads(json.dumps(t.to_json())))
+    assert back.cache_bandwidth == t.cache_bandwidth
+    assert back.bandwidth_for(2**20) == pytest.approx(t.bandwidth_for(2**20)) and 2e9 < back.bandwidth_for(2**20) < 8e9
+    bad = {**t.to_json(), "cache_bandwidth": [[32768, -1]]}
+    with pytest.raises(TargetError, match=r"(?s)cache_bandwidth is \[\[32768, -1\]\].*Fix: write \[bytes, bytes/s\] pairs"):
+        from_json(bad)
+
+
+def test_optimizer_updates_read_and_write_their_arrays_and_a_scan_write_only_its_slice():
+    from spmdkit._plan._hlo import kernels
+
+    def update(mu, g, stack, row):  # Adam's first moment, and a scan's write of one layer's row
+        return mu * 0.9 + g * 0.1, jax.lax.dynamic_update_slice(stack, row, (3, 0))
+
+    mu = jnp.ones((256, 256), jnp.float32)
+    stack, row = jnp.ones((16, 4096), jnp.float32), jnp.ones((1, 4096), jnp.float32)
+    text = jax.jit(update, donate_argnums=(2,)).lower(mu, mu, stack, row).compile().as_text()
+    found = sorted(kernels(text), key=lambda k: -k.bytes)
+    assert len(found) == 2, found
+    moment, write = found
+    # the moment: two arrays read and one written, all of them the step's inputs and outputs
+    # (an output of an operand's type is not an update in place: it once priced this at 0 bytes)
+    assert moment.bytes == moment.cold == 3 * mu.nbytes
+    # the scan's write: its row (and the two offsets) read and written, not the whole stack
+    assert write.bytes == 2 * (row.nbytes + 2 * 4)
 
 
 def test_kernels_count_each_operation_with_loop_trips_and_leave_collectives_out():
@@ -321,10 +370,12 @@ def test_kernels_count_each_operation_with_loop_trips_and_leave_collectives_out(
     text = f.lower(x, w).compile().as_text()
     found, program = kernels(text), analyse(text, dict(mesh.shape))
     # every trip's matmul (8 rows of 16 by 16 per device), counted once per trip
-    assert sum(fl * n for fl, _, n in found) == pytest.approx(trips * 2 * 8 * 16 * 16) == program.dot_flops
-    assert any(fl == 0 and b > 0 for fl, b, _ in found)  # elementwise work: bytes, no matmul FLOPs
+    assert sum(k.flops * k.count for k in found) == pytest.approx(trips * 2 * 8 * 16 * 16) == program.dot_flops
+    assert any(k.flops == 0 and k.bytes > 0 for k in found)  # elementwise work: bytes, no matmul FLOPs
     collectives = sum(c.count for c in program.collectives)
-    assert collectives >= trips and sum(n for _, _, n in found) == program.ops - collectives
+    assert collectives >= trips and sum(k.count for k in found) == program.ops - collectives
+    # inside the loop nothing is the step's input or output: no cold bytes there
+    assert all(k.cold == 0 for k in found if k.count == trips)
 
 
 def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
@@ -333,6 +384,14 @@ def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
     seen = measure_collective_sync(8, loops=2, rounds=1, rows=8, width=16)
     assert sorted(seen.extra) == [2, 4, 8] and all(s >= 0.0 for s in seen.extra.values()) and seen.op_seconds > 0
     assert measure_collective_sync(1).extra == {}
+
+
+def test_cache_curve_measures_each_size_on_every_device_at_once():
+    from spmdkit._target import measure_cache_curve
+
+    curve = measure_cache_curve(8, sizes=(16 * 1024, 4 * 2**20), repeats=1)
+    # keyed by the bytes one operation reads and writes on a device: twice its array's
+    assert [b for b, _ in curve] == [32 * 1024, 8 * 2**20] and all(r > 0 for _, r in curve)
 
 
 def test_cpu_rates_are_the_best_over_a_window_and_stream_from_memory(monkeypatch, tmp_path):

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit._errors import SpmdkitError, fix, unwritable
-from spmdkit._target import _link, measure_op_overhead, steps_and_wire  # the cost model shared with the planner
+from spmdkit._target import _link, measure_cache_curve, measure_op_overhead, steps_and_wire  # the cost model shared with the planner
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -457,6 +457,8 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
     }
     if compute.get("op_overhead"):
         target["op_overhead"] = compute["op_overhead"]
+    if compute.get("cache_bandwidth"):
+        target["cache_bandwidth"] = [list(p) for p in compute["cache_bandwidth"]]
     if ratio is not None:  # optional: the evidence for inter_host's per_operand
         target["per_operand_ratio"] = ratio
     rows = prediction_errors(target, points)
@@ -572,6 +574,8 @@ def calibrate(
     warnings += compute["warnings"]
     # The fixed cost per operation dominates small CPU models; the planner adds it per op of a step.
     compute["op_overhead"] = measure_op_overhead(len(devs))
+    # Small elementwise operations run from the caches; the planner prices their warm bytes by it.
+    compute["cache_bandwidth"] = measure_cache_curve(len(devs), repeats=3 if quick else 5)
     if processes == 2:
         log("inter_host: starting 2 processes x 1 device")
         inter_rounds, _ = _defaults(quick, given_rounds, "inter_host")

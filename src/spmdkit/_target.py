@@ -15,7 +15,9 @@ Two optional fields price what a loop of nothing but collectives does not show:
 (``{"<devices in the group>": operations}``: what each collective adds when it sits between
 computation, where its devices wait for each other, in units of the step's mean time per
 operation; the planner adds it per execution, loop trips included, and never overlaps it with
-compute). A file without them prices neither. A link's optional ``per_operand`` (default
+compute). A file without them prices neither. A third, ``cache_bandwidth`` (``[[bytes,
+bytes/s], ...]``), is the rate of an elementwise operation moving that many bytes of data the
+step just made; without it such bytes move at ``memory_bandwidth``. A link's optional ``per_operand`` (default
 false) says that the runtime runs a collective of several operands as one call per operand
 (gloo between processes does), so alpha is paid per operand.
 
@@ -109,6 +111,11 @@ class Target:
     # Optional: what ``spmdkit calibrate`` warned of when it wrote the file (a busy machine, a
     # smoke run); the planner shows them as a note.
     warnings: tuple[str, ...] = ()
+    # Optional (default none: memory_bandwidth at every size): ``(bytes, bytes/s)`` pairs, the
+    # rate of an elementwise operation that reads and writes ``bytes`` of data a previous
+    # operation just touched, on every device at once. Small ones run from the caches, many
+    # times faster than memory on a CPU; the planner prices such warm bytes by this curve.
+    cache_bandwidth: tuple[tuple[float, float], ...] = ()
 
     def sync_ops_for(self, n: int) -> float:
         """:attr:`collective_sync_ops` for a group of ``n`` devices: the measured figure,
@@ -134,6 +141,27 @@ class Target:
             return (1 - w) * self.collective_sync_ops[lo] + w * self.collective_sync_ops[hi]
         near = below[-1] if below else above[0]
         return self.collective_sync_ops[near] * (n - 1) / (near - 1)
+
+    def bandwidth_for(self, nbytes: float) -> float:
+        """Bytes/s of an operation that moves ``nbytes`` of warm data: :attr:`cache_bandwidth`
+        interpolated in log(bytes), its nearest end beyond it, memory_bandwidth without one.
+
+        Example:
+            >>> t = Target("t", "example", 8, {"float32": 1e12}, 1e9, {}, cache_bandwidth=((1e4, 8e9), (1e6, 2e9)))
+            >>> [t.bandwidth_for(b) / 1e9 for b in (1e3, 1e4, 1e5, 1e6, 1e8)]
+            [8.0, 8.0, 5.0, 2.0, 2.0]
+        """
+        if not self.cache_bandwidth:
+            return self.memory_bandwidth
+        points = sorted(self.cache_bandwidth)
+        x = math.log(max(nbytes, 1.0))
+        xs = [math.log(b) for b, _ in points]
+        if x <= xs[0]:
+            return points[0][1]
+        for (x0, (_, r0)), (x1, (_, r1)) in zip(zip(xs, points), zip(xs[1:], points[1:])):
+            if x <= x1:
+                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype (``"float32"``, ``"bfloat16"``), else float32's."""
@@ -177,6 +205,8 @@ class Target:
             out["warnings"] = list(self.warnings)
         if self.collective_sync_ops:
             out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
+        if self.cache_bandwidth:
+            out["cache_bandwidth"] = [[b, r] for b, r in self.cache_bandwidth]
         return out
 
 
@@ -319,7 +349,21 @@ def from_json(data: Any, where: str = "target") -> Target:
         op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
         collective_sync_ops=_sync(data.get("collective_sync_ops"), where),
         warnings=tuple(str(w) for w in data.get("warnings") or () if isinstance(data.get("warnings"), list)),
+        cache_bandwidth=_curve(data.get("cache_bandwidth"), where),
     )
+
+
+def _curve(data: Any, where: str) -> tuple[tuple[float, float], ...]:
+    if data is None:
+        return ()
+    ok = isinstance(data, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                                    for v in p) for p in data)
+    if not ok:
+        raise TargetError(fix(f"{where}: cache_bandwidth is {data!r}.",
+                              'write [bytes, bytes/s] pairs, e.g. "cache_bandwidth": [[65536, 15e9], [16777216, 2e9]], '
+                              "or leave it out (memory_bandwidth at every size)."))
+    return tuple((float(b), float(r)) for b, r in data)
 
 
 def example_targets() -> dict[str, Path]:
@@ -475,6 +519,48 @@ def measure_op_overhead(n: int, loops: int = 200) -> float:
     return _best_seconds(lambda: program(x), repeats=3) / (loops * 4)
 
 
+# Per-device bytes of the array :func:`measure_cache_curve` rewrites: 16 KiB (the first-level
+# caches) to 16 MiB (past a typical last-level cache's share of a device).
+CACHE_CURVE_BYTES = tuple(16 * 4**k * 1024 for k in range(6))
+
+
+def measure_cache_curve(n: int, sizes: tuple[int, ...] = CACHE_CURVE_BYTES, repeats: int = 5
+                        ) -> tuple[tuple[float, float], ...]:
+    """:attr:`Target.cache_bandwidth` of ``n`` devices of this process running at once: a loop
+    of one elementwise operation (read an array, write it) per trip, an array of each of
+    ``sizes`` bytes per device; ``(bytes read and written, bytes/s per device)``, the median of
+    ``repeats`` calls. A barrier between trips keeps XLA from fusing them into one pass."""
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from spmdkit._mesh import make_mesh
+
+    n = max(min(n, len(jax.local_devices())), 1)
+    mesh = make_mesh(devices=jax.local_devices()[:n], link=n)
+    out = []
+    for size in sizes:
+        loops = max(4, min(400, int(2e8 // (size * n))))  # about 0.2 GB per call: tens of ms
+
+        def body(v, loops=loops):
+            trip = lambda i, v: jax.lax.optimization_barrier(v * 1.0001 + 1e-3)  # noqa: E731
+            return jax.lax.fori_loop(0, loops, trip, v)
+
+        program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
+        x = jax.device_put(jnp.ones((n * size // 4,), jnp.float32), NamedSharding(mesh, P("link")))
+        jax.block_until_ready(program(x))
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            jax.block_until_ready(program(x))
+            times.append(time.perf_counter() - started)
+        out.append((2.0 * size, 2.0 * size * loops / statistics.median(times)))
+        x.delete()
+    return tuple(out)
+
+
 def _sync_program(n: int, group: int, loops: int, rows: int, width: int, gather: bool):
     """A loop of (a matmul on every device; a tiny all-gather over groups of ``group``, or
     without it the same arithmetic on the device's own row): ``(run, operations per trip)``,
@@ -542,6 +628,10 @@ def measure_collective_sync(n: int, loops: int = 20, rounds: int = 7, rows: int 
     return SyncMeasurement(extra, statistics.median(times[0]) / max(cases[0][1], 1.0))
 
 
+def _kib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:g} KiB"
+
+
 def cpu_target(devices: int = 1) -> Target:
     """This machine as a target: simulated devices share its cores, so each device's rates
     are the process's measured rates divided by ``devices``; the link is an all-reduce among
@@ -558,6 +648,7 @@ def cpu_target(devices: int = 1) -> Target:
     measured = {kind: measure_collective(kind, n) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
     link = measured["all_reduce"]
     overhead = measure_op_overhead(n)
+    curve = measure_cache_curve(n)
     # Again, seconds later: a core taken away for longer than one window halved the GEMM rate in
     # 1 of 39 measurements; two windows apart rarely both miss.
     flops, bandwidth = (max(a, b) for a, b in zip(first, measure_cpu()))
@@ -568,13 +659,15 @@ def cpu_target(devices: int = 1) -> Target:
         name=f"cpu ({platform.node()}, {n} simulated device(s))",
         source=f"measured at plan time on {platform.node()}, jax {jax.__version__}: f32 matmul {flops / 1e9:.1f} "
                f"GFLOP/s, read {bandwidth / 1e9:.1f} GB/s per process, divided among {n} device(s); {how}; "
-               f"{overhead * 1e6:.2f} us per operation",
+               f"{overhead * 1e6:.2f} us per operation; warm elementwise data "
+               + ", ".join(f"{_kib(b)} {r / 1e9:.1f}" for b, r in curve) + " GB/s per device",
         devices_per_host=n,
         peak_flops={"float32": flops / n},
         memory_bandwidth=bandwidth / n,
         links={"intra_host": link or Link(CPU_ALPHA, 1.0 / bandwidth), "inter_host": Link(*CPU_INTER_HOST)},
         collectives={kind: {"intra_host": ab} for kind, ab in measured.items() if ab},
         op_overhead=overhead,
+        cache_bandwidth=curve,
     )
     seen = measure_collective_sync(n)
     if not seen.extra or seen.op_seconds <= 0:
@@ -590,5 +683,5 @@ def cpu_target(devices: int = 1) -> Target:
 
 
 __all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
-           "load_target", "measure_collective", "measure_collective_sync", "measure_cpu", "measure_op_overhead",
-           "steps_and_wire", "SyncMeasurement"]
+           "load_target", "measure_cache_curve", "measure_collective", "measure_collective_sync", "measure_cpu",
+           "measure_op_overhead", "steps_and_wire", "SyncMeasurement"]

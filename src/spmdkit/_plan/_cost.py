@@ -8,7 +8,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from spmdkit._plan._hlo import Collective, Program
+from spmdkit._plan._hlo import Collective, Kernel, Program
 from spmdkit._rules import _as_tuple
 from spmdkit._strategies.sharded import _itemsize
 from spmdkit._target import Target, collective_time
@@ -23,17 +23,34 @@ def link_of(collective: Collective, devices_per_host: int) -> str:
 
 
 def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str, ops: int = 0,
-                 kernels: Sequence[tuple[float, float, int]] = ()) -> float:
+                 kernels: Sequence[Kernel] = ()) -> float:
     """A roofline (the slower of FLOPs and memory traffic) plus the target's fixed cost per operation.
 
-    With ``kernels`` (``(FLOPs, bytes, executions)`` of each operation, :func:`spmdkit._plan._hlo.kernels`)
-    the roofline is taken per operation and summed: a device runs its operations one after
-    another, so a memory-bound one (an elementwise fusion over a residual stream that tensor
-    parallelism leaves whole) adds its time to the matmuls' instead of hiding under the
-    program's total FLOPs. Without, one roofline over the program's totals."""
+    With ``kernels`` (:func:`spmdkit._plan._hlo.kernels`) the roofline is taken per operation
+    and summed: a device runs its operations one after another, so a memory-bound one (an
+    elementwise fusion over a residual stream that tensor parallelism leaves whole) adds its
+    time to the matmuls' instead of hiding under the program's total FLOPs. An operation
+    without matmuls reads and writes its cold bytes (the step's inputs and outputs) at the
+    target's memory bandwidth and the rest, which an operation just made, at
+    :meth:`Target.bandwidth_for` its size: a CPU's caches hold small ones. Without kernels,
+    one roofline over the program's totals.
+
+    Example:
+        >>> from spmdkit._plan._hlo import Kernel
+        >>> t = Target("t", "example", 1, {"float32": 1e12}, 1e9, {}, cache_bandwidth=((1e3, 4e9), (1e9, 1e9)))
+        >>> warm, cold = Kernel(0.0, 1000, 1), Kernel(0.0, 1000, 1, cold=1000)
+        >>> [round(compute_time(0, 0, t, "float32", kernels=[k]) * 1e9) for k in (warm, cold)]  # ns
+        [250, 1000]
+    """
     if kernels:
         peak, bandwidth = target.flops_for(dtype), target.memory_bandwidth
-        return sum(n * max(f / peak, b / bandwidth) for f, b, n in kernels) + ops * target.op_overhead
+        total = 0.0
+        for k in kernels:
+            if k.flops > 0:
+                total += k.count * max(k.flops / peak, k.bytes / bandwidth)
+            else:
+                total += k.count * (k.cold / bandwidth + (k.bytes - k.cold) / target.bandwidth_for(k.bytes))
+        return total + ops * target.op_overhead
     return max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
 
 
@@ -99,7 +116,7 @@ def parameter_gathers(leaves: Iterable[Any], mesh: Mapping[str, int], batch_axes
 
 
 def step_time(flops: float, bytes_accessed: float, comm_seconds: float, target: Target, dtype: str,
-              ops: int = 0, sync_seconds: float = 0.0, kernels: Sequence[tuple[float, float, int]] = (),
+              ops: int = 0, sync_seconds: float = 0.0, kernels: Sequence[Kernel] = (),
               prefetched_seconds: float = 0.0) -> dict[str, float]:
     """Compute time (:func:`compute_time`) and the step's range ``[overlapped, not overlapped]``
     with the collectives. ``comm_seconds`` includes ``sync_seconds`` (the collectives' waits)

@@ -47,7 +47,19 @@ class Program(NamedTuple):
     extra_bytes: float  # likewise for bytes accessed
     unknown_loops: int  # loops without a known trip count (counted once)
     ops: int = 0  # operations (kernels) one device executes per step, loop trips included
-    kernels: tuple = ()  # (matmul FLOPs, bytes, executions) of each operation: see :func:`kernels`
+    kernels: tuple = ()  # a Kernel for each kind of operation: see :func:`kernels`
+
+
+class Kernel(NamedTuple):
+    """Operations of one kind a device executes per step: their matmul FLOPs and bytes read
+    and written, each; how many; and ``cold``, the part of the bytes that the step's inputs
+    and outputs are (the state and the batch, read or written in memory: the previous step
+    touched them a whole step ago), the rest being data an operation of this step just made."""
+
+    flops: float
+    bytes: int
+    count: int
+    cold: int = 0
 
 
 def shape_bytes(text: str) -> int:
@@ -93,9 +105,11 @@ def _operands(tail: str) -> tuple[list[str], str]:
 
 
 def parse(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]], str]:
-    """``(computations: name -> instructions, shapes: computation -> {value: type}, entry)``."""
+    """``(computations: name -> instructions, shapes: computation -> {value: type}, entry)``;
+    each computation's ``ROOT`` instruction is its last."""
     comps: dict[str, list[_Instr]] = {}
     shapes: dict[str, dict[str, str]] = {}
+    roots: dict[str, _Instr] = {}
     entry, current = "", None
     for line in text.splitlines():
         if not line.strip():
@@ -119,6 +133,11 @@ def parse(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]]
         operands, attrs = _operands(tail)
         comps[current].append(_Instr(m.group(1), typ, op, operands, attrs))
         shapes[current][m.group(1)] = typ
+        if line.lstrip().startswith("ROOT "):
+            roots[current] = comps[current][-1]
+    for name, root in roots.items():  # XLA prints it last, unless unused instructions follow it
+        comps[name].remove(root)
+        comps[name].append(root)
     return comps, shapes, entry
 
 
@@ -175,16 +194,27 @@ _NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast",
                "conditional", "partition-id", "replica-id"}
 
 
-def _traffic(ins: _Instr, shapes: dict[str, str]) -> int:
-    """Bytes an instruction reads and writes. An update in place (a dynamic-update-slice, or a
-    fusion whose output has the type of one of its operands, as a scan writing its layer's
-    slice of a stacked array) touches only its other operands' bytes, not the whole buffer."""
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+
+
+def _traffic(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) -> int:
+    """Bytes an instruction reads and writes. An update in place (a dynamic-update-slice or a
+    scatter, or a fusion whose root is one, as a scan writing its layer's slice of a stacked
+    array) touches only its other operands' bytes, not the whole buffer it updates (the one
+    operand of the output's type). Any other fusion reads all its operands and writes its
+    output, also when one of them has the output's type (an optimizer's ``mu * b1 + g``)."""
     sizes = [(shapes.get(x, ""), shape_bytes(shapes.get(x, ""))) for x in ins.operands]
     out = shape_bytes(ins.type)
     base = ins.type.split("{")[0]
-    if ins.op in ("dynamic-update-slice", "fusion") and any(t.split("{")[0] == base and b == out for t, b in sizes):
-        others = sum(b for t, b in sizes if not (t.split("{")[0] == base and b == out))
-        if ins.op == "dynamic-update-slice" or others < out:
+    op = ins.op
+    if op == "fusion":
+        callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+        body = comps.get(callee.group(1), []) if callee else []
+        op = body[-1].op if body else op
+    buffer = next((i for i, (t, b) in enumerate(sizes) if t.split("{")[0] == base and b == out), None)
+    if op in _IN_PLACE and buffer is not None:
+        others = sum(b for i, (_, b) in enumerate(sizes) if i != buffer)
+        if others < out:
             return 2 * others
     if ins.op == "dynamic-slice":
         return 2 * out
@@ -260,7 +290,7 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
                 extra_flops += (t - o) * f
             if comp not in fused and ins.op not in _NO_TRAFFIC and not ins.op.endswith("-done"):
                 ops += t
-                traffic = _traffic(ins, shapes[comp])
+                traffic = _traffic(ins, shapes[comp], comps)
                 extra_bytes += (t - o) * traffic
             base = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
             if base not in KINDS or t == 0:
@@ -277,23 +307,37 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
                    for k, v in found.items()]
     collectives.sort(key=lambda c: -c.bytes * c.count)
     return Program(collectives, dot_flops, extra_flops, extra_bytes, unknown, ops,
-                   tuple(_kernels(comps, shapes, true, fused)))
+                   tuple(_kernels(comps, shapes, true, fused, entry)))
 
 
-def kernels(text: str) -> list[tuple[float, int, int]]:
-    """Every operation one device executes per step as ``(matmul FLOPs, bytes read and written,
-    executions)`` with loop trips counted; a fusion is one operation (its matmuls' FLOPs, its
-    operands' and output's bytes); collectives are left out (the target's links price them).
-    Equal ones are merged, so the list stays short for a program unrolled over many layers.
-    :func:`analyse` gives the same list as ``Program.kernels`` from its own parse."""
+def kernels(text: str) -> list[Kernel]:
+    """Every operation one device executes per step (:class:`Kernel`), loop trips counted; a
+    fusion is one operation (its matmuls' FLOPs, its operands' and output's bytes);
+    collectives are left out (the target's links price them). Equal ones are merged, so the
+    list stays short for a program unrolled over many layers. :func:`analyse` gives the same
+    list as ``Program.kernels`` from its own parse."""
     comps, shapes, entry = parse(text)
     true, _, fused, _ = multiplicities(comps, entry)
-    return _kernels(comps, shapes, true, fused)
+    return _kernels(comps, shapes, true, fused, entry)
+
+
+def _step_io(instrs: list[_Instr]) -> tuple[set[str], set[str]]:
+    """The entry's values that are the step's inputs (its parameters, and views or copies of
+    them) and the ones that are its outputs (the root's operands, or the root)."""
+    inputs = set()
+    for ins in instrs:
+        if ins.op == "parameter" or (ins.op in ("bitcast", "get-tuple-element", "copy") and ins.operands
+                                     and ins.operands[0] in inputs):
+            inputs.add(ins.name)
+    root = instrs[-1] if instrs else None
+    outputs = set(root.operands) if root is not None and root.op == "tuple" else {root.name} if root else set()
+    return inputs, outputs
 
 
 def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], true: dict[str, int],
-             fused: set[str]) -> list[tuple[float, int, int]]:
-    merged: dict[tuple[float, int], int] = defaultdict(int)
+             fused: set[str], entry: str) -> list[Kernel]:
+    merged: dict[tuple[float, int, int], int] = defaultdict(int)
+    inputs, outputs = _step_io(comps.get(entry, []))
     for comp, instrs in comps.items():
         t = true.get(comp, 0)
         if comp in fused or t == 0:
@@ -307,5 +351,10 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
                 callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
                 inner = comps.get(callee.group(1), []) if callee else []
                 flops = sum(_dot_flops(j, shapes[callee.group(1)]) for j in inner if j.op == "dot")
-            merged[(flops, _traffic(ins, shapes[comp]))] += t
-    return [(f, b, n) for (f, b), n in merged.items()]
+            traffic = _traffic(ins, shapes[comp], comps)
+            cold = 0
+            if comp == entry:
+                cold = sum(shape_bytes(shapes[comp].get(x, "")) for x in ins.operands if x in inputs)
+                cold += shape_bytes(ins.type) if ins.name in outputs else 0
+            merged[(flops, traffic, min(cold, traffic))] += t
+    return [Kernel(f, b, n, c) for (f, b, c), n in merged.items()]
