@@ -105,14 +105,19 @@ def test_load_meter_reads_the_machine():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
-def test_a_running_worker_of_ours_is_not_counted_as_other_load():
+def test_a_running_worker_of_ours_is_not_counted_as_other_load(tmp_path):
     # A suite's own worker (and its child) that keeps running is our work, not someone else's.
-    spin = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(30)"
+    spun = tmp_path / "spun"
+    spin = (f"import time; t = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+            f"open({str(spun)!r}, 'w').close(); time.sleep(30)")
     code = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {spin!r}]).wait()"
     worker = subprocess.Popen([sys.executable, "-c", code])
     try:
         before = _timing._live_descendants_cpu()
-        time.sleep(1.5)
+        deadline = time.monotonic() + 60  # a busy machine gives the spin its 0.6 CPU seconds late, not never
+        while not spun.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert spun.exists(), "the grandchild did not spin its 0.6 CPU seconds in 60 s"
         grown = _timing._live_descendants_cpu() - before
         assert grown >= 0.4, grown  # the grandchild's spin, read while both still run
     finally:

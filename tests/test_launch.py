@@ -135,8 +135,13 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path, first_multi):
 
 
 def test_a_hung_process_is_named_and_every_process_exits(tmp_path):
-    # SIGSTOP: process 1 stays alive but makes no progress (nor heartbeats) - a hang.
-    script = (f'if [ "$SPMDKIT_PROCESS_ID" = 1 ]; then (sleep 9; kill -STOP $$) & fi; '
+    # SIGSTOP: process 1 stays alive but makes no progress (nor heartbeats) - a hang. It stops once
+    # steps are running (process 0 has written a step's metrics), not at a fixed time: stopped
+    # before it joined jax.distributed, it would leave process 0 in initialize (a start-up error,
+    # not the hang this test is about), which a slower machine reached at 9 s.
+    metrics = tmp_path / "o" / "metrics.jsonl"
+    script = (f'if [ "$SPMDKIT_PROCESS_ID" = 1 ]; then (for i in $(seq 600); do [ -s {metrics} ] && break; '
+              f'sleep 0.2; done; kill -STOP $$) & fi; '
               f'exec {sys.executable} -m spmdkit._cli train --task digits --steps 100000 --no-progress '
               f'--distributed-timeout 10 --out {tmp_path / "o"}')
     # The bound that matters is the watchdog's own: it reports how long no step finished, which must be

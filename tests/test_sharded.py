@@ -93,9 +93,11 @@ def test_seed003_direct_and_logical_specs_agree_and_run():
 
 # ---- layout invariance -------------------------------------------------------------
 
-# Measured: <= 6.8e-6 after 20 Adam steps (Adam divides by sqrt(v): rounding-level gradient
-# differences from the layouts' different reduction orders become ~1e-6 in the update).
-TOLERANCE = 1e-5
+# Measured here: <= 6.8e-6 after 20 Adam steps (Adam divides by sqrt(v): rounding-level gradient
+# differences from the layouts' different reduction orders become ~1e-6 in the update), 2/3 of
+# the 1e-5 this bound was; another CPU rounds otherwise (the LM's layouts saw 1.06e-5 on a CI
+# machine against 1e-5). The bound is 1/200 of lr x steps; the held-out loss still agrees to 1e-5.
+TOLERANCE = 1e-4
 
 LAYOUTS = [("dp", {"data": 8}), ("fsdp", {"data": 8}), ("tp", {"model": 8}), ("dp+tp", {"data": 2, "model": 4})]
 
@@ -119,7 +121,7 @@ def test_every_layout_trains_to_the_single_device_parameters(small_mlp, one_devi
     assert result.summary["rules"] == rules and result.summary["device_count"] == 8
     for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(one_device.params)):
         assert float(np.max(np.abs(a - b))) <= TOLERANCE
-    assert result.summary["eval_loss"] == pytest.approx(one_device.summary["eval_loss"], rel=1e-4)
+    assert result.summary["eval_loss"] == pytest.approx(one_device.summary["eval_loss"], rel=1e-5)
 
 
 # ---- scan vs loop ------------------------------------------------------------------
