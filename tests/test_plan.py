@@ -323,14 +323,29 @@ def test_warm_bytes_are_priced_by_the_cache_curve_cold_ones_and_matmuls_at_memor
 
 
 def test_cache_curve_goes_through_a_target_file_and_a_bad_one_names_the_fix():
-    t = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)},
+    t = Target("t", "test", 8, {"float32": 1e12}, 1e9, {"intra_host": Link(1e-5, 1e-9)},
                cache_bandwidth=((32768.0, 8e9), (33554432.0, 2e9)))
     back = from_json(json.loads(json.dumps(t.to_json())))
     assert back.cache_bandwidth == t.cache_bandwidth
     assert back.bandwidth_for(2**20) == pytest.approx(t.bandwidth_for(2**20)) and 2e9 < back.bandwidth_for(2**20) < 8e9
     bad = {**t.to_json(), "cache_bandwidth": [[32768, -1]]}
-    with pytest.raises(TargetError, match=r"(?s)cache_bandwidth is \[\[32768, -1\]\].*Fix: write \[bytes, bytes/s\] pairs"):
+    with pytest.raises(TargetError, match=r"(?s)cache_bandwidth\[0\] is \[32768, -1\].*Fix: write \[bytes, bytes/s\] pairs"):
         from_json(bad)
+    # JSON's Infinity and a number past float's range are no rates; a size given twice is ambiguous
+    for entry, shown in (([[32768, float("inf")]], r"cache_bandwidth\[0\] is \[32768, inf\]"),
+                         ([[1024, 8e9], [1e400, 2e9]], r"cache_bandwidth\[1\] is \[inf, 2000000000.0\]"),
+                         ([[1024, 8e9], [1024, 2e9]], r"gives the size 1024 bytes more than once")):
+        with pytest.raises(TargetError, match=r"(?s)" + shown + r".*Fix: write \[bytes, bytes/s\] pairs of finite"):
+            from_json({**t.to_json(), "cache_bandwidth": entry})
+    assert from_json({**t.to_json(), "cache_bandwidth": []}).cache_bandwidth == ()
+
+
+def test_warm_data_never_costs_more_than_memory_bandwidth():
+    # a curve timed on a read and a write can end below a streaming read's rate
+    t = Target("t", "test", 8, {"float32": 1e12}, 3e9, {}, cache_bandwidth=((2**15, 8e9), (2**25, 2e9)))
+    assert t.bandwidth_for(2**15) == 8e9
+    assert t.bandwidth_for(2**25) == t.bandwidth_for(2**30) == 3e9
+    assert 3e9 <= t.bandwidth_for(2**22) < 8e9
 
 
 def test_optimizer_updates_read_and_write_their_arrays_and_a_scan_write_only_its_slice():
@@ -350,6 +365,89 @@ def test_optimizer_updates_read_and_write_their_arrays_and_a_scan_write_only_its
     assert moment.bytes == moment.cold == 3 * mu.nbytes
     # the scan's write: its row (and the two offsets) read and written, not the whole stack
     assert write.bytes == 2 * (row.nbytes + 2 * 4)
+
+
+def test_an_update_of_a_computed_buffer_writes_all_of_it():
+    from spmdkit._plan._hlo import kernels
+
+    a, row = jnp.ones((256, 256), jnp.float32), jnp.ones((1, 256), jnp.float32)
+    fresh = jax.jit(lambda x, r: jax.lax.dynamic_update_slice(x * 2, r, (3, 0))).lower(a, row).compile().as_text()
+    # (x * 2).at[3].set(r): x read, a whole new array written (once priced as the row alone)
+    assert sum(k.bytes * k.count for k in kernels(fresh)) >= 2 * a.nbytes
+    donated = jax.jit(lambda x, r: jax.lax.dynamic_update_slice(x, r, (3, 0)), donate_argnums=(0,))
+    assert sum(k.bytes * k.count for k in kernels(donated.lower(a, row).compile().as_text())) < 4 * row.nbytes
+
+
+_MULTI_OUTPUT = """
+HloModule m
+
+%fused_update (param_0: f32[1024], param_1: f32[1024]) -> (f32[1024], f32[1024]) {
+  %param_0 = f32[1024]{0} parameter(0)
+  %param_1 = f32[1024]{0} parameter(1)
+  %add.0 = f32[1024]{0} add(%param_0, %param_1)
+  %mul.0 = f32[1024]{0} multiply(%param_0, %param_1)
+  ROOT %tuple.0 = (f32[1024]{0}, f32[1024]{0}) tuple(%add.0, %mul.0)
+}
+
+%fused_other (param_0.1: f32[1024]) -> f32[1024] {
+  %param_0.1 = f32[1024]{0} parameter(0)
+  ROOT %neg.0 = f32[1024]{0} negate(%param_0.1)
+}
+
+ENTRY %main (p: f32[1024], g: f32[1024]) -> (f32[1024], f32[1024], f32[32,32]) {
+  %p = f32[1024]{0} parameter(0)
+  %g = f32[1024]{0} parameter(1)
+  %fusion.1 = (f32[1024]{0}, f32[1024]{0}) fusion(%p, %g), kind=kLoop, calls=%fused_update
+  %gte.0 = f32[1024]{0} get-tuple-element(%fusion.1), index=0
+  %gte.1 = f32[1024]{0} get-tuple-element(%fusion.1), index=1
+  %fusion.2 = f32[1024]{0} fusion(%gte.0), kind=kLoop, calls=%fused_other
+  %bitcast.9 = f32[32,32]{1,0} bitcast(%fusion.2)
+  ROOT %tuple.1 = (f32[1024]{0}, f32[1024]{0}, f32[32,32]{1,0}) tuple(%gte.0, %gte.1, %bitcast.9)
+}
+"""
+
+
+def test_outputs_reached_through_views_are_cold_writes():
+    from spmdkit._plan._hlo import kernels
+
+    found = sorted(kernels(_MULTI_OUTPUT), key=lambda k: -k.bytes)
+    # the multi-output fusion reads the two inputs and writes two outputs (through
+    # get-tuple-element): all cold; the negate reads a warm value and writes the third output
+    # (through a bitcast): half cold
+    assert [(k.bytes, k.cold) for k in found] == [(4 * 4096, 4 * 4096), (2 * 4096, 4096)]
+
+
+def test_a_loop_reads_one_layer_of_a_stacked_array_and_a_called_loop_is_priced():
+    from spmdkit._plan._hlo import analyse, kernels
+
+    def scan_mm(x, ws):
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
+
+    x, ws = jnp.ones((64, 256), jnp.float32), jnp.ones((8, 256, 256), jnp.float32)
+    found = kernels(jax.jit(scan_mm).lower(x, ws).compile().as_text())
+    per_trip = [k for k in found if k.count == 8]
+    # no operation of a trip moves the whole stack (2 MiB): its layer (256 KiB) is read
+    assert per_trip and max(k.bytes for k in per_trip) < 3 * ws.nbytes // 8
+
+    def scan2(c):  # XLA:CPU wraps this loop in a call(to_apply=...)
+        return jax.lax.scan(lambda c, _: (jnp.sin(c), (c, c * 2)), c, None, length=8)
+
+    text = jax.jit(scan2).lower(x).compile().as_text()
+    assert sum(k.count for k in kernels(text)) >= 8 * 2 and analyse(text, {"data": 1}).ops >= 8 * 2
+
+
+def test_convolutions_count_their_flops():
+    from spmdkit._plan._hlo import analyse, kernels
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (2, 2), "VALID", feature_group_count=4,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    x, w = jnp.ones((8, 28, 28, 32), jnp.float32), jnp.ones((3, 3, 8, 64), jnp.float32)
+    text = jax.jit(conv).lower(x, w).compile().as_text()
+    expected = 2 * (8 * 13 * 13 * 64) * (3 * 3 * 8)  # every output: a 3x3 window of its group's 8 features
+    assert sum(k.flops * k.count for k in kernels(text)) == pytest.approx(expected)
+    assert analyse(text, {"data": 1}).dot_flops == pytest.approx(expected)
 
 
 def test_kernels_count_each_operation_with_loop_trips_and_leave_collectives_out():

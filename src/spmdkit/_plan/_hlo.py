@@ -131,6 +131,8 @@ def parse(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]]
         typ, tail = _split_type(m.group(2))
         op = tail.split("(", 1)[0].strip()
         operands, attrs = _operands(tail)
+        if op == "parameter":  # its number, which the fusion's operand of that position feeds
+            attrs = "number=" + tail.split("(", 1)[1].split(")", 1)[0] + attrs
         comps[current].append(_Instr(m.group(1), typ, op, operands, attrs))
         shapes[current][m.group(1)] = typ
         if line.lstrip().startswith("ROOT "):
@@ -169,7 +171,12 @@ def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str
                 if body:
                     visit(body.group(1), n_true * (trips or 1), n_once, depth + 1)
                 continue
-            for callee in re.findall(r"\bcalls=%?([\w.\-]+)", ins.attrs):
+            # a call's to_apply runs once per call (XLA:CPU wraps some loops in one); any other
+            # to_apply (a reduce's, a scatter's) is part of its operation
+            callees = re.findall(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+            if ins.op == "call":
+                callees += re.findall(r"\bto_apply=%?([\w.\-]+)", ins.attrs)
+            for callee in callees:
                 if ins.op == "fusion":
                     fused.add(callee)
                 visit(callee, n_true, n_once, depth + 1)
@@ -180,6 +187,26 @@ def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str
 
     visit(entry, 1, 1)
     return dict(true), dict(once), fused, unknown
+
+
+def _matmul_flops(ins: _Instr, shapes: dict[str, str]) -> float:
+    """FLOPs of a dot or a convolution (a matmul per output element), else 0."""
+    if ins.op == "dot":
+        return _dot_flops(ins, shapes)
+    if ins.op == "convolution":
+        return _conv_flops(ins, shapes)
+    return 0.0
+
+
+def _conv_flops(ins: _Instr, shapes: dict[str, str]) -> float:
+    # each output element sums over the kernel's window and input features: every kernel dim
+    # but its output features ("o" of dim_labels' kernel part, as in b01f_01io->b01f)
+    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+    kernel = _dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+    if not labels or len(labels.group(1)) != len(kernel) or "o" not in labels.group(1):
+        return 0.0
+    per_output = math.prod(kernel) // kernel[labels.group(1).index("o")]
+    return 2.0 * math.prod(_dims(ins.type)) * per_output
 
 
 def _dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
@@ -210,7 +237,12 @@ def _traffic(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]
     if op == "fusion":
         callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
         body = comps.get(callee.group(1), []) if callee else []
-        op = body[-1].op if body else op
+        # in place only if the updated buffer is one the fusion is given: (a * 2).at[3].set(row)
+        # computes a whole new buffer first and writes all of it
+        op = body[-1].op if body and _updates_a_parameter(body) else op
+        for i, nbytes in _sliced_parameters(body).items():  # a scan's layer read from its stack
+            if i < len(sizes):
+                sizes[i] = (sizes[i][0], min(nbytes, sizes[i][1]))
     buffer = next((i for i, (t, b) in enumerate(sizes) if t.split("{")[0] == base and b == out), None)
     if op in _IN_PLACE and buffer is not None:
         others = sum(b for i, (_, b) in enumerate(sizes) if i != buffer)
@@ -219,6 +251,48 @@ def _traffic(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]
     if ins.op == "dynamic-slice":
         return 2 * out
     return out + sum(b for _, b in sizes)
+
+
+def _sliced_parameters(body: list[_Instr]) -> dict[int, int]:
+    """The fused computation's parameters (by number) that it reads only through
+    dynamic-slices (seen through bitcasts), with the bytes those slices read: a loop's trip
+    reads one layer of a stacked array, not the stack."""
+    users: dict[str, list[_Instr]] = defaultdict(list)
+    for ins in body:
+        for name in ins.operands:
+            users[name].append(ins)
+
+    def read(name: str) -> int | None:
+        total = 0
+        for user in users[name]:
+            if user.op == "dynamic-slice" and user.operands[0] == name and name not in user.operands[1:]:
+                total += shape_bytes(user.type)
+            elif user.op == "bitcast":
+                inner = read(user.name)
+                if inner is None:
+                    return None
+                total += inner
+            else:
+                return None
+        return total if users[name] else None
+
+    out = {}
+    for ins in body:
+        number = re.match(r"number=(\d+)", ins.attrs) if ins.op == "parameter" else None
+        nbytes = read(ins.name) if number else None
+        if nbytes is not None:
+            out[int(number.group(1))] = nbytes
+    return out
+
+
+def _updates_a_parameter(body: list[_Instr]) -> bool:
+    """Whether a fused computation's root updates (operand 0) one of its parameters, seen
+    through bitcasts, rather than a buffer it computes."""
+    by_name = {i.name: i for i in body}
+    source = by_name.get(body[-1].operands[0]) if body[-1].operands else None
+    while source is not None and source.op == "bitcast" and source.operands:
+        source = by_name.get(source.operands[0])
+    return source is not None and source.op == "parameter"
 
 
 def groups_of(attrs: str, n_devices: int) -> list[list[int]] | None:
@@ -284,8 +358,8 @@ def analyse(text: str, mesh_shape: dict[str, int]) -> Program:
     for comp, instrs in comps.items():
         t, o = true.get(comp, 0), once.get(comp, 0)
         for ins in instrs:
-            if ins.op == "dot":
-                f = _dot_flops(ins, shapes[comp])
+            if ins.op in ("dot", "convolution"):
+                f = _matmul_flops(ins, shapes[comp])
                 dot_flops += t * f
                 extra_flops += (t - o) * f
             if comp not in fused and ins.op not in _NO_TRAFFIC and not ins.op.endswith("-done"):
@@ -321,17 +395,28 @@ def kernels(text: str) -> list[Kernel]:
     return _kernels(comps, shapes, true, fused, entry)
 
 
-def _step_io(instrs: list[_Instr]) -> tuple[set[str], set[str]]:
-    """The entry's values that are the step's inputs (its parameters, and views or copies of
-    them) and the ones that are its outputs (the root's operands, or the root)."""
+def _step_io(instrs: list[_Instr]) -> tuple[set[str], dict[str, int]]:
+    """The entry's values that are the step's inputs (its parameters, and views of them) and
+    the operations that write its outputs, with the bytes they write there: the root's
+    operands (or the root), followed back through views (bitcast, get-tuple-element) to the
+    operation that wrote them. A copy of a parameter is a new buffer, warm to its readers."""
     inputs = set()
     for ins in instrs:
-        if ins.op == "parameter" or (ins.op in ("bitcast", "get-tuple-element", "copy") and ins.operands
+        if ins.op == "parameter" or (ins.op in ("bitcast", "get-tuple-element") and ins.operands
                                      and ins.operands[0] in inputs):
             inputs.add(ins.name)
-    root = instrs[-1] if instrs else None
-    outputs = set(root.operands) if root is not None and root.op == "tuple" else {root.name} if root else set()
-    return inputs, outputs
+    if not instrs:
+        return inputs, {}
+    by_name = {i.name: i for i in instrs}
+    root = instrs[-1]
+    ends = [by_name[o] for o in root.operands if o in by_name] if root.op == "tuple" else [root]
+    outputs: dict[str, int] = defaultdict(int)
+    for end in ends:
+        written = shape_bytes(end.type)
+        while end.op in ("bitcast", "get-tuple-element") and end.operands and end.operands[0] in by_name:
+            end = by_name[end.operands[0]]
+        outputs[end.name] += written
+    return inputs, dict(outputs)
 
 
 def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], true: dict[str, int],
@@ -346,15 +431,15 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
             base = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
             if ins.op in _NO_TRAFFIC or ins.op.endswith("-done") or base in KINDS:
                 continue
-            flops = _dot_flops(ins, shapes[comp]) if ins.op == "dot" else 0.0
+            flops = _matmul_flops(ins, shapes[comp])
             if ins.op == "fusion":
                 callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
                 inner = comps.get(callee.group(1), []) if callee else []
-                flops = sum(_dot_flops(j, shapes[callee.group(1)]) for j in inner if j.op == "dot")
+                flops = sum(_matmul_flops(j, shapes[callee.group(1)]) for j in inner)
             traffic = _traffic(ins, shapes[comp], comps)
             cold = 0
             if comp == entry:
                 cold = sum(shape_bytes(shapes[comp].get(x, "")) for x in ins.operands if x in inputs)
-                cold += shape_bytes(ins.type) if ins.name in outputs else 0
+                cold += min(outputs.get(ins.name, 0), shape_bytes(ins.type))
             merged[(flops, traffic, min(cold, traffic))] += t
     return [Kernel(f, b, n, c) for (f, b, c), n in merged.items()]
