@@ -267,12 +267,21 @@ _EXAMPLES = {"alpha": "5e-6 (seconds per step)", "beta": "2e-12 (seconds per byt
              "op_overhead": "5e-6 (seconds per operation)", "max_bytes": "2097152 (bytes)"}
 
 
+def _finite(value: Any) -> bool:
+    """A JSON number that is a finite float (an integer of 400 digits is none)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
     """A finite number, > 0 with ``positive`` (a rate, a size), else >= 0."""
     value = data.get(key)
     bound = "> 0" if positive else ">= 0"
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not (value > 0 if positive else value >= 0)):
+    if not _finite(value) or not (value > 0 if positive else value >= 0):
         example = _EXAMPLES.get(key, "67e12 (FLOP/s)" if "peak_flops" in where else
                                 "1.0 (operation times)" if "collective_sync_ops" in where else "a value")
         raise TargetError(fix(f"{where}: {key!r} is {value!r}, not a finite number {bound}.",
@@ -366,8 +375,7 @@ def _curve(data: Any, where: str) -> tuple[tuple[float, float], ...]:
     if not isinstance(data, list):
         raise TargetError(fix(f"{where}: cache_bandwidth is {data!r}.", how))
     for i, p in enumerate(data):
-        ok = isinstance(p, list) and len(p) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in p)
+        ok = isinstance(p, list) and len(p) == 2 and all(_finite(v) and v > 0 for v in p)
         if not ok:
             raise TargetError(fix(f"{where}: cache_bandwidth[{i}] is {p!r} (in {data!r}).", how))
     sizes = [float(b) for b, _ in data]

@@ -19,7 +19,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+             "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e4m3": 1, "f8e3m4": 1, "f8e8m0fnu": 1,
+             "f4e2m1fn": 1, "s2": 1, "u2": 1}
 _SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -180,10 +182,11 @@ def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str
                 if ins.op == "fusion":
                     fused.add(callee)
                 visit(callee, n_true, n_once, depth + 1)
+            # every branch is counted as if it ran: the planner cannot know which one does
             branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
-            if branches:
-                for callee in re.findall(r"%?([\w.\-]+)", branches.group(1)):
-                    visit(callee, n_true, n_once, depth + 1)
+            named = re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", ins.attrs)
+            for callee in (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else []) + named:
+                visit(callee, n_true, n_once, depth + 1)
 
     visit(entry, 1, 1)
     return dict(true), dict(once), fused, unknown
@@ -199,14 +202,34 @@ def _matmul_flops(ins: _Instr, shapes: dict[str, str]) -> float:
 
 
 def _conv_flops(ins: _Instr, shapes: dict[str, str]) -> float:
-    # each output element sums over the kernel's window and input features: every kernel dim
-    # but its output features ("o" of dim_labels' kernel part, as in b01f_01io->b01f)
-    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-    kernel = _dims(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-    if not labels or len(labels.group(1)) != len(kernel) or "o" not in labels.group(1):
+    """Each output element sums its window over the kernel's input features, and only window
+    positions on real input count: not padding, not the holes of an input dilation (a
+    transposed convolution's stride), as XLA's own cost analysis counts them."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not labels or len(ins.operands) < 2:
         return 0.0
-    per_output = math.prod(kernel) // kernel[labels.group(1).index("o")]
-    return 2.0 * math.prod(_dims(ins.type)) * per_output
+    lhs, rhs, out = (_dims(shapes.get(ins.operands[0], "")), _dims(shapes.get(ins.operands[1], "")),
+                     _dims(ins.type))
+    names = labels.groups()
+    if [len(n) for n in names] != [len(lhs), len(rhs), len(out)] or "i" not in names[1]:
+        return 0.0
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1))) if window else {}
+    spatial = sorted(c for c in names[2] if c.isdigit())
+
+    def field(key: str, d: int, default: str) -> str:
+        values = fields.get(key, "").split("x")
+        return values[d] if d < len(values) and values[d] else default
+
+    hits = 1
+    for d, label in enumerate(spatial):
+        n, k, o = lhs[names[0].index(label)], rhs[names[1].index(label)], out[names[2].index(label)]
+        stride, dilate, rhs_dilate = (int(field(key, d, "1")) for key in ("stride", "lhs_dilate", "rhs_dilate"))
+        low = int(field("pad", d, "0_0").split("_")[0])
+        at = np.arange(o)[:, None] * stride + np.arange(k)[None, :] * rhs_dilate - low  # in the dilated input
+        hits *= int(((at >= 0) & (at <= (n - 1) * dilate) & (at % max(dilate, 1) == 0)).sum())
+    per_output = math.prod(out[names[2].index(c)] for c in names[2] if not c.isdigit())
+    return 2.0 * per_output * rhs[names[1].index("i")] * hits
 
 
 def _dot_flops(ins: _Instr, shapes: dict[str, str]) -> float:
@@ -222,77 +245,118 @@ _NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast",
 
 
 _IN_PLACE = ("dynamic-update-slice", "scatter")
+_SLICES = ("dynamic-slice", "slice", "gather")  # read a part of their operand 0
+
+
+class _Moves(NamedTuple):
+    """What one operation moves: bytes read of each operand, bytes written, and how many of the
+    bytes read are slices at a run-time offset (a loop's layer of a stacked array)."""
+
+    reads: list[int]
+    written: int
+    sliced: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.reads) + self.written
 
 
 def _traffic(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) -> int:
-    """Bytes an instruction reads and writes. An update in place (a dynamic-update-slice or a
-    scatter, or a fusion whose root is one, as a scan writing its layer's slice of a stacked
-    array) touches only its other operands' bytes, not the whole buffer it updates (the one
-    operand of the output's type). Any other fusion reads all its operands and writes its
-    output, also when one of them has the output's type (an optimizer's ``mu * b1 + g``)."""
-    sizes = [(shapes.get(x, ""), shape_bytes(shapes.get(x, ""))) for x in ins.operands]
+    """Bytes an instruction reads and writes (:func:`_moves`)."""
+    return _moves(ins, shapes, comps).total
+
+
+def _moves(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) -> _Moves:
+    """An operation reads its operands and writes its output, except: a slice (static, dynamic,
+    a gather) reads only the part it takes, also inside a fusion (a scan's trip reads its layer,
+    not the stack); an update in place (a dynamic-update-slice or scatter, or a fusion whose
+    root updates a buffer the fusion is given, as a scan writing its layer's row) reads and
+    writes its other operands' bytes and whatever parts of the buffer it slices, not the whole
+    buffer. A fusion that updates a buffer it computes ((x * 2).at[3].set(row)), or that reads
+    the buffer whole, moves all of it; so does an optimizer's ``mu * b1 + g``, whose output
+    has an operand's type."""
+    reads = [shape_bytes(shapes.get(x, "")) for x in ins.operands]
     out = shape_bytes(ins.type)
-    base = ins.type.split("{")[0]
-    op = ins.op
-    if op == "fusion":
-        callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
-        body = comps.get(callee.group(1), []) if callee else []
-        # in place only if the updated buffer is one the fusion is given: (a * 2).at[3].set(row)
-        # computes a whole new buffer first and writes all of it
-        op = body[-1].op if body and _updates_a_parameter(body) else op
-        for i, nbytes in _sliced_parameters(body).items():  # a scan's layer read from its stack
-            if i < len(sizes):
-                sizes[i] = (sizes[i][0], min(nbytes, sizes[i][1]))
-    buffer = next((i for i, (t, b) in enumerate(sizes) if t.split("{")[0] == base and b == out), None)
-    if op in _IN_PLACE and buffer is not None:
-        others = sum(b for i, (_, b) in enumerate(sizes) if i != buffer)
-        if others < out:
-            return 2 * others
-    if ins.op == "dynamic-slice":
-        return 2 * out
-    return out + sum(b for _, b in sizes)
+    if ins.op in _SLICES and reads:
+        return _Moves([min(out, reads[0])] + reads[1:], out, out if ins.op == "dynamic-slice" else 0)
+    if ins.op in _IN_PLACE and reads:
+        return _in_place(reads, out, 0, {}) or _Moves(reads, out)
+    if ins.op != "fusion":
+        return _Moves(reads, out)
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+    body = comps.get(callee.group(1), []) if callee else []
+    parts = _parameter_parts(body)
+    sliced = 0
+    for i, (nbytes, dynamic) in parts.items():
+        if i < len(reads) and nbytes < reads[i]:
+            reads[i], sliced = nbytes, sliced + (nbytes if dynamic else 0)
+    updated = _updated_parameter(body)
+    if updated is not None and updated < len(reads):
+        return _in_place(reads, out, updated, parts) or _Moves(reads, out, sliced)
+    return _Moves(reads, out, sliced)
 
 
-def _sliced_parameters(body: list[_Instr]) -> dict[int, int]:
-    """The fused computation's parameters (by number) that it reads only through
-    dynamic-slices (seen through bitcasts), with the bytes those slices read: a loop's trip
-    reads one layer of a stacked array, not the stack."""
+def _in_place(reads: list[int], out: int, buffer: int, parts: dict[int, tuple[int, bool]]) -> _Moves | None:
+    """The update of operand ``buffer`` in place, if its other operands are smaller than it (else
+    it is no cheaper than a rewrite). With ``parts`` from a fusion the buffer must be read only
+    through slices, if at all."""
+    if parts and buffer not in parts:
+        return None
+    others = sum(b for i, b in enumerate(reads) if i != buffer)
+    if others >= out:
+        return None
+    taken = parts[buffer][0] if parts else 0
+    moved = [b if i != buffer else taken for i, b in enumerate(reads)]
+    return _Moves(moved, others, taken if parts and parts[buffer][1] else 0)
+
+
+def _parameter_parts(body: list[_Instr]) -> dict[int, tuple[int, bool]]:
+    """The fused computation's parameters (by number) that it reads only through slices (seen
+    through bitcasts), or that its root updates in place: ``(bytes the slices read, whether
+    any is at a run-time offset)``. A parameter read whole by any operation is left out."""
     users: dict[str, list[_Instr]] = defaultdict(list)
     for ins in body:
         for name in ins.operands:
             users[name].append(ins)
+    root = body[-1] if body else None
 
-    def read(name: str) -> int | None:
-        total = 0
+    def read(name: str) -> tuple[int, bool] | None:
+        total, dynamic = 0, False
         for user in users[name]:
-            if user.op == "dynamic-slice" and user.operands[0] == name and name not in user.operands[1:]:
-                total += shape_bytes(user.type)
+            if user.op in _SLICES and user.operands[0] == name and name not in user.operands[1:]:
+                total, dynamic = total + shape_bytes(user.type), dynamic or user.op == "dynamic-slice"
+            elif user is root and user.op in _IN_PLACE and user.operands[0] == name and name not in user.operands[1:]:
+                continue
             elif user.op == "bitcast":
                 inner = read(user.name)
                 if inner is None:
                     return None
-                total += inner
+                total, dynamic = total + inner[0], dynamic or inner[1]
             else:
                 return None
-        return total if users[name] else None
+        return (total, dynamic) if users[name] else None
 
     out = {}
     for ins in body:
-        number = re.match(r"number=(\d+)", ins.attrs) if ins.op == "parameter" else None
-        nbytes = read(ins.name) if number else None
-        if nbytes is not None:
-            out[int(number.group(1))] = nbytes
+        number = re.match(r"number=\s*(\d+)", ins.attrs) if ins.op == "parameter" else None
+        part = read(ins.name) if number else None
+        if part is not None:
+            out[int(number.group(1))] = part
     return out
 
 
-def _updates_a_parameter(body: list[_Instr]) -> bool:
-    """Whether a fused computation's root updates (operand 0) one of its parameters, seen
-    through bitcasts, rather than a buffer it computes."""
+def _updated_parameter(body: list[_Instr]) -> int | None:
+    """The number of the parameter a fused computation's root updates in place (operand 0 of a
+    dynamic-update-slice or scatter, seen through bitcasts), else None: a root that updates a
+    buffer the fusion computes writes all of it."""
+    if not body or body[-1].op not in _IN_PLACE or not body[-1].operands:
+        return None
     by_name = {i.name: i for i in body}
-    source = by_name.get(body[-1].operands[0]) if body[-1].operands else None
+    source = by_name.get(body[-1].operands[0])
     while source is not None and source.op == "bitcast" and source.operands:
         source = by_name.get(source.operands[0])
-    return source is not None and source.op == "parameter"
+    number = re.match(r"number=\s*(\d+)", source.attrs) if source is not None and source.op == "parameter" else None
+    return int(number.group(1)) if number else None
 
 
 def groups_of(attrs: str, n_devices: int) -> list[list[int]] | None:
@@ -436,10 +500,12 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
                 callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
                 inner = comps.get(callee.group(1), []) if callee else []
                 flops = sum(_matmul_flops(j, shapes[callee.group(1)]) for j in inner)
-            traffic = _traffic(ins, shapes[comp], comps)
-            cold = 0
+            moves = _moves(ins, shapes[comp], comps)
+            # a slice at a run-time offset (a loop's layer of a stacked array) was last touched
+            # a whole loop ago, or is the step's input: cold wherever it runs
+            cold = moves.sliced
             if comp == entry:
-                cold = sum(shape_bytes(shapes[comp].get(x, "")) for x in ins.operands if x in inputs)
-                cold += min(outputs.get(ins.name, 0), shape_bytes(ins.type))
-            merged[(flops, traffic, min(cold, traffic))] += t
+                cold += sum(b for x, b in zip(ins.operands, moves.reads) if x in inputs)
+                cold += min(outputs.get(ins.name, 0), moves.written)
+            merged[(flops, moves.total, min(cold, moves.total))] += t
     return [Kernel(f, b, n, c) for (f, b, c), n in merged.items()]
