@@ -411,6 +411,34 @@ ENTRY %main (p: f32[1024], g: f32[1024]) -> (f32[1024], f32[1024], f32[32,32]) {
 """
 
 
+_UPDATE_FROM_ITS_WHOLE_BUFFER = """
+HloModule m
+%fc (param_0: f32[1024,1024]) -> f32[1024,1024] {
+  %param_0 = f32[1024,1024]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %sum = f32[1,1024]{1,0} reduce(%param_0, %zero), dimensions={0}, to_apply=%add
+  %i = s32[] constant(0)
+  ROOT %dus = f32[1024,1024]{1,0} dynamic-update-slice(%param_0, %sum, %i, %i)
+}
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+ENTRY %main (x: f32[1024,1024]) -> f32[1024,1024] {
+  %x = f32[1024,1024]{1,0} parameter(0)
+  ROOT %f = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fc
+}
+"""
+
+
+def test_an_update_computed_from_its_whole_buffer_reads_all_of_it():
+    from spmdkit._plan._hlo import kernels
+
+    # x.at[0].set(x.sum(0)) fused: the reduce reads all 4 MiB of the buffer it updates
+    assert sum(k.bytes * k.count for k in kernels(_UPDATE_FROM_ITS_WHOLE_BUFFER)) >= 4 * 2**20
+
+
 def test_outputs_reached_through_views_are_cold_writes():
     from spmdkit._plan._hlo import kernels
 

@@ -134,7 +134,7 @@ def parse(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]]
         op = tail.split("(", 1)[0].strip()
         operands, attrs = _operands(tail)
         if op == "parameter":  # its number, which the fusion's operand of that position feeds
-            attrs = "number=" + tail.split("(", 1)[1].split(")", 1)[0] + attrs
+            attrs = "number=" + tail.split("(", 1)[1].split(")", 1)[0].strip() + attrs
         comps[current].append(_Instr(m.group(1), typ, op, operands, attrs))
         shapes[current][m.group(1)] = typ
         if line.lstrip().startswith("ROOT "):
@@ -248,6 +248,25 @@ _IN_PLACE = ("dynamic-update-slice", "scatter")
 _SLICES = ("dynamic-slice", "slice", "gather")  # read a part of their operand 0
 
 
+def _number(ins: _Instr) -> int | None:
+    """A parameter instruction's number (its place among the computation's arguments)."""
+    found = re.match(r"number=(\d+)", ins.attrs) if ins.op == "parameter" else None
+    return int(found.group(1)) if found else None
+
+
+def _fused_body(ins: _Instr, comps: dict[str, list[_Instr]]) -> tuple[str, list[_Instr]]:
+    """A fusion's computation: ``(name, instructions)``, ``("", [])`` if it names none."""
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+    return (callee.group(1), comps.get(callee.group(1), [])) if callee else ("", [])
+
+
+def _through_views(ins: _Instr | None, by_name: dict[str, _Instr]) -> _Instr | None:
+    """The instruction a value comes from, seen back through bitcasts and get-tuple-elements."""
+    while ins is not None and ins.op in ("bitcast", "get-tuple-element") and ins.operands:
+        ins = by_name.get(ins.operands[0])
+    return ins
+
+
 class _Moves(NamedTuple):
     """What one operation moves: bytes read of each operand, bytes written, and how many of the
     bytes read are slices at a run-time offset (a loop's layer of a stacked array)."""
@@ -280,11 +299,10 @@ def _moves(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) 
     if ins.op in _SLICES and reads:
         return _Moves([min(out, reads[0])] + reads[1:], out, out if ins.op == "dynamic-slice" else 0)
     if ins.op in _IN_PLACE and reads:
-        return _in_place(reads, out, 0, {}) or _Moves(reads, out)
+        return _in_place(reads, out, 0, None) or _Moves(reads, out)
     if ins.op != "fusion":
         return _Moves(reads, out)
-    callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
-    body = comps.get(callee.group(1), []) if callee else []
+    _, body = _fused_body(ins, comps)
     parts = _parameter_parts(body)
     sliced = 0
     for i, (nbytes, dynamic) in parts.items():
@@ -296,18 +314,18 @@ def _moves(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) 
     return _Moves(reads, out, sliced)
 
 
-def _in_place(reads: list[int], out: int, buffer: int, parts: dict[int, tuple[int, bool]]) -> _Moves | None:
+def _in_place(reads: list[int], out: int, buffer: int, parts: dict[int, tuple[int, bool]] | None) -> _Moves | None:
     """The update of operand ``buffer`` in place, if its other operands are smaller than it (else
-    it is no cheaper than a rewrite). With ``parts`` from a fusion the buffer must be read only
-    through slices, if at all."""
-    if parts and buffer not in parts:
+    it is no cheaper than a rewrite). In a fusion (``parts`` of :func:`_parameter_parts`, None
+    for a bare operation) the buffer must be read only through slices, if at all."""
+    if parts is not None and buffer not in parts:
         return None
     others = sum(b for i, b in enumerate(reads) if i != buffer)
     if others >= out:
         return None
-    taken = parts[buffer][0] if parts else 0
+    taken, dynamic = parts[buffer] if parts is not None else (0, False)
     moved = [b if i != buffer else taken for i, b in enumerate(reads)]
-    return _Moves(moved, others, taken if parts and parts[buffer][1] else 0)
+    return _Moves(moved, others, taken if dynamic else 0)
 
 
 def _parameter_parts(body: list[_Instr]) -> dict[int, tuple[int, bool]]:
@@ -338,10 +356,10 @@ def _parameter_parts(body: list[_Instr]) -> dict[int, tuple[int, bool]]:
 
     out = {}
     for ins in body:
-        number = re.match(r"number=\s*(\d+)", ins.attrs) if ins.op == "parameter" else None
-        part = read(ins.name) if number else None
+        number = _number(ins)
+        part = read(ins.name) if number is not None else None
         if part is not None:
-            out[int(number.group(1))] = part
+            out[number] = part
     return out
 
 
@@ -352,11 +370,8 @@ def _updated_parameter(body: list[_Instr]) -> int | None:
     if not body or body[-1].op not in _IN_PLACE or not body[-1].operands:
         return None
     by_name = {i.name: i for i in body}
-    source = by_name.get(body[-1].operands[0])
-    while source is not None and source.op == "bitcast" and source.operands:
-        source = by_name.get(source.operands[0])
-    number = re.match(r"number=\s*(\d+)", source.attrs) if source is not None and source.op == "parameter" else None
-    return int(number.group(1)) if number else None
+    source = _through_views(by_name.get(body[-1].operands[0]), by_name)
+    return _number(source) if source is not None else None
 
 
 def groups_of(attrs: str, n_devices: int) -> list[list[int]] | None:
@@ -476,10 +491,8 @@ def _step_io(instrs: list[_Instr]) -> tuple[set[str], dict[str, int]]:
     ends = [by_name[o] for o in root.operands if o in by_name] if root.op == "tuple" else [root]
     outputs: dict[str, int] = defaultdict(int)
     for end in ends:
-        written = shape_bytes(end.type)
-        while end.op in ("bitcast", "get-tuple-element") and end.operands and end.operands[0] in by_name:
-            end = by_name[end.operands[0]]
-        outputs[end.name] += written
+        writer = _through_views(end, by_name)
+        outputs[(writer or end).name] += shape_bytes(end.type)
     return inputs, dict(outputs)
 
 
@@ -497,9 +510,8 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
                 continue
             flops = _matmul_flops(ins, shapes[comp])
             if ins.op == "fusion":
-                callee = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
-                inner = comps.get(callee.group(1), []) if callee else []
-                flops = sum(_matmul_flops(j, shapes[callee.group(1)]) for j in inner)
+                callee, inner = _fused_body(ins, comps)
+                flops = sum(_matmul_flops(j, shapes[callee]) for j in inner)
             moves = _moves(ins, shapes[comp], comps)
             # a slice at a run-time offset (a loop's layer of a stacked array) was last touched
             # a whole loop ago, or is the step's input: cold wherever it runs
