@@ -30,7 +30,7 @@ from spmdkit._calibrate import (
     predict,
     steps_and_wire,
 )
-from spmdkit._calibrate_measure import pair_case, per_collective
+from spmdkit._calibrate_measure import choose_reps, pair_case, per_collective
 from spmdkit._target import CACHE_CURVE_BYTES, TargetError, collective_time, load_target
 from spmdkit._cli import main
 
@@ -158,6 +158,55 @@ def test_the_statistic_is_the_median_of_paired_differences():
     fig = per_collective([(2e-3, 1e-3), (2e-3, 1.5e-3), (1e-3, 3e-3)], 10)
     assert fig["flags"] == ["fixed-cost"] and fig["seconds"] == pytest.approx(1.5e-3 / 20)
     assert fig["iqr_rel"] > 0  # relative to the figure used, not to the negative median difference
+
+
+def test_the_probe_for_repetitions_times_each_call_after_the_barrier():
+    # 0.4 ms per collective; the peer arrives 3 ms late at any call not preceded by the barrier,
+    # which absorbs that wait outside the timed call.
+    now, log, per = [0.0], [], 4e-4
+    waiting = [0.0]
+
+    def barrier():
+        log.append("barrier")
+        now[0] += waiting[0]
+        waiting[0] = 0.0
+
+    def run(k):
+        log.append(k)
+        now[0] += waiting[0] + 1e-4 + k * per  # 0.1 ms dispatch
+        waiting[0] = 3e-3
+
+    asked = []
+    reps = choose_reps(run, barrier, 0.01, agree=lambda flag: asked.append(flag) or flag, clock=lambda: now[0])
+    # doubling to 32 (12.9 ms, the first call over 10 ms), then the median of 3 calls of 32
+    assert reps == 25  # 10 ms / 0.403 ms: the 0.1 ms dispatch spread over 32 collectives
+    assert log == [1] + [x for k in (1, 2, 4, 8, 16, 32, 32, 32) for x in ("barrier", k)]
+    assert asked == [False] * 5 + [True]
+
+
+def test_every_process_probes_as_process_0_decides():
+    # This process measures calls far over the target, process 0 does not: it must keep doubling
+    # with process 0 (the calls are collectives), and its own times still set nothing odd.
+    now, log = [0.0], []
+
+    def run(k):
+        log.append(k)
+        now[0] += 1.0
+
+    decisions = iter([False, False, True])
+    reps = choose_reps(run, lambda: None, 0.01, agree=lambda flag: next(decisions), clock=lambda: now[0])
+    assert log == [1, 1, 2, 4, 4, 4] and reps == 1
+    # 1 ms per collective; a burst of load stops the doubling early (the call of 4 takes 18 ms),
+    # and the median of the 3 calls of 4 still reads 1 ms
+    now[0], log[:] = 0.0, []
+    times = iter([1e-3, 1e-3, 2e-3, 18e-3, 4e-3, 4e-3])
+
+    def noisy(k):
+        log.append(k)
+        now[0] += next(times)
+
+    assert choose_reps(noisy, lambda: None, 0.01, clock=lambda: now[0]) == 10
+    assert log == [1, 1, 2, 4, 4, 4]
 
 
 # ---- a real calibration in this process ---------------------------------------------

@@ -327,7 +327,7 @@ def load_target_json(path: str) -> dict[str, Any]:
 # rounds moved 2-4x between two runs a minute apart at 4 KiB-1 MiB; on one machine the median of
 # 31 rounds moved under 12% over three runs, on another (rounds' IQR 100-370% of the median)
 # -62% to +109% between two runs back to back, where 151 rounds moved -24% to +23%. A call lasts
-# about 20 ms at small sizes; the whole calibration took about 8 minutes there.
+# about 10 ms at small sizes; the whole calibration takes about 6 minutes idle (4.5 for a check).
 INTER_HOST_ROUNDS = 151
 
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._bench._timing import measure
 
-PROBE_REPS = 8  # the probe times 1 and PROBE_REPS repetitions: the difference has no dispatch in it
+PROBES = 3  # timed calls of the probe's last length; their median sets the repetitions
 MAX_REPS = 4096
 
 
@@ -166,28 +166,65 @@ def _barrier(mesh: Mesh) -> Callable[[], Any]:
     return lambda: jax.block_until_ready(fn(x))
 
 
-def _choose_reps(fn: Callable, x: jax.Array, mesh: Mesh, target_s: float) -> int:
-    """Repetitions that make one call last about ``target_s`` (this process's view).
+def choose_reps(run: Callable[[int], Any], barrier: Callable[[], Any], target_s: float, *,
+                agree: Callable[[bool], bool] = bool, probes: int = PROBES,
+                clock: Callable[[], float] = time.perf_counter) -> int:
+    """Repetitions that make one call of ``run(reps)`` last about ``target_s``.
 
-    The time per collective is the median of 3 probes, each (t(8) - t(1)) / 7: one probe
-    hit by a burst of load chose 3 repetitions at 4 KiB in some runs and 22-44 in others
-    (rough, on a loaded machine), and a call of 3 collectives is mostly its fixed cost.
+    Doubles ``k`` from 1 until a call of ``run(k)`` lasts ``target_s``, times ``probes``
+    calls of that ``k`` in all and takes their median over ``k``; every call right after
+    ``barrier()``, as :func:`pair_case` times them. The fixed cost of a call stays in the
+    figure, spread over ``k`` collectives: a few percent of a call that long. ``agree``
+    turns process 0's "long enough" into every process's (a broadcast between processes):
+    the calls are collectives, and the processes must issue the same ones.
+
+    The pick is only as steady as a call of ``target_s`` is: between two processes here
+    one payload got 3 repetitions in one run and 46 in the next (small collectives run
+    back to back slow down as the call goes on: 16 of 64 KiB took 20-35 ms where the
+    rounds' difference reads 0.37 ms each), which is why ``spmdkit calibrate --check``
+    replays the calibration's own. The difference of a call of 1 and one of 8 that this
+    replaces picked as widely, and took 28 collectives at 64 MiB where this takes 4 (the
+    whole calibration: 6 minutes instead of 8).
+
+    Example (a fake clock: 2 ms of fixed cost per call, 0.5 ms per collective):
+        >>> now = [0.0]
+        >>> def run(k):
+        ...     now[0] += 2e-3 + k * 5e-4
+        >>> choose_reps(run, lambda: None, 0.01, clock=lambda: now[0])  # 16 in 10 ms; not 10 / 2.5 = 4
+        16
     """
-    one, many = _replicated_int(mesh, 1), _replicated_int(mesh, PROBE_REPS)
-    jax.block_until_ready(fn(x, one))  # compile and warm
-    pers, tks = [], []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, one))
-        t1 = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, many))
-        tks.append(time.perf_counter() - t0)
-        pers.append((tks[-1] - t1) / (PROBE_REPS - 1))
-    per = statistics.median(pers)
-    if per <= 0:
-        per = statistics.median(tks) / PROBE_REPS
+    def timed(k: int) -> float:
+        barrier()
+        t0 = clock()
+        run(k)
+        return clock() - t0
+
+    run(1)  # compile and warm
+    k, times = 1, [timed(1)]
+    while k < MAX_REPS and not agree(times[-1] >= target_s):
+        k = min(MAX_REPS, 2 * k)
+        times = [timed(k)]
+    times += [timed(k) for _ in range(probes - 1)]
+    per = statistics.median(times) / k
     return int(min(MAX_REPS, max(1, round(target_s / max(per, 1e-9)))))
+
+
+def _looped(fn: Callable, x: jax.Array, mesh: Mesh) -> Callable[[int], Any]:
+    """``run(k)``: ``k`` collectives of ``fn`` on ``x`` in one call, waited for; each loop count
+    becomes a device array once, so a timed call transfers nothing."""
+    loops: dict[int, jax.Array] = {}
+
+    def run(k: int) -> Any:
+        if k not in loops:
+            loops[k] = _replicated_int(mesh, k)
+        return jax.block_until_ready(fn(x, loops[k]))
+
+    return run
+
+
+def _agree(flag: bool) -> bool:
+    """Process 0's ``flag`` in every process."""
+    return bool(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.bool_))))
 
 
 def _settle(programs: dict[str, Callable], mesh: Mesh, n: int, nbytes: int, target_s: float) -> None:
@@ -241,14 +278,14 @@ def measure_collectives(
             part = _filled(mesh, e // n) if "all_gather" in kinds else None
             inputs = {kind: part if kind == "all_gather" else full for kind in kinds}
             fixed = [(reps or {}).get((k, e * 4)) for k in kinds]
-            chosen = [r or _choose_reps(programs[n][k], inputs[k], mesh, target_s / 2) for k, r in zip(kinds, fixed)]
+            chosen = [r or choose_reps(_looped(programs[n][k], inputs[k], mesh), barriers[n], target_s / 2,
+                                       agree=_agree)
+                      for k, r in zip(kinds, fixed)]
             # Both processes of an inter-host run must loop the same number of times.
             chosen = [int(r) for r in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(chosen, np.int32)))]
             cases, raws = {}, {}
             for k, r in zip(kinds, chosen):
-                loops = {m: _replicated_int(mesh, m) for m in (r, 2 * r)}
-                run = lambda m, fn=programs[n][k], x=inputs[k], loops=loops: jax.block_until_ready(fn(x, loops[m]))  # noqa: E731
-                cases[k], raws[k] = pair_case(run, r, barriers[n])
+                cases[k], raws[k] = pair_case(_looped(programs[n][k], inputs[k], mesh), r, barriers[n])
             result = measure(cases, rounds=rounds, warmup=1, self_timed=True, idle_seconds=0.05)
             for k, r in zip(kinds, chosen):
                 c, fig = result["cases"][k], per_collective(raws[k][1:], r)  # [1:]: the warm-up call
