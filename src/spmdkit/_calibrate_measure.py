@@ -179,7 +179,7 @@ def choose_reps(run: Callable[[int], Any], barrier: Callable[[], Any], target_s:
     the calls are collectives, and the processes must issue the same ones.
 
     The pick is only as steady as a call of ``target_s`` is: between two processes here
-    one payload got 3 repetitions in one run and 46 in the next (small collectives run
+    one payload got 3 repetitions in one run and 30 in the next (small collectives run
     back to back slow down as the call goes on: 16 of 64 KiB took 20-35 ms where the
     rounds' difference reads 0.37 ms each), which is why ``spmdkit calibrate --check``
     replays the calibration's own. The difference of a call of 1 and one of 8 that this
