@@ -179,10 +179,10 @@ def choose_reps(run: Callable[[int], Any], barrier: Callable[[], Any], target_s:
     the calls are collectives, and the processes must issue the same ones.
 
     The pick is only as steady as a call of ``target_s`` is: between two processes here
-    one payload got 3 repetitions in one run and 30 in the next (small collectives run
-    back to back slow down as the call goes on: 16 of 64 KiB took 20-35 ms where the
-    rounds' difference reads 0.37 ms each), which is why ``spmdkit calibrate --check``
-    replays the calibration's own. The difference of a call of 1 and one of 8 that this
+    one payload got 3 repetitions in one run and 30 in the next (a small collective's time
+    depends on how many run back to back: in calls of 4 KiB all-reduces after a barrier the
+    first two took 0.3-0.5 ms each, the later ones 0.6-0.9 ms), which is why
+    ``spmdkit calibrate --check`` replays the calibration's own. The difference of a call of 1 and one of 8 that this
     replaces picked as widely, and took 28 collectives at 64 MiB where this takes 4 (the
     whole calibration: 6 minutes instead of 8).
 
