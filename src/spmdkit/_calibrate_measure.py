@@ -182,9 +182,9 @@ def choose_reps(run: Callable[[int], Any], barrier: Callable[[], Any], target_s:
     one payload got 3 repetitions in one run and 30 in the next (a small collective's time
     depends on how many run back to back: in calls of 4 KiB all-reduces after a barrier the
     first two took 0.3-0.5 ms each, the later ones 0.6-0.9 ms), which is why
-    ``spmdkit calibrate --check`` replays the calibration's own. The difference of a call of 1 and one of 8 that this
-    replaces picked as widely, and took 28 collectives at 64 MiB where this takes 4 (the
-    whole calibration: 6 minutes instead of 8).
+    ``spmdkit calibrate --check`` replays the calibration's own. The difference of a call
+    of 1 and one of 8 that this replaces picked as widely, and took 28 collectives at
+    64 MiB where this takes 4 (the whole calibration: 6 minutes instead of 8).
 
     Example (a fake clock: 2 ms of fixed cost per call, 0.5 ms per collective):
         >>> now = [0.0]
@@ -277,15 +277,14 @@ def measure_collectives(
             full = _filled(mesh, e)
             part = _filled(mesh, e // n) if "all_gather" in kinds else None
             inputs = {kind: part if kind == "all_gather" else full for kind in kinds}
+            runs = {k: _looped(programs[n][k], inputs[k], mesh) for k in kinds}  # the probe's and the rounds'
             fixed = [(reps or {}).get((k, e * 4)) for k in kinds]
-            chosen = [r or choose_reps(_looped(programs[n][k], inputs[k], mesh), barriers[n], target_s / 2,
-                                       agree=_agree)
-                      for k, r in zip(kinds, fixed)]
+            chosen = [r or choose_reps(runs[k], barriers[n], target_s / 2, agree=_agree) for k, r in zip(kinds, fixed)]
             # Both processes of an inter-host run must loop the same number of times.
             chosen = [int(r) for r in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(chosen, np.int32)))]
             cases, raws = {}, {}
             for k, r in zip(kinds, chosen):
-                cases[k], raws[k] = pair_case(_looped(programs[n][k], inputs[k], mesh), r, barriers[n])
+                cases[k], raws[k] = pair_case(runs[k], r, barriers[n])
             result = measure(cases, rounds=rounds, warmup=1, self_timed=True, idle_seconds=0.05)
             for k, r in zip(kinds, chosen):
                 c, fig = result["cases"][k], per_collective(raws[k][1:], r)  # [1:]: the warm-up call
@@ -300,7 +299,7 @@ def measure_collectives(
             warnings += [f"{link} n={n} {e * 4} B: {w}" for w in result["warnings"]]
             log(f"{link}: n={n}, {e * 4} B: "
                 + ", ".join(f"{p['kind']} {p['seconds'] * 1e6:.0f} us" for p in points[-len(kinds):]))
-            del full, part, inputs, cases
+            del full, part, inputs, runs, cases
     return points, warnings
 
 

@@ -261,9 +261,11 @@ def _fused_body(ins: _Instr, comps: dict[str, list[_Instr]]) -> tuple[str, list[
 
 
 def _through_views(ins: _Instr | None, by_name: dict[str, _Instr]) -> _Instr | None:
-    """The instruction a value comes from, seen back through bitcasts and get-tuple-elements."""
-    while ins is not None and ins.op in ("bitcast", "get-tuple-element") and ins.operands:
-        ins = by_name.get(ins.operands[0])
+    """The instruction a value comes from, seen back through bitcasts and get-tuple-elements
+    (as far as ``by_name`` knows them)."""
+    views = ("bitcast", "get-tuple-element")
+    while ins is not None and ins.op in views and ins.operands and ins.operands[0] in by_name:
+        ins = by_name[ins.operands[0]]
     return ins
 
 
@@ -491,8 +493,7 @@ def _step_io(instrs: list[_Instr]) -> tuple[set[str], dict[str, int]]:
     ends = [by_name[o] for o in root.operands if o in by_name] if root.op == "tuple" else [root]
     outputs: dict[str, int] = defaultdict(int)
     for end in ends:
-        writer = _through_views(end, by_name)
-        outputs[(writer or end).name] += shape_bytes(end.type)
+        outputs[_through_views(end, by_name).name] += shape_bytes(end.type)
     return inputs, dict(outputs)
 
 
