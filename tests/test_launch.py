@@ -82,6 +82,24 @@ def test_a_failing_process_gives_its_exit_code():
     assert "process 1 exited with code 3; stopped the other 1" in out.stderr
 
 
+def test_a_known_runtime_failure_is_explained_once_with_its_fix():
+    # What JAX prints when gloo's setup of a collective times out (seen on a busy machine).
+    line = ("jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: "
+            "GetKeyValue() timed out with key: cpu:gloo/0,2048/0 and duration: 29.99s")
+    code = f"import sys; print({line!r}, file=sys.stderr); sys.exit(1)"
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
+    assert out.returncode == 1
+    assert out.stderr.count("spmdkit launch: the processes could not set up gloo") == 1, out.stderr
+    assert "Fix: run again on a quieter machine, or pass --max-restarts N" in out.stderr
+
+
+def test_an_unknown_failure_gets_no_hint():
+    code = "import sys; print('ValueError: my own bug', file=sys.stderr); sys.exit(1)"
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
+    assert out.returncode == 1 and "exited with code 1" in out.stderr
+    assert "Fix:" not in out.stderr
+
+
 def test_explicit_flags_join_two_processes(tmp_path):
     import socket
 

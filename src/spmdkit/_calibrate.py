@@ -322,12 +322,14 @@ def load_target_json(path: str) -> dict[str, Any]:
 # --- running the measurements --------------------------------------------------------
 
 
-# A small all-reduce between 2 processes varies 2-5x from one call to the next (each step of
-# gloo waits for the peer's thread to be scheduled on the shared cores). Idle, the median of 5-7
-# rounds moved 2-4x between two runs a minute apart at 4 KiB-1 MiB; on one machine the median of
-# 31 rounds moved under 12% over three runs, on another (rounds' IQR 100-370% of the median)
-# -62% to +109% between two runs back to back, where 151 rounds moved -24% to +23%. A call lasts
-# about 10 ms at small sizes; the whole calibration takes about 6 minutes idle (4.5 for a check).
+# A small all-reduce between 2 processes varies 2-5x from one call to the next, and runs in two
+# regimes: gloo's event loop busy-polls while it waits, taking one of the 2 shared cores, and
+# then 4 KiB costs 1-1.6 ms a collective instead of 0.15-0.3 (BENCHMARKS.md, "calibrate",
+# 2026-11-27, later). Idle, the median of 5-7 rounds moved 2-4x between two runs a minute apart
+# at 4 KiB-1 MiB; on one machine the median of 31 rounds moved under 12% over three runs, on
+# another (rounds' IQR 100-370% of the median) -62% to +109% between two runs back to back,
+# where 151 rounds moved -24% to +23%. A call lasts about 10 ms at small sizes; the whole
+# calibration takes about 6 minutes idle (4.5 for a check).
 INTER_HOST_ROUNDS = 151
 
 

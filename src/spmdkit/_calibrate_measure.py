@@ -179,9 +179,9 @@ def choose_reps(run: Callable[[int], Any], barrier: Callable[[], Any], target_s:
     the calls are collectives, and the processes must issue the same ones.
 
     The pick is only as steady as a call of ``target_s`` is: between two processes here
-    one payload got 3 repetitions in one run and 30 in the next (a small collective's time
-    depends on how many run back to back: in calls of 4 KiB all-reduces after a barrier the
-    first two took 0.3-0.5 ms each, the later ones 0.6-0.9 ms), which is why
+    one payload got 3 repetitions in one run and 30 in the next (a small collective there runs
+    in one of two regimes, 0.15-0.3 ms or 1-1.6 ms at 4 KiB, the slow one while gloo's event
+    loop busy-polls on one of the two shared cores), which is why
     ``spmdkit calibrate --check`` replays the calibration's own. The difference of a call
     of 1 and one of 8 that this replaces picked as widely, and took 28 collectives at
     64 MiB where this takes 4 (the whole calibration: 6 minutes instead of 8).

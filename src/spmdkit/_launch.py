@@ -131,10 +131,39 @@ def initialize_distributed(
     return False
 
 
-def _pump(stream, prefix: str, sink) -> None:
+# Failures of JAX's runtime whose own words do not say what to do: (marks that must all be on
+# one line a process printed, what happened, the fix). Printed once after the launch stops.
+KNOWN_FAILURES: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("Gloo context initialization failed", "GetKeyValue() timed out"),
+     "the processes could not set up gloo (JAX's CPU collectives) for a collective: one waited 30 s "
+     "for the other's address, which has happened here on a busy machine",
+     "run again on a quieter machine, or pass --max-restarts N to start every process again"),
+)
+
+
+def known_failure(line: str) -> str | None:
+    """What to tell the user about a line a process printed, or None.
+
+    Example:
+        >>> known_failure("jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: "
+        ...               "DEADLINE_EXCEEDED: GetKeyValue() timed out with key: cpu:gloo/0,2048/0").splitlines()[1]
+        '  Fix: run again on a quieter machine, or pass --max-restarts N to start every process again.'
+        >>> known_failure("step 10: loss 0.31") is None
+        True
+    """
+    for marks, what, how in KNOWN_FAILURES:
+        if all(m in line for m in marks):
+            return fix(what + ".", how + ".")
+    return None
+
+
+def _pump(stream, prefix: str, sink, seen: list[str]) -> None:
     for line in iter(stream.readline, ""):
         sink.write(f"{prefix}{line}")
         sink.flush()
+        hint = known_failure(line)
+        if hint is not None and hint not in seen:
+            seen.append(hint)
 
 
 def _die_with_parent() -> None:
@@ -160,6 +189,7 @@ class _Group:
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
+        self.hints: list[str] = []  # known_failure of what the processes printed
         for i in range(processes):
             env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
                    ENV_PROCESS_ID: str(i), ENV_LAUNCHER_PID: str(os.getpid())}
@@ -179,7 +209,7 @@ class _Group:
         # Threads only once every child is forked: preexec_fn and threads do not mix.
         for i, proc in enumerate(self.procs):
             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink), daemon=True)
+                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink, self.hints), daemon=True)
                 t.start()
                 self.pumps.append(t)
 
@@ -259,6 +289,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             index, code = failed
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
+            for hint in group.hints:  # complete: stop() has waited for the output pumps
+                sys.stderr.write(f"spmdkit launch: {hint}\n")
             if attempt >= max_restarts or code == 2:
                 return code if code > 0 else 1
             attempt += 1
