@@ -89,8 +89,29 @@ def test_a_known_runtime_failure_is_explained_once_with_its_fix():
     code = f"import sys; print({line!r}, file=sys.stderr); sys.exit(1)"
     out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
     assert out.returncode == 1
-    assert out.stderr.count("spmdkit launch: the processes could not set up gloo") == 1, out.stderr
-    assert "Fix: run again on a quieter machine, or pass --max-restarts N" in out.stderr
+    assert out.stderr.count("spmdkit launch: the processes reached a collective over a new set of devices "
+                            "more than 30 s apart") == 1, out.stderr
+    assert "Fix: have every process do the same work before its first collective" in out.stderr
+    assert "pass --max-restarts N" in out.stderr
+
+
+def test_an_uncaught_exception_in_one_process_ends_the_launch_at_once():
+    # Process 1 raises while process 0 waits for it in a collective; JAX's exit handler would
+    # hold process 1 in its shutdown barrier for 5 minutes.
+    code = ("import spmdkit, jax, jax.numpy as jnp\n"
+            "spmdkit.initialize(host_devices=1)\n"
+            "from jax.experimental import multihost_utils\n"
+            "multihost_utils.sync_global_devices('joined')\n"
+            "if jax.process_index() == 1:\n"
+            "    raise ValueError('a bug in process 1')\n"
+            "multihost_utils.sync_global_devices('never')\n")
+    t0 = time.time()
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert time.time() - t0 < 60
+    assert "[1] ValueError: a bug in process 1" in out.stderr
+    assert "process 1 ends at once on this uncaught ValueError" in out.stderr
+    assert "process 1 exited with code 1; stopped the other 1" in out.stderr
 
 
 def test_an_unknown_failure_gets_no_hint():

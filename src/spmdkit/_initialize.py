@@ -31,7 +31,9 @@ def initialize(
     arguments it joins what the environment describes (``spmdkit launch``, JAX's
     ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM, Open MPI)
     and returns False in a lone process. ``timeout_s`` is how long peers may fall silent
-    before the job is ended (the coordination heartbeat is ``2 * timeout_s + 10``).
+    before the job is ended (the coordination heartbeat is ``3 * timeout_s + 30``). In a job
+    of several processes, an uncaught exception then ends this process as soon as its
+    traceback is printed, rather than wait in JAX's exit handler for peers that wait for it.
 
     Example:
         >>> import spmdkit

@@ -121,23 +121,59 @@ def initialize_distributed(
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
                                    initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=heartbeat_timeout(timeout_s),
                                    **bind)
+        end_at_once_on_uncaught_exception()
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
                                    "pass the address of process 0, e.g. --coordinator node0:1234."))
     if _cluster_detected():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout(timeout_s))
+        end_at_once_on_uncaught_exception()
         return True
     return False
+
+
+def end_at_once_on_uncaught_exception() -> None:
+    """In a job of several processes: an uncaught exception ends this process once its
+    traceback is printed, with exit code 1.
+
+    Python would otherwise run JAX's exit handler, whose shutdown barrier waits for every
+    peer, and a peer waiting for this process in a collective never comes: a script that
+    raised in one of 2 processes ended 306 s later, with a SIGABRT and a native stack dump.
+    Ending at once lets ``spmdkit launch`` stop the others and name this one within seconds.
+    What the exit handlers would have done is skipped (that wait would have killed them
+    too): standard output and error are flushed, and ``logging`` is shut down, first.
+    ``SystemExit`` (``sys.exit``) is not an uncaught exception and exits as usual.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        try:
+            previous(kind, value, tb)
+            sys.stderr.write(f"spmdkit: process {jax.process_index()} ends at once on this uncaught "
+                             f"{kind.__name__} (its peers may be waiting for it in a collective)\n")
+            import logging
+
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        finally:
+            os._exit(1)
+
+    if not getattr(sys.excepthook, "_spmdkit_ends_at_once", False):
+        hook._spmdkit_ends_at_once = True  # type: ignore[attr-defined]
+        sys.excepthook = hook
 
 
 # Failures of JAX's runtime whose own words do not say what to do: (marks that must all be on
 # one line a process printed, what happened, the fix). Printed once after the launch stops.
 KNOWN_FAILURES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("Gloo context initialization failed", "GetKeyValue() timed out"),
-     "the processes could not set up gloo (JAX's CPU collectives) for a collective: one waited 30 s "
-     "for the other's address, which has happened here on a busy machine",
-     "run again on a quieter machine, or pass --max-restarts N to start every process again"),
+     "the processes reached a collective over a new set of devices more than 30 s apart: gloo (JAX's "
+     "CPU collectives) waits 30 s for the other process when it first sets up that set, and the "
+     "early one gave up. One was still loading, compiling or saving, or starved on a busy machine",
+     "have every process do the same work before its first collective (the built-in tasks do), run "
+     "again on a quieter machine, or pass --max-restarts N to start every process again"),
 )
 
 
@@ -146,8 +182,8 @@ def known_failure(line: str) -> str | None:
 
     Example:
         >>> known_failure("jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: "
-        ...               "DEADLINE_EXCEEDED: GetKeyValue() timed out with key: cpu:gloo/0,2048/0").splitlines()[1]
-        '  Fix: run again on a quieter machine, or pass --max-restarts N to start every process again.'
+        ...               "DEADLINE_EXCEEDED: GetKeyValue() timed out with key: cpu:gloo/0,2048/0").split(":")[0]
+        'the processes reached a collective over a new set of devices more than 30 s apart'
         >>> known_failure("step 10: loss 0.31") is None
         True
     """
@@ -157,13 +193,14 @@ def known_failure(line: str) -> str | None:
     return None
 
 
-def _pump(stream, prefix: str, sink, seen: list[str]) -> None:
+def _pump(stream, prefix: str, sink, seen: list[str], on_end=lambda: None) -> None:
     for line in iter(stream.readline, ""):
         sink.write(f"{prefix}{line}")
         sink.flush()
         hint = known_failure(line)
         if hint is not None and hint not in seen:
             seen.append(hint)
+    on_end()
 
 
 def _die_with_parent() -> None:
@@ -190,6 +227,9 @@ class _Group:
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.hints: list[str] = []  # known_failure of what the processes printed
+        # When each process's output ended (it exited): of processes that fail together, the
+        # first is the cause (a peer's collective then fails too).
+        self.ended: dict[int, float] = {}
         for i in range(processes):
             env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
                    ENV_PROCESS_ID: str(i), ENV_LAUNCHER_PID: str(os.getpid())}
@@ -209,7 +249,10 @@ class _Group:
         # Threads only once every child is forked: preexec_fn and threads do not mix.
         for i, proc in enumerate(self.procs):
             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink, self.hints), daemon=True)
+                def ended(i: int = i) -> None:
+                    self.ended.setdefault(i, time.monotonic())
+
+                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink, self.hints, ended), daemon=True)
                 t.start()
                 self.pumps.append(t)
 
@@ -219,7 +262,8 @@ class _Group:
             codes = [p.poll() for p in self.procs]
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                return bad[0]
+                # Seen in one poll: the first whose output ended, else the lowest index.
+                return min(bad, key=lambda ic: (self.ended.get(ic[0], float("inf")), ic[0]))
             if all(c == 0 for c in codes):
                 return None
             if stop.is_set():
