@@ -114,6 +114,26 @@ def test_an_uncaught_exception_in_one_process_ends_the_launch_at_once():
     assert "process 1 exited with code 1; stopped the other 1" in out.stderr
 
 
+@pytest.mark.parametrize("raise_, ends_at_once", [
+    ("raise ValueError('boom')", True),
+    ("raise KeyboardInterrupt", False),  # Ctrl-C reaches every process: the usual exit
+    ("sys.ps1 = '>>> '; raise ValueError('typed at a prompt')", False),  # a session must go on
+])
+def test_which_uncaught_exceptions_end_a_process_at_once(raise_, ends_at_once):
+    code = ("import atexit, sys\n"
+            "from spmdkit._launch import end_at_once_on_uncaught_exception\n"
+            "end_at_once_on_uncaught_exception()\n"
+            "end_at_once_on_uncaught_exception()  # twice: one hook\n"
+            "atexit.register(lambda: print('exit handlers ran', flush=True))\n"
+            f"{raise_}\n")
+    out = run([sys.executable, "-c", code], timeout=120)
+    assert ("exit handlers ran" not in out.stdout) == ends_at_once, out.stdout + out.stderr
+    assert ("ends at once on this uncaught ValueError" in out.stderr) == ends_at_once
+    assert out.stderr.count("Traceback (most recent call last)") == 1
+    if ends_at_once:
+        assert out.returncode == 1
+
+
 def test_an_unknown_failure_gets_no_hint():
     code = "import sys; print('ValueError: my own bug', file=sys.stderr); sys.exit(1)"
     out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)

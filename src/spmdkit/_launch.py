@@ -143,11 +143,16 @@ def end_at_once_on_uncaught_exception() -> None:
     Ending at once lets ``spmdkit launch`` stop the others and name this one within seconds.
     What the exit handlers would have done is skipped (that wait would have killed them
     too): standard output and error are flushed, and ``logging`` is shut down, first.
-    ``SystemExit`` (``sys.exit``) is not an uncaught exception and exits as usual.
+    ``SystemExit`` (``sys.exit``) is not an uncaught exception and exits as usual; nor do a
+    ``KeyboardInterrupt`` (Ctrl-C reaches every process) and an error typed at an interactive
+    prompt, which must not end the session.
     """
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:
+        if issubclass(kind, KeyboardInterrupt) or hasattr(sys, "ps1") or sys.flags.interactive:
+            previous(kind, value, tb)
+            return
         try:
             previous(kind, value, tb)
             sys.stderr.write(f"spmdkit: process {jax.process_index()} ends at once on this uncaught "
