@@ -32,8 +32,9 @@ def initialize(
     ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM, Open MPI)
     and returns False in a lone process. ``timeout_s`` is how long peers may fall silent
     before the job is ended (the coordination heartbeat is ``3 * timeout_s + 30``). In a job
-    of several processes, an uncaught exception then ends this process as soon as its
-    traceback is printed, rather than wait in JAX's exit handler for peers that wait for it.
+    of several processes, a process whose main thread raises an uncaught exception then exits
+    within 20 s, rather than wait in JAX's exit handler for peers that wait for it (install
+    your own ``sys.excepthook`` before calling this).
 
     Example:
         >>> import spmdkit

@@ -121,53 +121,66 @@ def initialize_distributed(
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
                                    initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=heartbeat_timeout(timeout_s),
                                    **bind)
-        end_at_once_on_uncaught_exception()
+        end_soon_on_uncaught_exception(index)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
                                    "pass the address of process 0, e.g. --coordinator node0:1234."))
     if _cluster_detected():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout(timeout_s))
-        end_at_once_on_uncaught_exception()
+        end_soon_on_uncaught_exception(None)
         return True
     return False
 
 
-def end_at_once_on_uncaught_exception() -> None:
-    """In a job of several processes: an uncaught exception ends this process once its
-    traceback is printed, with exit code 1.
+# How long a process that raised may spend in its exit handlers before it ends anyway.
+EXIT_GRACE_S = 20.0
 
-    Python would otherwise run JAX's exit handler, whose shutdown barrier waits for every
-    peer, and a peer waiting for this process in a collective never comes: a script that
-    raised in one of 2 processes ended 306 s later, with a SIGABRT and a native stack dump.
-    Ending at once lets ``spmdkit launch`` stop the others and name this one within seconds.
-    What the exit handlers would have done is skipped (that wait would have killed them
-    too): standard output and error are flushed, and ``logging`` is shut down, first.
-    ``SystemExit`` (``sys.exit``) is not an uncaught exception and exits as usual; nor do a
-    ``KeyboardInterrupt`` (Ctrl-C reaches every process) and an error typed at an interactive
-    prompt, which must not end the session.
+
+def end_soon_on_uncaught_exception(index: int | None, grace_s: float = EXIT_GRACE_S) -> None:
+    """In a job of several processes: a process whose main thread raises an uncaught
+    exception exits as usual, but within ``grace_s`` seconds, with exit code 1.
+
+    Python runs the exit handlers after the traceback: the user's (and file buffers are
+    flushed) when every process failed alike, but then JAX's, whose shutdown barrier waits
+    for every peer, and a peer waiting for this process in a collective never comes: a
+    script that raised in one of 2 processes ended 306 s later, with a SIGABRT and a native
+    stack dump. A timer started with the traceback ends the process ``grace_s`` later if
+    it is still there (flushing standard output and error and ``logging`` first), so
+    ``spmdkit launch`` can stop the others and name this one. ``KeyboardInterrupt`` and an
+    error typed at an interactive prompt keep the usual behaviour, as does ``sys.exit``
+    (which is not an uncaught exception: a peer waiting in a collective still holds it).
+    A ``sys.excepthook`` installed before this one is called first; one installed after
+    replaces it.
     """
     previous = sys.excepthook
+    who = "this process" if index is None else f"process {index}"
 
     def hook(kind, value, tb) -> None:
+        previous(kind, value, tb)
         if issubclass(kind, KeyboardInterrupt) or hasattr(sys, "ps1") or sys.flags.interactive:
-            previous(kind, value, tb)
             return
-        try:
-            previous(kind, value, tb)
-            sys.stderr.write(f"spmdkit: process {jax.process_index()} ends at once on this uncaught "
-                             f"{kind.__name__} (its peers may be waiting for it in a collective)\n")
-            import logging
+        sys.stderr.write(f"spmdkit: {who} ends within {grace_s:.0f} s after this uncaught {kind.__name__}, "
+                         "even if JAX's exit waits for a peer that waits for it in a collective\n")
+        sys.stderr.flush()
+        timer = threading.Timer(grace_s, _exit_now, args=(1,))
+        timer.daemon = True
+        timer.start()
 
-            logging.shutdown()
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-        finally:
-            os._exit(1)
-
-    if not getattr(sys.excepthook, "_spmdkit_ends_at_once", False):
-        hook._spmdkit_ends_at_once = True  # type: ignore[attr-defined]
+    if not getattr(sys.excepthook, "_spmdkit_ends_soon", False):
+        hook._spmdkit_ends_soon = True  # type: ignore[attr-defined]
         sys.excepthook = hook
+
+
+def _exit_now(code: int) -> None:
+    import logging
+
+    try:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    finally:
+        os._exit(code)
 
 
 # Failures of JAX's runtime whose own words do not say what to do: (marks that must all be on
@@ -198,14 +211,13 @@ def known_failure(line: str) -> str | None:
     return None
 
 
-def _pump(stream, prefix: str, sink, seen: list[str], on_end=lambda: None) -> None:
+def _pump(stream, prefix: str, sink, seen: dict[str, None]) -> None:
     for line in iter(stream.readline, ""):
         sink.write(f"{prefix}{line}")
         sink.flush()
         hint = known_failure(line)
-        if hint is not None and hint not in seen:
-            seen.append(hint)
-    on_end()
+        if hint is not None:
+            seen.setdefault(hint)  # one call: two pumps finding it at once keep one entry
 
 
 def _die_with_parent() -> None:
@@ -231,9 +243,10 @@ class _Group:
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        self.hints: list[str] = []  # known_failure of what the processes printed
-        # When each process's output ended (it exited): of processes that fail together, the
-        # first is the cause (a peer's collective then fails too).
+        self.hints: dict[str, None] = {}  # known_failure of what the processes printed, in order
+        # When each process exited: of processes seen failed together, the first is the cause
+        # (a peer's collective then fails too). Not when its output ends: a child it started
+        # may hold its pipes open.
         self.ended: dict[int, float] = {}
         for i in range(processes):
             env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
@@ -254,12 +267,14 @@ class _Group:
         # Threads only once every child is forked: preexec_fn and threads do not mix.
         for i, proc in enumerate(self.procs):
             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                def ended(i: int = i) -> None:
-                    self.ended.setdefault(i, time.monotonic())
-
-                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink, self.hints, ended), daemon=True)
+                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink, self.hints), daemon=True)
                 t.start()
                 self.pumps.append(t)
+            threading.Thread(target=self._note_exit, args=(i, proc), daemon=True).start()
+
+    def _note_exit(self, index: int, proc: subprocess.Popen) -> None:
+        proc.wait()  # poll() in wait() sees the code once this returns
+        self.ended[index] = time.monotonic()
 
     def wait(self, stop: threading.Event) -> tuple[int, int] | None:
         """None when all exited 0; else ``(index, code)`` of the first to fail (-1 if stopped)."""
@@ -267,7 +282,10 @@ class _Group:
             codes = [p.poll() for p in self.procs]
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                # Seen in one poll: the first whose output ended, else the lowest index.
+                deadline = time.monotonic() + 0.5  # the waiter notes the time just after the code
+                while any(i not in self.ended for i, _ in bad) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                # Seen in one poll: the first to exit, else the lowest index.
                 return min(bad, key=lambda ic: (self.ended.get(ic[0], float("inf")), ic[0]))
             if all(c == 0 for c in codes):
                 return None
