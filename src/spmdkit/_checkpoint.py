@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ import orbax.checkpoint as ocp
 from spmdkit import _checkpoint_read as _read
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
+from spmdkit._process import exit_now
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 STEP_PREFIX = "spmdkit"
@@ -266,12 +266,7 @@ def _no_hang_at_exit(code: int = 5) -> None:
             if not orbax_only():
                 return  # nothing of Orbax's left waiting (or a user's own thread still runs)
             time.sleep(0.1)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        exit_now(code)
 
     threading.Thread(target=watch, name="spmdkit-no-hang-at-exit", daemon=True).start()
 

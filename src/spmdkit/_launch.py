@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import jax
 
 from spmdkit._errors import DeviceSetupError, SpmdkitError, fix
+from spmdkit._process import exit_now
 
 
 class LaunchError(SpmdkitError, OSError):
@@ -163,7 +164,7 @@ def end_soon_on_uncaught_exception(index: int | None, grace_s: float = EXIT_GRAC
         sys.stderr.write(f"spmdkit: {who} ends within {grace_s:.0f} s after this uncaught {kind.__name__}, "
                          "even if JAX's exit waits for a peer that waits for it in a collective\n")
         sys.stderr.flush()
-        timer = threading.Timer(grace_s, _exit_now, args=(1,))
+        timer = threading.Timer(grace_s, _exit_after_grace)
         timer.daemon = True
         timer.start()
 
@@ -172,15 +173,13 @@ def end_soon_on_uncaught_exception(index: int | None, grace_s: float = EXIT_GRAC
         sys.excepthook = hook
 
 
-def _exit_now(code: int) -> None:
+def _exit_after_grace() -> None:
     import logging
 
     try:
         logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
     finally:
-        os._exit(code)
+        exit_now(1)
 
 
 # Failures of JAX's runtime whose own words do not say what to do: (marks that must all be on
@@ -273,21 +272,17 @@ class _Group:
             threading.Thread(target=self._note_exit, args=(i, proc), daemon=True).start()
 
     def _note_exit(self, index: int, proc: subprocess.Popen) -> None:
-        proc.wait()  # poll() in wait() sees the code once this returns
+        proc.wait()  # sets proc.returncode before the time is noted
         self.ended[index] = time.monotonic()
 
     def wait(self, stop: threading.Event) -> tuple[int, int] | None:
         """None when all exited 0; else ``(index, code)`` of the first to fail (-1 if stopped)."""
         while True:
-            codes = [p.poll() for p in self.procs]
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            ended = dict(self.ended)
+            bad = [(i, self.procs[i].returncode) for i in ended if self.procs[i].returncode != 0]
             if bad:
-                deadline = time.monotonic() + 0.5  # the waiter notes the time just after the code
-                while any(i not in self.ended for i, _ in bad) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                # Seen in one poll: the first to exit, else the lowest index.
-                return min(bad, key=lambda ic: (self.ended.get(ic[0], float("inf")), ic[0]))
-            if all(c == 0 for c in codes):
+                return min(bad, key=lambda ic: (ended[ic[0]], ic[0]))  # the first to exit
+            if len(ended) == len(self.procs):
                 return None
             if stop.is_set():
                 return (-1, 0)

@@ -9,13 +9,14 @@ It names them and ends this process with an error; every process runs one, so al
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 import warnings
 
 import jax
+
+from spmdkit._process import exit_now
 
 EXIT_PEER_LOST = 4
 _CLIENT_METHODS = ("key_value_set", "blocking_key_value_get")
@@ -128,5 +129,4 @@ class StepWatchdog:
                 f"behind: {who}. A dead or hung process stops the collective; every process now exits. "
                 "Fix: see that process's log; raise --distributed-timeout if steps are just slow.\n"
             )
-            sys.stderr.flush()
-            os._exit(EXIT_PEER_LOST)
+            exit_now(EXIT_PEER_LOST)
