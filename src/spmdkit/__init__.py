@@ -49,6 +49,7 @@ from spmdkit._errors import (
     TreeMismatchError,
 )
 from spmdkit._initialize import initialize
+from spmdkit._process import end_soon
 from spmdkit._mesh import make_mesh
 from spmdkit._pmap import ShardedBatch, pmap, replicate, shard, unreplicate
 from spmdkit._strategies import (
@@ -157,6 +158,7 @@ __all__ = [
     "get_strategy",
     "get_task",
     "initialize",
+    "end_soon",
     "host_devices_from_env",
     "load_params",
     "make_mesh",

@@ -32,6 +32,7 @@ from spmdkit._cache import ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_
 from spmdkit._errors import SpmdkitError
 from spmdkit._host_memory import _apply as _reuse_host_memory
 from spmdkit._host_memory import host_memory
+from spmdkit._process import end_soon
 
 EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged step
 
@@ -628,7 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command](args, console)
     except SpmdkitError as e:
         stderr_console().print(Text("error: ", style="bold red") + Text(str(e)))
-        return getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
+        code = getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
+        end_soon(code)  # in a group, peers may wait for this process in a collective
+        return code
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 
 from spmdkit._errors import DeviceSetupError, SpmdkitError, fix
-from spmdkit._process import exit_now
+from spmdkit._process import EXIT_GRACE_S, end_soon, exit_now, joined_as
 
 
 class LaunchError(SpmdkitError, OSError):
@@ -134,10 +134,6 @@ def initialize_distributed(
     return False
 
 
-# How long a process that raised may spend in its exit handlers before it ends anyway.
-EXIT_GRACE_S = 20.0
-
-
 def end_soon_on_uncaught_exception(index: int | None, grace_s: float = EXIT_GRACE_S) -> None:
     """In a job of several processes: a process whose main thread raises an uncaught
     exception exits as usual, but within ``grace_s`` seconds, with exit code 1.
@@ -150,36 +146,23 @@ def end_soon_on_uncaught_exception(index: int | None, grace_s: float = EXIT_GRAC
     it is still there (flushing standard output and error and ``logging`` first), so
     ``spmdkit launch`` can stop the others and name this one. ``KeyboardInterrupt`` and an
     error typed at an interactive prompt keep the usual behaviour, as does ``sys.exit``
-    (which is not an uncaught exception: a peer waiting in a collective still holds it).
+    (which is not an uncaught exception: a peer waiting in a collective still holds it;
+    ``sys.exit(spmdkit.end_soon(code))`` leaves within the grace too).
     A ``sys.excepthook`` installed before this one is called first; one installed after
     replaces it.
     """
     previous = sys.excepthook
-    who = "this process" if index is None else f"process {index}"
+    joined_as("this process" if index is None else f"process {index}")
 
     def hook(kind, value, tb) -> None:
         previous(kind, value, tb)
         if issubclass(kind, KeyboardInterrupt) or hasattr(sys, "ps1") or sys.flags.interactive:
             return
-        sys.stderr.write(f"spmdkit: {who} ends within {grace_s:.0f} s after this uncaught {kind.__name__}, "
-                         "even if JAX's exit waits for a peer that waits for it in a collective\n")
-        sys.stderr.flush()
-        timer = threading.Timer(grace_s, _exit_after_grace)
-        timer.daemon = True
-        timer.start()
+        end_soon(1, f"this uncaught {kind.__name__}", grace_s)
 
     if not getattr(sys.excepthook, "_spmdkit_ends_soon", False):
         hook._spmdkit_ends_soon = True  # type: ignore[attr-defined]
         sys.excepthook = hook
-
-
-def _exit_after_grace() -> None:
-    import logging
-
-    try:
-        logging.shutdown()
-    finally:
-        exit_now(1)
 
 
 # Failures of JAX's runtime whose own words do not say what to do: (marks that must all be on
@@ -191,6 +174,13 @@ KNOWN_FAILURES: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "early one gave up. One was still loading, compiling or saving, or starved on a busy machine",
      "have every process do the same work before its first collective (the built-in tasks do), run "
      "again on a quieter machine, or pass --max-restarts N to start every process again"),
+    # JAX's own words then suggest uninstalling a plugin, which is not the cause.
+    (("Getting local topologies failed", "GetKeyValue() timed out"),
+     "a process started JAX's CPU backend and waited for another's, which did not start it in time "
+     "(2 minutes by default): the other failed before its first JAX operation (see its output above) "
+     "or spent that long before it (loading data, a slow file system)",
+     "mend the other process's error; if it was only slow, have every process do the same work "
+     "before its first JAX operation, or run again on a quieter machine"),
 )
 
 
