@@ -39,6 +39,12 @@ def test_train_config_default_length():
         ({"lr": math.nan}, "lr=nan"),
         ({"name": "lion"}, r"optimizer='lion' is not known"),
         ({"momentum": 1.0}, "momentum=1.0"),
+        # From Python any object reaches these: each must be a ConfigError, never a TypeError
+        # or an OverflowError from the comparison.
+        ({"lr": 10**400}, r"lr=1000.*\.\.\..*the learning rate must be a finite number > 0"),
+        ({"momentum": None}, "momentum=None must be a number in"),
+        ({"momentum": "0.9"}, "momentum='0.9' must be a number in"),
+        ({"weight_decay": math.inf}, "weight_decay=inf must be a finite number >= 0"),
     ],
 )
 def test_optimizer_config_errors(kwargs, match):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,21 @@ class TrainConfig:
 _OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
+def _finite(value: object) -> float | None:
+    """``value`` as a float if it is a finite real number (not a bool), else None.
+
+    >>> _finite(10**400), _finite(True), _finite("0.1"), _finite(3)
+    (None, None, None, 3.0)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
+    return number if math.isfinite(number) else None
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Which optax optimizer, with which hyperparameters."""
@@ -79,17 +95,18 @@ class OptimizerConfig:
                 )
             )
         lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        if (_finite(lr) or 0) <= 0:
             raise ConfigError(
                 fix(
-                    f"lr={lr!r}: the learning rate must be a finite number > 0.",
+                    f"lr={reprlib.repr(lr)}: the learning rate must be a finite number > 0.",
                     "pass e.g. --lr 0.01 (a negative rate would climb the loss, not descend it).",
                 )
             )
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(fix(f"momentum={self.momentum!r} must be in [0, 1).", "e.g. 0.9."))
-        if self.weight_decay < 0:
-            raise ConfigError(fix(f"weight_decay={self.weight_decay!r} must be >= 0.", "e.g. 1e-4."))
+        momentum, decay = _finite(self.momentum), _finite(self.weight_decay)
+        if momentum is None or not 0 <= momentum < 1:
+            raise ConfigError(fix(f"momentum={self.momentum!r} must be a number in [0, 1).", "e.g. 0.9."))
+        if decay is None or decay < 0:
+            raise ConfigError(fix(f"weight_decay={self.weight_decay!r} must be a finite number >= 0.", "e.g. 1e-4."))
 
     def build(self) -> optax.GradientTransformation:
         """The optax transformation this config describes."""
