@@ -234,6 +234,9 @@ def test_leftover_temporary_directory_is_removed(tmp_path):
 def test_config_errors():
     with pytest.raises(spmdkit.CheckpointError, match="every=0"):
         spmdkit.CheckpointConfig("d", every=0)
+    for directory in ("", None, 3):  # "" would be the working directory
+        with pytest.raises(spmdkit.CheckpointError, match="must be a non-empty path"):
+            spmdkit.CheckpointConfig(directory)
     from spmdkit._config import build_run_config
 
     with pytest.raises(spmdkit.ConfigError, match="--resume needs --checkpoint-dir"):

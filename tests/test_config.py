@@ -19,6 +19,10 @@ from spmdkit._train_cli import resolve_options
         ({"steps": 10, "epochs": 2}, "both steps=10 and epochs=2"),
         ({"seed": -1}, "seed=-1"),
         ({"log_every": 0}, "log_every=0"),
+        # None means something only for steps, epochs and eval_every.
+        ({"batch_size": None}, "batch_size=None must be a whole number >= 1"),
+        ({"grad_accum": None}, "grad_accum=None"),
+        ({"drop_remainder": "no"}, "drop_remainder='no' must be True or False"),
     ],
 )
 def test_train_config_errors(kwargs, match):

@@ -76,6 +76,10 @@ class CheckpointConfig:
     overwrite: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.directory, (str, os.PathLike)) or not os.fspath(self.directory):
+            # "" would be the working directory, whose numbered folders Orbax takes for steps.
+            raise CheckpointError(fix(f"checkpoint directory={self.directory!r} must be a non-empty path.",
+                                      "e.g. CheckpointConfig('runs/ckpt') (--checkpoint-dir runs/ckpt)."))
         for name in ("every", "keep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -48,12 +48,17 @@ class TrainConfig:
             )
         for name in ("steps", "epochs", "batch_size", "eval_every", "eval_batch_size", "log_every", "grad_accum"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is None and name in ("steps", "epochs", "eval_every"):
+                continue  # None has a meaning for these (see the fields)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(
                     fix(f"{name}={value!r} must be a whole number >= 1.", f"e.g. {name}=10.")
                 )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(fix(f"seed={self.seed!r} must be an int >= 0.", "e.g. seed=0."))
+        if not isinstance(self.drop_remainder, bool):
+            raise ConfigError(fix(f"drop_remainder={self.drop_remainder!r} must be True or False.",
+                                  "e.g. drop_remainder=True (--drop-remainder)."))
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(fix(f"prefetch={self.prefetch!r} must be an int >= 0.", "e.g. prefetch=2 (--prefetch 2)."))
 
