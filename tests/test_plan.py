@@ -967,12 +967,22 @@ def _tiny():
     ({"measure": "every"}, "(?s)measure='every'.*measure=\"all\""),
     ({"measure": 1, "measure_steps": 0}, "measure_steps=0"), ({"measure": 1, "measure_rounds": 0}, "measure_rounds=0"),
     ({"accum": (0,), "step_for": lambda r, a: None}, "accum=0"),
-    ({"dtype": "fp8"}, "dtype='fp8'.*'bfloat16', 'float32'")])
+    ({"dtype": "fp8"}, "dtype='fp8'.*'bfloat16', 'float32'"),
+    ({"remat": ()}, r"remat=\(\)\) leaves no candidate"), ({"accum": ()}, r"accum=\(\)\) leaves no candidate")])
 def test_plan_bad_numbers_and_dtype_are_named(kwargs, words):
     make_state, step, batch = _tiny()
     with pytest.raises(ConfigError, match=words) as err:
         spmdkit.plan(make_state, step, batch, rules=("dp",), target="h100x8", **kwargs)
     assert isinstance(err.value, ValueError) and "Fix:" in str(err.value)
+
+
+def test_plan_no_rules_and_a_bad_rng_are_named():
+    make_state, step, batch = _tiny()
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)rules=\(\)\) leaves no layout.*Fix: pass at least one"):
+        spmdkit.plan(make_state, step, batch, rules=(), target="h100x8")
+    with pytest.raises(spmdkit.SignatureError, match="rng must be a PRNG key") as err:
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", rng="seed")
+    assert isinstance(err.value, TypeError)
 
 
 def test_plan_dtype_alias_rules_string_and_dict():

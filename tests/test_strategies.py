@@ -178,8 +178,9 @@ def test_errors_name_the_argument_and_path():
         strategy.apply(lambda s, b: jnp.sum(b["x"]))(state, batch_of(16))
     with pytest.raises(TypeError, match="make_state must be a function"):
         strategy.init({"w": 1}, 0)
-    with pytest.raises(TypeError, match="rng must be a PRNG key"):
+    with pytest.raises(spmdkit.SignatureError, match="rng must be a PRNG key") as err:  # also a TypeError
         strategy.init(make_linear, "seed")
+    assert isinstance(err.value, TypeError)
 
 
 # ---- ensembles ------------------------------------------------------------------------

@@ -65,6 +65,9 @@ def rules_names(rules: Any) -> tuple[str, ...]:
                                   'pass names such as ("dp", "fsdp+tp"), or dicts such as '
                                   '({"batch": "data", "hidden": "model"},).'))
         out.append(entry)
+    if not out:
+        raise LayoutError(fix("plan(rules=()) leaves no layout to compare.",
+                              f'pass at least one rules name, e.g. rules=("dp", "fsdp"); the default is {DEFAULT_RULES}.'))
     return tuple(out)
 
 

@@ -284,6 +284,11 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     when ``remat``/``accum`` list more than the defaults. Returns the plan as a dict (see
     :func:`spmdkit.plan`).
     """
+    for name, given in (("remat", remat), ("accum", accum)):
+        if not tuple(given):
+            raise ConfigError(fix(f"plan({name}={given!r}) leaves no candidate to compare.",
+                                  f"leave {name} out (the default: {name}={('none',) if name == 'remat' else (1,)}) "
+                                  "or list at least one."))
     if step_for is None and (tuple(remat) != ("none",) or tuple(accum) != (1,)):
         raise ConfigError(fix(f"plan(remat={remat!r}, accum={accum!r}) needs step_for: spmdkit cannot change "
                               "the remat policy or the accumulation of a train_step it did not build.",

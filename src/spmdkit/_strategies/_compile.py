@@ -51,7 +51,7 @@ def as_key(rng: Any, argument: str = "rng") -> jax.Array:
     shape, dtype = np.shape(rng), getattr(rng, "dtype", None)
     if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (shape == (2,) and dtype == np.uint32)):
         return rng
-    raise TypeError(
+    raise SignatureError(
         fix(f"{argument} must be a PRNG key (jax.random.key(0)) or an int seed, not {type(rng).__name__} "
             f"with shape {shape}.", f"pass {argument}=jax.random.key(0).")
     )
