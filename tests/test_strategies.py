@@ -130,6 +130,19 @@ def test_get_strategy_rejects_options_the_strategy_does_not_take():
     assert get_strategy("ensemble", members=2).members == 2
 
 
+def test_get_strategy_takes_python_objects_as_well_as_the_command_line_text():
+    # A dict, Mesh, dict of rules or AxisRules from Python failed with an AttributeError.
+    text = get_strategy("sharded", mesh="data=2,model=4", rules="dp+tp")
+    for mesh in ({"data": 2, "model": 4}, spmdkit.make_mesh(data=2, model=4)):
+        for rules in ("dp+tp", {"batch": "data", "hidden": "model"}, spmdkit.AxisRules.load("dp+tp")):
+            made = get_strategy("sharded", mesh=mesh, rules=rules)
+            assert dict(made.mesh.shape) == dict(text.mesh.shape) == {"data": 2, "model": 4}
+            assert made.rules.mesh_axes("batch", "the batch") == text.rules.mesh_axes("batch", "the batch")
+    assert dict(get_strategy("data", mesh={"data": 8}).mesh.shape) == {"data": 8}
+    with pytest.raises(spmdkit.MeshError, match=r"(?s)mesh=3 is not a mesh.*Fix: pass mesh='data=2,model=4'"):
+        get_strategy("data", mesh=3)
+
+
 # ---- batches ------------------------------------------------------------------------
 def test_uneven_batch_is_exact_and_compiles_once_per_shape():
     traces = []

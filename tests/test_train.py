@@ -116,6 +116,24 @@ def test_batch_larger_than_the_data_set():
         spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(batch_size=500), progress=False)
 
 
+@pytest.mark.parametrize("argument, value, words", [
+    ("task", "linreg", r"fit\(task=\.\.\.\) got str 'linreg'.*Fix: pass spmdkit.get_task\('linreg'\)"),
+    ("strategy", "data", r"fit\(strategy=\.\.\.\) got str 'data'.*Fix: pass spmdkit.get_strategy\('data'\)"),
+    ("optimizer", "adam", r"fit\(optimizer=\.\.\.\) got str 'adam'.*optax.adam\(1e-3\)"),
+    ("config", {"steps": 2}, r"fit\(config=\.\.\.\) got dict.*spmdkit.TrainConfig\(\*\*d\)"),
+    ("checkpoint", "runs/ckpt", r"fit\(checkpoint=\.\.\.\) got str.*CheckpointConfig\('runs/ckpt'"),
+    ("out_dir", 3, r"fit\(out_dir=\.\.\.\) got int 3"),
+    ("log", "stdout", r"fit\(log=\.\.\.\) got str"),
+    ("step_timeout", -1, r"fit\(step_timeout=\.\.\.\) got int -1.*seconds > 0, or None"),
+])
+def test_fit_names_an_argument_of_the_wrong_kind(argument, value, words):
+    # A name where an object belongs failed deep inside as an AttributeError.
+    args = {"task": linreg.make(), "strategy": spmdkit.Single(), "optimizer": optax.sgd(0.1),
+            "config": spmdkit.TrainConfig(steps=2), argument: value}
+    with pytest.raises(spmdkit.ConfigError, match=f"(?s){words}"):
+        spmdkit.fit(**args, progress=False)
+
+
 # ---- users' own models --------------------------------------------------------
 
 

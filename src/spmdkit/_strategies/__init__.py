@@ -2,43 +2,57 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import jax
 
-from spmdkit._errors import ConfigError, fix
+from spmdkit._errors import ConfigError, MeshError, fix
 from spmdkit._strategies._base import Predictor, Strategy, TrainState
 from spmdkit._strategies.data import IMPLS, DataParallel
 from spmdkit._strategies.ensemble import Ensemble, MembersMismatchError
-from spmdkit._strategies.sharded import Layout, LeafLayout, Sharded
+from spmdkit._strategies.sharded import Layout, LeafLayout, Sharded, as_rules
 from spmdkit._strategies.single import Single
 
 
 @dataclass(frozen=True)
 class StrategyOptions:
-    """What the command line can say about a strategy; each factory takes what it needs."""
+    """What the command line (and :func:`get_strategy`) can say about a strategy; each factory takes what it needs."""
 
     impl: str = "auto"
     members: int | None = None  # ensemble size; None: one per device
     bagging: bool = False
-    mesh: str | None = None  # "data=2,model=4"; None: the strategy's default
-    rules: str | None = None  # preset, TOML file or "batch=data,hidden=model"
+    # "data=2,model=4"; from Python also {"data": 2, "model": 4} or a Mesh. None: the strategy's default
+    mesh: Any = None
+    # preset, TOML file or "batch=data,hidden=model"; from Python also a dict, Flax's rule tuples or AxisRules
+    rules: Any = None
     replicate_unknown: bool = False
 
 
-def _mesh(text: str | None, default: dict[str, int]):
+def _mesh(given: Any, default: dict[str, int]):
+    from jax.sharding import Mesh
+
     from spmdkit._mesh import make_mesh
     from spmdkit._rules import parse_mesh
 
-    return make_mesh(**(parse_mesh(text) if text else default))
+    if isinstance(given, Mesh):
+        return given
+    if isinstance(given, Mapping):
+        return make_mesh(**given)
+    if given is None or isinstance(given, str):
+        return make_mesh(**(parse_mesh(given) if given else default))
+    raise MeshError(fix(f"mesh={given!r} is not a mesh.",
+                        "pass mesh='data=2,model=4', {'data': 2, 'model': 4} or spmdkit.make_mesh(data=2, model=4)."))
 
 
 def _sharded(o: StrategyOptions) -> Sharded:
     from spmdkit._rules import DEFAULT_MESH, AxisRules
 
-    rules = AxisRules.load(o.rules or "dp", replicate_unknown=o.replicate_unknown)
-    return Sharded(_mesh(o.mesh, DEFAULT_MESH.get(rules.name, {"data": -1})), rules)
+    rules = o.rules or "dp"
+    rules = AxisRules.load(rules, o.replicate_unknown) if isinstance(rules, str) else as_rules(rules)
+    return Sharded(_mesh(o.mesh, DEFAULT_MESH.get(rules.name, {"data": -1})), rules,
+                   replicate_unknown=o.replicate_unknown or None)
 
 
 # name -> factory(options); adding a strategy is adding a module and a line here.
@@ -65,7 +79,10 @@ def get_strategy(name: str, impl: str = "auto", **options) -> Strategy:
     """A strategy by name, as ``spmdkit train --strategy NAME`` builds it.
 
     ``options`` are the fields of :class:`StrategyOptions` (members, mesh, rules...);
-    one the strategy does not take is an error, not silently ignored.
+    one the strategy does not take is an error, not silently ignored. ``mesh`` is
+    ``"data=2,model=4"``, ``{"data": 2, "model": 4}`` or a ``Mesh``; ``rules`` a preset
+    name, a TOML file, ``"batch=data,hidden=model"``, a dict, Flax's rule tuples or
+    :class:`spmdkit.AxisRules`.
 
     Example:
         >>> import spmdkit

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import reprlib
 import signal
 import threading
 import time
@@ -300,6 +302,7 @@ def fit(
         >>> round(float(result.params["w"]), 2), round(float(result.params["b"]), 2)
         (3.0, 1.0)
     """
+    _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint, log, step_timeout)
     run = _Run(task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout)
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
     batches = _feed_batches(run.feed, strategy, config, run.start_step)
@@ -316,6 +319,37 @@ def fit(
     finally:
         if isinstance(batches, Prefetch):
             batches.close()
+
+
+def _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint, log, step_timeout) -> None:
+    """Each of ``fit``'s arguments of the kind it must be, before any work: a name where an
+    object belongs (``"data"``, ``"adam"``) would otherwise fail deep inside as an AttributeError."""
+    def wrong(argument: str, value: Any, want: str, how: str) -> ConfigError:
+        return ConfigError(fix(f"fit({argument}=...) got {type(value).__name__} {reprlib.repr(value)}; it needs {want}.", how))
+
+    if not isinstance(task, Task):
+        raise wrong("task", task, "a spmdkit.Task", "pass spmdkit.get_task('linreg') or spmdkit.Task(name=..., init=..., "
+                    "loss_fn=..., train_data=...).")
+    if not all(callable(getattr(strategy, m, None)) for m in ("init", "step")):
+        raise wrong("strategy", strategy, "a strategy (with init and step)",
+                    "pass spmdkit.get_strategy('data') or spmdkit.DataParallel(), spmdkit.Sharded(...), ...")
+    if not all(callable(getattr(optimizer, m, None)) for m in ("init", "update")):
+        raise wrong("optimizer", optimizer, "an optax GradientTransformation",
+                    "pass e.g. optax.adam(1e-3), or spmdkit.OptimizerConfig('adam', lr=1e-3).build().")
+    if not isinstance(config, TrainConfig):
+        raise wrong("config", config, "a spmdkit.TrainConfig", "pass spmdkit.TrainConfig(steps=100, batch_size=32) "
+                    "(a dict d: spmdkit.TrainConfig(**d)).")
+    if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
+        raise wrong("checkpoint", checkpoint, "a spmdkit.CheckpointConfig or None",
+                    "pass checkpoint=spmdkit.CheckpointConfig('runs/ckpt', every=100).")
+    if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+        raise wrong("out_dir", out_dir, "a path or None", "pass out_dir='runs/mine'.")
+    if not callable(log):
+        raise wrong("log", log, "a function of one string", "pass log=print, or log=lambda message: None for silence.")
+    if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
+                                     or not step_timeout > 0 or math.isinf(step_timeout)):
+        raise wrong("step_timeout", step_timeout, "seconds > 0, or None for no step watchdog",
+                    "pass step_timeout=100 (the default), or None.")
 
 
 def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int) -> Any:
