@@ -160,9 +160,11 @@ def test_which_uncaught_exceptions_end_a_process_soon(tmp_path, raise_, ends_soo
     log = tmp_path / "metrics.csv"
     code = ("import atexit, sys, time\n"
             "from spmdkit._launch import end_soon_on_uncaught_exception\n"
+            "from spmdkit._process import joined_as\n"
             "atexit.register(lambda: time.sleep(0 if sys.flags.interactive else 8))\n"
-            "end_soon_on_uncaught_exception(1, grace_s=2)\n"
-            "end_soon_on_uncaught_exception(1, grace_s=2)  # twice: one hook\n"
+            "joined_as('process 1', grace_s=2)\n"
+            "end_soon_on_uncaught_exception()\n"
+            "end_soon_on_uncaught_exception()  # twice: one hook\n"
             "atexit.register(lambda: print('user exit handler ran', flush=True))\n"
             f"f = open({str(log)!r}, 'w'); f.write('step,loss\\n1,0.5\\n')\n"
             f"{raise_}\n")
@@ -178,20 +180,67 @@ def test_which_uncaught_exceptions_end_a_process_soon(tmp_path, raise_, ends_soo
         assert took >= 8  # the hanging handler ran to its end: nothing cut it short
 
 
-def test_end_soon_keeps_the_exit_code_and_the_exit_handlers():
+def test_end_soon_keeps_the_exit_code_the_exit_handlers_and_unclosed_files(tmp_path):
     # sys.exit(spmdkit.end_soon(code)) in a process of a group: the user's exit handlers run,
-    # and a hanging one (JAX's, when a peer waits in a collective) is cut at the grace.
+    # a hanging one (JAX's, when a peer waits in a collective) is cut at the grace, and a file
+    # left open keeps what was written to it (Python flushes those only after the handlers).
+    log = tmp_path / "metrics.csv"
     code = ("import atexit, sys, time, spmdkit\n"
             "from spmdkit._process import joined_as\n"
             "atexit.register(lambda: time.sleep(30))\n"
             "atexit.register(lambda: print('user exit handler ran', flush=True))\n"
-            "joined_as('process 1')\n"
-            "sys.exit(spmdkit.end_soon(3, grace_s=2))\n")
+            f"f = open({str(log)!r}, 'w'); f.write('step,loss\\n' * 100)\n"
+            "joined_as('process 1', grace_s=3)\n"
+            "spmdkit.end_soon(5)  # a second call changes the code, keeps the deadline\n"
+            "sys.exit(spmdkit.end_soon(3, grace_s=1))\n")
     t0 = time.time()
     out = run([sys.executable, "-c", code], timeout=60)
     assert out.returncode == 3 and time.time() - t0 < 20, (out.returncode, out.stderr)
     assert "user exit handler ran" in out.stdout
-    assert "process 1 ends within 2 s after this error (exit code 3)" in out.stderr
+    assert out.stderr.count("spmdkit: process 1 ends within 3 s after this error (exit code 5)") == 1, out.stderr
+    assert log.read_text() == "step,loss\n" * 100
+
+
+@pytest.mark.parametrize("call, words", [
+    ("spmdkit.end_soon('disk full')", r"end_soon\(code='disk full'\): an exit code is an int from 0 to 255"),
+    ("spmdkit.end_soon(None)", r"end_soon\(code=None\)"),
+    ("spmdkit.end_soon(2, grace_s=0)", r"end_soon\(grace_s=0\): the grace is seconds > 0"),
+    ("threading.Thread(target=lambda: errors.append(catch(lambda: spmdkit.end_soon(2)))).start()",
+     r"called from thread .*only the main thread's exit ends the process"),
+])
+def test_end_soon_refuses_what_would_not_bound_the_exit(call, words):
+    code = ("import re, sys, threading, time, spmdkit\n"
+            "from spmdkit._process import joined_as\n"
+            "joined_as('process 1', grace_s=1)\n"
+            "errors = []\n"
+            "def catch(f):\n"
+            "    try: f()\n"
+            "    except spmdkit.ConfigError as e: return str(e)\n"
+            "try:\n"
+            f"    {call}\n"
+            "except spmdkit.ConfigError as e:\n"
+            "    errors.append(str(e))\n"
+            "time.sleep(3)  # nothing was armed: the process is still here\n"
+            "print('REFUSED', errors)\n")
+    out = run([sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 0 and "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert re.search(words, out.stdout), out.stdout
+
+
+def test_end_soon_at_an_interactive_prompt_arms_nothing():
+    code = ("import sys, time, spmdkit\n"
+            "from spmdkit._process import joined_as\n"
+            "joined_as('process 1', grace_s=1)\n"
+            "sys.ps1 = '>>> '\n"
+            "try:\n"
+            "    sys.exit(spmdkit.end_soon(2))\n"
+            "except SystemExit:\n"
+            "    pass  # a notebook or a prompt goes on\n"
+            "time.sleep(3)\n"
+            "print('still here')\n")
+    out = run([sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 0 and "still here" in out.stdout, out.stderr
+    assert "ends within" not in out.stderr
 
 
 def test_every_process_failing_alike_exits_as_usual_with_files_flushed(tmp_path):

@@ -49,7 +49,6 @@ from spmdkit._errors import (
     TreeMismatchError,
 )
 from spmdkit._initialize import initialize
-from spmdkit._process import end_soon
 from spmdkit._mesh import make_mesh
 from spmdkit._pmap import ShardedBatch, pmap, replicate, shard, unreplicate
 from spmdkit._strategies import (
@@ -81,6 +80,7 @@ from spmdkit._train import (
 from spmdkit._checkpoint import CheckpointSaveError
 from spmdkit._train._artifacts import ArtifactError
 from spmdkit._train._validate import TaskError, validate_task
+from spmdkit._process import end_soon
 from spmdkit._sample import sample
 from spmdkit._plan import plan
 from spmdkit._target import Target, load_target

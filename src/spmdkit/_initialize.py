@@ -13,7 +13,7 @@ import jax
 
 from spmdkit._devices import host_devices_from_env, use_host_devices
 from spmdkit._errors import DeviceSetupError, fix
-from spmdkit._launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, initialize_distributed
+from spmdkit._launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, initialize_distributed, note_joined
 
 
 def initialize(
@@ -33,8 +33,9 @@ def initialize(
     and returns False in a lone process. ``timeout_s`` is how long peers may fall silent
     before the job is ended (the coordination heartbeat is ``3 * timeout_s + 30``). In a job
     of several processes, a process whose main thread raises an uncaught exception then exits
-    within 20 s, rather than wait in JAX's exit handler for peers that wait for it (install
-    your own ``sys.excepthook`` before calling this).
+    within 20 s (or ``timeout_s / 2`` if shorter), rather than wait in JAX's exit handler for
+    peers that wait for it (install your own ``sys.excepthook`` before calling this); leave
+    with ``sys.exit(spmdkit.end_soon(code))`` for the same bound with a code of your own.
 
     Example:
         >>> import spmdkit
@@ -55,7 +56,8 @@ def initialize(
                 "num_processes and process_id.",
                 "pass all three: initialize(coordinator, num_processes=N, process_id=I).")
         )
-    if jax.distributed.is_initialized():
+    if jax.distributed.is_initialized():  # joined by the script's own jax.distributed.initialize
+        note_joined(None, timeout_s)
         return True
     n = host_devices or host_devices_from_env()
     if n is not None:

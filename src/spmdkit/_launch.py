@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import jax
 
 from spmdkit._errors import DeviceSetupError, SpmdkitError, fix
-from spmdkit._process import EXIT_GRACE_S, end_soon, exit_now, joined_as
+from spmdkit._process import EXIT_GRACE_S, end_soon, joined_as
 
 
 class LaunchError(SpmdkitError, OSError):
@@ -122,47 +122,54 @@ def initialize_distributed(
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,
                                    initialization_timeout=max(timeout_s, 60), heartbeat_timeout_seconds=heartbeat_timeout(timeout_s),
                                    **bind)
-        end_soon_on_uncaught_exception(index)
+        if count > 1:
+            note_joined(index, timeout_s)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
                                    "pass the address of process 0, e.g. --coordinator node0:1234."))
     if _cluster_detected():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout(timeout_s))
-        end_soon_on_uncaught_exception(None)
+        note_joined(None, timeout_s)
         return True
     return False
 
 
-def end_soon_on_uncaught_exception(index: int | None, grace_s: float = EXIT_GRACE_S) -> None:
+def end_soon_on_uncaught_exception() -> None:
     """In a job of several processes: a process whose main thread raises an uncaught
-    exception exits as usual, but within ``grace_s`` seconds, with exit code 1.
+    exception exits as usual, but within the grace :func:`spmdkit.end_soon` gives (20 s
+    by default), with exit code 1.
 
     Python runs the exit handlers after the traceback: the user's (and file buffers are
     flushed) when every process failed alike, but then JAX's, whose shutdown barrier waits
     for every peer, and a peer waiting for this process in a collective never comes: a
     script that raised in one of 2 processes ended 306 s later, with a SIGABRT and a native
-    stack dump. A timer started with the traceback ends the process ``grace_s`` later if
-    it is still there (flushing standard output and error and ``logging`` first), so
+    stack dump. The hook arms :func:`spmdkit.end_soon` after the traceback, so
     ``spmdkit launch`` can stop the others and name this one. ``KeyboardInterrupt`` and an
     error typed at an interactive prompt keep the usual behaviour, as does ``sys.exit``
     (which is not an uncaught exception: a peer waiting in a collective still holds it;
-    ``sys.exit(spmdkit.end_soon(code))`` leaves within the grace too).
-    A ``sys.excepthook`` installed before this one is called first; one installed after
-    replaces it.
+    ``sys.exit(spmdkit.end_soon(code))`` leaves within the grace too). A
+    ``sys.excepthook`` installed before this one is called first; one installed after
+    replaces it. Nothing happens until :func:`joined_as` noted a group.
     """
     previous = sys.excepthook
-    joined_as("this process" if index is None else f"process {index}")
 
     def hook(kind, value, tb) -> None:
         previous(kind, value, tb)
         if issubclass(kind, KeyboardInterrupt) or hasattr(sys, "ps1") or sys.flags.interactive:
             return
-        end_soon(1, f"this uncaught {kind.__name__}", grace_s)
+        end_soon(1, f"this uncaught {kind.__name__}")
 
     if not getattr(sys.excepthook, "_spmdkit_ends_soon", False):
         hook._spmdkit_ends_soon = True  # type: ignore[attr-defined]
         sys.excepthook = hook
+
+
+def note_joined(index: int | None, timeout_s: float) -> None:
+    """This process is one of several: failures that only it meets end it soon (see end_soon)."""
+    # Half the step watchdog's timeout at most: a peer's watchdog must not end first and be named.
+    joined_as("this process" if index is None else f"process {index}", min(EXIT_GRACE_S, timeout_s / 2))
+    end_soon_on_uncaught_exception()
 
 
 # Failures of JAX's runtime whose own words do not say what to do: (marks that must all be on
@@ -180,7 +187,9 @@ KNOWN_FAILURES: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "(2 minutes by default): the other failed before its first JAX operation (see its output above) "
      "or spent that long before it (loading data, a slow file system)",
      "mend the other process's error; if it was only slow, have every process do the same work "
-     "before its first JAX operation, or run again on a quieter machine"),
+     "before its first JAX operation, or give it longer: JAX_CPU_GET_LOCAL_TOPOLOGY_TIMEOUT_MINUTES=M "
+     "in every process's environment (default 2; keep it below JAX_CPU_GET_GLOBAL_TOPOLOGY_TIMEOUT_MINUTES, "
+     "default 5)"),
 )
 
 

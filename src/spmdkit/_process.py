@@ -8,65 +8,107 @@ import threading
 import time
 from typing import NoReturn
 
+from spmdkit._errors import ConfigError, fix
+
 
 def exit_now(code: int) -> NoReturn:
-    """End this process with ``code`` at once, standard output and error flushed first.
+    """End this process with ``code`` at once, its open files flushed first.
 
     For a process that Python's own exit would hold: exit handlers or threads waiting
-    for peers or commits that never come. Nothing else is flushed or run.
+    for peers or commits that never come. Python flushes open files only after the exit
+    handlers, which are what hold it, so this flushes every open writable file object
+    (standard output and error first); nothing else is run.
     """
     for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    os._exit(code)
+        _flush(stream)
+    try:
+        import gc
+        import io
+
+        for obj in gc.get_objects():
+            if isinstance(obj, io.IOBase):
+                _flush(obj)
+    finally:
+        os._exit(code)
+
+
+def _flush(stream: object) -> None:
+    try:
+        if not stream.closed and stream.writable():  # type: ignore[attr-defined]
+            stream.flush()  # type: ignore[attr-defined]
+    except (OSError, ValueError, AttributeError, RuntimeError):
+        pass
 
 
 # How long a process of a group that failed may spend in its exit handlers before it ends anyway.
 EXIT_GRACE_S = 20.0
-# Who this process is in its group ("process 3"), once spmdkit joined it to several.
-_JOINED: list[str] = []
+# Set when spmdkit joins this process to a group of several: its name there, the grace.
+_JOINED: dict[str, object] = {}
+_ARMED: dict[str, int] = {}  # the code end_soon's timer exits with, once armed
 
 
-def joined_as(name: str) -> None:
-    """Note that this process is ``name`` in a group of several (for :func:`end_soon`)."""
-    _JOINED[:] = [name]
+def joined_as(name: str, grace_s: float = EXIT_GRACE_S) -> None:
+    """Note that this process is ``name`` ("process 3") in a group of several, so that
+    :func:`end_soon` arms, with ``grace_s`` as its default."""
+    _JOINED.update(name=name, grace_s=grace_s)
 
 
-def end_soon(code: int, after: str = "this error", grace_s: float = EXIT_GRACE_S) -> int:
+def end_soon(code: int, after: str | None = None, grace_s: float | None = None) -> int:
     """Before a process of a group leaves with ``code``: make sure it ends within ``grace_s`` s.
 
     For a failure only this process may have met (a damaged file on its host, a full
     disk): its peers may be waiting for it in a collective, and JAX's exit handler waits
     for every peer, up to 5 minutes, then aborts and loses ``code`` (a launcher could then
-    not tell a bad input from a crash). The exit handlers still run; a timer ends the
-    process with ``code`` (flushing standard output and error and ``logging``) if they
-    still hold it ``grace_s`` later. Outside a group that spmdkit joined (through
-    :func:`spmdkit.initialize` or ``spmdkit train``) it does nothing. Returns ``code``,
-    for ``sys.exit(spmdkit.end_soon(2))``.
+    not tell a bad input from a crash). After one line on standard error (``spmdkit:
+    process 1 ends within 20 s after <after> (exit code 2) ...``) the exit handlers still
+    run; a timer ends the process with ``code``, its open files flushed, if they still hold
+    it ``grace_s`` later (default: 20 s, or half the ``timeout_s`` given to
+    :func:`spmdkit.initialize` if shorter, so a peer's step watchdog does not end first).
+
+    Call it from the main thread as the process's last act: it cannot be undone. A second
+    call changes the code and keeps the first deadline. Outside a group spmdkit joined
+    (through :func:`spmdkit.initialize` or ``spmdkit train``) and at an interactive prompt
+    it does nothing. Returns ``code``, for ``sys.exit(spmdkit.end_soon(2))``.
 
     >>> end_soon(2)  # a single process: nothing to arm
     2
     """
-    if not _JOINED:
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+        raise ConfigError(fix(f"end_soon(code={code!r}): an exit code is an int from 0 to 255.",
+                              "pass e.g. end_soon(2) for bad input, end_soon(1) for a failure."))
+    if grace_s is not None and (isinstance(grace_s, bool) or not isinstance(grace_s, (int, float))
+                                or not 0 < grace_s < float("inf")):
+        raise ConfigError(fix(f"end_soon(grace_s={grace_s!r}): the grace is seconds > 0, in which the exit "
+                              "handlers still run.", "leave grace_s out (20 s), or pass e.g. grace_s=5."))
+    if threading.current_thread() is not threading.main_thread():
+        raise ConfigError(fix(f"end_soon() called from thread {threading.current_thread().name!r}: only the main "
+                              "thread's exit ends the process.", "call sys.exit(spmdkit.end_soon(code)) in the main thread."))
+    if not _JOINED or hasattr(sys, "ps1") or sys.flags.interactive:
         return code
-    sys.stderr.write(f"spmdkit: {_JOINED[0]} ends within {grace_s:.0f} s after {after} (exit code {code}), "
-                     "even if JAX's exit waits for a peer that waits for it in a collective\n")
-    sys.stderr.flush()
-    timer = threading.Timer(grace_s, _exit_after_grace, args=(code,))
-    timer.daemon = True
-    timer.start()
+    first = not _ARMED
+    _ARMED["code"] = code
+    if first:
+        grace = float(grace_s if grace_s is not None else _JOINED["grace_s"])  # type: ignore[arg-type]
+        after = after or ("this error" if code else "its end")
+        try:
+            sys.stderr.write(f"spmdkit: {_JOINED['name']} ends within {grace:g} s after {after} (exit code {code}), "
+                             "even if JAX's exit waits for a peer that waits for it in a collective\n")
+            sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+        timer = threading.Timer(grace, _exit_after_grace)
+        timer.daemon = True
+        timer.start()
     return code
 
 
-def _exit_after_grace(code: int = 1) -> None:
+def _exit_after_grace() -> None:
     import logging
 
     try:
         logging.shutdown()
     finally:
-        exit_now(code)
+        exit_now(_ARMED["code"])
 
 
 def process_age_s() -> float | None:
