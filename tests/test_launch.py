@@ -201,6 +201,19 @@ def test_end_soon_keeps_the_exit_code_the_exit_handlers_and_unclosed_files(tmp_p
     assert log.read_text() == "step,loss\n" * 100
 
 
+def test_exit_now_is_not_held_by_a_write_blocked_on_a_full_pipe():
+    # Its flush of open files gets 5 s; a pipe nobody reads must not hold the exit it bounds.
+    code = ("import os, sys\n"
+            "from spmdkit._process import exit_now\n"
+            "r, w = os.pipe()\n"
+            "f = os.fdopen(w, 'wb', buffering=1 << 20)\n"
+            "f.write(b'x' * (1 << 19))  # more than the pipe holds: its flush blocks\n"
+            "exit_now(7)\n")
+    t0 = time.time()
+    out = run([sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 7 and time.time() - t0 < 20, (out.returncode, out.stderr)
+
+
 @pytest.mark.parametrize("call, words", [
     ("spmdkit.end_soon('disk full')", r"end_soon\(code='disk full'\): an exit code is an int from 0 to 255"),
     ("spmdkit.end_soon(None)", r"end_soon\(code=None\)"),

@@ -17,19 +17,24 @@ def exit_now(code: int) -> NoReturn:
     For a process that Python's own exit would hold: exit handlers or threads waiting
     for peers or commits that never come. Python flushes open files only after the exit
     handlers, which are what hold it, so this flushes every open writable file object
-    (standard output and error first); nothing else is run.
+    (standard output and error first); nothing else is run. The flushing gets 5 s: a write
+    blocked on a full pipe must not hold the exit it exists to bound.
     """
+    flushing = threading.Thread(target=_flush_open_files, name="spmdkit-flush-at-exit", daemon=True)
+    flushing.start()
+    flushing.join(5.0)
+    os._exit(code)
+
+
+def _flush_open_files() -> None:
+    import gc
+    import io
+
     for stream in (sys.stdout, sys.stderr):
         _flush(stream)
-    try:
-        import gc
-        import io
-
-        for obj in gc.get_objects():
-            if isinstance(obj, io.IOBase):
-                _flush(obj)
-    finally:
-        os._exit(code)
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            _flush(obj)
 
 
 def _flush(stream: object) -> None:
