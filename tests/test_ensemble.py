@@ -114,6 +114,11 @@ def test_bagging_gives_each_member_its_own_order(task):
         assert float(aux["loss"][m]) == pytest.approx(float(ref_aux["loss"]), rel=1e-5)
     result = spmdkit.fit(task, ens, OPT, spmdkit.TrainConfig(steps=30, batch_size=16), progress=False)
     assert result.summary["bagging"] is True and len(result.summary["member_accuracy"]) == 4
+    # An ordinary [B, ...] batch was read as 4 rows of one example each, silently.
+    flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), own)
+    with pytest.raises(spmdkit.BatchSizeError, match=r"(?s)has shape \(52,.*bagging=True\) steps on one share "
+                                                     r"per member.*x.reshape\(4, -1"):
+        ens.step(task_train_step(task, OPT))(state, flat)
 
 
 def test_ensemble_of_a_task_without_predictor_reports_each_member():

@@ -406,6 +406,17 @@ def test_replicate_unreplicate_round_trip():
         spmdkit.replicate(tree, n_devices=9)
 
 
+def test_unreplicate_refuses_what_is_not_stacked_copies():
+    # The pmap habit params = unreplicate(state) on a DataParallel state took each leaf's
+    # first row, silently.
+    state = spmdkit.DataParallel().init(lambda rng: {"w": jnp.arange(6.0).reshape(3, 2)}, 0)
+    with pytest.raises(spmdkit.MappedAxisError, match=r"(?s)tree\['w'\] \(shape \(3, 2\)\) is one array held "
+                                                       r"whole on \d+ devices.*Fix: use it as it is"):
+        spmdkit.unreplicate(state)
+    with pytest.raises(spmdkit.MappedAxisError, match=r"tree\['b'\] is a scalar"):
+        spmdkit.unreplicate({"b": np.float32(1.5)})
+
+
 def test_replicated_params_feed_pmap():
     params = spmdkit.replicate({"w": np.array([2.0, 3.0, 4.0], np.float32)})
     xs, _ = seed000_inputs()

@@ -57,7 +57,22 @@ def unreplicate(tree: Any) -> Any:
         >>> spmdkit.unreplicate(spmdkit.replicate({"w": np.ones(3)}))["w"].shape
         (3,)
     """
-    return jax.tree.map(lambda x: x[0], tree)
+    def first(path, x):
+        where = f"tree{jax.tree_util.keystr(path)}"
+        if np.ndim(x) == 0:
+            raise MappedAxisError(fix(f"unreplicate: {where} is a scalar, with no replica axis to take copy 0 of.",
+                                      "pass what spmdkit.replicate (or a pmap with out_axes=0) returned."))
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1 and sharding.is_fully_replicated:
+            # A DataParallel or Sharded state is one copy already: x[0] would be its first row.
+            raise MappedAxisError(fix(
+                f"unreplicate: {where} (shape {x.shape}) is one array held whole on {len(sharding.device_set)} "
+                "devices, not stacked copies: taking copy 0 would take its first row.",
+                "use it as it is (jax.device_get(tree) for host copies); unreplicate is for what "
+                "spmdkit.replicate or a pmap returned."))
+        return x[0]
+
+    return jax.tree_util.tree_map_with_path(first, tree)
 
 
 class ShardedBatch(NamedTuple):

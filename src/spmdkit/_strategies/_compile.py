@@ -208,6 +208,9 @@ class Placement:
     def _check_state(self, state: State, leaves: list[Any]) -> None:
         """Refuse a state this strategy cannot run, before tracing (ensembles: member axis)."""
 
+    def _check_batch(self, kind: str, rows: int, batch: Batch) -> None:
+        """Refuse a batch of a layout this strategy does not take (bagging: one share per member)."""
+
     def _foreign_state(self, state: State) -> None:
         """After jit refused the state's layout: if every leaf is split along a leading axis
         of one size over a 1-D mesh that is not ours, it is an ensemble's state; say so."""
@@ -441,13 +444,16 @@ class CompiledStep:
         ``.compile().memory_analysis()`` or ``cost_analysis()``); ``state`` and ``batch``
         may be ``jax.ShapeDtypeStruct``s (``strategy.abstract``), nothing runs."""
         s = self.strategy
-        even = batch_rows(batch) % s.batch_shards == 0
+        rows = batch_rows(batch)
+        s._check_batch(self.kind, rows, batch)
+        even = rows % s.batch_shards == 0
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
         return s._traced(lambda: self._build(state, even).lower(state, shapes))
 
     def __call__(self, state: State, batch: Batch):
         s = self.strategy
         n = batch_rows(batch)
+        s._check_batch(self.kind, n, batch)
         even = n % s.batch_shards == 0
         rows, given = n, batch
         if not even and self.rowwise:

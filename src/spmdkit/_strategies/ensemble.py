@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import ConfigError, MeshError, fix
+from spmdkit._errors import BatchSizeError, ConfigError, MeshError, fix
 from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree, with_size1_axes
 from spmdkit._types import Params
 
@@ -227,6 +227,20 @@ class Ensemble(Placement):
     def _batch_sharding_for(self, kind: str, even: bool) -> NamedSharding:
         # Bagging: a step's batch is [K, b, ...], member m's own rows.
         return self._per_member if kind == "step" and self.bagging else self._replicated
+
+    def _check_batch(self, kind: str, rows: int, batch: Any) -> None:
+        if kind != "step" or not self.bagging:
+            return
+        k = self.members
+        flat = [(jax.tree_util.keystr(p), np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
+        where, shape = next(((w, sh) for w, sh in flat if len(sh) < 2), flat[0])
+        if rows != k or len(shape) < 2:
+            # An ordinary [B, ...] batch would be read as K rows of one example each: wrong, silently.
+            raise BatchSizeError(fix(
+                f"batch{where} has shape {shape}, but Ensemble(members={k}, bagging=True) steps on one share "
+                f"per member: every batch leaf [{k}, b, ...], member m training on rows [m].",
+                f"stack the members' own batches (spmdkit.fit does, from members' own data orders), or reshape a "
+                f"global batch of {k} x b rows: jax.tree.map(lambda x: x.reshape({k}, -1, *x.shape[1:]), batch)."))
 
     def _lift(self, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         axis, own = self.axis, kind == "step" and self.bagging
