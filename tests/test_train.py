@@ -62,6 +62,20 @@ def test_load_params_errors(tmp_path):
         spmdkit.load_params(tmp_path / "p.npz", like={"w": np.ones((3, 2))})
 
 
+def test_params_keep_bfloat16_and_float8(tmp_path):
+    # np.savez keeps them as raw bytes ('|V2'), which failed far away, at the first use.
+    params = {"w": jnp.arange(3, dtype=jnp.bfloat16) + 0.5, "s": jnp.ones(2, jnp.float8_e4m3fn), "b": np.ones(2)}
+    spmdkit.save_params(tmp_path / "p.npz", params)
+    back = spmdkit.load_params(tmp_path / "p.npz", like=params)
+    for key in params:
+        assert back[key].dtype == params[key].dtype
+        np.testing.assert_array_equal(np.asarray(back[key], np.float32), np.asarray(params[key], np.float32))
+    assert set(spmdkit.load_params(tmp_path / "p.npz")) == {"['w']", "['s']", "['b']"}
+    np.savez(tmp_path / "raw.npz", **{"['w']": np.asarray(params["w"])})
+    with pytest.raises(spmdkit.DataError, match=r"(?s)\['w'\] holds raw bytes \(\|V2\).*arr.view\(jnp.bfloat16\)"):
+        spmdkit.load_params(tmp_path / "raw.npz")
+
+
 def test_data_order_is_deterministic_and_covers_every_example():
     data = {"i": np.arange(10)}
     a = iterate_batches(data, 4, seed=3, drop_remainder=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
@@ -98,12 +99,41 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
     }
 
 
+# NumPy's .npz keeps bfloat16 and float8 leaves as raw bytes ('|V2'): such leaves are
+# stored as unsigned ints of their width, their dtype names under this key.
+_DTYPES_KEY = "__spmdkit_dtypes__"
+
+
+def _npz_arrays(params: Any) -> dict[str, np.ndarray]:
+    arrays, named = flat_params(params), {}
+    for key, arr in arrays.items():
+        if arr.dtype.type.__module__.startswith("ml_dtypes"):
+            named[key] = arr.dtype.name
+            arrays[key] = arr.view(f"u{arr.dtype.itemsize}")
+    if named:
+        arrays[_DTYPES_KEY] = np.array(json.dumps(named))
+    return arrays
+
+
+def _from_npz(arrays: dict[str, np.ndarray], path: Any) -> dict[str, np.ndarray]:
+    named = json.loads(str(arrays.pop(_DTYPES_KEY))) if _DTYPES_KEY in arrays else {}
+    for key, name in named.items():
+        arrays[key] = arrays[key].view(jnp.dtype(name))
+    raw = [k for k, a in arrays.items() if a.dtype.type is np.void]
+    if raw:
+        raise DataError(fix(f"{path}: {raw[0]} holds raw bytes ({arrays[raw[0]].dtype}), not numbers: a bfloat16 or "
+                            "float8 leaf saved without its dtype (by np.savez, or an earlier spmdkit).",
+                            "save it again with spmdkit.save_params, or view it: arr.view(jnp.bfloat16)."))
+    return arrays
+
+
 def save_params(path: str | os.PathLike, params: Any) -> None:
-    """Save parameters as ``.npz``, one array per leaf keyed by its pytree path (atomically)."""
+    """Save parameters as ``.npz``, one array per leaf keyed by its pytree path (atomically).
+    bfloat16 and float8 leaves keep their dtype through :func:`load_params`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp.npz")
     try:
-        np.savez(tmp, **flat_params(params))
+        np.savez(tmp, **_npz_arrays(params))
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -131,6 +161,7 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
     except ValueError as e:
         what = "holds object arrays (spmdkit never unpickles)" if "pickle" in str(e) else f"is not a params file ({e})"
         raise DataError(fix(f"{path} {what}.", "load a params.npz that spmdkit.save_params wrote.")) from None
+    arrays = _from_npz(arrays, path)
     if like is None:
         return arrays
     leaves = jax.tree_util.tree_flatten_with_path(like)
