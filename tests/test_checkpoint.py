@@ -13,6 +13,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -110,6 +111,11 @@ def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_p
     with pytest.raises(spmdkit.CheckpointError, match=r"has no leaf state\['weights'\]") as e:
         ckpt.restore(2, {"weights": target["weight"]})
     assert "damaged" not in str(e.value)
+    # Another dtype was cast silently (a float32 step counter, bfloat16 weights rounded).
+    halved = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), target)
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)leaf state\['\w+'\] is float32 in the checkpoint but "
+                                                      r"bfloat16 in the target.*cast after"):
+        ckpt.restore(2, halved)
 
 
 def test_data_parallel_checkpoint_resumes_sharded(tmp_path):

@@ -76,6 +76,24 @@ def test_params_keep_bfloat16_and_float8(tmp_path):
         spmdkit.load_params(tmp_path / "raw.npz")
 
 
+@pytest.mark.parametrize("report, expect", [
+    (lambda p: {"w": np.full(3, float(p["weight"]))}, "array"),  # numpy arrays in the summary
+    (lambda p: 3.0, "it returned float, not a dict"),
+    (lambda: {}, "takes 0 positional arguments"),
+])
+def test_a_failing_report_loses_none_of_the_run(tmp_path, report, expect):
+    # The user's report runs after the whole run: it crashed fit before summary.json and loss.png.
+    task = dataclasses.replace(linreg.make(), report=report)
+    if expect == "array":
+        spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=3), progress=False, out_dir=tmp_path)
+        assert len(json.loads((tmp_path / "summary.json").read_text())["w"]) == 3
+        return
+    with pytest.warns(RuntimeWarning, match=f"report\\(params\\) failed after training.*{expect}"):
+        spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=3), progress=False, out_dir=tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} >= {"summary.json", "params.npz", "loss.png", "metrics.jsonl"}
+    assert expect in json.loads((tmp_path / "summary.json").read_text())["report_error"]
+
+
 def test_data_order_is_deterministic_and_covers_every_example():
     data = {"i": np.arange(10)}
     a = iterate_batches(data, 4, seed=3, drop_remainder=False)

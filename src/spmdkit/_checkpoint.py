@@ -659,7 +659,7 @@ class Checkpointer:
                                       "the step is damaged; resume from another step.")) from None
 
     def check_target(self, step: int, target: Any, members: int | None = None) -> None:
-        """The saved leaves have the target's paths and shapes; the first difference is named."""
+        """The saved leaves have the target's paths, shapes and dtypes; the first difference is named."""
         saved = self.meta(step).get("leaves", {})
         want = leaf_table(target)
         part = part_of(saved, want)
@@ -681,6 +681,14 @@ class Checkpointer:
                     fix(f"checkpoint step {step}: leaf state{path} has shape {tuple(saved[path][0])} in the "
                         f"checkpoint but {tuple(shape)} in the model being trained.{hint}",
                         "resume with the same model size and member count, or start a new run.")
+                )
+            if len(saved[path]) > 1 and saved[path][1] != dtype:
+                # Orbax would cast silently: a float32 step counter, bfloat16 weights rounded.
+                raise CheckpointError(
+                    fix(f"checkpoint step {step}: leaf state{path} is {saved[path][1]} in the checkpoint but "
+                        f"{dtype} in the target.",
+                        f"restore into a target of the saved dtypes ({saved[path][1]} here) and cast after: "
+                        "jax.tree.map(lambda x: x.astype(...), state).")
                 )
         extra = sorted(set(saved) - set(want))
         if extra:
@@ -706,8 +714,8 @@ class Checkpointer:
             saved = None  # the restore below reports what is wrong with the step
         part = part_of(saved, leaf_table(target)) if saved else None
         keys = part[1] if part else []
-        if saved and set(saved) != set(leaf_table(target)):
-            self.check_target(step, target)  # not the saved state, nor a part of it: name the difference
+        if saved:
+            self.check_target(step, target)  # paths, shapes and dtypes: the first difference named
         item = target
         for key in reversed(keys):
             item = {key: item}

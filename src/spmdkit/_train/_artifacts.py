@@ -86,7 +86,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _jsonable(x: Any) -> Any:
-    if isinstance(x, (np.generic, jax.Array)):
+    if isinstance(x, (np.generic, np.ndarray, jax.Array)):
         return np.asarray(x).tolist()
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -148,7 +148,16 @@ def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
     if task.report is None:
         return {}
     members = strategy.member_params(params) if isinstance(strategy, Ensemble) else [params]
-    reports = [task.report(p) for p in members]
+    try:
+        reports = [task.report(p) for p in members]
+        wrong = next((r for r in reports if not isinstance(r, Mapping)), None)
+        if wrong is not None:
+            raise TypeError(f"it returned {type(wrong).__name__}, not a dict")
+    except Exception as e:  # the user's code, after the whole run: the run's files must still be written
+        warnings.warn(f"task {task.name!r}: report(params) failed after training ({type(e).__name__}: {e}); "
+                      "the summary is written without it. Fix: return a dict of numbers or arrays, e.g. "
+                      "{'w_norm': float(jnp.linalg.norm(params['w']))}.", RuntimeWarning, stacklevel=2)
+        return {"report_error": f"{type(e).__name__}: {e}"}
     return reports[0] if len(reports) == 1 else {"member_reports": reports}
 
 
