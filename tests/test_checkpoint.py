@@ -118,6 +118,36 @@ def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_p
         ckpt.restore(2, halved)
 
 
+@pytest.mark.parametrize("strategy", [spmdkit.DataParallel, lambda: spmdkit.Ensemble(4)])
+def test_a_state_holding_typed_prng_keys_saves_and_restores(tmp_path, strategy):
+    # A dropout key in the state, NNX's Rngs: Orbax stores no key dtype (a TypeError before).
+    import flax.nnx as nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.dense, self.drop = nnx.Linear(3, 2, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+    def make_state(rng):
+        return {"model": nnx.state(Model(nnx.Rngs(rng))), "key": jax.random.key(1),
+                "rbg": jax.random.key(2, impl="rbg")}
+
+    s = strategy()
+    state = s.init(make_state, 0)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None).claim()
+    ckpt.save(1, state, {})
+    ckpt.close()
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck"), resume=True), log=lambda m: None).claim()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    back, meta = ckpt.restore_latest(target)
+    ckpt.close()
+    assert meta["step"] == 1 and jax.tree.structure(back) == jax.tree.structure(state)
+    data = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        assert a.dtype == b.dtype and a.sharding == b.sharding
+        np.testing.assert_array_equal(jax.device_get(data(a)), jax.device_get(data(b)))
+    assert jax.random.key_impl(back["rbg"]) == jax.random.key_impl(state["rbg"])
+
+
 def test_data_parallel_checkpoint_resumes_sharded(tmp_path):
     task = mlp.make(layers=2, depth=64, embed=32, num_train=256, num_eval=32)
     opt = optax.adam(1e-3)

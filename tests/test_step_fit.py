@@ -150,6 +150,20 @@ def test_hooks_work_alone_around_a_users_loop(tmp_path):
         NaNGuard()(StepInfo(6, 0, state, {"loss": float("nan")}))
 
 
+def test_nan_guard_takes_an_ensembles_per_member_losses_and_names_a_missing_key():
+    # An ensemble step's aux holds a loss per member: a JAX or numpy array raised a TypeError.
+    guard = NaNGuard()
+    for value in (jnp.array([1.0, 2.0]), np.array([1.0, 2.0]), [1.0, 2.0], np.float32(1.5)):
+        guard(StepInfo(1, 0, None, {"loss": value}))
+    assert guard.last == (1, 1.5)
+    with pytest.raises(spmdkit.NonFiniteLossError, match=r"became \[1.0, nan\] at step 2"):
+        guard(StepInfo(2, 0, None, {"loss": jnp.array([1.0, jnp.nan])}))
+    with pytest.warns(RuntimeWarning, match=r"NaNGuard\(key='los'\): the step's metrics have no 'los'"):
+        NaNGuard(key="los")(StepInfo(1, 0, None, {"loss": 1.0}))  # a typo checked nothing, silently
+    with pytest.raises(spmdkit.ConfigError, match=r"NaNGuard\(every=0\)"):
+        NaNGuard(every=0)
+
+
 def test_users_own_loop_with_only_the_checkpoint_hook_resumes_exactly(tmp_path):
     """Own loop + CheckpointHook; a second run restores the newest step and continues."""
     strategy = spmdkit.DataParallel()

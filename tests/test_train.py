@@ -62,7 +62,7 @@ def test_load_params_errors(tmp_path):
         spmdkit.load_params(tmp_path / "p.npz", like={"w": np.ones((3, 2))})
 
 
-def test_params_keep_bfloat16_and_float8(tmp_path):
+def test_params_keep_bfloat16_float8_and_prng_keys(tmp_path):
     # np.savez keeps them as raw bytes ('|V2'), which failed far away, at the first use.
     params = {"w": jnp.arange(3, dtype=jnp.bfloat16) + 0.5, "s": jnp.ones(2, jnp.float8_e4m3fn), "b": np.ones(2)}
     spmdkit.save_params(tmp_path / "p.npz", params)
@@ -71,6 +71,12 @@ def test_params_keep_bfloat16_and_float8(tmp_path):
         assert back[key].dtype == params[key].dtype
         np.testing.assert_array_equal(np.asarray(back[key], np.float32), np.asarray(params[key], np.float32))
     assert set(spmdkit.load_params(tmp_path / "p.npz")) == {"['w']", "['s']", "['b']"}
+    keys = {"rng": jax.random.key(3), "rbg": jax.random.split(jax.random.key(1, impl="rbg"), 2)}
+    spmdkit.save_params(tmp_path / "k.npz", keys)  # typed keys (NNX's Rngs in a state): a TypeError before
+    back = spmdkit.load_params(tmp_path / "k.npz", like=keys)
+    for key in keys:
+        assert back[key].dtype == keys[key].dtype
+        np.testing.assert_array_equal(jax.random.key_data(back[key]), jax.random.key_data(keys[key]))
     np.savez(tmp_path / "raw.npz", **{"['w']": np.asarray(params["w"])})
     with pytest.raises(spmdkit.DataError, match=r"(?s)\['w'\] holds raw bytes \(\|V2\).*arr.view\(jnp.bfloat16\)"):
         spmdkit.load_params(tmp_path / "raw.npz")
@@ -164,6 +170,15 @@ def test_fit_names_an_argument_of_the_wrong_kind(argument, value, words):
             "config": spmdkit.TrainConfig(steps=2), argument: value}
     with pytest.raises(spmdkit.ConfigError, match=f"(?s){words}"):
         spmdkit.fit(**args, progress=False)
+
+
+def test_an_optimizer_that_needs_the_loss_gets_it_and_one_that_needs_more_is_named():
+    # reduce_on_plateau needs update(..., value=loss); lbfgs also a value_fn: TypeErrors inside optax before.
+    plateau = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
+    result = spmdkit.fit(linreg.make(), spmdkit.Single(), plateau, spmdkit.TrainConfig(steps=20), progress=False)
+    assert np.isfinite(result.history[-1]["loss"])
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)needs more than fit gives it.*value_fn.*own train_step"):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.lbfgs(), spmdkit.TrainConfig(steps=2), progress=False)
 
 
 # ---- users' own models --------------------------------------------------------

@@ -94,11 +94,47 @@ class CheckpointConfig:
 
 
 def leaf_table(state: Any) -> dict[str, list]:
-    """``{path: [shape, dtype]}`` of every leaf: what a restore target must match."""
+    """``{path: [shape, dtype]}`` of every leaf as stored (a PRNG key as its uint32 data):
+    what a restore target must match."""
     return {
         jax.tree_util.keystr(path): [list(np.shape(leaf)), str(np.dtype(leaf.dtype))]
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(keys_as_data(state))[0]
     }
+
+
+def is_prng_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def keys_as_data(tree: Any) -> Any:
+    """Typed PRNG key leaves (``jax.random.key``: a dropout key, NNX's ``Rngs``) as their
+    uint32 data, which Orbax and NumPy can store; abstract leaves likewise."""
+    def one(x: Any) -> Any:
+        if not is_prng_key(x):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+        return jax.random.key_data(x)
+
+    return jax.tree.map(one, tree)
+
+
+def key_impls(state: Any) -> dict[str, str]:
+    """``{path: implementation}`` of a state's typed PRNG key leaves, to wrap them again."""
+    return {jax.tree_util.keystr(path): str(jax.random.key_impl(x))
+            for path, x in jax.tree_util.tree_flatten_with_path(state)[0] if is_prng_key(x)}
+
+
+def _keys_again(restored: Any, target: Any, impls: dict[str, str], prefix: str) -> Any:
+    """The leaves ``target`` holds as typed keys, wrapped again from their restored data."""
+    def one(path: Any, x: Any, like: Any) -> Any:
+        if not is_prng_key(like):
+            return x
+        return jax.random.wrap_key_data(x, impl=impls.get(prefix + jax.tree_util.keystr(path), "threefry2x32"))
+
+    return jax.tree_util.tree_map_with_path(one, restored, target)
 
 
 _KEY = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
@@ -543,9 +579,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.claim()
         self._finish_pending()
-        meta = {**meta, "step": step, "run_id": self.run_id, "leaves": leaf_table(state)}
+        meta = {**meta, "step": step, "run_id": self.run_id, "leaves": leaf_table(state), "key_impls": key_impls(state)}
         try:
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(keys_as_data(state)),
                                                             meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as e:
             raise self._save_error(step, e) from None
@@ -709,9 +745,11 @@ class Checkpointer:
         if problems:
             raise self._damaged(step, problems)
         try:
-            saved = self.meta(step).get("leaves")
+            meta = self.meta(step)
+            saved, impls = meta.get("leaves"), meta.get("key_impls", {})
         except CheckpointError:
-            saved = None  # the restore below reports what is wrong with the step
+            saved, impls = None, {}  # the restore below reports what is wrong with the step
+        typed, target = target, keys_as_data(target)
         part = part_of(saved, leaf_table(target)) if saved else None
         keys = part[1] if part else []
         if saved:
@@ -727,7 +765,7 @@ class Checkpointer:
             state, meta = self._orbax_restore(step, item, bool(keys))
         for key in keys:
             state = state[key]
-        return state, meta
+        return _keys_again(state, typed, impls, part[0] if part else ""), meta
 
     def _damaged(self, step: int, problems: list[str]) -> CheckpointError:
         return CheckpointError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",

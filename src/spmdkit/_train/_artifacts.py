@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
 
 
@@ -105,7 +106,9 @@ _DTYPES_KEY = "__spmdkit_dtypes__"
 
 
 def _npz_arrays(params: Any) -> dict[str, np.ndarray]:
-    arrays, named = flat_params(params), {}
+    named = {f"{jax.tree_util.keystr(p)}": f"key:{jax.random.key_impl(x)}"
+             for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if is_prng_key(x)}
+    arrays = flat_params(keys_as_data(params))  # a typed PRNG key (NNX's Rngs) as its uint32 data
     for key, arr in arrays.items():
         if arr.dtype.type.__module__.startswith("ml_dtypes"):
             named[key] = arr.dtype.name
@@ -118,7 +121,10 @@ def _npz_arrays(params: Any) -> dict[str, np.ndarray]:
 def _from_npz(arrays: dict[str, np.ndarray], path: Any) -> dict[str, np.ndarray]:
     named = json.loads(str(arrays.pop(_DTYPES_KEY))) if _DTYPES_KEY in arrays else {}
     for key, name in named.items():
-        arrays[key] = arrays[key].view(jnp.dtype(name))
+        if name.startswith("key:"):
+            arrays[key] = jax.random.wrap_key_data(arrays[key], impl=name[4:])
+        else:
+            arrays[key] = arrays[key].view(jnp.dtype(name))
     raw = [k for k, a in arrays.items() if a.dtype.type is np.void]
     if raw:
         raise DataError(fix(f"{path}: {raw[0]} holds raw bytes ({arrays[raw[0]].dtype}), not numbers: a bfloat16 or "

@@ -23,6 +23,7 @@ work alone around a user's own loop:
 from __future__ import annotations
 
 import math
+import warnings
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from spmdkit._errors import NonFiniteLossError, fix
+from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 
 
 class StepInfo(NamedTuple):
@@ -85,12 +86,24 @@ class NaNGuard(Hook):
     """Raises :class:`NonFiniteLossError` when the loss is NaN or inf (``hint``: the fix)."""
 
     def __init__(self, every: int = 1, key: str = "loss", hint: str = "lower the learning rate, or check the data for NaN/inf."):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(fix(f"NaNGuard(every={every!r}): a whole number of steps >= 1.", "e.g. NaNGuard(every=1)."))
         self.every, self.key, self.hint = every, key, hint
         self.last: tuple[int, float] | None = None
+        self._warned = False
 
     def __call__(self, info: StepInfo) -> None:
         value = info.metrics.get(self.key)
-        value = float(np.mean(value)) if isinstance(value, list) and all(map(math.isfinite, value)) else value
+        if value is None and info.metrics and not self._warned:
+            self._warned = True  # a misspelt key would check nothing, silently
+            warnings.warn(f"NaNGuard(key={self.key!r}): the step's metrics have no {self.key!r} (they have "
+                          f"{sorted(info.metrics)}), so nothing is checked. Fix: pass key= one of those.",
+                          RuntimeWarning, stacklevel=2)
+        if value is not None and not isinstance(value, (int, float)):
+            # An ensemble's per-member losses (a list, a numpy or JAX array): all must be finite.
+            values = np.asarray(jax.device_get(value), dtype=np.float64).ravel()
+            value = float(values.mean()) if np.isfinite(values).all() else values.tolist()
+            value = value[0] if isinstance(value, list) and len(value) == 1 else value
         finite = value is not None and not isinstance(value, list) and math.isfinite(value)
         if value is None or finite:
             if finite:

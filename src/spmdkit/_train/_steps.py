@@ -12,6 +12,7 @@ partial batch, never 0/0.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies._base import micro_batches, run_key
 from spmdkit._tasks._base import Task
 from spmdkit._types import Batch, TrainState
@@ -71,6 +73,8 @@ def task_train_step(task: Task, optimizer: optax.GradientTransformation, accum: 
     other batch (an epoch's last) in one piece, which is the same gradient.
     """
 
+    takes_value = _takes_extra_args(optimizer)
+
     def train_step(state: TrainState, batch: Batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         rows = jax.tree.leaves(batch)[0].shape[0]
@@ -78,12 +82,35 @@ def task_train_step(task: Task, optimizer: optax.GradientTransformation, accum: 
             grads, (loss, aux, model_state) = _accumulated(task, state.params, state.model_state, batch, rng, accum)
         else:
             grads, (loss, aux, model_state) = _grads(task, state.params, state.model_state, batch, rng)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        updates, opt_state = _update(optimizer, grads, state, {"value": loss} if takes_value else {})
         new = state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                              opt_state=opt_state, model_state=model_state)
         return new, {"loss": loss, **aux}
 
     return train_step
+
+
+def _takes_extra_args(optimizer: Any) -> bool:
+    """Whether ``update`` takes optax's extra arguments (``**extra_args``): then it gets the
+    loss as ``value``, which ``reduce_on_plateau`` needs and the others ignore."""
+    try:
+        params = inspect.signature(optimizer.update).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _update(optimizer: Any, grads: Any, state: TrainState, extra: dict[str, Any]) -> tuple[Any, Any]:
+    try:
+        return optimizer.update(grads, state.opt_state, state.params, **extra)
+    except TypeError as e:
+        if "keyword-only argument" not in str(e):
+            raise
+        raise ConfigError(fix(
+            f"the optimizer's update needs more than fit gives it ({e}): fit calls "
+            "update(grads, opt_state, params, value=loss).",
+            "for L-BFGS and other optimizers that evaluate the loss again, write your own train_step "
+            "(it may call the loss as often as it likes) and run it with strategy.step.")) from None
 
 
 def task_eval_step(task: Task, rng: jax.Array):
