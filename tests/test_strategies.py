@@ -323,6 +323,22 @@ def test_another_strategy_refuses_an_ensembles_state():
     np.testing.assert_allclose(out, X[:16] @ np.asarray(members["w"][1]), rtol=1e-5)
 
 
+def test_another_strategy_names_a_sharded_or_replicated_state_and_the_move():
+    # A Sharded state given to DataParallel failed deep in jit; replicate's was called an ensemble's.
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    sharded = spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model")), state_axes={"w": (None, "hidden")})
+    state = sharded.init(lambda rng: {"w": jnp.ones((8, 4))}, 0)
+    f = lambda s, b: (s, {"loss": jnp.mean(b["x"] @ s["w"])})  # noqa: E731
+    dp = spmdkit.DataParallel()
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)state\['w'\] \(shape \(8, 4\)\) is laid out on another mesh "
+                                                  r"\(\{'data': 2, 'model': 4\}.*jax.device_put\(state, strategy.shardings"):
+        dp.step(f)(state, batch_of(16))
+    moved = jax.device_put(state, dp.shardings(state))  # the fix the message gives
+    assert np.isfinite(float(dp.step(f)(moved, batch_of(16))[1]["loss"]))
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)one copy per device, as spmdkit.replicate.*spmdkit.unreplicate"):
+        dp.step(f)(spmdkit.replicate({"w": np.ones((8, 4), np.float32)}), batch_of(16))
+
+
 def test_sharded_compiled_apply_refuses_a_same_structure_state_of_other_shapes():
     mesh = spmdkit.make_mesh(data=2, model=4)
     sharded = lambda: spmdkit.Sharded(mesh, (("batch", "data"), ("hidden", "model")),  # noqa: E731

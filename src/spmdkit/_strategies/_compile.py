@@ -219,12 +219,19 @@ class Placement:
             sh = getattr(x, "sharding", None)
             if not (isinstance(sh, NamedSharding) and sh.mesh != self.mesh and len(sh.mesh.axis_names) == 1
                     and np.ndim(x) and sh.spec and sh.spec[0] == sh.mesh.axis_names[0]):
+                self._other_layout(state)
                 return
             found.append((path, x))
         if not found or len({x.shape[0] for _, x in found}) != 1:
+            self._other_layout(state)
             return
         path, x = found[0]
         k, axis = x.shape[0], x.sharding.mesh.axis_names[0]
+        if axis == "replica":  # spmdkit.replicate's axis: pmap's layout, one copy per device
+            raise LayoutError(fix(
+                f"state{jax.tree_util.keystr(path)} has shape {x.shape}: one copy per device, as "
+                f"spmdkit.replicate lays out a state for pmap; {type(self).__name__} takes the state itself.",
+                "pass spmdkit.unreplicate(state) (or the state before replicate)."))
         raise LayoutError(
             fix(f"state{jax.tree_util.keystr(path)} has shape {x.shape}, split along its leading axis over mesh "
                 f"axis {axis!r} ({dict(x.sharding.mesh.shape)}), as is every leaf: this is an ensemble's state "
@@ -232,6 +239,19 @@ class Placement:
                 "run it with the ensemble that made it (ensemble.step / ensemble.apply), or take one member: "
                 "jax.tree.map(lambda x: x[i], state).")
         )
+
+    def _other_layout(self, state: State) -> None:
+        """A state laid out on another mesh (a Sharded strategy's, another device set): name
+        the first such leaf, its mesh and spec, and how to move it."""
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            sh = getattr(x, "sharding", None)
+            if isinstance(sh, NamedSharding) and sh.mesh != self.mesh:
+                raise LayoutError(fix(
+                    f"state{jax.tree_util.keystr(path)} (shape {np.shape(x)}) is laid out on another mesh "
+                    f"({dict(sh.mesh.shape)}, spec {sh.spec}) than {type(self).__name__}'s "
+                    f"({dict(self.mesh.shape)}): another strategy placed it.",
+                    "move it onto this strategy's layout: state = jax.device_put(state, strategy.shardings(state)), "
+                    "or build it with strategy.init (a checkpoint restores onto any layout)."))
 
     # ---- shared machinery -------------------------------------------------------
     def _context(self) -> TraceContext:
