@@ -183,13 +183,13 @@ def test_errors_name_the_argument_and_path():
         step(state, {"x": X, "y": X[:5]})
     with pytest.raises(spmdkit.BatchSizeError, match=r"batch\['lr'\] is a scalar"):
         step(state, {**batch_of(16), "lr": np.float32(0.1)})
-    with pytest.raises(TypeError, match="it must return \\(state, aux\\)"):
+    with pytest.raises(spmdkit.StepOutputError, match="it must return \\(state, aux\\)"):  # also a TypeError
         strategy.step(lambda s, b: s)(state, batch_of(16))
     with pytest.raises(spmdkit.TreeMismatchError, match="structure differs"):
         strategy.step(lambda s, b: ({"w": s["w"], "extra": s["w"]}, {}))(state, batch_of(16))
     with pytest.raises(spmdkit.BatchSizeError, match="per-example outputs"):
         strategy.apply(lambda s, b: jnp.sum(b["x"]))(state, batch_of(16))
-    with pytest.raises(TypeError, match="make_state must be a function"):
+    with pytest.raises(spmdkit.SignatureError, match="make_state must be a function"):
         strategy.init({"w": 1}, 0)
     with pytest.raises(spmdkit.SignatureError, match="rng must be a PRNG key") as err:  # also a TypeError
         strategy.init(make_linear, "seed")

@@ -157,7 +157,7 @@ def missing_axis(error: Exception) -> str | None:
 
 def check_callable(fn: Any, argument: str, signature: str) -> None:
     if not callable(fn):
-        raise TypeError(fix(f"{argument} must be a function {signature}, not {type(fn).__name__}.",
+        raise SignatureError(fix(f"{argument} must be a function {signature}, not {type(fn).__name__}.",
                             f"pass {argument}=a function {signature}."))
 
 
@@ -394,7 +394,7 @@ class Placement:
         if rowwise == "check":
             return _RowwiseCheck(self._compiled(fn, "apply", False, True), self._compiled(fn, "apply", False, False))
         if not isinstance(rowwise, bool):
-            raise TypeError(fix(f"rowwise={rowwise!r} must be True, False or \"check\".",
+            raise SignatureError(fix(f"rowwise={rowwise!r} must be True, False or \"check\".",
                                 "pass rowwise=True only if fn treats every row of the batch on its own."))
         return self._compiled(fn, "apply", False, rowwise)
 
@@ -604,7 +604,7 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
     def step(state, batch):
         out = fn(state, batch)
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
+            raise StepOutputError(
                 fix(f"train_step {name!r} returned {type(out).__name__}; it must return (state, aux).",
                     "return the new state and anything else (metrics; {} if nothing): return state, {}.")
             )

@@ -22,7 +22,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import ConfigError, fix
+from spmdkit._errors import ConfigError, SignatureError, fix
 from spmdkit._strategies._compile import Placement, as_key, auto_mesh
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, _as_tuple, check_spec
 from spmdkit._types import MakeState
@@ -265,7 +265,7 @@ class Sharded(Placement):
         """Every leaf's layout of ``make_state(rng)``'s state, validated, with its path,
         logical names and bytes per device; nothing is allocated (``jax.eval_shape``)."""
         if hasattr(rng, "init") and hasattr(rng, "update"):  # the older plan(init_fn, optimizer)
-            raise TypeError(fix(
+            raise SignatureError(fix(
                 "Sharded.plan(make_state, rng) takes the function that builds the whole state, not "
                 f"(init_fn, optimizer): its second argument is a PRNG key or seed, not {type(rng).__name__}.",
                 "build the optimizer state inside make_state, e.g. plan(lambda rng: "
