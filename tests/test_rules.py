@@ -130,3 +130,29 @@ def test_duplicate_mesh_axes_and_bare_rule_names_are_errors():
     assert "hidden=none to replicate" in str(e.value)
     with pytest.raises(LayoutError, match="'batch' is given twice"):
         AxisRules.load("batch=data,batch=model")
+
+
+def test_rules_built_from_python_objects_are_checked_where_they_are_built():
+    # A dict as the table worked until Sharded failed to unpack it; these failed raw or silently.
+    assert AxisRules({"batch": "data", "hidden": ["data", "model"]}).table == (("batch", "data"), ("hidden", ("data", "model")))
+    cases = [
+        (lambda: AxisRules((("hidden", 3),)), r"rule 'hidden': 3 is not a mesh axis"),
+        (lambda: AxisRules((("hidden",),)), r"\('hidden',\) is not a rule \(logical name, mesh axes\)"),
+        (lambda: AxisRules({"batch": ("data", "data")}), r"names a mesh axis twice"),
+        (lambda: AxisRules({"batch": "data"}, replicate_unknown="no"), r"replicate_unknown='no'\) must be True or False"),
+        (lambda: AxisRules.load(None), r"AxisRules.load\(None\): a preset name"),
+        (lambda: AxisRules.from_mapping([("batch", "data")]), r"needs a dict of logical name"),
+    ]
+    for build, words in cases:
+        with pytest.raises(LayoutError, match=words):
+            build()
+
+
+def test_state_axes_as_lists_of_names():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    as_lists = spmdkit.Sharded(mesh, "dp+tp", state_axes={"w": ["embed", "hidden"], "b": ["mlp"]})
+    as_tuples = spmdkit.Sharded(mesh, "dp+tp", state_axes={"w": ("embed", "hidden"), "b": ("mlp",)})
+    make = lambda rng: {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}  # noqa: E731
+    a, b = as_lists.init(make, 0), as_tuples.init(make, 0)
+    assert a["w"].sharding.spec == b["w"].sharding.spec
+    assert a["b"].sharding.spec == b["b"].sharding.spec

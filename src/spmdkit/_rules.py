@@ -9,6 +9,7 @@ is an error (never a silent replication) unless the caller opts into replication
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,8 +57,30 @@ class AxisRules:
     name: str = "custom"
     replicate_unknown: bool = False
 
+    def __post_init__(self) -> None:
+        table = self.table
+        if isinstance(table, Mapping):  # AxisRules({"batch": "data"}) reads as the table it says
+            table = tuple(table.items())
+        entries = []
+        for entry in table if isinstance(table, (tuple, list)) else [table]:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise LayoutError(fix(f"AxisRules: {entry!r} is not a rule (logical name, mesh axes).",
+                                      'pass a dict {"batch": "data", "hidden": "model"} or pairs (("batch", "data"),).'))
+            axes = _norm(entry[1], f"rule {entry[0]!r}")
+            if len(set(_as_tuple(axes))) != len(_as_tuple(axes)):
+                raise LayoutError(fix(f"rule {entry[0]!r} -> {axes!r} names a mesh axis twice.",
+                                      f"name each axis once, e.g. {entry[0]!r}: {_as_tuple(axes)[0]!r}."))
+            entries.append((entry[0], axes))
+        object.__setattr__(self, "table", tuple(entries))
+        if not isinstance(self.replicate_unknown, bool):
+            raise LayoutError(fix(f"AxisRules(replicate_unknown={self.replicate_unknown!r}) must be True or False.",
+                                  "e.g. replicate_unknown=True (--replicate-unknown)."))
+
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], name: str = "custom", replicate_unknown: bool = False) -> AxisRules:
+        if not isinstance(mapping, Mapping):
+            raise LayoutError(fix(f"AxisRules.from_mapping({mapping!r:.80}): needs a dict of logical name -> mesh axes.",
+                                  'e.g. {"batch": "data", "hidden": "model"}; for pairs use spmdkit.AxisRules(pairs).'))
         return cls(tuple((str(k), _norm(v, f"rule {k!r}")) for k, v in mapping.items()), name, replicate_unknown)
 
     @classmethod
@@ -69,6 +92,11 @@ class AxisRules:
     @classmethod
     def load(cls, spec: str, replicate_unknown: bool = False) -> AxisRules:
         """A preset name, a TOML file path, or inline ``batch=data,hidden=model``."""
+        if not isinstance(spec, (str, os.PathLike)):
+            raise LayoutError(fix(f"AxisRules.load({spec!r}): a preset name, a TOML file or 'name=axis,...' text.",
+                                  f"e.g. AxisRules.load('fsdp+tp'); presets: {sorted(PRESETS)}; a dict: "
+                                  "AxisRules.from_mapping(d)."))
+        spec = os.fspath(spec)
         if spec in PRESETS:
             rules = cls.preset(spec)
         elif spec.endswith(".toml") or Path(spec).is_file():

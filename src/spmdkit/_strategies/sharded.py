@@ -175,7 +175,7 @@ class Sharded(Placement):
         if replicate_unknown is not None:
             rules = AxisRules(rules.table, rules.name, replicate_unknown)
         rules.check_mesh(mesh)
-        self.state_axes = state_axes
+        self.state_axes = _lists_as_names(state_axes)
         self.mesh = mesh
         self.rules = rules
         batch_axes = rules.mesh_axes(batch_name, "the batch")
@@ -294,6 +294,18 @@ def as_rules(rules: Any) -> AxisRules:
             'pass a preset ("fsdp+tp"), Flax rules ((("batch", "data"), ("hidden", "model"))), '
             'a dict {"hidden": "model"} or spmdkit.AxisRules.')
     )
+
+
+def _lists_as_names(axes: Any) -> Any:
+    """``["embed", "hidden"]`` read as the names ``("embed", "hidden")``: a list of strings
+    (and Nones) cannot be a container of the state's parts, whose names are tuples or None."""
+    if isinstance(axes, list) and any(isinstance(n, str) for n in axes) and all(n is None or isinstance(n, str) for n in axes):
+        return tuple(axes)
+    if isinstance(axes, dict):
+        return {k: _lists_as_names(v) for k, v in axes.items()}
+    if isinstance(axes, (list, tuple)) and not _is_names(axes):
+        return type(axes)(_lists_as_names(v) for v in axes) if type(axes) in (list, tuple) else axes
+    return axes
 
 
 def _is_names(x: Any) -> bool:
