@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -40,6 +41,22 @@ def test_example_targets_load_and_alpha_beta_formula():
     assert collective_time(t, "collective_permute", b, n, "intra_host") == pytest.approx(1e-5 + b * 1e-9)
     assert collective_time(t, "all_reduce", b, 1, "intra_host") == 0.0
     assert from_json(json.loads(json.dumps(t.to_json()))) == t  # the file format round-trips
+
+
+def test_a_misspelt_target_field_is_named_not_dropped(tmp_path):
+    # "memory_per_devices" left the memory budget None, silently; "inter-host" dropped the link.
+    good = json.loads((Path(spmdkit.__file__).parent / "targets" / "h100x8.json").read_text())
+    for change, words in [
+        (lambda t: t.update(memory_per_devices=t.pop("memory_per_device")),
+         r"(?s)'memory_per_devices' is not a field of a target file \(did you mean 'memory_per_device'\?\)"),
+        (lambda t: t["links"].update({"inter-host": t["links"].pop("inter_host")}),
+         r"(?s)links: 'inter-host' is not a field.*did you mean 'inter_host'.*Fix: use \['intra_host', 'inter_host'\]"),
+    ]:
+        target = json.loads(json.dumps(good))
+        change(target)
+        (tmp_path / "t.json").write_text(json.dumps(target))
+        with pytest.raises(TargetError, match=words):
+            spmdkit.load_target(tmp_path / "t.json")
 
 
 def test_bad_target_file_is_named(tmp_path):

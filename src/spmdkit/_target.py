@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import glob
 import json
 import math
@@ -328,11 +329,29 @@ def _sync(data: Any, where: str) -> dict[int, float]:
     return out
 
 
+# What a target file may hold: the fields read, and what spmdkit calibrate adds for reading.
+_FIELDS = ("format", "version", "name", "source", "devices_per_host", "peak_flops", "memory_bandwidth", "links",
+           "memory_per_device", "collectives", "measurements", "op_overhead", "collective_sync_ops", "warnings",
+           "cache_bandwidth")
+_NOTES = ("per_operand_ratio", "fit_quality", "compute_detail", "notes", "calibration_seconds")
+
+
+def _unknown(keys: Any, known: tuple[str, ...], where: str, shown: tuple[str, ...] | None = None) -> None:
+    """A misspelt field would be dropped silently (a memory budget of None): name it."""
+    for key in keys:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            raise TargetError(fix(f"{where}: {key!r} is not a field of a target file"
+                                  + (f" (did you mean {near[0]!r}?)." if near else "."),
+                                  f"use {list(shown or known)}."))
+
+
 def from_json(data: Any, where: str = "target") -> Target:
     """A Target from the parsed JSON of a target file, every field checked."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise TargetError(fix(f"{where} is not a target file (no \"format\": \"{FORMAT}\").",
                               "write one as spmdkit/targets/*.json do, or with spmdkit calibrate."))
+    _unknown(data, _FIELDS + _NOTES, where, _FIELDS)
     if data.get("version") != VERSION:
         raise TargetError(fix(f"{where} has version {data.get('version')!r}; this spmdkit reads version {VERSION}.",
                               "write it again with this version's spmdkit calibrate."))
@@ -344,13 +363,15 @@ def from_json(data: Any, where: str = "target") -> Target:
     if not isinstance(links_in, dict) or "intra_host" not in links_in:
         raise TargetError(fix(f"{where}: links is {links_in!r}, without an intra_host link.",
                               'write "links": {"intra_host": {"alpha": 5e-6, "beta": 2e-12}}.'))
-    links = {k: _link(v, f"{where} links.{k}") for k, v in links_in.items() if k in LINKS}
+    _unknown(links_in, LINKS, f"{where} links")
+    links = {k: _link(v, f"{where} links.{k}") for k, v in links_in.items()}
     collectives = {}
     for kind, per_link in (data.get("collectives") or {}).items():
         if kind not in KINDS or not isinstance(per_link, dict):
             raise TargetError(fix(f"{where}: collectives.{kind} is not a known kind with links.",
                                   f"use kinds {list(KINDS)}, each {{\"intra_host\": {{\"alpha\": ..., \"beta\": ...}}}}."))
-        collectives[kind] = {k: _link(v, f"{where} collectives.{kind}.{k}") for k, v in per_link.items() if k in LINKS}
+        _unknown(per_link, LINKS, f"{where} collectives.{kind}")
+        collectives[kind] = {k: _link(v, f"{where} collectives.{kind}.{k}") for k, v in per_link.items()}
     dph = data.get("devices_per_host")
     if isinstance(dph, bool) or not isinstance(dph, int) or dph < 1:
         raise TargetError(fix(f"{where}: devices_per_host is {dph!r}.", 'write e.g. "devices_per_host": 8.'))
