@@ -993,6 +993,24 @@ def test_plan_bad_numbers_and_dtype_are_named(kwargs, words):
     assert isinstance(err.value, ValueError) and "Fix:" in str(err.value)
 
 
+@pytest.mark.parametrize("args, kwargs, error, words", [
+    ((lambda: {"w": jnp.zeros(3)}, None, None), {}, "SignatureError", "make_state must take one argument"),
+    (({"w": 1}, None, None), {}, "SignatureError", "make_state must be a function rng -> state, not dict"),
+    ((None, None, {"x": [[1.0] * 16] * 16}), {}, "BatchSizeError", r"batch\['x'\]\[0\]\[0\] is float"),
+    ((None, None, None), {}, "BatchSizeError", r"plan\(batch=None\) holds no arrays"),
+    ((None, None, None), {"progress": True}, "SignatureError", "progress must be a function"),
+    ((None, None, None), {"target": {"peak_flops": 1}}, "ConfigError", r"plan\(target=\{'peak_flops': 1\}\)"),
+])
+def test_plan_names_a_function_batch_or_target_of_the_wrong_kind(args, kwargs, error, words):
+    # Each failed deep inside (a TypeError, AttributeError or IndexError) before.
+    make_state, step, batch = _tiny()
+    given = [a if a is not None else d for a, d in zip(args, (make_state, step, batch))]
+    if args == (None, None, None) and "progress" not in kwargs and "target" not in kwargs:
+        given[2] = None
+    with pytest.raises(getattr(spmdkit, error), match=words):
+        spmdkit.plan(*given, rules="dp", **{"target": "h100x8", **kwargs})
+
+
 def test_plan_no_rules_and_a_bad_rng_are_named():
     make_state, step, batch = _tiny()
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)rules=\(\)\) leaves no layout.*Fix: pass at least one"):

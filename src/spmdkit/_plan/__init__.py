@@ -9,19 +9,22 @@ machine; or a target file: peak FLOP/s, memory bandwidth, alpha-beta links).
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from spmdkit._errors import ConfigError, fix
+from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, fix
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
 from spmdkit._plan._report import explain, measure as _measure, pareto, print_plan, save_png, spearman, time_steps
 from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, from_process_0,
                                       links_note, slowest)
 from spmdkit._plan._search import plan as _plan
 from spmdkit._strategies._base import put_global
+from spmdkit._strategies._compile import check_callable
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._target import Target
 
@@ -86,6 +89,33 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
         _whole("accum", a, 1, f"pass accumulation counts >= 1, e.g. accum=(1, 2) (got {tuple(accum)!r}).")
 
 
+def _check_inputs(make_state: Any, train_step: Any, batch: Any, target: Any, **callbacks: Any) -> None:
+    """The functions, batch and target ``plan`` takes, checked before anything is traced."""
+    check_callable(make_state, "make_state", "rng -> state")
+    try:
+        inspect.signature(make_state).bind(0)
+    except TypeError:
+        raise SignatureError(fix("make_state must take one argument, the PRNG key (it builds the state from it).",
+                                 "pass make_state=lambda rng: {...}, e.g. lambda rng: model.init(rng, x).")) from None
+    except ValueError:
+        pass  # no signature to read (a builtin): calling it will tell
+    for name, fn in (("train_step", train_step), *callbacks.items()):
+        if fn is not None:
+            check_callable(fn, name, "(see spmdkit.plan)")
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise BatchSizeError(fix(f"plan(batch={batch!r:.60}) holds no arrays.",
+                                 "pass the global batch: arrays or jax.ShapeDtypeStruct, e.g. {'x': np.zeros((256, 784))}."))
+    for path, x in leaves:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or not np.shape(x):
+            raise BatchSizeError(fix(f"plan: batch{jax.tree_util.keystr(path)} is {type(x).__name__} {x!r:.40}, "
+                                     "not an array with an example axis.",
+                                     "pass arrays (np.asarray(...)) or jax.ShapeDtypeStruct((rows, ...), dtype)."))
+    if not isinstance(target, (str, os.PathLike, Target)):
+        raise ConfigError(fix(f"plan(target={target!r:.60}): a name ('cpu', 'h100x8'), a target file or a Target.",
+                              "pass target='cpu', target='my_target.json' or spmdkit.load_target(path)."))
+
+
 def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memory_per_device: float | None = None,
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
@@ -135,6 +165,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
     accum = (accum,) if isinstance(accum, (int, np.integer)) else tuple(accum)
     _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds)
+    _check_inputs(make_state, train_step, batch, target, step_for=step_for, progress=progress, activations=activations)
     rules = rules_names(rules)
     processes = check_processes(processes, measure)
     if jax.process_count() > 1:
