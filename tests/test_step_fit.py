@@ -164,6 +164,26 @@ def test_nan_guard_takes_an_ensembles_per_member_losses_and_names_a_missing_key(
         NaNGuard(every=0)
 
 
+def test_hooks_and_checkpointer_name_an_argument_of_the_wrong_kind(tmp_path):
+    # Each failed later with an AttributeError or TypeError, or saved a step -1.
+    cases = [
+        (lambda: spmdkit.Checkpointer(str(tmp_path / "ck")), spmdkit.CheckpointError,
+         r"needs a spmdkit.CheckpointConfig.*CheckpointConfig\("),
+        (lambda: CheckpointHook(str(tmp_path), every=1, meta=lambda i: {}), spmdkit.ConfigError, "needs a spmdkit.Checkpointer"),
+        (lambda: spmdkit.MetricsHook([]), spmdkit.ConfigError, r"MetricsHook\(list\).*rows.append"),
+        (lambda: run_hooks(NaNGuard(), StepInfo(1, 0, None, {})), spmdkit.ConfigError, "needs a list of hooks"),
+        (lambda: run_hooks([NaNGuard()], (1, 0, None, {})), spmdkit.ConfigError, "needs a spmdkit.StepInfo"),
+        (lambda: spmdkit.Single(0), spmdkit.MeshError, r"Single\(device=0\): a jax.Device"),
+    ]
+    for build, error, words in cases:
+        with pytest.raises(error, match=f"(?s){words}"):
+            build()
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None).claim()
+    with pytest.raises(spmdkit.CheckpointError, match=r"save\(step=-1\): a step is a whole number >= 0"):
+        ckpt.save(-1, {"w": np.ones(2)}, {})
+    ckpt.close()
+
+
 def test_users_own_loop_with_only_the_checkpoint_hook_resumes_exactly(tmp_path):
     """Own loop + CheckpointHook; a second run restores the newest step and continues."""
     strategy = spmdkit.DataParallel()

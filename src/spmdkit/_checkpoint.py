@@ -391,6 +391,11 @@ class Checkpointer:
     """
 
     def __init__(self, config: CheckpointConfig, log: Callable[[str], None] = print):
+        if not isinstance(config, CheckpointConfig):
+            raise CheckpointError(fix(f"Checkpointer({config!r:.60}): needs a spmdkit.CheckpointConfig.",
+                                      f"pass spmdkit.Checkpointer(spmdkit.CheckpointConfig({config!r:.40}))"
+                                      if isinstance(config, (str, os.PathLike)) else
+                                      "pass spmdkit.Checkpointer(spmdkit.CheckpointConfig('runs/ckpt'))."))
         self.config = config
         self.directory = Path(config.directory).absolute()
         self.log = log
@@ -576,6 +581,8 @@ class Checkpointer:
         :class:`CheckpointSaveError` naming the directory and the cause; the steps saved
         before it stay intact.
         """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise CheckpointError(fix(f"save(step={step!r}): a step is a whole number >= 0.", "pass the step count, e.g. save(100, state, {})."))
         t0 = time.perf_counter()
         self.claim()
         self._finish_pending()

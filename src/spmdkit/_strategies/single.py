@@ -6,6 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from spmdkit._errors import MeshError, fix
 from spmdkit._strategies.data import DataParallel
 
 
@@ -20,5 +21,8 @@ class Single(DataParallel):
     """
 
     def __init__(self, device: jax.Device | None = None):
+        if device is not None and not isinstance(device, jax.Device):
+            raise MeshError(fix(f"Single(device={device!r}): a jax.Device, not {type(device).__name__}.",
+                                "pass e.g. spmdkit.Single(jax.devices()[3]), or nothing for the first device."))
         mesh = Mesh(np.array([device or jax.devices()[0]]), ("data",))
         super().__init__(mesh, axis="data", impl="jit", name="single")

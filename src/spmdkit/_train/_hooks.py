@@ -65,6 +65,11 @@ def with_member_means(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_hooks(hooks: Iterable[Any], info: StepInfo) -> None:
+    if callable(hooks) or not isinstance(hooks, Iterable):
+        raise ConfigError(fix(f"run_hooks({hooks!r:.60}, ...): needs a list of hooks.", "pass run_hooks([hook], info)."))
+    if not isinstance(info, StepInfo):
+        raise ConfigError(fix(f"run_hooks(..., info={info!r:.60}): needs a spmdkit.StepInfo.",
+                              "pass spmdkit.StepInfo(step, epoch, state, metrics)."))
     for hook in hooks:
         if info.step % hook.every == 0:
             hook(info)
@@ -122,6 +127,9 @@ class MetricsHook(Hook):
     ``steps_per_sec`` and ``elapsed_s``, handed to ``record`` (a list's append, a writer)."""
 
     def __init__(self, record: Callable[[dict[str, Any]], None], every: int = 1):
+        if not callable(record):
+            raise ConfigError(fix(f"MetricsHook({type(record).__name__}): record must be a function of one row.",
+                                  "pass a list's append: MetricsHook(rows.append)."))
         self.record, self.every = record, every
         self._sums: dict[str, Any] = {}
         self._count = 0
@@ -171,6 +179,10 @@ class CheckpointHook(Hook):
     """
 
     def __init__(self, checkpointer: Any, every: int, meta: Callable[[StepInfo], dict[str, Any]], known: Any = None):
+        if not callable(getattr(checkpointer, "save", None)):
+            raise ConfigError(fix(f"CheckpointHook({checkpointer!r:.60}, ...): needs a spmdkit.Checkpointer.",
+                                  "pass CheckpointHook(spmdkit.Checkpointer(spmdkit.CheckpointConfig(dir)).claim(), "
+                                  "every=100, meta=lambda info: {})."))
         self.checkpointer, self.every, self.meta, self.known = checkpointer, every, meta, known
         self.saved_at: int | None = None
 
