@@ -90,6 +90,12 @@ def test_resume_is_bit_equal(task, fsdp_tp, tmp_path):
     assert greedy[0] == int(np.argmax(logits[0, -1]))
     assert spmdkit.sample(tmp_path, "def ", length=5, temperature=1.0, seed=3, **sizes) == \
         spmdkit.sample(tmp_path, "def ", length=5, temperature=1.0, seed=3, **sizes)
+    # 123 as a prompt gave 123 zero bytes; a NaN temperature gave zero bytes out.
+    for kwargs, words in [({"prompt": 123}, r"prompt=123 \(int\): text or bytes"),
+                          ({"temperature": float("nan")}, r"temperature=nan: a finite number >= 0"),
+                          ({"length": "5"}, r"length='5': a whole number")]:
+        with pytest.raises(spmdkit.ConfigError, match=words):
+            spmdkit.sample(tmp_path, **{"prompt": "def ", "length": 5, **kwargs}, **sizes)
 
 
 def test_train_and_sample_from_the_command_line(tmp_path, capsys):

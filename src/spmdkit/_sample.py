@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,15 @@ def sample(
     from the softmax of ``logits / temperature`` with keys from ``seed``. The model sees
     the last ``seq_len`` bytes; an empty prompt starts from a newline.
     """
-    if length < 0 or temperature < 0:
-        raise ConfigError(fix(f"length={length}, temperature={temperature}: both must be >= 0.",
-                              "e.g. --length 200 --temperature 0.8."))
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ConfigError(fix(f"length={length!r}: a whole number of bytes >= 0.", "e.g. length=200 (--length 200)."))
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature) or temperature < 0):
+        raise ConfigError(fix(f"temperature={temperature!r}: a finite number >= 0 (0: the most likely byte).",
+                              "e.g. temperature=0.8 (--temperature 0.8)."))
+    if not isinstance(prompt, (str, bytes, bytearray)):
+        raise ConfigError(fix(f"prompt={prompt!r:.40} ({type(prompt).__name__}): text or bytes.",
+                              "e.g. prompt='def main(' (--prompt 'def main(')."))
     model_def, params, _ = load_lm(checkpoint_dir, step, **model)
     seq_len = model_def.cfg.seq_len
     text = bytearray(prompt.encode() if isinstance(prompt, str) else prompt) or bytearray(b"\n")
