@@ -168,3 +168,11 @@ def test_member_loops_agree_with_unroll(task, loop):
 def test_unknown_member_loop():
     with pytest.raises(spmdkit.ConfigError, match="member_loop='scan' is not known"):
         spmdkit.Ensemble(members=2, member_loop="scan")
+
+
+def test_ensemble_names_an_empty_device_list_and_keys_already_split():
+    # max() of an empty list, and JAX's "split accepts a single key", before.
+    with pytest.raises(spmdkit.MeshError, match=r"Ensemble\(devices=\[\]\): a non-empty list of jax.Device"):
+        spmdkit.Ensemble(4, devices=[])
+    with pytest.raises(spmdkit.SignatureError, match=r"rng has shape \(4,\); it takes one key"):
+        spmdkit.Ensemble(4).init(lambda rng: {"w": jax.random.normal(rng, (3,))}, jax.random.split(jax.random.key(0), 4))

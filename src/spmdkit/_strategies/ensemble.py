@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import BatchSizeError, ConfigError, MeshError, fix
+from spmdkit._errors import BatchSizeError, ConfigError, MeshError, SignatureError, fix
 from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree, with_size1_axes
 from spmdkit._types import Params
 
@@ -145,6 +145,9 @@ class Ensemble(Placement):
             )
         if mesh is None:
             devs = list(jax.devices() if devices is None else devices)
+            if not devs or not all(isinstance(d, jax.Device) for d in devs):
+                raise MeshError(fix(f"Ensemble(devices={devices!r:.60}): a non-empty list of jax.Device.",
+                                    "pass e.g. devices=jax.devices()[:4], or leave it out for all of them."))
             used = placement(members, len(devs))
             mesh = Mesh(np.array(devs[:used]), (axis,))
         else:
@@ -339,6 +342,10 @@ class Ensemble(Placement):
     # ---- placement ------------------------------------------------------------
     def member_keys(self, rng: jax.Array) -> jax.Array:
         """Member m is initialised with ``member_keys(rng)[m]``."""
+        if np.shape(rng) not in ((), (2,)) or (np.shape(rng) == (2,) and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)):
+            raise SignatureError(fix(
+                f"Ensemble.init: rng has shape {np.shape(rng)}; it takes one key (or seed) and splits it into "
+                f"the {self.members} members' keys itself.", "pass one key: ensemble.init(make_state, jax.random.key(0))."))
         return jax.random.split(rng, self.members)
 
     def place_state(self, state: Any) -> Any:
