@@ -174,6 +174,8 @@ def test_hooks_and_checkpointer_name_an_argument_of_the_wrong_kind(tmp_path):
         (lambda: run_hooks(NaNGuard(), StepInfo(1, 0, None, {})), spmdkit.ConfigError, "needs a list of hooks"),
         (lambda: run_hooks([NaNGuard()], (1, 0, None, {})), spmdkit.ConfigError, "needs a spmdkit.StepInfo"),
         (lambda: spmdkit.Single(0), spmdkit.MeshError, r"Single\(device=0\): a jax.Device"),
+        (lambda: run_hooks([spmdkit.EvalHook(lambda s: 0.5, [].append, every=1)], StepInfo(1, 0, None, {})),
+         spmdkit.ConfigError, r"evaluate\(state\) returned float 0.5, not a dict"),
     ]
     for build, error, words in cases:
         with pytest.raises(error, match=f"(?s){words}"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -165,7 +165,11 @@ class EvalHook(Hook):
 
     def __call__(self, info: StepInfo) -> None:
         started = time.perf_counter()
-        self.record({"split": "eval", "step": info.step, **self.evaluate(info.state)})
+        metrics = self.evaluate(info.state)
+        if not isinstance(metrics, Mapping):
+            raise ConfigError(fix(f"EvalHook: evaluate(state) returned {type(metrics).__name__} {metrics!r:.40}, "
+                                  "not a dict of metrics.", "return e.g. {'loss': loss, 'accuracy': acc}."))
+        self.record({"split": "eval", "step": info.step, **metrics})
         self.seconds += time.perf_counter() - started
         self.last_step = info.step
 
