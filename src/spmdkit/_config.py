@@ -14,6 +14,7 @@ import optax
 
 from spmdkit._checkpoint import CheckpointConfig
 from spmdkit._errors import ConfigError, fix
+from spmdkit._types import finite_float
 
 
 @dataclass(frozen=True)
@@ -66,21 +67,6 @@ class TrainConfig:
 _OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
-def _finite(value: object) -> float | None:
-    """``value`` as a float if it is a finite real number (not a bool), else None.
-
-    >>> _finite(10**400), _finite(True), _finite("0.1"), _finite(3)
-    (None, None, None, 3.0)
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range
-        return None
-    return number if math.isfinite(number) else None
-
-
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Which optax optimizer, with which hyperparameters."""
@@ -100,14 +86,14 @@ class OptimizerConfig:
                 )
             )
         lr = self.lr
-        if (_finite(lr) or 0) <= 0:
+        if (finite_float(lr) or 0) <= 0:
             raise ConfigError(
                 fix(
                     f"lr={reprlib.repr(lr)}: the learning rate must be a finite number > 0.",
                     "pass e.g. --lr 0.01 (a negative rate would climb the loss, not descend it).",
                 )
             )
-        momentum, decay = _finite(self.momentum), _finite(self.weight_decay)
+        momentum, decay = finite_float(self.momentum), finite_float(self.weight_decay)
         if momentum is None or not 0 <= momentum < 1:
             raise ConfigError(fix(f"momentum={self.momentum!r} must be a number in [0, 1).", "e.g. 0.9."))
         if decay is None or decay < 0:

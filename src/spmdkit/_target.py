@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from spmdkit._errors import ConfigError, fix
+from spmdkit._types import finite_float
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -270,12 +271,7 @@ _EXAMPLES = {"alpha": "5e-6 (seconds per step)", "beta": "2e-12 (seconds per byt
 
 def _finite(value: Any) -> bool:
     """A JSON number that is a finite float (an integer of 400 digits is none)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
+    return finite_float(value) is not None
 
 
 def _number(data: dict, key: str, where: str, positive: bool = True) -> float:

@@ -6,6 +6,7 @@ this module imports nothing of spmdkit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -51,3 +52,18 @@ class Predictor(NamedTuple):
 
     predict: Callable[[Params, Batch], jax.Array]
     score: Callable[[jax.Array, Batch], dict[str, jax.Array]]
+
+
+def finite_float(value: object) -> float | None:
+    """``value`` as a float if it is a finite real number (not a bool), else None.
+
+    >>> finite_float(10**400), finite_float(True), finite_float("0.1"), finite_float(3)
+    (None, None, None, 3.0)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
+    return number if math.isfinite(number) else None
