@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import reprlib
 import tomllib
 from dataclasses import dataclass, field
