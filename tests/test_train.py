@@ -60,6 +60,12 @@ def test_load_params_errors(tmp_path):
         spmdkit.load_params(tmp_path / "p.npz", like={"v": np.ones(1)})
     with pytest.raises(spmdkit.DataError, match=r"\['w'\] has shape \(2, 3\) in the file but \(3, 2\)"):
         spmdkit.load_params(tmp_path / "p.npz", like={"w": np.ones((3, 2))})
+    # A cast would hand a bf16 model the f64 weights it never trained with, without a word.
+    with pytest.raises(spmdkit.DataError, match=r"(?s)\['w'\] is float64 in the file but bfloat16 in `like`.*astype"):
+        spmdkit.load_params(tmp_path / "p.npz", like={"w": jnp.ones((2, 3), jnp.bfloat16)})
+    # Shapes and dtypes alone (no arrays) and plain numbers (no dtype) are fine as `like`.
+    back = spmdkit.load_params(tmp_path / "p.npz", like={"w": jax.ShapeDtypeStruct((2, 3), np.float64)})
+    assert back["w"].dtype == np.float64 and back["w"].sum() == 6
 
 
 def test_params_keep_bfloat16_float8_and_prng_keys(tmp_path):

@@ -189,8 +189,24 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
                     "load it into the model it was trained with.",
                 )
             )
+        _check_dtype(path, key, arrays[key], leaf)
         out.append(arrays[key])
     return jax.tree_util.tree_unflatten(leaves[1], out)
+
+
+def _check_dtype(path: Any, key: str, arr: Any, leaf: Any) -> None:
+    # A silent cast would hand a bf16 model f32 weights (or the reverse) that it never trained with;
+    # a plain Python number in `like` carries no dtype to compare.
+    want = getattr(leaf, "dtype", None)
+    if want is None or arr.dtype == want:
+        return
+    raise DataError(
+        fix(
+            f"{path}: parameter {key} is {arr.dtype} in the file but {want} in `like`.",
+            f"pass a `like` of the dtypes the file was saved with, then cast on purpose, e.g. "
+            f"params = jax.tree.map(lambda x: x.astype(jnp.{want}), params).",
+        )
+    )
 
 
 def params_digest(params: Any) -> str:
