@@ -181,6 +181,9 @@ MISTAKES = {
     "not callable": (lambda p: p(3)),
     "axis_size mismatch": (lambda p: p(lambda v: v, axis_size=4)(np.ones((3, 2)))),
     "mapped sizes differ": (lambda p: p(lambda a, b: a)(np.ones((4, 2)), np.ones((2, 3)))),
+    "out_axes beyond rank": (lambda p: p(lambda v: v, out_axes=2)(np.ones((4, 3)))),
+    "devices an int": (lambda p: p(lambda v: v, devices=4)(np.ones(4))),
+    "returns a string": (lambda p: p(lambda v: "done")(np.ones(4))),
 }
 
 
@@ -220,3 +223,22 @@ def test_lower_with_static_arguments_and_keywords():
     np.testing.assert_array_equal(compiled(x, 3, y=x), np.full((N, 2), 4.0))
     with pytest.raises(spmdkit.SignatureError, match="static arguments"):
         compiled(x, 4, y=x)
+
+
+@pytest.mark.parametrize("kwargs, fn, match", [
+    # jax.pmap fails deep in shard_map ("cannot select an axis to squeeze out") for these two.
+    ({"axis_name": 0}, lambda v: jax.lax.psum(v, 0), r"axis_name=0 \(type int\).*strings"),
+    ({"axis_name": ("a",)}, lambda v: v, r"axis_name=\('a',\) \(type tuple\)"),
+    # jax.pmap: AttributeError 'str' object has no attribute 'process_index'; AssertionError.
+    ({"devices": ["cpu:0"]}, lambda v: v, r"devices\[0\] is 'cpu:0' \(type str\), not a jax.Device"),
+    ({"devices": "dup"}, lambda v: v, r"more than once \(2 entries, 1 distinct\)"),
+    ({"devices": []}, lambda v: v, r"devices=\[\] gives the map no device"),
+    ({"out_axes": {"a": 0, "b": 1}}, lambda v: {"a": v, "b": v.sum()},
+     r"out_axes puts the device axis at 1 for output\['b'\], which has shape \(\) per device"),
+    ({}, lambda v: (v, object()), r"returned object at output\[1\]"),
+])
+def test_argument_mistakes_jax_pmap_raises_raw_are_named(kwargs, fn, match):
+    if kwargs.get("devices") == "dup":
+        kwargs = {"devices": [jax.devices()[0]] * 2}
+    with pytest.raises(spmdkit.SpmdkitError, match=f"(?s){match}.*Fix:"):
+        spmdkit.pmap(fn, **kwargs)(np.ones((2, 3)))

@@ -46,6 +46,9 @@ from spmdkit._pmap_lower import Lowered
 from spmdkit._pmap_parts import (
     _argnums,
     _check_axes_spec,
+    _check_axis_name,
+    _check_devices,
+    _check_output_leaf,
     _is_axis,
     _local_avals,
     _merge_static,
@@ -464,6 +467,8 @@ class _ParallelMap:
                 is_prefix_leaf=_is_axis,
                 example="e.g. out_axes=(0, None) for a function returning (per_device, replicated)",
             )
+            for (path, ax), leaf in zip(pairs, jax.tree_util.tree_leaves(out)):
+                _check_output_leaf(keystr("output", path), leaf, ax)
             if mode == "discover":
                 return out
             out_leaves, out_def = jax.tree_util.tree_flatten(out)
@@ -644,6 +649,8 @@ def pmap(
         raise AxisNameError(
             fix(f"axis_name={axis_name!r} is not hashable.", "use a string such as 'batch'.")
         ) from None
+    _check_axis_name(axis_name)
+    _check_devices(devices)
     static = _argnums("static_broadcasted_argnums", static_broadcasted_argnums)
     donate = _argnums("donate_argnums", donate_argnums)
     if set(static) & set(donate):

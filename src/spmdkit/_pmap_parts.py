@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import MappedAxisError, MappedAxisTypeError, fix
+from spmdkit._errors import (
+    AxisNameError,
+    MappedAxisError,
+    MappedAxisIndexError,
+    MappedAxisTypeError,
+    StepOutputError,
+    fix,
+)
 from spmdkit._tree import keystr
 
 
@@ -39,6 +46,70 @@ def _check_axes_spec(name: str, spec: Any) -> None:
                     f"r{leaf}).",
                 )
             )
+
+
+def _check_axis_name(axis_name: Any) -> None:
+    # The name becomes a mesh axis, and JAX's meshes bind only strings: an int or a tuple
+    # failed deep in shard_map ("cannot select an axis to squeeze out").
+    if axis_name is None or isinstance(axis_name, str):
+        return
+    raise AxisNameError(
+        fix(
+            f"axis_name={axis_name!r} (type {type(axis_name).__name__}); spmdkit.pmap names a "
+            "mesh axis with it, and mesh axes are named by strings.",
+            "use a string such as axis_name='batch', and the same string in psum/pmean/axis_index.",
+        )
+    )
+
+
+def _check_devices(devices: Any) -> None:
+    """``devices=``: a non-empty sequence of distinct ``jax.Device``s, or None."""
+    if devices is None:
+        return
+    example = "e.g. devices=jax.devices()[:4]"
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise MappedAxisTypeError(
+            fix(f"devices={devices!r} (type {type(devices).__name__}) is not a sequence of devices.",
+                f"pass a list of jax.Device objects ({example}).")
+        )
+    devices = list(devices)
+    for i, d in enumerate(devices):
+        if not isinstance(d, jax.Device):
+            raise MappedAxisTypeError(
+                fix(f"devices[{i}] is {d!r} (type {type(d).__name__}), not a jax.Device.",
+                    f"pass jax.Device objects, {example}.")
+            )
+    if not devices:
+        raise MappedAxisError(fix("devices=[] gives the map no device.", f"pass at least one, {example}."))
+    seen = [d for i, d in enumerate(devices) if d in devices[:i]]
+    if seen:
+        raise MappedAxisError(
+            fix(f"devices names {seen[0]} more than once ({len(devices)} entries, "
+                f"{len(set(devices))} distinct).", "list each device once.")
+        )
+
+
+def _check_output_leaf(where: str, leaf: Any, axis: int | None) -> None:
+    """One output leaf of the mapped function, before its device axis is put back."""
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
+        raise StepOutputError(
+            fix(
+                f"the mapped function returned {type(leaf).__name__} at {where}; spmdkit.pmap "
+                "returns arrays only.",
+                f"return arrays (or numbers) there; keep {type(leaf).__name__} values outside "
+                "the mapped function, or pass them in as static_broadcasted_argnums.",
+            )
+        )
+    rank = np.ndim(leaf)
+    if axis is not None and axis > rank:
+        raise MappedAxisIndexError(
+            fix(
+                f"out_axes puts the device axis at {axis} for {where}, which has shape "
+                f"{tuple(np.shape(leaf))} per device, so the result has rank {rank + 1} and "
+                f"axes 0..{rank} only.",
+                f"use an out_axes of at most {rank} at {where} (0 puts the devices first).",
+            )
+        )
 
 
 def _spec(axis_name: Hashable, axis: int | None) -> P:
