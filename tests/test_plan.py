@@ -1011,6 +1011,33 @@ def test_plan_names_a_function_batch_or_target_of_the_wrong_kind(args, kwargs, e
         spmdkit.plan(*given, rules="dp", **{"target": "h100x8", **kwargs})
 
 
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"step_for": lambda remat: None}, "SignatureError", r"(?s)plan calls step_for with 2 argument\(s\).*\(remat\)"),
+    ({"step_for": lambda remat, accum: "full"}, "SignatureError",
+     r"step_for\('none', 1\) returned str, not a train step"),
+    ({"activations": lambda cand, shards: 0}, "SignatureError", "plan calls activations with 3 argument"),
+    ({"activations": lambda c, s, n: "1 MiB"}, "StepOutputError", r"(?s)returned '1 MiB'.*byte count >= 0"),
+    ({"activations": lambda c, s, n: -5}, "StepOutputError", r"returned -5"),
+    ({"activations": lambda c, s, n: {"saved": None}}, "StepOutputError", r"returned \{'saved': None\}"),
+    ({"progress": lambda: None}, "SignatureError", "plan calls progress with 1 argument"),
+])
+def test_plan_names_a_callback_of_the_wrong_shape(kwargs, error, words):
+    # A raw TypeError from deep inside the search before (or a string added to the memory).
+    make_state, step, batch = _tiny()
+    with pytest.raises(getattr(spmdkit, error), match=words):
+        spmdkit.plan(make_state, None if "step_for" in kwargs else step, batch, rules="dp", target="h100x8", **kwargs)
+
+
+def test_plan_takes_activations_as_bytes_or_named_parts():
+    make_state, step, batch = _tiny()
+    bare = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]["memory"]["analytic"]
+    for act, parts in ((lambda c, s, n: 2**20, None), (lambda c, s, n: {"saved": 2**19, "working": 2**19}, 2)):
+        got = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", activations=act)
+        analytic = got["candidates"][0]["memory"]["analytic"]
+        assert analytic["total"] - bare["total"] == 2**20
+        assert (analytic["activation_parts"] is None) == (parts is None)
+
+
 def test_plan_no_rules_and_a_bad_rng_are_named():
     make_state, step, batch = _tiny()
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)rules=\(\)\) leaves no layout.*Fix: pass at least one"):

@@ -89,6 +89,28 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
         _whole("accum", a, 1, f"pass accumulation counts >= 1, e.g. accum=(1, 2) (got {tuple(accum)!r}).")
 
 
+# What plan calls each callback with, and a callback of that shape.
+_CALLS = {
+    "step_for": (("none", 1), "step_for=lambda remat, accum: make_train_step(remat=remat, accum=accum)"),
+    "activations": ((None, 1, 1), "activations=lambda candidate, batch_shards, mesh_size: 2**20"),
+    "progress": (("",), "progress=print"),
+}
+
+
+def _check_arity(fn: Callable, name: str) -> None:
+    if name not in _CALLS:
+        return
+    args, example = _CALLS[name]
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        raise SignatureError(fix(f"plan calls {name} with {len(args)} argument(s), which "
+                                 f"{getattr(fn, '__name__', name)}{inspect.signature(fn)} does not take.",
+                                 f"pass {example}.")) from None
+    except ValueError:
+        pass  # no signature to read (a builtin): calling it will tell
+
+
 def _check_inputs(make_state: Any, train_step: Any, batch: Any, target: Any, **callbacks: Any) -> None:
     """The functions, batch and target ``plan`` takes, checked before anything is traced."""
     check_callable(make_state, "make_state", "rng -> state")
@@ -102,6 +124,7 @@ def _check_inputs(make_state: Any, train_step: Any, batch: Any, target: Any, **c
     for name, fn in (("train_step", train_step), *callbacks.items()):
         if fn is not None:
             check_callable(fn, name, "(see spmdkit.plan)")
+            _check_arity(fn, name)
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise BatchSizeError(fix(f"plan(batch={batch!r:.60}) holds no arrays.",
@@ -120,7 +143,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
          target: str | Target = "cpu", rules: tuple[str, ...] = DEFAULT_RULES, remat: tuple[str, ...] = ("none",),
          accum: tuple[int, ...] = (1,), step_for: Callable[[str, int], Callable] | None = None,
          processes: int | None = None, dtype: str = "float32", rng: Any = 0, measure: int | str = 0, measure_steps: int = 3,
-         measure_rounds: int = 14, activations: Callable[[Candidate, int, int], int] | None = None,
+         measure_rounds: int = 14,
+         activations: Callable[[Candidate, int, int], int | dict[str, int]] | None = None,
          state_axes: Any = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Rank the sharded layouts of ``make_state``/``train_step`` on the devices of every process.
 
@@ -128,7 +152,10 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     rules table names (``rules``: presets, ``"hsdp+tp"``, TOML files), times ``remat``
     and ``accum`` (which need ``step_for(remat, accum) -> train_step``). ``batch`` is the
     global batch (arrays or ``jax.ShapeDtypeStruct``); ``state_axes`` names the dimensions
-    of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`. A rules entry is a
+    of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`;
+    ``activations(candidate, batch_shards, mesh_size)`` gives your step's activation memory per
+    device, in bytes or as a dict of named parts in bytes, for the analytic count (without it
+    only the compiled figure sees them). A rules entry is a
     name (a preset, ``"hsdp+tp"``, a TOML file, inline ``"batch=data,hidden=model"``) or a dict
     ``{logical name: mesh axis or None}`` as :class:`spmdkit.Sharded` takes; a lone string is one
     entry. ``dtype`` is the compute dtype whose peak rate prices the FLOPs (``"float32"``,

@@ -14,7 +14,7 @@ from flax import linen as nn
 from flax import nnx
 
 from spmdkit._console import readable_bytes
-from spmdkit._errors import ConfigError, SpmdkitError, fix
+from spmdkit._errors import ConfigError, SignatureError, SpmdkitError, StepOutputError, fix
 from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enumerate_candidates, rules_table
 from spmdkit._plan._cost import collective_costs, compute_time, parameter_gathers, step_time
@@ -206,7 +206,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
                   if program.ops else 0.0)
     comms = collective_costs(program, target, devices_per_host, op_seconds, strategy.batch_axes,
                              parameter_gathers(param_leaves(layout), dict(strategy.mesh.shape), strategy.batch_axes))
-    act = activations(cand, strategy.batch_shards, strategy.mesh.size) if activations else None
+    act = _activation_bytes(activations, cand, strategy) if activations else None
     analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
     measured = compiled_bytes(compiled)
     memory = max(analytic["total"], measured["total"])
@@ -223,6 +223,30 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         row.update(status="over_budget", reason=f"needs {readable_bytes(memory)} per device, over the budget of "
                                                 f"{readable_bytes(budget)}")
     return row
+
+
+def _step_of(step_for: Callable, cand: Candidate) -> Callable:
+    step = step_for(cand.remat, cand.accum)
+    if not callable(step):
+        raise SignatureError(fix(f"step_for({cand.remat!r}, {cand.accum!r}) returned {type(step).__name__}, "
+                                 "not a train step.",
+                                 "return the step function for that remat policy and accumulation, "
+                                 "e.g. step_for=lambda remat, accum: make_train_step(remat=remat, accum=accum)."))
+    return step
+
+
+def _activation_bytes(activations: Callable, cand: Candidate, strategy: Any) -> int | dict[str, int]:
+    """``activations``' count for ``cand``: bytes, or a dict of named parts in bytes."""
+    act = activations(cand, strategy.batch_shards, strategy.mesh.size)
+    parts = act.values() if isinstance(act, dict) else [act]
+    numbers = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                  and math.isfinite(v) for v in parts)
+    if not numbers or (isinstance(act, dict) and not all(isinstance(k, str) for k in act)) or sum(parts) < 0:
+        raise StepOutputError(fix(f"activations({cand.label}, {strategy.batch_shards}, {strategy.mesh.size}) returned "
+                                  f"{act!r:.80}; plan adds it to the per-device memory as bytes.",
+                                  "return a byte count >= 0 (an int), or a dict of named counts such as "
+                                  "{'saved': 2**20, 'working': 2**18}."))
+    return act
 
 
 class PlanStepError(SpmdkitError, RuntimeError):
@@ -312,7 +336,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     for i, cand in enumerate(candidates):
         if progress:
             progress(f"[{i + 1}/{len(candidates)}] {cand.label}")
-        step = step_for(cand.remat, cand.accum) if step_for else train_step
+        step = _step_of(step_for, cand) if step_for else train_step
         results.append(evaluate(cand, make_state, step, abstract_batch, target, budget, devices_per_host, dtype,
                                 rng, leaves, activations, state_axes))
     _raise_common_failure(results)
