@@ -156,3 +156,16 @@ def test_state_axes_as_lists_of_names():
     a, b = as_lists.init(make, 0), as_tuples.init(make, 0)
     assert a["w"].sharding.spec == b["w"].sharding.spec
     assert a["b"].sharding.spec == b["b"].sharding.spec
+    # A list of only None cannot be told from a list of parts: the error says which and how.
+    with pytest.raises(LayoutError, match=r"state_axes\['w'\] is a list of only None.*\(None, None\)"):
+        spmdkit.Sharded(mesh, "dp+tp", state_axes={"w": [None, None], "b": ["mlp"]}).init(make, 0)
+
+
+def test_strategies_take_the_mesh_as_a_dict():
+    make = lambda rng: {"w": jnp.ones((8, 8))}  # noqa: E731
+    sharded = spmdkit.Sharded({"data": 2, "model": 4}, "dp+tp", state_axes={"w": ("embed", "hidden")})
+    assert dict(sharded.mesh.shape) == {"data": 2, "model": 4}
+    assert sharded.init(make, 0)["w"].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert dict(spmdkit.DataParallel(mesh={"data": -1}).mesh.shape) == {"data": jax.device_count()}
+    with pytest.raises(spmdkit.MeshError, match=r"mesh=\['data'\] is not a jax.sharding.Mesh or a dict"):
+        spmdkit.Sharded(["data"], "dp")

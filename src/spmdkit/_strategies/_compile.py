@@ -11,7 +11,7 @@ return while tracing, and gives the model a mesh to constrain its activations ag
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
                              StepOutputError, TreeMismatchError, fix)
+from spmdkit._mesh import make_mesh
 from spmdkit._rules import LayoutError
 from spmdkit._tree import bad_dtype
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
@@ -33,10 +34,14 @@ _MISSING_AXIS = re.compile(r"Resource axis: (\w+) of .* is not found in mesh")
 
 def auto_mesh(mesh: Any, argument: str = "mesh") -> Mesh:
     """``mesh`` with every axis ``Auto``: meshes from ``jax.make_mesh`` (``Explicit`` axes)
-    are accepted and re-declared, since spmdkit places arrays by sharding propagation."""
+    are accepted and re-declared, since spmdkit places arrays by sharding propagation. A
+    dict ``{"data": 2, "model": 4}`` is built over every device, as :func:`make_mesh` does."""
+    if isinstance(mesh, Mapping) and all(isinstance(k, str) for k in mesh):
+        return make_mesh(**mesh)
     if not isinstance(mesh, Mesh):
         raise MeshError(
-            fix(f"{argument}={mesh!r} is not a jax.sharding.Mesh.", "build one with spmdkit.make_mesh(data=-1, ...).")
+            fix(f"{argument}={mesh!r} is not a jax.sharding.Mesh or a dict of axis sizes.",
+                "build one with spmdkit.make_mesh(data=-1, ...), or pass {'data': 2, 'model': 4}.")
         )
     types = getattr(mesh, "axis_types", None)
     if types is None or all(t == AxisType.Auto for t in types):

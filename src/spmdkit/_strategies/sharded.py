@@ -144,7 +144,8 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
 class Sharded(Placement):
     """Parameters and optimizer state split over a mesh by logical axis rules.
 
-    ``replicate_unknown=True`` replicates arrays whose logical names no rule maps (by
+    ``mesh``: a ``Mesh`` (:func:`spmdkit.make_mesh`) or a dict of axis sizes,
+    ``{"data": 2, "model": 4}``. ``replicate_unknown=True`` replicates arrays whose logical names no rule maps (by
     default that is an error naming the array).
 
     ``rules``: a preset (``"fsdp+tp"``), an :class:`AxisRules`, Flax's own rules format
@@ -411,10 +412,21 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
         lambda x: box(x) if match(x) is not None else x, state, is_leaf=lambda x: match(x) is not None)
     if not matched:
         _check_ranks(state, parts)
+        lists = _none_lists(axes)
         raise LayoutError(
             fix(f"state_axes (structure {jax.tree.structure(axes, is_leaf=_is_names)}) matches neither the state "
                 f"nor any part of it (state structure {jax.tree.structure(state, is_leaf=_is_box)}).",
                 "give state_axes the structure of the state, or of its params (a tuple of logical "
-                "names per array, None to replicate).")
+                "names per array, None to replicate)."
+                + (f" state_axes{lists[0]} is a list of only None, read as a list of parts: write the "
+                   "names of one array as a tuple, e.g. (None, None)." if lists else ""))
         )
     return state
+
+
+def _none_lists(axes: Any, path: str = "") -> list[str]:
+    """Where ``axes`` holds a non-empty list of only ``None``s (names, or a list of parts?)."""
+    if isinstance(axes, list) and axes and all(n is None for n in axes):
+        return [path]
+    items = axes.items() if isinstance(axes, dict) else enumerate(axes) if isinstance(axes, (list, tuple)) else ()
+    return [p for k, v in items for p in _none_lists(v, f"{path}[{k!r}]")]
