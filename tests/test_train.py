@@ -91,7 +91,7 @@ def test_params_keep_bfloat16_float8_and_prng_keys(tmp_path):
 @pytest.mark.parametrize("report, expect", [
     (lambda p: {"w": np.full(3, float(p["weight"]))}, "array"),  # numpy arrays in the summary
     (lambda p: 3.0, "it returned float, not a dict"),
-    (lambda: {}, "takes 0 positional arguments"),
+    (lambda p: p["missing"], "KeyError"),
 ])
 def test_a_failing_report_loses_none_of_the_run(tmp_path, report, expect):
     # The user's report runs after the whole run: it crashed fit before summary.json and loss.png.
@@ -104,6 +104,24 @@ def test_a_failing_report_loses_none_of_the_run(tmp_path, report, expect):
         spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=3), progress=False, out_dir=tmp_path)
     assert {p.name for p in tmp_path.iterdir()} >= {"summary.json", "params.npz", "loss.png", "metrics.jsonl"}
     assert expect in json.loads((tmp_path / "summary.json").read_text())["report_error"]
+
+
+@pytest.mark.parametrize("field, fn, words", [
+    ("report", lambda: {}, r"spmdkit calls report\(params\), which report\(\) does not take"),
+    ("report", "w", r"report is str, not a function"),
+    ("init", lambda: {}, r"spmdkit calls init\(rng\)"),
+    ("loss_fn", lambda p, b: (0.0, {}), r"spmdkit calls loss_fn\(params, batch, rng\), which loss_fn\(p, b\)"),
+    ("eval_fn", lambda p, b: (0.0, {}), r"spmdkit calls eval_fn\(params, batch, rng\)"),
+])
+def test_task_functions_of_the_wrong_shape_are_named_before_training(field, fn, words):
+    # A report of the wrong shape was found only after the whole run had trained.
+    with pytest.raises(spmdkit.SignatureError, match=f"(?s)task 'linreg': {words}.*Fix: pass {field}="):
+        dataclasses.replace(linreg.make(), **{field: fn})
+    stateful = dataclasses.replace(linreg.make(), loss_fn=lambda p, s, b, rng, train: (0.0, {}, s), stateful=True)
+    assert stateful.stateful  # (params, model_state, batch, rng, train=...) is what a stateful task's loss takes
+    with pytest.raises(spmdkit.SignatureError, match=r"(?s)loss_fn\(params, model_state, batch, rng, train=\.\.\.\).*"
+                                                     r"stateful=True: the model state comes second"):
+        dataclasses.replace(linreg.make(), stateful=True)
 
 
 def test_data_order_is_deterministic_and_covers_every_example():

@@ -12,7 +12,7 @@ import numpy as np
 
 from spmdkit._data import is_pipeline, resolve_train_data
 from spmdkit._data._eval import resolve_eval_data
-from spmdkit._errors import DataError, fix
+from spmdkit._errors import DataError, SignatureError, fix
 from spmdkit._types import LossFn, Params, Predictor
 
 
@@ -44,7 +44,9 @@ class Task:
     ``report(params)`` may add entries to the summary. ``defaults`` holds option
     values the task trains well with (``lr``, ``steps``...); flags and config files
     override them. ``predictor`` (classifiers) tells an ensemble how to average its
-    members' probabilities and score the average.
+    members' probabilities and score the average. Each function's signature is checked
+    when the task is made: one that cannot take what spmdkit calls it with is a
+    :class:`spmdkit.SignatureError` then, not after training.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, spmdkit
@@ -78,6 +80,7 @@ class Task:
                     "pass init=lambda rng: params and loss_fn=lambda params, batch, rng: (loss, aux).",
                 )
             )
+        self._check_signatures()
         train = resolve_train_data(self.train_data)
         if not is_pipeline(train):
             train = _as_numpy(train)
@@ -87,6 +90,34 @@ class Task:
             object.__setattr__(self, "eval_data", resolve_eval_data(self.eval_data))
             if not is_pipeline(self.eval_data):
                 check_examples(self.eval_data, "eval_data")
+
+    def _check_signatures(self) -> None:
+        """Each function takes what it will be called with: a report of the wrong shape
+        was otherwise found only after the whole run had trained."""
+        state = ("params", "model_state") if self.stateful else ("params",)
+        loss_example = ("lambda params, model_state, batch, rng, train: (loss, {}, new_model_state)" if self.stateful
+                        else "lambda params, batch, rng: (loss, {})")
+        calls = [("init", self.init, ("rng",), "lambda rng: model.init(rng, x)"),
+                 ("loss_fn", self.loss_fn, (*state, "batch", "rng"), loss_example)]
+        if self.eval_fn is not None:
+            calls.append(("eval_fn", self.eval_fn, (*state, "batch", "rng"), f"lambda {', '.join(state)}, batch, rng: (loss, {{}})"))
+        if self.report is not None:
+            if not callable(self.report):
+                raise SignatureError(fix(f"task {self.name!r}: report is {type(self.report).__name__}, not a function.",
+                                         "pass report=lambda params: {'w': float(params['w'])}, or leave it out."))
+            calls.append(("report", self.report, ("params",), "lambda params: {'w': float(params['w'])}"))
+        for name, fn, args, example in calls:
+            train = {"train": True} if name == "loss_fn" and (self.stateful or _takes(fn, "train")) else {}
+            try:
+                inspect.signature(fn).bind(*args, **train)
+            except TypeError:
+                given = ", ".join([*args, *(f"{k}=..." for k in train)])
+                raise SignatureError(fix(f"task {self.name!r}: spmdkit calls {name}({given}), which "
+                                         f"{name}{inspect.signature(fn)} does not take.",
+                                         f"pass {name}={example}"
+                                         + (" (stateful=True: the model state comes second)." if self.stateful else "."))) from None
+            except ValueError:
+                pass  # no signature to read (a builtin): calling it will tell
 
     # ---- the task's functions in one shape, whatever form the user wrote them in ----
     def variables(self, rng: jax.Array) -> tuple[Params, Any]:
