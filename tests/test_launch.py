@@ -95,6 +95,11 @@ def test_a_failing_process_gives_its_exit_code():
      "need to uninstall the failing plugin package, or set JAX_PLATFORMS=cpu to skip this backend.)",
      "a process started JAX's CPU backend and waited for another's",
      "Fix: mend the other process's error"),
+    # The same gloo failure with its status wrapped onto the next line.
+    ("jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed:\n"
+     "  DEADLINE_EXCEEDED: GetKeyValue() timed out with key: cpu:gloo/0,2048/0",
+     "the processes reached a collective over a new set of devices more than 30 s apart",
+     "Fix: have every process do the same work before its first collective"),
 ])
 def test_a_known_runtime_failure_is_explained_once_with_its_fix(line, what, how):
     code = f"import sys; print({line!r}, file=sys.stderr); sys.exit(1)"

@@ -12,6 +12,7 @@ the kernel for SIGKILL should the launcher die without a word (``kill -9``). Wit
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import signal
@@ -210,10 +211,14 @@ def known_failure(line: str) -> str | None:
 
 
 def _pump(stream, prefix: str, sink, seen: dict[str, None]) -> None:
+    # A runtime error's marks can fall on two lines (a wrapped status, a traceback's note):
+    # match over the last few lines, not one.
+    recent: collections.deque[str] = collections.deque(maxlen=4)
     for line in iter(stream.readline, ""):
         sink.write(f"{prefix}{line}")
         sink.flush()
-        hint = known_failure(line)
+        recent.append(line.rstrip("\n"))
+        hint = known_failure(" ".join(recent))
         if hint is not None:
             seen.setdefault(hint)  # one call: two pumps finding it at once keep one entry
 
