@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -95,15 +96,32 @@ class _Instr(NamedTuple):
     attrs: str
 
 
-def _operands(tail: str) -> tuple[list[str], str]:
+def _operands(tail: str, known: Collection[str]) -> tuple[list[str], str]:
     depth, i = 0, tail.index("(")
     for j in range(i, len(tail)):
         depth += tail[j] == "("
         depth -= tail[j] == ")"
         if depth == 0:
             inner, attrs = tail[i + 1: j], tail[j + 1:]
-            return re.findall(r"%([\w.\-]+)", inner), attrs
+            if "%" in inner:
+                return re.findall(r"%([\w.\-]+)", inner), attrs
+            # Printed without sigils ("f32[4]{0} x, y"): each operand's last word, if it names a
+            # value defined above (a literal such as constant(0)'s is not one).
+            words = [part.split()[-1] for part in _top_level(inner) if part.split()]
+            return [w for w in words if w in known], attrs
     return [], tail
+
+
+def _top_level(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets: ``"f32[2,3]{1,0} a, b"`` -> two parts."""
+    parts, depth, start = [], 0, 0
+    for k, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:k])
+            start = k + 1
+    return parts + [text[start:]]
 
 
 def parse(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]], str]:
@@ -132,7 +150,7 @@ def parse(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]]
             continue
         typ, tail = _split_type(m.group(2))
         op = tail.split("(", 1)[0].strip()
-        operands, attrs = _operands(tail)
+        operands, attrs = _operands(tail, shapes[current])
         if op == "parameter":  # its number, which the fusion's operand of that position feeds
             attrs = "number=" + tail.split("(", 1)[1].split(")", 1)[0].strip() + attrs
         comps[current].append(_Instr(m.group(1), typ, op, operands, attrs))
