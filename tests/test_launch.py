@@ -365,3 +365,17 @@ def test_a_hung_process_is_named_and_every_process_exits(tmp_path):
     assert idle and max(idle) < 40, out.stderr[-2000:]
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "o")], capture_output=True, text=True).stdout.split()
     assert left == [], "orphan processes remain"
+
+
+def test_a_coordinator_port_in_use_is_named_not_a_crash():
+    # JAX crashed with SIGSEGV after gRPC's "Address already in use", naming no port.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run([*CLI, "train", "--task", "linreg", "--steps", "2", "--no-progress", "--coordinator",
+                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"], timeout=90)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"another program already listens on port {port}" in out.stderr and "Fix: pick a free port" in out.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -73,6 +74,30 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Process 0 serves the coordinator: a port another program listens on made JAX crash
+    (SIGSEGV after gRPC's "Address already in use"), with nothing that names the port."""
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return  # JAX binds elsewhere than the coordinator's address says
+    where = ("127.0.0.1" if host == "localhost" else host) if _is_loopback(host) else "0.0.0.0"
+    family = socket.AF_INET6 if ":" in where else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR as gRPC sets it: a port left in TIME_WAIT by an earlier run is free to it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((where, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # JAX will say what is wrong with the address
+            raise DeviceSetupError(fix(
+                f"process 0 serves the coordinator at {host}:{port}, but another program already listens on "
+                f"port {port} of this machine.",
+                "pick a free port for --coordinator (the same address in every process), or stop the program "
+                "using it (`ss -ltnp` names it). Under spmdkit launch, which picked the port, run again: it "
+                "picks a free one at each start."
+            )) from None
+
+
 def heartbeat_timeout(timeout_s: int) -> int:
     """JAX's heartbeat timeout for a run whose step watchdog waits ``timeout_s`` seconds.
 
@@ -115,6 +140,8 @@ def initialize_distributed(
         if not 0 <= index < count:
             raise DeviceSetupError(fix(f"--process-id {index} with --num-processes {count}: ids run from 0 to {count - 1}.",
                                        f"give each process its own id in 0..{count - 1}."))
+        if index == 0:
+            _check_port_free(host, int(coordinator.rpartition(":")[2]))
         # A loopback coordinator serves this machine only: bind it there, not on every
         # interface (JAX's default). Elsewhere JAX binds where JAX_COORDINATOR_BIND_ADDRESS says.
         bind = {"coordinator_bind_address": coordinator} if _is_loopback(host) else {}
