@@ -43,3 +43,61 @@ def test_fit_with_grad_accum_and_bad_value():
     assert result.summary["steps"] == 3
     with pytest.raises(spmdkit.ConfigError, match="grad_accum=0"):
         spmdkit.TrainConfig(grad_accum=0)
+
+
+def _weighted_task(rows=64, eval_rows=37, report_weight=True):
+    # A count-normalised loss sum(w * l) / sum(w) with uneven weights: micro-batches and eval
+    # chunks of equal rows carry unequal shares of it.
+    import jax.numpy as jnp
+
+    r = np.random.default_rng(0)
+    x = r.normal(size=(rows, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + r.normal(size=rows).astype(np.float32))
+    w = np.zeros(rows, np.float32)
+    w[::7], w[:4] = 1.0, 1.0
+    w[16:32] = 0.0  # a micro-batch of weight 0 (its means are 0/0-guarded by the loss)
+
+    def loss_fn(p, b, rng):
+        per_row = (b["x"] @ p["w"] - b["y"]) ** 2
+        total = jnp.sum(b["w"])
+        aux = {"loss_weight": total} if report_weight else {}
+        return jnp.sum(b["w"] * per_row) / jnp.maximum(total, 1.0), aux
+
+    data = {"x": x, "y": y, "w": w}
+    return spmdkit.Task(name="wls", init=lambda rng: {"w": jnp.array([0.3, -0.2, 0.1])}, loss_fn=loss_fn,
+                        train_data=data, eval_data=jax.tree.map(lambda a: a[:eval_rows], data)), loss_fn, data
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_count_normalised_loss_that_reports_its_weight_accumulates_exactly(name):
+    results = {}
+    for report in (True, False):
+        task, loss_fn, data = _weighted_task(report_weight=report)
+        grad = jax.grad(lambda p: loss_fn(p, data, None)[0])(task.init(None))
+        for accum in (1, 2, 4):
+            strategy = STRATEGIES[name]()
+            state = strategy.init(task_state(task, optax.sgd(0.1)), jax.random.key(0), unbox=True)
+            new, metrics = strategy.step(task_train_step(task, optax.sgd(0.1), accum))(state, data)
+            params = np.asarray(to_host(new.params)["w"]).reshape(-1, 3)
+            results[report, accum] = params
+            if report:  # one SGD step on the whole batch, for every member
+                whole = np.asarray(task.init(None)["w"]) - 0.1 * np.asarray(grad["w"])
+                np.testing.assert_allclose(params, np.broadcast_to(whole, params.shape), rtol=0, atol=2e-6)
+                assert np.all(np.asarray(metrics["loss_weight"]) == data["w"].sum())
+    # Without the weight, micro-batches count by their rows: not the whole batch's step (documented).
+    assert np.abs(results[False, 4] - results[True, 4]).max() > 1e-2
+
+
+def test_fit_eval_of_a_count_normalised_loss_weights_chunks_by_its_weight():
+    for report in (True, False):
+        task, loss_fn, data = _weighted_task(report_weight=report)
+        exact = float(loss_fn(task.init(None), jax.tree.map(lambda a: a[:37], data), None)[0])
+        for strategy in (spmdkit.Single(), spmdkit.DataParallel()):
+            result = spmdkit.fit(task, strategy, optax.sgd(0.0), spmdkit.TrainConfig(steps=1, batch_size=16,
+                                                                                      eval_batch_size=16),
+                                 progress=False, log=lambda message: None)
+            if report:
+                assert result.summary["eval_loss"] == pytest.approx(exact, rel=1e-6)
+                assert result.summary["eval_loss_weight"] == float(data["w"][:37].sum())
+            else:  # chunks count by their rows: not the set's value (documented)
+                assert abs(result.summary["eval_loss"] - exact) > 1e-3

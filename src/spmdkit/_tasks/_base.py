@@ -23,7 +23,9 @@ class Task:
     ``loss_fn(params, batch, rng) -> (loss, aux)`` returns the loss over the batch (any
     reduction: a mean, a token-weighted ``sum(w * l) / sum(w)``...) and a dict of
     metrics (e.g. ``{"accuracy": ...}``), written exactly as for one device. It always
-    sees the real batch, never padding. If it has a
+    sees the real batch, never padding. A count-normalised loss ``sum(w * l) / sum(w)``
+    returns its denominator as ``aux["loss_weight"]``: gradient accumulation and eval then
+    weight each micro-batch and chunk by it (else by its rows). If it has a
     ``train`` parameter it is called with ``train=True`` in steps and ``train=False`` in
     eval (dropout off). ``eval_fn`` (same signature, no ``train``) replaces it in eval.
 
@@ -187,6 +189,12 @@ def _describe(out: Any) -> str:
     return f"{type(out).__name__} with shape {getattr(out, 'shape', '?')}"
 
 
+# aux's key for a loss's denominator over its batch (the sum of weights, or of tokens):
+# gradient accumulation and eval weight each micro-batch's and chunk's means by it, not by
+# its rows, so a count-normalised loss sum(w * l) / sum(w) gets the whole batch's value.
+LOSS_WEIGHT = "loss_weight"
+
+
 def _loss_and_aux(out: Any, fn: str, task: str) -> tuple[Any, dict]:
     """A loss function's result as ``(scalar loss, {name: value})``; a bare scalar is a loss."""
     if hasattr(out, "shape") and not isinstance(out, tuple):
@@ -207,6 +215,12 @@ def _loss_and_aux(out: Any, fn: str, task: str) -> tuple[Any, dict]:
         raise TypeError(
             fix(f"task {task!r}: {fn} returned aux of type {type(aux).__name__}; aux must be a dict of "
                 "metrics.", "return loss, {'accuracy': acc} (or loss, {}).")
+        )
+    if LOSS_WEIGHT in aux and getattr(aux[LOSS_WEIGHT], "shape", ()) != ():
+        raise TypeError(
+            fix(f"task {task!r}: {fn} returned aux[{LOSS_WEIGHT!r}] of shape {aux[LOSS_WEIGHT].shape}; it is the "
+                "loss's denominator over the batch (a scalar) that weights micro-batches and eval chunks.",
+                f"return e.g. {{{LOSS_WEIGHT!r}: jnp.sum(w)}} for a loss sum(w * l) / sum(w).")
         )
     return loss, dict(aux)
 

@@ -33,7 +33,7 @@ from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
-from spmdkit._tasks._base import Task
+from spmdkit._tasks._base import LOSS_WEIGHT, Task
 from spmdkit._train import _artifacts as art
 from spmdkit._train._hooks import (
     EvalHook,
@@ -169,7 +169,8 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
     Arrays are read in chunks of ``batch_size`` (see :func:`spmdkit._data.eval_chunks`:
     with several processes each reads only its rows); a pipeline's batches are its own.
     ``eval_step(state, chunk)`` returns the chunk's means; they are weighted by the
-    chunk's rows, so none is dropped or counted twice. ``strategy`` (by default
+    chunk's rows (or by its ``loss_weight``, a count-normalised loss's denominator, when
+    the loss reports one), so none is dropped or counted twice. ``strategy`` (by default
     ``eval_step``'s) says where chunks go. With ``predict`` (an ensemble's ``apply`` of
     the predictor) the mean of the members' probabilities is scored as ``ensemble_<metric>``.
     """
@@ -177,17 +178,27 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
     where = getattr(strategy, "_batch_sharding_for", None)
     sharding_for = None if where is None else (lambda even: where("eval", even))
     totals: dict[str, Any] = {}
-    n = 0
+    scored: dict[str, float] = {}
+    n = weight = 0
+    weighted = False
     for rows, chunk in eval_chunks(resolve_eval_data(data), batch_size, getattr(strategy, "batch_shards", 1),
                                    sharding_for):
         n += rows
-        for k, v in jax.device_get(eval_step(state, chunk)).items():
-            totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64) * rows
+        means = {k: np.asarray(v, np.float64) for k, v in jax.device_get(eval_step(state, chunk)).items()}
+        weighted = LOSS_WEIGHT in means
+        w = means.pop(LOSS_WEIGHT, rows)
+        weight = weight + w
+        for k, v in means.items():
+            # a chunk of weight 0 adds nothing (its means are 0/0 in the user's loss)
+            totals[k] = totals.get(k, 0.0) + np.where(w > 0, v * w, 0.0)
         if predict is not None:
             probs = np.mean(np.asarray(to_host(predict(state, chunk))), axis=0)  # members' mean
             for name, v in predictor.score(probs, to_host(chunk)).items():
-                totals[f"ensemble_{name}"] = totals.get(f"ensemble_{name}", 0.0) + float(np.sum(v))
-    return with_member_means(to_python({k: v / n for k, v in totals.items()}))
+                scored[f"ensemble_{name}"] = scored.get(f"ensemble_{name}", 0.0) + float(np.sum(v))
+    means = {k: v / weight for k, v in totals.items()} | {k: v / n for k, v in scored.items()}
+    if weighted:  # the eval set's whole denominator, as the train step reports its batch's
+        means[LOSS_WEIGHT] = weight
+    return with_member_means(to_python(means))
 
 
 class _Plan(NamedTuple):

@@ -22,7 +22,7 @@ import optax
 
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies._base import micro_batches, run_key
-from spmdkit._tasks._base import Task
+from spmdkit._tasks._base import LOSS_WEIGHT, Task
 from spmdkit._types import Batch, TrainState
 
 
@@ -48,21 +48,39 @@ def _grads(task: Task, params: Any, model_state: Any, batch: Batch, rng: jax.Arr
 
 def _accumulated(task: Task, params: Any, model_state: Any, batch: Batch, rng: jax.Array, accum: int):
     """Mean gradient of ``accum`` equal micro-batches in a ``lax.scan`` (one at a time in
-    memory); the model state (BatchNorm statistics) passes from one to the next."""
+    memory); the model state (BatchNorm statistics) passes from one to the next. A loss
+    that reports its denominator (``aux["loss_weight"]``) has each micro-batch weighted by
+    it, which makes ``sum(w * l) / sum(w)`` the whole batch's; any other, by its rows."""
     parts = (micro_batches(batch, accum), jnp.arange(accum))
     first = jax.tree.map(lambda x: x[0], parts[0])
     shapes = jax.eval_shape(lambda: _grads(task, params, model_state, first, rng))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1][0], shapes[1][1]))
+    weighted = LOSS_WEIGHT in shapes[1][1]
 
     def body(carry, part):
         total, state = carry
         micro, i = part
         grads, (loss, aux, state) = _grads(task, params, state, micro, jax.random.fold_in(rng, i))
+        if weighted:
+            grads, loss, aux = _times_weight((grads, loss, aux), aux[LOSS_WEIGHT])
         return (jax.tree.map(jnp.add, total, (grads, loss, aux)), state), None
 
     (total, new_state), _ = jax.lax.scan(body, (zeros, model_state), parts)
+    if weighted:
+        grads, loss, aux = total
+        weight = aux[LOSS_WEIGHT]
+        grads, loss, aux = jax.tree.map(lambda t: (t / jnp.maximum(weight, 1e-30)).astype(t.dtype), (grads, loss, aux))
+        return grads, (loss, {**aux, LOSS_WEIGHT: weight}, new_state)
     grads, loss, aux = jax.tree.map(lambda t: t / accum, total)
     return grads, (loss, aux, new_state)
+
+
+def _times_weight(tree: Any, weight: jax.Array) -> Any:
+    """Every leaf times the micro-batch's weight; all zeros for a weight of 0, whose means
+    are 0/0 in the user's loss and must not turn the whole step's sums to NaN."""
+    grads, loss, aux = tree
+    scale = lambda t: jnp.where(weight > 0, t * weight, 0).astype(t.dtype)  # noqa: E731
+    return jax.tree.map(scale, grads), scale(loss), {k: v if k == LOSS_WEIGHT else scale(v) for k, v in aux.items()}
 
 
 def task_train_step(task: Task, optimizer: optax.GradientTransformation, accum: int = 1):
