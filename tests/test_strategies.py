@@ -226,6 +226,41 @@ def test_ensemble_members_get_their_own_hyperparameters():
         spmdkit.Ensemble(2, hyperparams={"learning_rate": [0.1, 0.2]}).init(make_linear, 0)
 
 
+def _members_moved(tx, hyperparams, members=3):
+    def make_state(rng):
+        params = make_linear(rng)
+        return {"params": params, "opt": tx.init(params)}
+
+    def train_step(state, batch):
+        grad = jax.grad(lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2))(state["params"])
+        updates, opt = tx.update(grad, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+    ens = spmdkit.Ensemble(members, hyperparams=hyperparams, devices=jax.devices()[:members])
+    state = ens.init(make_state, 0)
+    new, _ = ens.step(train_step)(state, batch_of(16))
+    return np.abs(np.asarray(new["params"]["w"]) - np.asarray(state["params"]["w"])).reshape(members, -1).sum(1)
+
+
+def test_ensemble_hyperparameters_the_optimizer_would_overwrite_are_refused():
+    # A schedule is evaluated at every update: every member trained at its value, silently.
+    schedule = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(0.5))
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)members' values \[0, 0.01, 1\] were replaced.*now "
+                                                  r"\[0.5, 0.5, 0.5\].*is a schedule.*optax.scale"):
+        _members_moved(schedule, {"learning_rate": [0.0, 0.01, 1.0]})
+    # The way the error points to: the schedule's optimizer, then a per-member scale.
+    scaled = optax.chain(optax.sgd(optax.constant_schedule(0.5)), optax.inject_hyperparams(optax.scale)(step_size=1.0))
+    moved = _members_moved(scaled, {"step_size": [0.0, 1.0, 2.0]})
+    assert moved[0] == 0 and moved[1] > 0 and moved[2] > 0  # each member's own scale took effect
+    # Two injected groups (optax.multi_transform) both holding the name: each kept its own value before.
+    two = optax.multi_transform({"a": optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3),
+                                 "b": optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)},
+                               lambda params: jax.tree.map(lambda _: "a", params))
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)2 injected optimizer states hold them.*inner_states\['a'\].*"
+                                                  r"inner_states\['b'\].*inject only the optimizer"):
+        _members_moved(two, {"learning_rate": [0.1, 0.2, 0.3]})
+
+
 def test_ensemble_step_checks_the_member_count():
     state = spmdkit.Ensemble(4).init(make_linear, 0)
     with pytest.raises(spmdkit.MembersMismatchError, match="members=2"):

@@ -216,6 +216,10 @@ class Placement:
     def _check_batch(self, kind: str, rows: int, batch: Batch) -> None:
         """Refuse a batch of a layout this strategy does not take (bagging: one share per member)."""
 
+    def _check_step_output(self, state: State) -> None:
+        """After a step: refuse a new state that undid what ``init`` set up (ensembles: the
+        members' own hyperparameters)."""
+
     def _foreign_state(self, state: State) -> None:
         """After jit refused the state's layout: if every leaf is split along a leading axis
         of one size over a 1-D mesh that is not ours, it is an ensemble's state; say so."""
@@ -516,6 +520,8 @@ class CompiledStep:
             raise
         if self.kind == "apply":
             _check_per_example(out, n, s._row_axis)
+        if self.kind == "step":
+            s._check_step_output(out[0])
         return out
 
 

@@ -68,6 +68,10 @@ _INJECT_STATES = tuple(
 )
 
 
+def _g(values: np.ndarray) -> str:
+    return ", ".join(f"{v:g}" for v in values.ravel().tolist())
+
+
 def _check_hyperparams(hyperparams: Any, members: int) -> dict[str, list[float]]:
     """``{name: one value per member}``, validated before anything is built."""
     if hyperparams is None:
@@ -259,6 +263,7 @@ class Ensemble(Placement):
     def _with_hyperparams(self, state: Any) -> Any:
         """Member m's value of each named hyperparameter written into the optimizer state."""
         found = []
+        self._check_one_injected(state)
 
         def set_values(node):
             if not isinstance(node, _INJECT_STATES):
@@ -285,7 +290,44 @@ class Ensemble(Placement):
                     "build the optimizer as optax.inject_hyperparams(optax.sgd)(learning_rate=0.1) "
                     "so its hyperparameters live in the state.")
             )
+        self._unchecked_hyperparams = True  # until the first step shows the optimizer keeps them
         return state
+
+    def _check_one_injected(self, state: Any) -> None:
+        """Two injected optimizers (two groups of optax.multi_transform) that both hold a
+        named hyperparameter: writing both would silently replace the other group's value."""
+        nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, _INJECT_STATES))[0]
+        hits = [(jax.tree_util.keystr(p), n) for p, n in nodes
+                if isinstance(n, _INJECT_STATES) and set(self.hyperparams) & set(n.hyperparams)]
+        if len(hits) > 1:
+            named = sorted(set(self.hyperparams) & set().union(*(n.hyperparams for _, n in hits)))
+            raise ConfigError(fix(
+                f"hyperparams {named}: {len(hits)} injected optimizer states hold them, at "
+                f"{', '.join('state' + p for p, _ in hits)}; spmdkit will not overwrite each group's own value.",
+                "inject only the optimizer whose value the members vary (build the others without "
+                "optax.inject_hyperparams, e.g. optax.sgd(0.5)), so one state holds it."))
+
+    def _check_step_output(self, state: Any) -> None:
+        if not getattr(self, "_unchecked_hyperparams", False):
+            return
+        self._unchecked_hyperparams = False
+        for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _INJECT_STATES)):
+            if not isinstance(node, _INJECT_STATES):
+                continue
+            for name, per_member in self.hyperparams.items():
+                if name not in node.hyperparams:
+                    continue
+                now = np.asarray(jax.device_get(node.hyperparams[name]))
+                want = np.asarray(per_member, now.dtype)
+                if now.shape != want.shape or not np.array_equal(now, want):
+                    raise ConfigError(fix(
+                        f"hyperparams[{name!r}]: the members' values [{_g(want)}] were replaced by the optimizer "
+                        f"in the first step (now [{_g(now)}]): its {name} is a schedule, which optax "
+                        "evaluates at every step, so every member trained at the schedule's value.",
+                        f"inject a number, not a schedule (optax.inject_hyperparams(optax.sgd)({name}=0.1)) and "
+                        f"vary it per member; for a schedule per member, scale the updates: optax.chain(the "
+                        f"optimizer with the schedule, optax.inject_hyperparams(optax.scale)(step_size=1.0)) "
+                        f"with hyperparams={{'step_size': [...]}}."))
 
     def _check_state(self, state: Any, leaves: list[Any]) -> None:
         # Every call (cheap: leading sizes only): a single model's state may share the
