@@ -120,6 +120,11 @@ def test_warning_lists_the_largest_replicated_parameters():
         )
     msg = str(record[0].message)
     assert "state.params['big'] (256, 256)" in msg and "replicated on every device" in msg
+    # Parameters kept under another name than params: the listing was empty.
+    with pytest.warns(ReplicationWarning) as record:
+        spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp").init(
+            lambda k: {"p": module.init(k, jnp.ones((2, 8)))["params"]}, 0)
+    assert "parameters: state['p']['big'] (256, 256)" in str(record[0].message)
 
 
 def test_duplicate_mesh_axes_and_bare_rule_names_are_errors():

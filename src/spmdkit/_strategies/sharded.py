@@ -124,8 +124,10 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
     """Warn, naming the largest replicated arrays, when sharding was meant but did little."""
     if mesh.size == 1:
         return
-    # A TrainState's .params or a dict state's ['params'] (this listed nothing for a dict state).
+    # A TrainState's .params or a dict state's ['params']; a state that keeps them under
+    # another name ({"p": ...}, a tuple) lists its largest leaves, not nothing.
     params = [leaf for leaf in layout.leaves if leaf.path.startswith(("state.params", "state['params']"))]
+    params = params or list(layout.leaves)
     wants_sharding = any(axes is not None for name, axes in rules.table if name != "batch")
     fraction = layout.replicated_fraction()
     if wants_sharding and fraction > 0.5:
