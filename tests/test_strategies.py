@@ -458,3 +458,13 @@ def test_a_step_that_changes_a_state_leafs_dtype_or_shape_is_refused(strategy):
     assert "state['w'] with shape (8, 2) and dtype bfloat16" in msg and "dtype float32" in msg
     with pytest.raises(spmdkit.StepOutputError, match=r"state\['w'\] with shape \(2, 8\)"):
         strategy.step(lambda s, b: ({"w": s["w"].T}, {}))(state, batch_of(16))
+
+
+@pytest.mark.parametrize("strategy", ["single", "data", "ensemble", "sharded"])
+def test_a_state_leaf_that_is_no_array_is_named_with_its_path(strategy):
+    # JAX's own TypeError before; under an ensemble's vmap it named no path.
+    made = {"single": spmdkit.Single, "data": spmdkit.DataParallel, "ensemble": lambda: spmdkit.Ensemble(2),
+            "sharded": lambda: spmdkit.Sharded({"data": 8}, "dp")}[strategy]()
+    with pytest.raises(spmdkit.StepOutputError, match=r"(?s)make_state returned str 'run-1' at state\['cfg'\]\['name'\]"
+                                                      r".*pytree_node=False"):
+        made.init(lambda rng: {"w": jnp.zeros(3), "cfg": {"name": "run-1"}}, 0)

@@ -160,6 +160,24 @@ def missing_axis(error: Exception) -> str | None:
     return None if found is None else found.group(1)
 
 
+def _arrays_only(make_state: MakeState) -> MakeState:
+    """``make_state`` whose state is checked while tracing: a string or an object in it made
+    jax fail with a message of its own (no path under an ensemble's vmap)."""
+
+    def make(rng: jax.Array) -> State:
+        state = make_state(rng)
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+                raise StepOutputError(fix(
+                    f"make_state returned {type(x).__name__} {x!r:.40} at state{jax.tree_util.keystr(path)}; a "
+                    "state holds arrays only (it is placed on devices and checkpointed).",
+                    "keep it outside the state (a closure, your config), or in a field the pytree does not "
+                    "carry (flax.struct.field(pytree_node=False))."))
+        return state
+
+    return make
+
+
 def check_callable(fn: Any, argument: str, signature: str) -> None:
     if not callable(fn):
         raise SignatureError(fix(f"{argument} must be a function {signature}, not {type(fn).__name__}.",
@@ -300,7 +318,7 @@ class Placement:
         """
         check_callable(make_state, "make_state", "rng -> state")
         rng = self._init_key(as_key(rng))
-        make = self._make(make_state)
+        make = self._make(_arrays_only(make_state))
         shardings = self.shardings(self._abstract_boxed(make, rng))
         strip = unbox_tree if unbox else (lambda tree: tree)
 
@@ -332,7 +350,7 @@ class Placement:
         """The state's shapes and dtypes with this strategy's shardings, allocating nothing:
         the target a checkpoint restores into (the structure ``init`` returns)."""
         check_callable(make_state, "make_state", "rng -> state")
-        boxed = self._abstract_boxed(self._make(make_state), self._init_key(as_key(rng)))
+        boxed = self._abstract_boxed(self._make(_arrays_only(make_state)), self._init_key(as_key(rng)))
         shardings = jax.tree.leaves(self.shardings(boxed))
         tree = unbox_tree(boxed) if unbox else boxed
         leaves, treedef = jax.tree.flatten(tree)
