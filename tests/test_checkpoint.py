@@ -385,3 +385,26 @@ def test_an_older_step_is_deleted_in_the_background_and_gone_once_closed(tmp_pat
     assert ckpt.steps() == [3, 4] and sorted(os.listdir(tmp_path / "manifests")) == ["3.json", "4.json"]
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("spmdkit_")) == ["spmdkit_3", "spmdkit_4"]
     assert not any(t.name == "spmdkit-delete-step" for t in threading.enumerate())
+
+
+def test_restore_names_a_missing_step_a_key_of_another_kind_and_an_ensembles_member_axis(tmp_path):
+    def make(rng):
+        return {"w": jax.random.normal(rng, (8, 4)), "key": jax.random.fold_in(rng, 1)}
+
+    ensemble = spmdkit.Ensemble(4)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(tmp_path), log=lambda m: None)
+    ckpt.save(1, ensemble.init(make, 0), {})
+    ckpt.close()
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(tmp_path, resume=True), log=lambda m: None)
+    # Each was "damaged: it has no manifest", or "shape (4, 2) ... resume with the same model size".
+    with pytest.raises(spmdkit.CheckpointError, match=r"holds no checkpoint step 5 \(it holds steps \[1\]\)"):
+        ckpt.restore(5, ensemble.abstract(make))
+    rbg = ensemble.abstract(lambda r: {**make(r), "key": jax.random.key(0, impl="rbg")})
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)state\['key'\] is a threefry2x32 PRNG key in the "
+                                                      r"checkpoint but a rbg key.*impl='threefry2x32'"):
+        ckpt.restore(1, rbg)
+    with pytest.raises(spmdkit.CheckpointError, match=r"an Ensemble\(4\) checkpoint. Restore it into "
+                                                      r"Ensemble\(4\).abstract\(make_state\)"):
+        ckpt.restore(1, spmdkit.Single().abstract(make))
+    restored, _ = ckpt.restore(1, ensemble.abstract(make))
+    assert restored["key"].dtype == jax.random.key(0).dtype

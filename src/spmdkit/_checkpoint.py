@@ -123,8 +123,14 @@ def keys_as_data(tree: Any) -> Any:
 
 def key_impls(state: Any) -> dict[str, str]:
     """``{path: implementation}`` of a state's typed PRNG key leaves, to wrap them again."""
-    return {jax.tree_util.keystr(path): str(jax.random.key_impl(x))
+    return {jax.tree_util.keystr(path): _impl_name(x)
             for path, x in jax.tree_util.tree_flatten_with_path(state)[0] if is_prng_key(x)}
+
+
+def _impl_name(key: Any) -> str:
+    # A key array's implementation; a target's ShapeDtypeStruct carries it only in its dtype.
+    name = getattr(getattr(key.dtype, "_impl", None), "name", None)  # "threefry2x32", as key_impl says
+    return str(name) if name is not None else str(jax.random.key_impl(key))
 
 
 def _keys_again(restored: Any, target: Any, impls: dict[str, str], prefix: str) -> Any:
@@ -376,6 +382,33 @@ class _ReadableSteps:
                                                   f"cannot be read ({type(e).__name__}: {str(e)[:120]})")
                 continue
             yield metadata
+
+
+def _members_hint(saved: tuple, shape: tuple, members: int | None) -> str:
+    """Why a leaf's shape differs when the difference is an ensemble's member axis."""
+    if saved[1:] == shape:
+        return (f" Every saved leaf has a leading axis of {saved[0]} here: an Ensemble({saved[0]}) checkpoint. "
+                f"Restore it into Ensemble({saved[0]}).abstract(make_state) (--members {saved[0]}), then take "
+                "member m as jax.tree.map(lambda x: x[m], state).")
+    if shape[1:] == saved:
+        return (f" The target has a leading axis of {shape[0]} the checkpoint lacks: a single model's checkpoint "
+                "restored into an ensemble. Restore it into the single model's target.")
+    if members is not None and saved and shape and saved[0] != shape[0]:
+        return (f" The leading axis is the ensemble's member count: the checkpoint has "
+                f"{saved[0]} members, this run {shape[0]}; use --members {saved[0]}.")
+    return ""
+
+
+def _check_key_impls(step: int, saved: dict[str, str], target: dict[str, str], prefix: str) -> None:
+    """A PRNG key saved as one implementation, restored as another (threefry and rbg keys
+    differ in size, which read as a change of model size)."""
+    for path, impl in target.items():
+        was = saved.get(prefix + path)
+        if was is not None and was != impl:
+            raise CheckpointError(fix(
+                f"checkpoint step {step}: leaf state{path} is a {was} PRNG key in the checkpoint but a {impl} key "
+                "in the target.",
+                f"make that key with the implementation it was saved with: jax.random.key(seed, impl={was!r})."))
 
 
 class Checkpointer:
@@ -716,10 +749,7 @@ class Checkpointer:
                         f"resume with the {what} the checkpoint was written with.")
                 )
             if list(saved[path][0]) != list(shape):
-                hint = ""
-                if members is not None and saved[path][0] and shape and saved[path][0][0] != shape[0]:
-                    hint = (f" The leading axis is the ensemble's member count: the checkpoint has "
-                            f"{saved[path][0][0]} members, this run {shape[0]}; use --members {saved[path][0][0]}.")
+                hint = _members_hint(tuple(saved[path][0]), tuple(shape), members)
                 raise CheckpointError(
                     fix(f"checkpoint step {step}: leaf state{path} has shape {tuple(saved[path][0])} in the "
                         f"checkpoint but {tuple(shape)} in the model being trained.{hint}",
@@ -741,6 +771,13 @@ class Checkpointer:
                     f"resume with the {what} the checkpoint was written with.")
             )
 
+    def _check_step_exists(self, step: int) -> None:
+        if not (self.directory / step_name(step)).exists():
+            have = self.steps()
+            raise CheckpointError(fix(f"{self.directory} holds no checkpoint step {step} (it holds "
+                                      f"{'steps ' + str(have) if have else 'no steps'}).",
+                                      "restore one of those (ckpt.latest_step() is the newest), or check the directory."))
+
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified.
 
@@ -748,6 +785,7 @@ class Checkpointer:
         restores the parameters alone (inference), onto any mesh. Every file of the step is
         checked against its manifest (sizes, CRC-32) before its bytes are used.
         """
+        self._check_step_exists(step)
         problems = self.problems(step, arrays=False)
         if problems:
             raise self._damaged(step, problems)
@@ -759,6 +797,7 @@ class Checkpointer:
         typed, target = target, keys_as_data(target)
         part = part_of(saved, leaf_table(target)) if saved else None
         keys = part[1] if part else []
+        _check_key_impls(step, impls, key_impls(typed), part[0] if part else "")
         if saved:
             self.check_target(step, target)  # paths, shapes and dtypes: the first difference named
         item = target

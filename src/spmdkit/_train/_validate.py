@@ -44,28 +44,6 @@ def _check_data(task: Task) -> None:
                     "encode it as numbers first (e.g. token ids or one-hot floats)."))
 
 
-def _check_arity(task: Task) -> None:
-    try:
-        sig = inspect.signature(task.loss_fn)
-    except (TypeError, ValueError):
-        return  # a builtin or C function: nothing to inspect
-    try:
-        if task.stateful:
-            sig.bind(None, None, None, None, train=True)
-        else:
-            sig.bind(None, None, None, **_train_kw(task))
-    except TypeError:
-        if task.stateful:
-            raise TaskError(fix(
-                f"task {task.name!r} is stateful, but loss_fn{sig} cannot be called as "
-                "loss_fn(params, model_state, batch, rng, train).",
-                "define it as def loss_fn(params, model_state, batch, rng, train): ... "
-                "return loss, {}, new_model_state.")) from None
-        raise TaskError(fix(
-            f"task {task.name!r}: loss_fn{sig} cannot be called as loss_fn(params, batch, rng).",
-            "define it as def loss_fn(params, batch, rng): ... return loss, {} (rng may go unused).")) from None
-
-
 def _train_kw(task: Task) -> dict[str, Any]:
     try:
         parameters = inspect.signature(task.loss_fn).parameters
@@ -108,7 +86,6 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
           Fix: return a pair: return loss, {} (or return loss, {"accuracy": acc}).
     """
     _check_data(task)
-    _check_arity(task)
     params = _abstract_params(task)
     if example is None:  # ``example``: the abstract first batch (a pipeline's, read by the loop)
         n = min(batch_size, task.num_train)
