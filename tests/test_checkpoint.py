@@ -408,3 +408,28 @@ def test_restore_names_a_missing_step_a_key_of_another_kind_and_an_ensembles_mem
         ckpt.restore(1, spmdkit.Single().abstract(make))
     restored, _ = ckpt.restore(1, ensemble.abstract(make))
     assert restored["key"].dtype == jax.random.key(0).dtype
+
+
+def test_resuming_a_complete_run_trains_nothing_and_keeps_its_artifacts(tmp_path):
+    task, opt = linreg.make(), optax.sgd(0.1)
+    config = spmdkit.TrainConfig(steps=6, batch_size=16)
+    first = spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path / "out",
+                        checkpoint=spmdkit.CheckpointConfig(tmp_path / "ck", every=3), log=lambda m: None)
+    before = (tmp_path / "out" / "summary.json").read_text()
+    said = []
+    again = spmdkit.fit(task, spmdkit.DataParallel(), opt, config, progress=False, out_dir=tmp_path / "out",
+                        checkpoint=spmdkit.CheckpointConfig(tmp_path / "ck", every=3, resume=True), log=said.append)
+    # The summary was rewritten as a run of no steps: no final loss, no speed.
+    assert (tmp_path / "out" / "summary.json").read_text() == before
+    assert again.summary["final_train_loss"] == first.summary["final_train_loss"] is not None
+    assert any("already complete at step 6" in m for m in said)
+    np.testing.assert_array_equal(np.asarray(again.params["weight"]), np.asarray(first.params["weight"]))
+
+
+def test_resuming_another_tasks_checkpoint_names_the_task(tmp_path):
+    spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
+                progress=False, checkpoint=spmdkit.CheckpointConfig(tmp_path), log=lambda m: None)
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)holds a run of task 'linreg'.*this run trains task 'digits'"
+                                                  r".*resume with --task linreg"):
+        spmdkit.fit(digits.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=4, batch_size=16),
+                    progress=False, checkpoint=spmdkit.CheckpointConfig(tmp_path, resume=True), log=lambda m: None)

@@ -285,3 +285,38 @@ def test_summary_counts_epochs_only_when_an_epoch_has_a_length(tmp_path, capsys)
     _print_summary(piped, Path("run"), Console(width=200))
     table = capsys.readouterr().out
     assert "examples_seen" in table and "80" in table and "epochs" not in table
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_request_while_the_final_files_are_written_waits_for_them(tmp_path, monkeypatch, sig):
+    # It cut the plot short with a traceback, exiting 130/143 under a summary that said completed.
+    import os
+    import signal
+
+    from spmdkit._train import _loop
+
+    write = _loop._write_artifacts
+
+    def interrupted_write(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, sig))
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(_loop, "_write_artifacts", interrupted_write)
+    said = []
+    result = spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=3, batch_size=16),
+                         progress=False, out_dir=tmp_path, log=said.append)
+    assert result.summary["status"] == "completed"
+    assert {p.name for p in tmp_path.iterdir()} >= {"summary.json", "params.npz", "loss.png", "metrics.jsonl"}
+    assert any("a stop request came while the final files were written" in m for m in said)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_a_preemption_without_a_checkpoint_directory_says_nothing_was_saved(monkeypatch):
+    from spmdkit._train import _loop
+
+    monkeypatch.setattr(_loop.Preemption, "reached", lambda self, step: step >= 2)
+    said = []
+    result = spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=5, batch_size=16),
+                         progress=False, log=said.append)
+    assert result.summary["status"] == "preempted" and result.summary["steps"] == 2
+    assert any("preempted at step 2 with no checkpoint directory" in m for m in said)

@@ -776,7 +776,7 @@ class Checkpointer:
             have = self.steps()
             raise CheckpointError(fix(f"{self.directory} holds no checkpoint step {step} (it holds "
                                       f"{'steps ' + str(have) if have else 'no steps'}).",
-                                      "restore one of those (ckpt.latest_step() is the newest), or check the directory."))
+                                      "restore one of those (ckpt.steps()[-1] is the newest), or check the directory."))
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified.

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
-from spmdkit._checkpoint import CheckpointConfig, Checkpointer, CheckpointSaveError
+from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError
 from spmdkit._config import TrainConfig, changed_options
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
@@ -256,6 +256,24 @@ def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
     return _Plan(bs, per_epoch or total, total, config.eval_every or per_epoch or total, examples)
 
 
+def _check_same_task(ckpt: Checkpointer, task: str) -> None:
+    """Another task's checkpoint, named as such before its leaves are compared (which named
+    only the first parameter this task lacks)."""
+    for step in reversed(ckpt.steps()):
+        try:
+            meta = ckpt.meta(step)
+        except CheckpointError:
+            continue  # a damaged step: restore_latest says so and falls back
+        then = meta.get("task")
+        if then is not None and then != task:
+            raise ConfigError(fix(
+                f"{ckpt.directory} holds a run of task {then!r} (step {step}, strategy "
+                f"{(meta.get('strategy') or {}).get('strategy', '?')!r}); this run trains task {task!r}.",
+                f"resume with --task {then} (the task it was written with), or start task {task!r} in another "
+                "--checkpoint-dir (CheckpointConfig(directory) from Python)."))
+        return
+
+
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
            ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
            run_info: dict[str, Any] | None = None, total: int | None = None,
@@ -263,6 +281,7 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
     """The initial state and the steps already done: fresh, or the newest intact checkpoint
     (with ``feed`` moved to its data position; a refused resume logs no resume)."""
     if ckpt is not None and checkpoint.resume:
+        _check_same_task(ckpt, task.name)
         target = strategy.abstract(make_state, key, unbox=True)
         restored = ckpt.restore_latest(target, members=getattr(strategy, "members", None))
         if restored is not None:
@@ -335,7 +354,14 @@ def fit(
                 state, aux = step(state, batch)
                 jax.block_until_ready(state)  # queued collective steps deadlock XLA:CPU
                 run_hooks(run.hooks, StepInfo(i + 1, epoch, state, to_python(aux)))  # a hook may end the run
-        return run.finish(step, batches)
+        # The steps are over: a Ctrl-C or SIGTERM now waits for the last checkpoint, summary and
+        # plot (it cut them short, with a traceback and an exit code that contradicted the
+        # summary's status). A second Ctrl-C still stops at once.
+        with _StopRequest() as stop, Preemption() as term:
+            result = run.finish(step, batches)
+        if stop.requested or term.requested:
+            log(f"{task.name}: a stop request came while the final files were written; they were finished first")
+        return result
     finally:
         if isinstance(batches, Prefetch):
             batches.close()
@@ -443,7 +469,7 @@ class _Run:
 
     def __init__(self, task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout):
         self.entered = time.perf_counter()  # for first_step_in_fit_s: start-up inside fit, imports excluded
-        self.task, self.strategy, self.config, self.run_info = task, strategy, config, run_info
+        self.task, self.strategy, self.config, self.run_info, self.log = task, strategy, config, run_info, log
         # Read (and a bad SPMDKIT_HOST_ALLOCATOR refused) before any step, not in the summary after the last.
         self.host_memory = host_memory()
         self.feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
@@ -545,6 +571,9 @@ class _Run:
         summary and artifacts."""
         self._confirm_final(step, batches)
         done, state = self.last.step, self.last.state
+        if self.status == "preempted" and self.ckpt is None:
+            self.log(f"{self.task.name}: preempted at step {done} with no checkpoint directory: nothing is saved to "
+                     "resume from, so a restart begins at step 0 (pass --checkpoint-dir; CheckpointConfig from Python)")
         final = StepInfo(done, 0, state, {})
         if self.status == "interrupted" and self.evaluator is not None and done and self.evaluator.last_step != done:
             self.evaluator(final)  # so an interrupted run still reports where it got
@@ -556,6 +585,9 @@ class _Run:
                 self.status, self.failure = "failed", self.failure or e
                 self.ckpt.abandon()
         params = to_host(state.params)
+        kept = self._already_complete()
+        if kept is not None:
+            return FitResult(state, params, kept, self.history)
         summary = self._summary(params)
         if self.out is not None and self.primary:
             saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
@@ -564,6 +596,22 @@ class _Run:
         if self.failure is not None:
             raise self.failure
         return FitResult(state, params, summary, self.history)
+
+    def _already_complete(self) -> dict[str, Any] | None:
+        """A resumed run whose checkpoint is at its last step trains nothing: the summary and
+        artifacts it wrote when it completed are kept (they were overwritten with a summary of
+        no steps: no final loss, no speed)."""
+        if not (self.start_step and self.start_step == self.plan.total and self.status == "completed"):
+            return None
+        try:
+            previous = json.loads((self.out / "summary.json").read_text()) if self.out is not None else None
+        except (OSError, ValueError):
+            previous = None
+        if not isinstance(previous, dict) or previous.get("steps") != self.start_step:
+            return None  # another --out: written anew from the checkpoint
+        self.log(f"{self.task.name}: already complete at step {self.start_step}; nothing to train, "
+                 f"{self.out} is left as it was")
+        return previous
 
     def _confirm_final(self, step: Callable[..., Any], batches: Iterator[Any]) -> None:
         """The last state is kept (saved, written) only if known good, like every checkpoint: the
