@@ -433,3 +433,17 @@ def test_resuming_another_tasks_checkpoint_names_the_task(tmp_path):
                                                   r".*resume with --task linreg"):
         spmdkit.fit(digits.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=4, batch_size=16),
                     progress=False, checkpoint=spmdkit.CheckpointConfig(tmp_path, resume=True), log=lambda m: None)
+
+
+def test_resume_refuses_another_precision_and_points_out_moved_data(tmp_path):
+    def run(steps, resume, **info):
+        return spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=steps, batch_size=16),
+                           progress=False, run_info=info, log=lambda m: None,
+                           checkpoint=spmdkit.CheckpointConfig(tmp_path, resume=resume))
+
+    run(2, False, text_dir="corpus", precision="bf16")
+    # Both were resumed without a word: another precision changes every result; another path may be other data.
+    with pytest.raises(spmdkit.ConfigError, match=r"written with --precision bf16, this run has --precision None"):
+        run(4, True, text_dir="corpus")
+    with pytest.warns(RuntimeWarning, match=r"written with --text-dir corpus, this run has --text-dir elsewhere"):
+        assert run(4, True, text_dir="elsewhere", precision="bf16").summary["steps"] == 4

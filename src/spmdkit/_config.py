@@ -235,7 +235,18 @@ def check_value(key: str, value: Any, source: str) -> None:
 # the run it claims to continue. The layout (strategy, mesh, rules, devices) may change.
 RESULT_OPTIONS = {"optimizer": OptimizerConfig.name, "lr": OptimizerConfig.lr, "momentum": OptimizerConfig.momentum,
                   "weight_decay": OptimizerConfig.weight_decay, "grad_accum": TrainConfig.grad_accum,
-                  "bagging": RunConfig.bagging}
+                  "bagging": RunConfig.bagging, "precision": RunConfig.precision}
+# Where the data come from: a path may move with the same data, so a change is only pointed out.
+DATA_OPTIONS = ("data_dir", "data", "text_dir")
+
+
+def moved_data(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(flag, saved path, this run's path)`` of every data location that differs.
+
+    >>> moved_data({"text_dir": "txt"}, {"text_dir": "txt3"})
+    [('--text-dir', 'txt', 'txt3')]
+    """
+    return [(_flag(k), saved.get(k), now.get(k)) for k in DATA_OPTIONS if saved.get(k) != now.get(k)]
 
 
 def changed_options(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -26,7 +26,7 @@ import optax
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError
-from spmdkit._config import TrainConfig, changed_options
+from spmdkit._config import TrainConfig, changed_options, moved_data
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
@@ -109,6 +109,10 @@ def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_i
             f"pass --steps {meta['step']} or more (TrainConfig(steps=...)) to continue that run, or start a new "
             "run in another --checkpoint-dir."))
     changed = changed_options((meta.get("config") or {}), run_info) if run_info and meta.get("config") else []
+    for flag, then, now in moved_data(meta.get("config") or {}, run_info or {}) if meta.get("config") else []:
+        warnings.warn(f"the checkpoint at step {meta.get('step')} was written with {flag} {then}, this run has {flag} "
+                      f"{now}: resuming on the assumption that it is the same data (moved). If it is not, start a "
+                      "new run in another --checkpoint-dir.", RuntimeWarning, stacklevel=4)
     if changed:
         flag, then, now = changed[0]
         raise ConfigError(fix(
