@@ -1273,3 +1273,13 @@ def test_hlo_printed_without_sigils_reads_the_same():
         assert analyse(bare, dict(mesh.shape)) == analyse(text, dict(mesh.shape))
         assert kernels(bare) == kernels(text)
         assert analyse(text, dict(mesh.shape)).dot_flops > 0
+
+
+def test_a_plain_state_without_names_prunes_an_axis_that_splits_nothing():
+    # Ranked "ok" beside plain data parallelism before, though every device repeated the work.
+    make_state, step, batch = _tiny()
+    result = spmdkit.plan(make_state, step, batch, rules=("dp", "tp"), target="h100x8")
+    status = {c["label"]: (c["status"], c.get("reason", "")) for c in result["candidates"]}
+    assert status["dp [data=8]"][0] == "ok"
+    assert status["tp [model=8]"] == ("pruned", "mesh axis 'model' splits nothing: no parameter's logical name nor the "
+                                                "batch maps to it under rules 'tp' (only activations could use it)")

@@ -109,8 +109,8 @@ def conflicts(leaves: list[NamedLeaf], rules: AxisRules, mesh_axes: Collection[s
 def idle_axes(leaves: list[NamedLeaf], rules: AxisRules, mesh: dict[str, int]) -> list[str]:
     """Mesh axes (of size > 1) that the rules map from no name of the parameters or the batch:
     the devices along them would repeat each other's work (an axis for another model's names)."""
-    if not leaves:  # a plain state without names: nothing to judge by
-        return []
+    # A plain state without names too: only the batch can use an axis then, and a candidate
+    # whose axis splits nothing was ranked beside plain data parallelism as if it differed.
     table = rules.mapping
     used = set(_as_tuple(table.get("batch")))
     for leaf in leaves:
