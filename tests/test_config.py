@@ -56,6 +56,33 @@ def test_optimizer_config_errors(kwargs, match):
         spmdkit.OptimizerConfig(**kwargs)
 
 
+@pytest.mark.parametrize("name, kwargs, used_by", [("adam", {"momentum": 0.9}, "sgd"),
+                                                   ("sgd", {"weight_decay": 0.5}, "adamw"),
+                                                   ("adam", {"weight_decay": 0.5}, "adamw")])
+def test_an_option_the_optimizer_ignores_is_refused(name, kwargs, used_by):
+    key, value = next(iter(kwargs.items()))
+    with pytest.raises(spmdkit.ConfigError, match=f"{name} does not use {key}, only {used_by} uses it"):
+        spmdkit.OptimizerConfig(name, **kwargs)
+    flag = "--" + key.replace("_", "-")
+    with pytest.raises(spmdkit.ConfigError, match=f"{flag} {value} is an option of --optimizer {used_by}; "
+                       f"--optimizer {name} does not use it"):
+        build_run_config(resolve_options({"task": "linreg", "optimizer": name, key: value}))
+
+
+def test_a_task_default_the_chosen_optimizer_ignores_is_dropped():
+    # digits trains with SGD and momentum 0.9: --optimizer adam did not ask for momentum.
+    options = resolve_options({"task": "digits", "optimizer": "adam"})
+    assert "momentum" not in options and build_run_config(options).optimizer.momentum == 0.0
+
+
+def test_resume_ignores_an_option_its_optimizer_never_read():
+    from spmdkit._config import changed_options
+
+    # Such a checkpoint recorded --momentum 0.9 with adam and trained without it.
+    assert changed_options({"optimizer": "adam", "momentum": 0.9}, {"optimizer": "adam"}) == []
+    assert changed_options({"optimizer": "sgd", "momentum": 0.9}, {"optimizer": "sgd"}) == [("--momentum", 0.9, 0.0)]
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_optimizer_builds(name):
     import jax.numpy as jnp

@@ -50,6 +50,7 @@ def test_config_file_and_flags(tmp_path):
         (["--batch-size", "500"], "larger than the training set"),
         (["--lr", "-0.1"], "the learning rate must be a finite number > 0"),
         (["--optimizer", "lion"], "optimizer='lion' is not known"),
+        (["--optimizer", "adam", "--momentum", "0.9"], "--momentum 0.9 is an option of --optimizer sgd"),
     ],
 )
 def test_bad_options_are_clean_errors(tmp_path, args, message):

@@ -64,6 +64,17 @@ class TrainConfig:
 
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
+# The optimizers whose build() reads each hyperparameter: the others would drop it without a word.
+OPTIMIZER_USES = {"momentum": ("sgd",), "weight_decay": ("adamw",)}
+
+
+def unused_optimizer_options(name: str, values: dict[str, Any]) -> list[str]:
+    """The keys of ``values`` set to a non-zero value that optimizer ``name`` does not read.
+
+    >>> unused_optimizer_options("adam", {"momentum": 0.9, "weight_decay": 0.0})
+    ['momentum']
+    """
+    return [k for k, users in OPTIMIZER_USES.items() if values.get(k) and name not in users]
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,15 @@ class OptimizerConfig:
             raise ConfigError(fix(f"momentum={self.momentum!r} must be a number in [0, 1).", "e.g. 0.9."))
         if decay is None or decay < 0:
             raise ConfigError(fix(f"weight_decay={self.weight_decay!r} must be a finite number >= 0.", "e.g. 1e-4."))
+        self._check_used()
+
+    def _check_used(self) -> None:
+        for key in unused_optimizer_options(self.name, dataclasses.asdict(self)):
+            users = OPTIMIZER_USES[key]
+            raise ConfigError(fix(
+                f"OptimizerConfig({self.name!r}, {key}={getattr(self, key)!r}): {self.name} does not use {key}, "
+                f"only {' and '.join(users)} uses it; it would be ignored.",
+                f"drop {key}, or choose name={users[0]!r}."))
 
     def build(self) -> optax.GradientTransformation:
         """The optax transformation this config describes."""
@@ -249,6 +269,15 @@ def moved_data(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, An
     return [(_flag(k), saved.get(k), now.get(k)) for k in DATA_OPTIONS if saved.get(k) != now.get(k)]
 
 
+def _in_effect(options: dict[str, Any], key: str, default: Any) -> Any:
+    # An option its optimizer does not read changes nothing: a checkpoint written before such
+    # options were refused (they were recorded, then ignored) resumes without them.
+    name = options.get("optimizer", OptimizerConfig.name)
+    if name not in OPTIMIZER_USES.get(key, (name,)):
+        return default
+    return options.get(key, default)
+
+
 def changed_options(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(flag, saved value, this run's value)`` of every result-changing option that differs.
 
@@ -257,7 +286,7 @@ def changed_options(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[st
     """
     out = []
     for key, default in RESULT_OPTIONS.items():
-        then, value = saved.get(key, default), now.get(key, default)
+        then, value = _in_effect(saved, key, default), _in_effect(now, key, default)
         if then != value:
             out.append((_flag(key), then, value))
     return out
@@ -320,6 +349,7 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         sections[section][name] = value
     try:
         train = TrainConfig(**sections["train"])
+        _check_optimizer_flags(sections["optimizer"])
         optimizer = OptimizerConfig(**sections["optimizer"])
         ckpt = sections["checkpoint"]
         if ckpt and "directory" not in ckpt:
@@ -332,6 +362,19 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         return RunConfig(train=train, optimizer=optimizer, checkpoint=checkpoint, **sections[None])
     except TypeError as e:  # a wrongly typed value in a TOML file
         raise ConfigError(fix(f"invalid option value: {e}.", "check the types in the config file.")) from None
+
+
+def _check_optimizer_flags(opt: dict[str, Any]) -> None:
+    """OptimizerConfig's check that every option is used, in the terms of the flags that set them."""
+    name = opt.get("name", OptimizerConfig.name)
+    if name not in _OPTIMIZERS:
+        return  # OptimizerConfig names the known ones
+    for key in unused_optimizer_options(name, opt):
+        users = " or ".join(f"--optimizer {u}" for u in OPTIMIZER_USES[key])
+        raise ConfigError(fix(
+            f"{_flag(key)} {opt[key]} is an option of {users}; --optimizer {name} does not use it, so it "
+            "would be ignored.",
+            f"drop {_flag(key)} (or `{key.replace('_', '-')} = ...` in the --config file), or pass {users}."))
 
 
 LM_OPTIONS = ("d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")

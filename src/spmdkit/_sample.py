@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer
-from spmdkit._config import OptimizerConfig
+from spmdkit._config import OptimizerConfig, unused_optimizer_options
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import lm, task_defaults
@@ -53,8 +53,12 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
     if unknown:
         raise ConfigError(fix(f"sample: {unknown} are not lm sizes.", f"pass only {list(_MODEL_KEYS)}."))
     cfg = lm.LMConfig(**{**{k: options[k] for k in _MODEL_KEYS if options.get(k) is not None}, **model})
-    optimizer = OptimizerConfig(**{name: options[key] for key, name in (("optimizer", "name"), ("lr", "lr"),
-                                   ("momentum", "momentum"), ("weight_decay", "weight_decay")) if key in options})
+    values = {name: options[key] for key, name in (("optimizer", "name"), ("lr", "lr"), ("momentum", "momentum"),
+                                                   ("weight_decay", "weight_decay")) if key in options}
+    # A run from before unused optimizer options were refused recorded them; they never shaped its state.
+    for key in unused_optimizer_options(values.get("name", OptimizerConfig.name), values):
+        values.pop(key)
+    optimizer = OptimizerConfig(**values)
     model_def, init, loss_fn = lm.lm_functions(cfg)
     shell = Task(name="lm", init=init, loss_fn=loss_fn, train_data={"tokens": np.zeros((1, cfg.seq_len + 1), np.uint8)})
     strategy = get_strategy("single")

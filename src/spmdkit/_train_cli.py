@@ -12,7 +12,16 @@ import jax
 from rich.console import Console
 from rich.table import Table
 
-from spmdkit._config import RunConfig, build_run_config, check_keys, load_toml, strategy_options, task_options
+from spmdkit._config import (
+    OptimizerConfig,
+    RunConfig,
+    build_run_config,
+    check_keys,
+    load_toml,
+    strategy_options,
+    task_options,
+    unused_optimizer_options,
+)
 from spmdkit._console import stderr_console
 from spmdkit._data import is_pipeline, load_dataset
 from spmdkit._data._errors import DatasetLayoutError
@@ -38,6 +47,10 @@ def resolve_options(flags: dict[str, Any]) -> dict[str, Any]:
     # A task's default length must not clash with a user-given --epochs.
     if "epochs" in given:
         defaults.pop("steps", None)
+    # digits' default momentum is its SGD's: with --optimizer adam it is not asked for, so not refused.
+    optimizer = given.get("optimizer", defaults.get("optimizer", OptimizerConfig.name))
+    for key in unused_optimizer_options(optimizer, defaults):
+        defaults.pop(key)
     return {**defaults, **given}
 
 
