@@ -1090,6 +1090,17 @@ def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys)
     assert code == 5 and "is a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("task, args, wrong", [
+    ("mlp", ["--d-model", "32", "--heads", "3", "--precision", "bf16", "--text-dir", "/nonexistent"],
+     "['d_model', 'heads', 'precision', 'text_dir'] (--d-model, --heads, --precision, --text-dir)"),
+    ("lm", ["--depth", "7"], "['depth'] (--depth)"),
+])
+def test_cli_plan_refuses_another_tasks_options_as_train_does(task, args, wrong, capsys):
+    code = main(["plan", "--task", task, "--devices", "8", "--rules", "dp", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and f"task {task!r} does not take option(s) {wrong}" in err and "compiling" not in err
+
+
 def test_plan_step_failing_for_every_candidate_raises_its_error():
     from spmdkit._plan._search import PlanStepError
 

@@ -181,8 +181,27 @@ def check_out(path: str | None, flag: str) -> None:
         raise PlanFileError(fix(*problem))
 
 
+_TASK_FLAGS = ("layers", "depth", "embed", "d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")
+
+
+def _check_task_options(args: argparse.Namespace) -> None:
+    """The task takes every model option given (as train's get_task checks): the planner
+    builds each model from its own sizes, so another task's would be dropped without a word."""
+    import inspect
+
+    from spmdkit._tasks import TASKS
+
+    accepted = set(inspect.signature(TASKS[args.task].make).parameters)
+    wrong = [k for k in _TASK_FLAGS if getattr(args, k, None) is not None and k not in accepted]
+    if wrong:
+        flags = lambda keys: ", ".join("--" + k.replace("_", "-") for k in keys)  # noqa: E731
+        raise ConfigError(fix(f"task {args.task!r} does not take option(s) {wrong} ({flags(wrong)}).",
+                              f"it takes {flags(k for k in _TASK_FLAGS if k in accepted)}; drop the others."))
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Flag errors found before any process starts or any JAX work."""
+    _check_task_options(args)
     check_out(args.json, "--json")
     check_out(args.png, "--png")
     if args.measure != "all" and args.measure < 0:
