@@ -151,6 +151,17 @@ def test_inspect_counts_a_scanned_models_flops_for_every_layer():
     assert flops["scan"] >= 4 * 2 * 3 * 2 * 8 * 32 * 64
 
 
+def test_inspect_compiles_the_batch_asked_for_and_says_where_an_uneven_one_goes():
+    tiny = ("inspect", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--mesh", "data=8",
+            "--rules", "dp")
+    report = json.loads(run_cli(*tiny, "--batch-size", "3", "--json").stdout)
+    # Rounded up to 8 before: a step nobody runs; train places 3 rows whole on every device.
+    assert report["batch_size"] == 3 and report["batch_placement"].startswith("whole on every device")
+    out = run_cli(*tiny, "--batch-size", "16")
+    assert out.returncode == 0, out.stderr
+    assert "batch 16: split: 2 row(s) on each of 8 batch shard(s)" in out.stdout
+
+
 def test_inspect_names_the_rule_error():
     out = run_cli("inspect", "--mesh", "data=8", "--rules", "dp+tp")
     assert out.returncode == 2

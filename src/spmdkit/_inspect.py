@@ -34,8 +34,8 @@ def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransf
     layout = strategy.plan(make_state)
     params = [leaf for leaf in layout.leaves if leaf.path.startswith("state.params")]
     others = [leaf for leaf in layout.leaves if not leaf.path.startswith("state.params")]
-    size = -(-batch_size // strategy.batch_shards) * strategy.batch_shards
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), task.train_data)
+    # The batch asked for, not rounded up: an uneven one is compiled as fit runs it, whole on every device.
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype), task.train_data)
     step = strategy.step(task_train_step(task, optimizer))
     compiled = step.lower(layout.abstract, batch).compile()
     mem = _analysis(compiled.memory_analysis())
@@ -49,7 +49,8 @@ def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransf
     return {
         "task": task.name,
         **strategy.describe(),
-        "batch_size": size,
+        "batch_size": batch_size,
+        "batch_placement": _placement(batch_size, strategy.batch_shards),
         "params": [
             {
                 "path": leaf.path.removeprefix("state.params"),
@@ -70,6 +71,13 @@ def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransf
         "step_flops_per_device": float(cost.get("flops", 0.0)) + program.extra_flops,
         "step_bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)) + program.extra_bytes,
     }
+
+
+def _placement(batch_size: int, shards: int) -> str:
+    if batch_size % shards == 0:
+        return f"split: {batch_size // shards} row(s) on each of {shards} batch shard(s)"
+    return (f"whole on every device: {batch_size} rows do not split over {shards} batch shards, so the step "
+            f"(as train runs it) computes all of them on each device; a multiple of {shards} splits")
 
 
 def array_layout(strategy: Sharded, path: str) -> dict[str, Any]:
@@ -113,6 +121,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         f"{readable_flops(report['step_flops_per_device'])}, {readable_bytes(report['step_bytes_accessed_per_device'])} "
         "accessed (loop trips counted)"
     )
+    console.print(f"batch {report['batch_size']}: {report['batch_placement']}", highlight=False, markup=False)
 
 
 def print_array_layout(info: dict[str, Any], console: Console) -> None:
