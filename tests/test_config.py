@@ -117,6 +117,14 @@ def test_toml_file(tmp_path):
         load_toml(str(tmp_path / "typo.toml"))
 
 
+def test_a_config_that_is_a_directory_or_not_utf8_is_named(tmp_path):
+    with pytest.raises(spmdkit.ConfigError, match="is a directory"):
+        load_toml(str(tmp_path))
+    (tmp_path / "latin1.toml").write_bytes('out = "r\xe9sum\xe9"\n'.encode("latin-1"))
+    with pytest.raises(spmdkit.ConfigError, match=r"is not UTF-8 text \(byte 0xe9 at offset 8\)"):
+        load_toml(str(tmp_path / "latin1.toml"))
+
+
 def test_precedence_task_defaults_then_file_then_flags(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('task = "digits"\nlr = 0.2\nsteps = 7\n')

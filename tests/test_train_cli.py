@@ -79,6 +79,11 @@ def test_unknown_config_key(tmp_path):
     assert out.returncode == 2 and "did you mean 'batch_size'" in out.stderr
 
 
+def test_config_that_is_a_directory_exits_2_without_a_traceback(tmp_path):
+    out = run("train", "--config", str(tmp_path))
+    assert out.returncode == 2 and "is a directory" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_divergence_exits_3_naming_the_step(tmp_path):
     out = run("train", "--task", "linreg", "--lr", "40", "--out", str(tmp_path), "--no-progress")
     assert out.returncode == 3

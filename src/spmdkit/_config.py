@@ -327,6 +327,14 @@ def load_toml(path: str) -> dict[str, Any]:
             raw = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(fix(f"config file {path!r} does not exist.", "check the path.")) from None
+    except IsADirectoryError:
+        raise ConfigError(fix(f"--config {path!r} is a directory.", "pass a TOML file, e.g. --config run.toml.")) from None
+    except OSError as e:
+        raise ConfigError(fix(f"--config {path!r} cannot be read: {e.strerror or e}.",
+                              "pass a TOML file you can read.")) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(fix(f"config file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}): TOML is UTF-8.", "save it as UTF-8, or pass the TOML file meant.")) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(fix(f"config file {path!r} is not valid TOML: {e}.", "fix the syntax.")) from None
     nested = [k for k, v in raw.items() if isinstance(v, dict)]
