@@ -66,6 +66,21 @@ def test_bad_inputs_are_named(tmp_path):
         spmdkit.load_dataset(tmp_path / "empty")
 
 
+def test_a_place_that_cannot_be_written_exits_5_and_a_file_in_the_way_2(tmp_path, capsys):
+    from spmdkit._cli import main
+
+    with pytest.raises(spmdkit.DatasetWriteError, match="cannot write the data set /proc/dd: No such file") as e:
+        spmdkit.write_dataset("/proc/dd", ARRAYS)  # /proc takes no new directory, even from root
+    assert isinstance(e.value, OSError)
+    assert main(["data", "write", "/proc/dd", "--task", "linreg"]) == 5  # both splits: the top directory named
+    assert "cannot write the data set /proc/dd:" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert main(["data", "write", str(tmp_path / "f"), "--task", "linreg", "--split", "train"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert main(["data", "write", str(tmp_path / "f" / "sub"), "--task", "linreg"]) == 2
+    assert "a file stands where a directory is needed" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "manifest", "version", "dtype"])
 def test_damaged_data_set_is_a_named_error_with_the_path(tmp_path, damage):
     d = spmdkit.write_dataset(tmp_path / "ds", ARRAYS)

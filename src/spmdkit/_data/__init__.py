@@ -10,6 +10,7 @@ from spmdkit._data._errors import (
     DatasetCorruptError,
     DatasetFileError,
     DatasetLayoutError,
+    DatasetWriteError,
 )
 from spmdkit._errors import DataError
 from spmdkit._data._feed import ArrayFeed, PipelineFeed, is_pipeline, open_feed, resolve_train_data
@@ -25,6 +26,7 @@ __all__ = [
     "DatasetCorruptError",
     "DatasetFileError",
     "DatasetLayoutError",
+    "DatasetWriteError",
     "DatasetSource",
     "PipelineFeed",
     "Prefetch",

@@ -9,6 +9,12 @@ class DatasetFileError(DataError, FileNotFoundError):
     """A file of an on-disk data set is missing (or the directory is not a data set)."""
 
 
+class DatasetWriteError(DataError, OSError):
+    """A data set cannot be written: a read-only or missing place, or a full disk."""
+
+    exit_code = 5  # the CLI's code for an I/O failure
+
+
 class DatasetCorruptError(DataError):
     """A file of an on-disk data set is truncated or its checksum does not match."""
 

@@ -28,6 +28,7 @@ eval set (or ``--eval-data DIR2``) is evaluated on.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit._data._errors import DatasetCorruptError, DatasetFileError, DatasetLayoutError
+from spmdkit._data._errors import DatasetCorruptError, DatasetFileError, DatasetLayoutError, DatasetWriteError
 from spmdkit._crc import crc32_file
 from spmdkit._errors import DataError, fix
 
@@ -98,12 +99,31 @@ def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, ov
                      if np.dtype(x.dtype).name == "bfloat16" else "")
             raise DataError(fix(f"write_dataset: {'/'.join(k)} has dtype {x.dtype}; a data set holds NumPy's numeric "
                                 f"dtypes{extra}.", "encode it as numbers first (token ids, one-hot floats)."))
-    if directory.exists() and any(directory.iterdir()):
-        if not overwrite:
-            raise DataError(fix(f"{directory} exists and is not empty.",
-                                "choose a new directory, or pass overwrite=True (--overwrite) to replace it."))
-        (directory / MANIFEST).unlink(missing_ok=True)  # it is incomplete until the new manifest lands
-    directory.mkdir(parents=True, exist_ok=True)
+    create_dir(directory)
+    try:
+        if any(directory.iterdir()):
+            if not overwrite:
+                raise DataError(fix(f"{directory} exists and is not empty.",
+                                    "choose a new directory, or pass overwrite=True (--overwrite) to replace it."))
+            (directory / MANIFEST).unlink(missing_ok=True)  # it is incomplete until the new manifest lands
+        _write_files(directory, leaves, next(iter(counts.values())))
+    except OSError as e:
+        raise _cannot_write(directory, e) from None
+    return directory
+
+
+def create_dir(directory: Path) -> None:
+    """``directory`` made with its parents, or a DataError saying why it cannot be (exit code 5
+    for a place that cannot be written, 2 for a file in the way)."""
+    if directory.exists() and not directory.is_dir():
+        raise DataError(fix(f"{directory} is a file, not a directory.", "choose a directory path for the data set."))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cannot_write(directory, e) from None
+
+
+def _write_files(directory: Path, leaves: list, count: int) -> None:
     used: set[str] = set()
     entries = []
     for key, x in leaves:
@@ -111,11 +131,19 @@ def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, ov
         np.save(directory / name, np.ascontiguousarray(np.asarray(x)), allow_pickle=False)
         entries.append({"key": list(key), "file": name, "shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).str,
                         "bytes": (directory / name).stat().st_size, "crc32": crc32_file(directory / name)})
-    manifest = {"format": FORMAT, "version": VERSION, "count": next(iter(counts.values())), "leaves": entries}
+    manifest = {"format": FORMAT, "version": VERSION, "count": count, "leaves": entries}
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, directory / MANIFEST)
-    return directory
+
+
+def _cannot_write(directory: Path, e: OSError) -> DataError:
+    cause = f"{e.strerror or e} (errno {e.errno})"
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a directory belongs: bad input, exit code 2
+        return DataError(fix(f"cannot write the data set {directory}: {cause}; a file stands where a directory "
+                             "is needed.", "choose a path whose parents are directories."))
+    return DatasetWriteError(fix(f"cannot write the data set {directory}: {cause}.",
+                                 "choose a directory you can write to, on a disk with free space."))
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

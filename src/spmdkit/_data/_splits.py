@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from spmdkit._data._errors import DatasetFileError, DatasetLayoutError
-from spmdkit._data._format import MANIFEST, read_manifest, write_dataset
+from spmdkit._data._format import MANIFEST, create_dir, read_manifest, write_dataset
 from spmdkit._errors import DataError, fix
 
 TRAIN, EVAL = "train", "eval"
@@ -44,6 +44,7 @@ def write_splits(directory: str | os.PathLike, train: Any, eval_data: Any, *, ov
     directory = Path(directory)
     check_splits_match(train, eval_data, "the training arrays", "the eval arrays",
                        "write arrays of the same leaves and per-example shapes to both splits.")
+    create_dir(directory)
     if (directory / MANIFEST).exists():
         raise DataError(fix(f"{directory} holds a single data set ({directory / MANIFEST}); a directory with a "
                             "held-out split keeps each split in its own subdirectory.",
