@@ -71,6 +71,19 @@ def test_bad_flag_values_are_rejected_by_the_parser(capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
+def test_host_devices_above_the_bound_are_named_for_each_way_of_asking(tmp_path, capsys):
+    for args in (["devices", "--host-devices", "100000"], ["launch", "-n", "2", "--host-devices-per-process", "5000",
+                                                          "--", "spmdkit", "devices"]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2 and "expected at most 4096 simulated devices" in capsys.readouterr().err
+    (tmp_path / "many.toml").write_text("host-devices = 100000\n")
+    assert main(["train", "--config", str(tmp_path / "many.toml")]) == 2
+    assert "host-devices = 100000 in --config" in capsys.readouterr().err
+    assert main(["plan", "--devices", "100000"]) == 2
+    assert "--devices 100000: at most 4096 simulated devices" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, env, expected",
     [

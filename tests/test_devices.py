@@ -55,6 +55,19 @@ def test_env_bad_value(monkeypatch, raw):
         spmdkit.host_devices_from_env()
 
 
+def test_more_simulated_devices_than_the_bound_are_refused_before_jax_starts(monkeypatch):
+    from spmdkit._devices import MAX_HOST_DEVICES
+
+    # 100000 hung the start with no word; the bound is checked before JAX is told anything.
+    with pytest.raises(spmdkit.DeviceSetupError, match=rf"use_host_devices\(100000\): at most {MAX_HOST_DEVICES} "):
+        spmdkit.use_host_devices(100000)
+    monkeypatch.setenv(spmdkit.ENV_HOST_DEVICES, str(MAX_HOST_DEVICES + 1))
+    with pytest.raises(spmdkit.DeviceSetupError, match="SPMDKIT_HOST_DEVICES=4097: at most 4096 simulated devices"):
+        spmdkit.host_devices_from_env()
+    monkeypatch.setenv(spmdkit.ENV_HOST_DEVICES, str(MAX_HOST_DEVICES))
+    assert spmdkit.host_devices_from_env() == MAX_HOST_DEVICES
+
+
 def test_device_table():
     rows = spmdkit.device_table()
     assert [r["id"] for r in rows] == list(range(8))

@@ -22,6 +22,8 @@ from spmdkit import __version__
 from spmdkit._console import stderr_console
 from spmdkit._devices import (
     ENV_HOST_DEVICES,
+    MAX_HOST_DEVICES,
+    check_host_device_count,
     device_table,
     host_devices_from_env,
     model_parallel_suggestion,
@@ -47,11 +49,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _host_device_count(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_HOST_DEVICES:
+        # Simulated devices share this machine's cores; XLA sets up each at start and stalls on many.
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_HOST_DEVICES} simulated devices (they share this "
+                                         f"machine's {os.cpu_count()} core(s)), got {value}")
+    return value
+
+
 def _device_options(default: object) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--host-devices",
-        type=_positive_int,
+        type=_host_device_count,
         metavar="N",
         default=default,
         help=f"simulate N CPU devices (default: ${ENV_HOST_DEVICES}, else what JAX finds)",
@@ -115,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stopped (SIGKILL after a grace period) and launch exits with its code.",
     )
     p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
-    p.add_argument("--host-devices-per-process", type=_positive_int, metavar="D", help="simulated CPU devices each")
+    p.add_argument("--host-devices-per-process", type=_host_device_count, metavar="D", help="simulated CPU devices each")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="when a process fails, restart all from the last good checkpoint up to N times (0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
@@ -307,16 +318,25 @@ def _setup_compile_cache(args: argparse.Namespace) -> None:
         stderr_console().print(f"warning: running without the compile cache: {e}", markup=False)
 
 
-def _setup_devices(args: argparse.Namespace) -> None:
+def _host_devices(args: argparse.Namespace) -> int | None:
+    """The simulated device count asked for: a flag, the --config file, plan's --devices, the environment."""
     n = getattr(args, "host_devices", None)
     if n is None and getattr(args, "config", None):
         from spmdkit._config import load_toml
 
         n = load_toml(args.config).get("host_devices")
+        if n is not None:
+            check_host_device_count(n, f"host-devices = {n} in --config {args.config}")
     # plan's --devices counts every process's devices: under spmdkit launch each simulates its share.
     under_launch = bool(os.environ.get("SPMDKIT_COORDINATOR")) and host_devices_from_env() is not None
-    n = (n or (None if under_launch else getattr(args, "devices", None)) or host_devices_from_env()
-         or _DEFAULT_DEVICES.get(args.command))
+    if n is None and not under_launch and getattr(args, "devices", None):
+        n = args.devices
+        check_host_device_count(n, f"--devices {n}")
+    return n or host_devices_from_env() or _DEFAULT_DEVICES.get(args.command)
+
+
+def _setup_devices(args: argparse.Namespace) -> None:
+    n = _host_devices(args)
     if args.command == "launch":
         return  # the launcher runs no JAX itself; its children set up their own devices
     if n is not None:
