@@ -62,8 +62,10 @@ def test_bad_inputs_are_named(tmp_path):
     with pytest.raises(DatasetFileError, match="does not exist"):
         spmdkit.load_dataset(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DatasetFileError, match="manifest.json is missing"):
+    with pytest.raises(DatasetFileError, match="manifest.json is missing") as e:
         spmdkit.load_dataset(tmp_path / "empty")
+    # DIR is data write's first argument: the command the fix shows must parse as written.
+    assert f"`spmdkit data write {tmp_path / 'empty'} --task NAME`" in str(e.value) and " --out DIR" not in str(e.value)
 
 
 def test_a_place_that_cannot_be_written_exits_5_and_a_file_in_the_way_2(tmp_path, capsys):

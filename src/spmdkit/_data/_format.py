@@ -161,7 +161,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise DatasetFileError(fix(f"{path} is missing: {directory} is not a data set, or its write was "
                                    "interrupted (the manifest is written last).",
                                    "write it again with spmdkit.write_dataset(dir, arrays) or "
-                                   "`spmdkit data write --task NAME --out DIR`."))
+                                   f"`spmdkit data write {directory} --task NAME` "
+                                   "(add --overwrite over an interrupted write)."))
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
