@@ -293,6 +293,28 @@ def test_an_unknown_failure_gets_no_hint():
     assert "Fix:" not in out.stderr
 
 
+def test_an_inherited_ignored_sigint_stays_ignored_by_the_launcher_and_its_processes(tmp_path):
+    # `spmdkit launch ... &` in a script: SIGINT is ignored for it. The launcher caught it anyway
+    # and stopped its processes (130); they, started under a handler, had it back at its default.
+    up = tmp_path / "up"
+    code = f"import pathlib, time; pathlib.Path({str(up)!r}).touch(); time.sleep(4)"
+    import signal
+
+    proc = subprocess.Popen([*CLI, "launch", "-n", "1", "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not up.exists():
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert up.exists() and proc.returncode == 0, stderr
+
+
 def test_explicit_flags_join_two_processes(tmp_path):
     import socket
 

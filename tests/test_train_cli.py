@@ -84,6 +84,31 @@ def test_config_that_is_a_directory_exits_2_without_a_traceback(tmp_path):
     assert out.returncode == 2 and "is a directory" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_an_inherited_ignored_sigint_stays_ignored(tmp_path):
+    # `spmdkit train ... &` in a script: the shell ignores SIGINT for it, so that a Ctrl-C meant
+    # for the foreground job does not stop it. fit's Ctrl-C handler took it back.
+    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
+    proc = subprocess.Popen(
+        [*SPMDKIT, "train", "--task", "linreg", "--steps", "10000", "--out", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
+            time.sleep(0.2)
+        assert proc.poll() is None, "finished before the SIGINT: nothing tested"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 10000
+
+
 def test_divergence_exits_3_naming_the_step(tmp_path):
     out = run("train", "--task", "linreg", "--lr", "40", "--out", str(tmp_path), "--no-progress")
     assert out.returncode == 3

@@ -360,7 +360,10 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
         stop.set()
 
     main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    # An ignored SIGINT (`spmdkit launch ... &` in a script) stays ignored, here and in the children.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    caught = (signal.SIGTERM,) if ignored else (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, forward) for s in caught} if main else {}
     try:
         attempt = 0
         while True:

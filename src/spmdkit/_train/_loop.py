@@ -90,7 +90,10 @@ class _StopRequest:
         self.requested = True
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # An ignored SIGINT stays ignored: `cmd &` in a script sets it so that the terminal's
+        # Ctrl-C, meant for the foreground job, does not reach this one.
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        if threading.current_thread() is threading.main_thread() and not ignored:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
