@@ -153,6 +153,9 @@ def test_wrongly_typed_value():
         ("mesh = 5\n", "mesh = 5 (int) must be a string"),
         ("steps = 2.5\n", "steps = 2.5 (float) must be a whole number >= 1"),
         ("lr = true\n", "lr = True (bool) must be a number"),
+        # The fix's example is a value the key takes, not a placeholder that would be refused too.
+        ("remat = true\n", 'write e.g. remat = "full" in a config file'),
+        ("optimizer = 1\n", 'write e.g. optimizer = "adam" in a config file'),
         ("batch-size = 8\nbatch_size = 16\n", "'batch-size' and 'batch_size' are the same option, given twice"),
     ],
 )

@@ -212,8 +212,11 @@ _NON_NEGATIVE = {"prefetch"}
 _FLOATS = {"lr", "momentum", "weight_decay"}
 _STRINGS = {"task", "strategy", "impl", "data_dir", "data", "eval_data", "mesh", "rules", "out", "optimizer", "checkpoint_dir",
             "precision", "remat", "text_dir"}
+# A real value of each string key: a placeholder like "name" in a fix would be refused in turn.
 _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', "data_dir": '"data/mnist"',
-             "checkpoint_dir": '"ck"'}
+             "checkpoint_dir": '"ck"', "remat": '"full"', "precision": '"bf16"', "optimizer": '"adam"',
+             "task": '"digits"', "strategy": '"data"', "impl": '"jit"', "data": '"data/ds"', "eval_data": '"data/ds2"',
+             "text_dir": '"texts"'}
 
 
 # Keys whose flag turns them off (on by default).
