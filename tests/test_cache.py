@@ -81,6 +81,13 @@ def test_a_directory_that_cannot_be_made_is_a_config_error(tmp_path):
     assert jax.config.jax_compilation_cache_dir is None
 
 
+def test_cli_compile_cache_and_no_compile_cache_together_are_refused(tmp_path):
+    # The last one given won without a word; at two levels (spmdkit --compile-cache D train ...) too.
+    both = _train(tmp_path, "--compile-cache", str(tmp_path / "c"), "--no-compile-cache")
+    assert both.returncode == 2 and "--no-compile-cache were both given" in both.stderr
+    assert not (tmp_path / "c").exists() and not (tmp_path / "out").exists()
+
+
 def test_cli_asked_directory_fails_but_default_only_warns(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

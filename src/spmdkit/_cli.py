@@ -76,9 +76,7 @@ def _device_options(default: object) -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--no-compile-cache",
-        dest="compile_cache",
-        action="store_const",
-        const=False,
+        action="store_true",
         default=default,
         help="compile everything afresh and write nothing to the compile cache",
     )
@@ -301,8 +299,20 @@ _DEFAULT_DEVICES["calibrate"] = 8  # the intra_host link: a mesh of 8 simulated 
 _CACHED_COMMANDS = {"train", "demo", "inspect", "plan"}
 
 
+def _compile_cache_choice(args: argparse.Namespace) -> str | bool | None:
+    """A DIR, False (--no-compile-cache) or None; both flags together are an error, not the last one winning."""
+    choice, off = getattr(args, "compile_cache", None), getattr(args, "no_compile_cache", None)
+    if choice is not None and off:
+        from spmdkit._errors import ConfigError, fix
+
+        raise ConfigError(fix(f"--compile-cache {choice} and --no-compile-cache were both given.",
+                              f"keep --compile-cache {choice} to use that directory, or --no-compile-cache to "
+                              "compile afresh."))
+    return False if off else choice
+
+
 def _setup_compile_cache(args: argparse.Namespace) -> None:
-    choice = getattr(args, "compile_cache", None)  # a DIR, False (--no-compile-cache) or None
+    choice = _compile_cache_choice(args)
     asked = choice is not None
     if choice is None:
         choice = cache_dir_from_env()

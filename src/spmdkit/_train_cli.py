@@ -56,7 +56,8 @@ def resolve_options(flags: dict[str, Any]) -> dict[str, Any]:
 
 def train_from_args(args: argparse.Namespace, console: Console) -> int:
     # Flags of the process, not of the run: a resume on another machine may differ in them.
-    process_flags = ("coordinator", "num_processes", "process_id", "distributed_timeout", "compile_cache")
+    process_flags = ("coordinator", "num_processes", "process_id", "distributed_timeout", "compile_cache",
+                     "no_compile_cache")
     flags = {k: v for k, v in vars(args).items() if k not in ("command", *process_flags)}
     options = resolve_options(flags)
     if os.environ.get(ENV_RESUME) == "1" and options.get("checkpoint_dir"):
