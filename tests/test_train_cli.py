@@ -84,6 +84,21 @@ def test_config_that_is_a_directory_exits_2_without_a_traceback(tmp_path):
     assert out.returncode == 2 and "is a directory" in out.stderr and "Traceback" not in out.stderr
 
 
+def _sigint_after_20_rows(proc, metrics, timeout, check_running=False):
+    """SIGINT once the run has logged 20 rows; its (stdout, stderr). Killed (SIGKILL) if it outlives ``timeout``."""
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
+            time.sleep(0.2)
+        if check_running:
+            assert proc.poll() is None, "finished before the SIGINT: nothing tested"
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_an_inherited_ignored_sigint_stays_ignored(tmp_path):
     # `spmdkit train ... &` in a script: the shell ignores SIGINT for it, so that a Ctrl-C meant
     # for the foreground job does not stop it. fit's Ctrl-C handler took it back.
@@ -93,17 +108,7 @@ def test_an_inherited_ignored_sigint_stays_ignored(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
-    try:
-        metrics = tmp_path / "metrics.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
-            time.sleep(0.2)
-        assert proc.poll() is None, "finished before the SIGINT: nothing tested"
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _, stderr = _sigint_after_20_rows(proc, tmp_path / "metrics.jsonl", 300, check_running=True)
     assert proc.returncode == 0, stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 10000
@@ -122,16 +127,7 @@ def test_ctrl_c_finishes_the_step_and_writes_what_it_has(tmp_path):
          "--out", str(tmp_path), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    try:
-        metrics = tmp_path / "metrics.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 20):
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    stdout, stderr = _sigint_after_20_rows(proc, tmp_path / "metrics.jsonl", 120)
     assert proc.returncode == 130, stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted"

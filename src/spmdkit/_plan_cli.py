@@ -187,11 +187,9 @@ _TASK_FLAGS = ("layers", "depth", "embed", "d_model", "heads", "seq_len", "preci
 def _check_task_options(args: argparse.Namespace) -> None:
     """The task takes every model option given (as train's get_task checks): the planner
     builds each model from its own sizes, so another task's would be dropped without a word."""
-    import inspect
+    from spmdkit._tasks import task_options
 
-    from spmdkit._tasks import TASKS
-
-    accepted = set(inspect.signature(TASKS[args.task].make).parameters)
+    accepted = task_options(args.task)
     wrong = [k for k in _TASK_FLAGS if getattr(args, k, None) is not None and k not in accepted]
     if wrong:
         flags = lambda keys: ", ".join("--" + k.replace("_", "-") for k in keys)  # noqa: E731

@@ -21,7 +21,7 @@ from spmdkit._plan._cost import collective_costs, compute_time, parameter_gather
 from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
-from spmdkit._strategies._compile import as_key
+from spmdkit._strategies._compile import as_key, non_array_leaf
 from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes
 from spmdkit._target import Target, load_target
 
@@ -42,14 +42,14 @@ def _arrays_only(make_state: Callable) -> Callable:
     path before JAX's own error, which names neither ``make_state`` nor the fix."""
     def checked(rng: Any) -> Any:
         state = make_state(rng)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]:
-            value = _unboxed(leaf)
-            if not isinstance(value, (jax.Array, np.ndarray, np.generic, int, float, complex)):
-                raise StateLeafError(fix(
-                    f"make_state returned a value of type {type(value).__name__} at state{jax.tree_util.keystr(path)}, not an array: "
-                    "the state a step carries holds arrays only.",
-                    "return it as an array (jnp.asarray(...)), or keep it out of the state (a constant the step "
-                    "closes over, or static configuration)."))
+        found = non_array_leaf(state, _is_box, _unboxed)
+        if found is not None:
+            path, value = found
+            raise StateLeafError(fix(
+                f"make_state returned a value of type {type(value).__name__} at state{path}, not an array: "
+                "the state a step carries holds arrays only.",
+                "return it as an array (jnp.asarray(...)), or keep it out of the state (a constant the step "
+                "closes over, or static configuration)."))
         return state
 
     return checked

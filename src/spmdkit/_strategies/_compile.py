@@ -166,16 +166,28 @@ def _arrays_only(make_state: MakeState) -> MakeState:
 
     def make(rng: jax.Array) -> State:
         state = make_state(rng)
-        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-            if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)):
-                raise StepOutputError(fix(
-                    f"make_state returned {type(x).__name__} {x!r:.40} at state{jax.tree_util.keystr(path)}; a "
-                    "state holds arrays only (it is placed on devices and checkpointed).",
-                    "keep it outside the state (a closure, your config), or in a field the pytree does not "
-                    "carry (flax.struct.field(pytree_node=False))."))
+        found = non_array_leaf(state)
+        if found is not None:
+            path, x = found
+            raise StepOutputError(fix(
+                f"make_state returned {type(x).__name__} {x!r:.40} at state{path}; a "
+                "state holds arrays only (it is placed on devices and checkpointed).",
+                "keep it outside the state (a closure, your config), or in a field the pytree does not "
+                "carry (flax.struct.field(pytree_node=False))."))
         return state
 
     return make
+
+
+def non_array_leaf(state: Any, is_leaf: Callable[[Any], bool] | None = None,
+                   value: Callable[[Any], Any] = lambda leaf: leaf) -> tuple[str, Any] | None:
+    """``(path, value)`` of the first leaf of ``state`` that is neither an array nor a number
+    (``is_leaf``/``value``: stop at layout boxes and look inside them), or None."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_leaf)[0]:
+        x = value(leaf)
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+            return jax.tree_util.keystr(path), x
+    return None
 
 
 def check_callable(fn: Any, argument: str, signature: str) -> None:

@@ -27,7 +27,7 @@ def get_task(name: str, data_dir: str | None = None, **options: Any) -> Task:
     does not take is an error, not silently ignored.
     """
     make = _module(name).make
-    accepted = set(inspect.signature(make).parameters) - {"data_dir"}
+    accepted = task_options(name)
     given = {k: v for k, v in options.items() if v is not None}
     wrong = sorted(set(given) - accepted)
     if wrong:
@@ -40,9 +40,14 @@ def get_task(name: str, data_dir: str | None = None, **options: Any) -> Task:
     return make(data_dir=data_dir, **given)
 
 
+def task_options(name: str) -> set[str]:
+    """The model options a task's ``make`` takes (``layers``, ``d_model``...), without building it."""
+    return set(inspect.signature(_module(name).make).parameters) - {"data_dir"}
+
+
 def task_defaults(name: str) -> dict[str, Any]:
     """The option values a task trains well with, without loading its data."""
     return dict(_module(name).DEFAULTS)
 
 
-__all__ = ["TASKS", "Task", "get_task", "task_defaults"]
+__all__ = ["TASKS", "Task", "get_task", "task_defaults", "task_options"]
