@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spmdkit import __version__
-from spmdkit._console import stderr_console
+from spmdkit._console import short_warnings, stderr_console
 from spmdkit._devices import (
     ENV_HOST_DEVICES,
     MAX_HOST_DEVICES,
@@ -656,7 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before any JAX work: XLA's threads take their malloc arenas when its backends start.
         _reuse_host_memory(strict=False)
         _setup_devices(args)
-        return _COMMANDS[args.command](args, console)
+        with short_warnings():
+            return _COMMANDS[args.command](args, console)
     except SpmdkitError as e:
         stderr_console().print(Text("error: ", style="bold red") + Text(str(e)))
         code = getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
+from rich.text import Text
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def stderr_console() -> Console:
@@ -12,6 +19,27 @@ def stderr_console() -> Console:
     a test capturing output) each message keeps its own lines, so a path or a flag in it is
     never cut in two and ``grep`` finds it."""
     return Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+
+
+@contextmanager
+def short_warnings() -> Iterator[None]:
+    """spmdkit's own warnings as ``warning: message`` lines on standard error.
+
+    Python's default shows the file and source line that raised the warning, which tells a user of
+    the command line nothing they can act on: the message itself names the flag and the fix. A
+    warning raised from any other package (JAX, Flax) keeps the default form, since there the
+    source line is what one searches for.
+    """
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (warnings' hook)
+        if not os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+            return default(message, category, filename, lineno, file, line)
+        stderr_console().print(Text("warning: ", style="bold yellow") + Text(str(message)))
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def readable_bytes(n: float) -> str:
