@@ -134,6 +134,20 @@ def test_placement(members, devices, used):
     assert placement(members, devices) == used
 
 
+@pytest.mark.parametrize("members, idle, near", [(9, 5, "members=8 or 16"), (12, 2, "members=8 or 16"),
+                                                 (10, 3, "members=8 or 16")])
+def test_members_that_leave_devices_idle_are_named(members, idle, near):
+    with pytest.warns(UserWarning, match=f"members={members}.* so {idle} devices stay idle. Use {near} "):
+        ens = spmdkit.Ensemble(members=members)
+    assert ens.describe()["device_count"] == 8 - idle
+
+
+@pytest.mark.parametrize("members, devices", [(4, 8), (16, 8), (8, 8), (3, 3)])
+def test_members_that_use_every_device_they_can_warn_nothing(members, devices, recwarn):
+    spmdkit.Ensemble(members=members, devices=jax.devices()[:devices])
+    assert not [w for w in recwarn if "idle" in str(w.message)]
+
+
 def test_errors():
     with pytest.raises(spmdkit.ConfigError, match="members=0: an ensemble needs"):
         spmdkit.Ensemble(members=0)

@@ -12,6 +12,7 @@ Beyond the Strategy contract an ensemble has members: ``data_streams``,
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,6 +71,18 @@ _INJECT_STATES = tuple(
 
 def _g(values: np.ndarray) -> str:
     return ", ".join(f"{v:g}" for v in values.ravel().tolist())
+
+
+def _warn_idle(members: int, devices: int, used: int) -> None:
+    """Say so when K members leave devices idle that a nearby K would have used."""
+    if used >= min(members, devices):
+        return
+    near = sorted({devices * max(1, members // devices), devices * (members // devices + 1)})
+    warnings.warn(
+        f"Ensemble(members={members}) on {devices} devices: {members} members split evenly over only {used} of "
+        f"them ({members // used} each), so {devices - used} devices stay idle. Use members="
+        f"{' or '.join(map(str, near))} (--members) to use all {devices}, or pass devices= a list of {used} to "
+        "say this is meant.", stacklevel=3)
 
 
 def _check_hyperparams(hyperparams: Any, members: int) -> dict[str, list[float]]:
@@ -153,6 +166,7 @@ class Ensemble(Placement):
                 raise MeshError(fix(f"Ensemble(devices={devices!r:.60}): a non-empty list of jax.Device.",
                                     "pass e.g. devices=jax.devices()[:4], or leave it out for all of them."))
             used = placement(members, len(devs))
+            _warn_idle(members, len(devs), used)
             mesh = Mesh(np.array(devs[:used]), (axis,))
         else:
             mesh = auto_mesh(mesh)
