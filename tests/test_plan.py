@@ -1294,3 +1294,10 @@ def test_a_plain_state_without_names_prunes_an_axis_that_splits_nothing():
     assert status["dp [data=8]"][0] == "ok"
     assert status["tp [model=8]"] == ("pruned", "mesh axis 'model' splits nothing: no parameter's logical name nor the "
                                                 "batch maps to it under rules 'tp' (only activations could use it)")
+
+
+def test_a_step_time_range_prints_once_when_its_ends_agree():
+    from spmdkit._plan._report import _ms_range
+
+    assert _ms_range(0.004981, 0.0049812) == "4.981"  # no collective to overlap: one figure
+    assert _ms_range(0.004981, 0.0061) == "4.981-6.100"

@@ -21,6 +21,12 @@ def _ms(s: float) -> str:
     return f"{ms:.3f}" if abs(ms) >= 0.01 or ms == 0 else f"{ms:.2g}"
 
 
+def _ms_range(low: float, high: float) -> str:
+    """``low-high`` in ms, or one figure when the two print alike (no collective to overlap)."""
+    a, b = _ms(low), _ms(high)
+    return a if a == b else f"{a}-{b}"
+
+
 def pareto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Candidates no other beats on both per-device memory and step time, by memory."""
     ok = [r for r in rows if r["status"] == "ok"]
@@ -57,7 +63,7 @@ def explain(plan: dict[str, Any]) -> list[str]:
         return [f"no candidate fits: all {len(rows)} were excluded ({len(rows) - over} pruned, {over} over the memory "
                 "budget); each one's reason is in its \"reason\" (printed as \"excluded ...\")."]
     win = ok[0]
-    lines = [f"winner: {win['label']}: {_ms(win['step_s_overlapped'])}-{_ms(win['step_s_serial'])} ms per step "
+    lines = [f"winner: {win['label']}: {_ms_range(win['step_s_overlapped'], win['step_s_serial'])} ms per step "
              f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"
              + (f", {_ms(win['sync_s'])} ms of it waiting at them" if win.get("sync_s") else "")
              + (f", {_ms(win['prefetched_s'])} ms of it parameter gathers that can run during compute"
@@ -123,7 +129,7 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         if r["status"] == "over_budget":
             flags.insert(0, "[red]over budget[/]")
         kinds = ", ".join(f"{_SHORT[k]}:{a} x{int(v['count'])}" for (k, a), v in sorted(_by_kind(r).items()))
-        table.add_row(str(r.get("rank", "-")), escape(r["label"]), f"{_ms(r['step_s_overlapped'])}-{_ms(r['step_s_serial'])}",
+        table.add_row(str(r.get("rank", "-")), escape(r["label"]), _ms_range(r['step_s_overlapped'], r['step_s_serial']),
                       _ms(r["compute_s"]), _ms(r["comm_s"]), readable_bytes(mem["per_device"]),
                       f"{readable_bytes(mem['analytic']['total'])}/{readable_bytes(mem['compiled']['total'])}",
                       "n/a" if mem["margin"] is None else f"{mem['margin']:+.1%}", kinds or "none",
@@ -318,7 +324,7 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for m in measured["runs"]:
         table.add_row(str(m["rank"]), escape(m["label"]), _ms(m["predicted_s"]),
-                      f"{_ms(m['measured_s'])} ({_ms(m['measured_spread_s'][0])}-{_ms(m['measured_spread_s'][1])})",
+                      f"{_ms(m['measured_s'])} ({_ms_range(*m['measured_spread_s'])})",
                       "n/a" if m.get("measured_relative") is None else f"{m['measured_relative']:.3f}",
                       readable_bytes(m["predicted_memory"]), "n/a" if m["measured_memory"] is None else readable_bytes(m["measured_memory"]))
     console.print(table)
