@@ -124,6 +124,44 @@ def test_a_second_writer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
     assert any("removed the lock of an ended run" in m for m in messages)
 
 
+def test_a_second_run_into_the_same_out_is_refused_and_leaves_the_first_runs_files(tmp_path):
+    from spmdkit._train._artifacts import OUT_LOCK, lock_out_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("the first run's line\n")
+    first = lock_out_dir(out, log=lambda m: None)  # the first run, still writing
+    with pytest.raises(spmdkit.ConfigError, match=rf"another run \(pid {os.getpid()} .*is writing to --out {out}") as e:
+        fit(tmp_path / "ck", steps=10, out=out)
+    assert "pass another --out" in str(e.value) and str(out / OUT_LOCK) in str(e.value)
+    assert (out / "metrics.jsonl").read_text() == "the first run's line\n"
+    assert not (tmp_path / "ck" / "spmdkit.lock").exists()  # nothing of the refused run stays locked
+    first.release()
+    assert not (out / OUT_LOCK).exists()
+
+    # A run killed with its lock in place: the next one takes the lock over, and the lock goes with the run.
+    (out / OUT_LOCK).write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname().nodename}))
+    messages: list[str] = []
+    assert fit(tmp_path / "ck", steps=10, out=out, log=messages.append).summary["steps"] == 10
+    assert any(m.startswith("out: removed the lock of an ended run (pid 4194311)") for m in messages), messages
+    assert not (out / OUT_LOCK).exists() and (out / "summary.json").exists()
+
+
+def test_a_refused_resume_unlocks_the_out_directory(tmp_path):
+    from spmdkit._train._artifacts import OUT_LOCK
+
+    fit(tmp_path / "ck", steps=10)
+    with pytest.raises(spmdkit.CheckpointError, match="--resume"):
+        fit(tmp_path / "ck", steps=10, out=tmp_path / "out")  # a fresh run into a used checkpoint directory
+    assert not (tmp_path / "out" / OUT_LOCK).exists()
+    assert fit(tmp_path / "ck", steps=20, out=tmp_path / "out", resume=True).summary["steps"] == 20
+
+
+def test_out_may_be_the_checkpoint_directory_too(tmp_path):
+    assert fit(tmp_path / "run", steps=10, out=tmp_path / "run").summary["checkpoint_steps"] == [10]
+    assert fit(tmp_path / "run", steps=20, out=tmp_path / "run", resume=True).summary["steps"] == 20
+
+
 # ---- integrity -----------------------------------------------------------------------
 
 def largest_file(ck, step) -> Path:

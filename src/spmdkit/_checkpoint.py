@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -37,6 +36,7 @@ import orbax.checkpoint as ocp
 from spmdkit import _checkpoint_read as _read
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
+from spmdkit._lockfile import DirLock, holder
 from spmdkit._process import exit_now
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -252,16 +252,6 @@ def _not_chunk(name: str) -> bool:
     return not _read.is_chunk_file(name)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 _VERDICT_BYTES = 4096
 
 
@@ -434,7 +424,7 @@ class Checkpointer:
         self.log = log
         self.primary = jax.process_index() == 0
         self.run_id: str | None = None  # set by claim(): a reader owns nothing
-        self._locked = False
+        self._lockfile = DirLock(self.directory / LOCK_FILE, log, "checkpoints")
         self._pending: int | None = None
         self._deleting: list[threading.Thread] = []
         self.blocked: list[float] = []  # seconds the caller waited per save
@@ -538,44 +528,17 @@ class Checkpointer:
                 or name.startswith((f"{STEP_PREFIX}_", _ASIDE, f".{OWNER_FILE}.")))
 
     def _lock(self, run_id: str) -> None:
-        path = self.directory / LOCK_FILE
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        for _ in range(3):
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    other = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    other = {}
-                stale = (other.get("host") == me["host"] and isinstance(other.get("pid"), int)
-                         and not _pid_alive(other["pid"]))
-                if not other and time.time() - path.stat().st_mtime > 10:
-                    stale = True
-                if stale:
-                    path.unlink(missing_ok=True)
-                    self.log(f"checkpoints: removed the lock of an ended run (pid {other.get('pid', '?')})")
-                    continue
-                raise CheckpointError(fix(
-                    f"another run (pid {other.get('pid', '?')} on {other.get('host', '?')}, started "
-                    f"{other.get('started', '?')}) is writing checkpoints to {self.directory}; two writers would "
-                    "destroy each other's steps.",
-                    f"wait for it to end, or pass another --checkpoint-dir. If no such process runs, delete "
-                    f"{path}.")) from None
-            with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps(me))
-            self._locked = True
-            return
+        def refuse(other: dict[str, Any]) -> CheckpointError:
+            return CheckpointError(fix(
+                f"another run ({holder(other)}) is writing checkpoints to {self.directory}; two writers would "
+                "destroy each other's steps.",
+                f"wait for it to end, or pass another --checkpoint-dir. If no such process runs, delete "
+                f"{self._lockfile.path}."))
+
+        self._lockfile.take(run_id, refuse)
 
     def _release(self) -> None:
-        if self._locked:
-            self._locked = False
-            try:
-                (self.directory / LOCK_FILE).unlink(missing_ok=True)
-            except OSError as e:  # a directory turned read-only: the next run takes over the lock of a dead pid
-                self.log(f"checkpoints: could not remove {self.directory / LOCK_FILE} ({_os_cause(e)}); "
-                         "the next run takes it over once this process has ended")
+        self._lockfile.release()
 
     def _clear_interrupted(self) -> None:
         for p in sorted(self.directory.iterdir()):

@@ -7,6 +7,8 @@ import hashlib
 import json
 import math
 import os
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import numpy as np
 
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
+from spmdkit._lockfile import DirLock, holder
 
 
 class ArtifactError(SpmdkitError, OSError):
@@ -44,6 +47,27 @@ def prepare_out_dir(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise _cannot_write(out, e) from None
+
+
+OUT_LOCK = "spmdkit-out.lock"  # not the checkpoints' spmdkit.lock: --out may be the checkpoint directory too
+
+
+def lock_out_dir(out: Path, log: Callable[[str], None]) -> DirLock:
+    """Keep a second run from writing the same ``--out`` at once (each would truncate the other's
+    metrics.jsonl and overwrite its summary, plots and parameters)."""
+    def refuse(other: dict[str, Any]) -> ConfigError:
+        return ConfigError(fix(
+            f"another run ({holder(other)}) is writing to --out {out}: two runs would overwrite each other's "
+            "metrics.jsonl, summary.json, plots and params.npz.",
+            f"wait for it to end, or pass another --out (fit(out_dir=...) from Python). If no such process "
+            f"runs, delete {out / OUT_LOCK}."))
+
+    lock = DirLock(out / OUT_LOCK, log, "out")
+    try:
+        lock.take(uuid.uuid4().hex[:12], refuse)
+    except OSError as e:
+        raise _cannot_write(out, e) from None
+    return lock
 
 
 class MetricsWriter:

@@ -372,6 +372,7 @@ def fit(
     finally:
         if isinstance(batches, Prefetch):
             batches.close()
+        run.release()
 
 
 def _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint, log, step_timeout) -> None:
@@ -485,17 +486,26 @@ class _Run:
         self.out = None if out_dir is None else Path(out_dir)
         # With several processes (jax.distributed) every one trains; process 0 alone writes.
         self.primary = jax.process_index() == 0
+        self.out_lock = None
         if self.out is not None and self.primary:
             art.prepare_out_dir(self.out)
+            self.out_lock = art.lock_out_dir(self.out, log)
+        self.ckpt = None
+        try:
+            self._begin(optimizer, checkpoint, progress, step_timeout)
+        except BaseException:
+            # A refused resume or a bad option leaves both directories unlocked.
+            if self.ckpt is not None:
+                self.ckpt.abandon()
+            self.release()
+            raise
+
+    def _begin(self, optimizer, checkpoint, progress, step_timeout) -> None:
+        task, strategy, config, log = self.task, self.strategy, self.config, self.log
         init_key, _, self.eval_key = jax.random.split(jax.random.key(config.seed), 3)
         self.ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
-        try:
-            self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
-                                                 self.ckpt, config, task, log, run_info, self.plan.total, self.feed)
-        except BaseException:
-            if self.ckpt is not None:
-                self.ckpt.abandon()  # a refused resume leaves the directory unlocked
-            raise
+        self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
+                                             self.ckpt, config, task, log, self.run_info, self.plan.total, self.feed)
         self.last = StepInfo(self.start_step, 0, self.state, {})
         self.status, self.failure, self.t_first, self.first_step_s = "completed", None, None, None
         self.known = KnownGood(self.state, self.start_step)  # checkpoints wait until their state's loss is seen finite
@@ -510,6 +520,11 @@ class _Run:
             _hint_host_memory(self.host_memory, log)
         self.watchdog = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else _NoWatchdog()
         self.hooks = self._hooks(checkpoint)
+
+    def release(self) -> None:
+        """Unlock ``--out`` (the checkpoint directory is unlocked by its own close or abandon)."""
+        if self.out_lock is not None:
+            self.out_lock.release()
 
     def _hooks(self, checkpoint: CheckpointConfig | None) -> list[Hook]:
         """In order: the NaN guard, the step's bookkeeping, checkpoints, metrics, eval, progress, stops."""
