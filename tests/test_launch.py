@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -401,3 +402,32 @@ def test_a_coordinator_port_in_use_is_named_not_a_crash():
                    f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"], timeout=90)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"another program already listens on port {port}" in out.stderr and "Fix: pick a free port" in out.stderr
+
+
+def _launch_with_ports(tmp_path, always_taken: bool):
+    """spmdkit launch -n 2 of a short run, whose first picked port (or every one) another program took."""
+    code = ("import socket, sys\n"
+            "import spmdkit._launch as L\n"
+            "taken = socket.socket(); taken.bind(('127.0.0.1', 0)); taken.listen()\n"
+            "port = taken.getsockname()[1]; print('taken', port, file=sys.stderr)\n"
+            "picks, real = iter([port]), L.free_port\n"
+            f"L.free_port = (lambda: port) if {always_taken} else (lambda: next(picks, None) or real())\n"
+            f"sys.exit(L.launch([sys.executable, '-m', 'spmdkit._cli', 'train', '--task', 'linreg', '--steps', '2',\n"
+            f"                   '--no-progress', '--out', {str(tmp_path / 'o')!r}], 2, devices_per_process=1))\n")
+    out = run([sys.executable, "-c", code], timeout=240)
+    port = re.search(r"taken (\d+)", out.stderr).group(1)
+    return out, port
+
+
+def test_launch_starts_again_on_another_port_when_its_pick_was_taken(tmp_path):
+    out, port = _launch_with_ports(tmp_path, always_taken=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count(f"spmdkit launch: port {port}, free when picked, was taken by another program") == 1
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["steps"] == 2
+
+
+def test_launch_gives_up_on_a_port_that_stays_taken(tmp_path):
+    out, port = _launch_with_ports(tmp_path, always_taken=True)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.count(f"port {port}, free when picked, was taken") == 3  # then the error stands
+    assert f"[0] error: process 0 serves the coordinator at 127.0.0.1:{port}" in out.stderr

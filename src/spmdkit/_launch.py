@@ -41,6 +41,12 @@ ENV_RESUME = "SPMDKIT_RESUME"  # set on a restart: spmdkit train then resumes fr
 ENV_LAUNCHER_PID = "SPMDKIT_LAUNCHER_PID"
 
 
+# In process 0's error when the coordinator's port is taken: the launcher, which picked the port,
+# then starts the group again on another (the port was free when picked; another program took it).
+PORT_TAKEN = "already listens on port"
+_PORT_RETRIES = 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,11 +96,10 @@ def _check_port_free(host: str, port: int) -> None:
             if e.errno != errno.EADDRINUSE:
                 return  # JAX will say what is wrong with the address
             raise DeviceSetupError(fix(
-                f"process 0 serves the coordinator at {host}:{port}, but another program already listens on "
-                f"port {port} of this machine.",
+                f"process 0 serves the coordinator at {host}:{port}, but another program {PORT_TAKEN} {port} "
+                "of this machine.",
                 "pick a free port for --coordinator (the same address in every process), or stop the program "
-                "using it (`ss -ltnp` names it). Under spmdkit launch, which picked the port, run again: it "
-                "picks a free one at each start."
+                "using it (`ss -ltnp` names it). spmdkit launch, which picks the port, starts again on another."
             )) from None
 
 
@@ -237,7 +242,7 @@ def known_failure(line: str) -> str | None:
     return None
 
 
-def _pump(stream, prefix: str, sink, seen: dict[str, None]) -> None:
+def _pump(stream, prefix: str, sink, seen: dict[str, None], port_taken: threading.Event) -> None:
     # A runtime error's marks can fall on two lines (a wrapped status, a traceback's note):
     # match over the last few lines, not one.
     recent: collections.deque[str] = collections.deque(maxlen=4)
@@ -248,6 +253,8 @@ def _pump(stream, prefix: str, sink, seen: dict[str, None]) -> None:
         hint = known_failure(" ".join(recent))
         if hint is not None:
             seen.setdefault(hint)  # one call: two pumps finding it at once keep one entry
+        if PORT_TAKEN in line:
+            port_taken.set()
 
 
 def _die_with_parent() -> None:
@@ -270,7 +277,8 @@ class _Group:
     """One start of P processes: started together, watched, stopped together."""
 
     def __init__(self, command: Sequence[str], processes: int, devices_per_process: int | None, restart: bool = False):
-        port = free_port()
+        self.port = port = free_port()
+        self.port_taken = threading.Event()  # process 0 found the port taken (see PORT_TAKEN)
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.hints: dict[str, None] = {}  # known_failure of what the processes printed, in order
@@ -297,7 +305,8 @@ class _Group:
         # Threads only once every child is forked: preexec_fn and threads do not mix.
         for i, proc in enumerate(self.procs):
             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink, self.hints), daemon=True)
+                t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink, self.hints, self.port_taken),
+                                     daemon=True)
                 t.start()
                 self.pumps.append(t)
             threading.Thread(target=self._note_exit, args=(i, proc), daemon=True).start()
@@ -345,7 +354,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     When one fails and ``max_restarts`` allows, every process is stopped and the group is
     started again after a back-off (1 s, 2 s, 4 s ... at most 30 s), resuming from the last good
     checkpoint (``SPMDKIT_RESUME=1`` makes ``spmdkit train --checkpoint-dir D`` resume). Exit code 2 (bad
-    input) is never retried. SIGTERM/SIGINT to the launcher go to every process; the launcher
+    input) is never retried, except when process 0 found the port picked for it taken by another
+    program: then the group starts again on another port (up to 3 times, besides ``max_restarts``). SIGTERM/SIGINT to the launcher go to every process; the launcher
     then exits with 143/130 once they have ended.
     """
     if processes < 1:
@@ -365,7 +375,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     caught = (signal.SIGTERM,) if ignored else (signal.SIGTERM, signal.SIGINT)
     previous = {s: signal.signal(s, forward) for s in caught} if main else {}
     try:
-        attempt = 0
+        attempt = port_retries = 0
         while True:
             t_start = time.time()
             group = _Group(command, processes, devices_per_process, restart=attempt > 0)
@@ -383,6 +393,12 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
                 return 0
             group.stop(grace_s)
             index, code = failed
+            if index == 0 and code == 2 and group.port_taken.is_set() and port_retries < _PORT_RETRIES:
+                port_retries += 1  # not a restart of the user's job: nothing of it ran
+                sys.stderr.write(f"spmdkit launch: port {group.port}, free when picked, was taken by another program "
+                                 f"before process 0 could serve on it; starting the {processes} processes again on "
+                                 "another port\n")
+                continue
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
             for hint in group.hints:  # complete: stop() has waited for the output pumps
