@@ -69,6 +69,25 @@ def test_an_option_the_optimizer_ignores_is_refused(name, kwargs, used_by):
         build_run_config(resolve_options({"task": "linreg", "optimizer": name, key: value}))
 
 
+@pytest.mark.parametrize("strategy, key, value, given, used_by", [
+    ("data", "members", 4, "--members 4", "--strategy ensemble"),
+    ("data", "bagging", True, "--bagging", "--strategy ensemble"),
+    ("single", "mesh", "data=2", "--mesh data=2", "--strategy data or --strategy sharded"),
+    ("sharded", "impl", "jit", "--impl jit", "--strategy data"),
+    ("ensemble", "rules", "fsdp", "--rules fsdp", "--strategy sharded"),
+])
+def test_a_flag_the_strategy_ignores_is_named_as_a_flag(strategy, key, value, given, used_by):
+    with pytest.raises(spmdkit.ConfigError) as e:
+        build_run_config(resolve_options({"task": "linreg", "strategy": strategy, key: value}))
+    assert str(e.value).startswith(f"{given} is an option of {used_by}; --strategy {strategy} takes ")
+    assert f"Fix: drop --{key} (or `{key} = ...` in the --config file), or pass {used_by}." in str(e.value)
+
+
+def test_strategy_flags_at_their_defaults_are_no_error():
+    run = build_run_config(resolve_options({"task": "linreg", "strategy": "data", "bagging": False, "impl": "auto"}))
+    assert run.strategy == "data"
+
+
 def test_a_task_default_the_chosen_optimizer_ignores_is_dropped():
     # digits trains with SGD and momentum 0.9: --optimizer adam did not ask for momentum.
     options = resolve_options({"task": "digits", "optimizer": "adam"})

@@ -13,6 +13,7 @@ import optax
 
 from spmdkit._checkpoint import CheckpointConfig
 from spmdkit._errors import ConfigError, fix
+from spmdkit._strategies import ACCEPTS, StrategyOptions
 from spmdkit._types import finite_float
 
 
@@ -360,6 +361,7 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         sections[section][name] = value
     try:
         train = TrainConfig(**sections["train"])
+        _check_strategy_flags(sections[None])
         _check_optimizer_flags(sections["optimizer"])
         optimizer = OptimizerConfig(**sections["optimizer"])
         ckpt = sections["checkpoint"]
@@ -373,6 +375,22 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
         return RunConfig(train=train, optimizer=optimizer, checkpoint=checkpoint, **sections[None])
     except TypeError as e:  # a wrongly typed value in a TOML file
         raise ConfigError(fix(f"invalid option value: {e}.", "check the types in the config file.")) from None
+
+
+def _check_strategy_flags(top: dict[str, Any]) -> None:
+    """get_strategy's check that every option is taken, in the terms of the flags that set them."""
+    name = top.get("strategy", RunConfig.strategy)
+    if name not in ACCEPTS:
+        return  # get_strategy names the known ones
+    defaults = StrategyOptions()
+    for key in (f.name for f in dataclasses.fields(StrategyOptions)):
+        if key in top and top[key] != getattr(defaults, key) and key not in ACCEPTS[name]:
+            users = " or ".join(f"--strategy {s}" for s, keys in ACCEPTS.items() if key in keys)
+            given = _flag(key) if top[key] is True else f"{_flag(key)} {top[key]}"
+            takes = ", ".join(_flag(k) for k in ACCEPTS[name]) or "none of the strategy options"
+            raise ConfigError(fix(
+                f"{given} is an option of {users}; --strategy {name} takes {takes}, so it would be ignored.",
+                f"drop {_flag(key)} (or `{key.replace('_', '-')} = ...` in the --config file), or pass {users}."))
 
 
 def _check_optimizer_flags(opt: dict[str, Any]) -> None:
