@@ -195,3 +195,15 @@ def test_checkpoint_flags_without_a_directory_name_real_flags():
 def test_overwrite_and_resume_together_are_refused():
     with pytest.raises(spmdkit.CheckpointError, match="resume and overwrite were both asked for"):
         build_run_config({"checkpoint_dir": "ck", "resume": True, "overwrite_checkpoints": True})
+
+
+@pytest.mark.parametrize("task, key, value, flag, takes", [
+    ("digits", "layers", 3, "--layers", "none of the model options"),
+    ("linreg", "scan", False, "--no-scan", "none of the model options"),
+    ("mlp", "text_dir", "/tmp", "--text-dir", "--layers, --depth, --embed, --no-scan"),
+])
+def test_another_tasks_model_flag_is_named_as_a_flag(task, key, value, flag, takes):
+    with pytest.raises(spmdkit.ConfigError) as e:
+        build_run_config(resolve_options({"task": task, key: value}))
+    assert str(e.value).startswith(f"task {task!r} does not take option(s) [{key!r}] ({flag}).")
+    assert f"Fix: drop them; --task {task} takes {takes}." in str(e.value)

@@ -7,6 +7,7 @@ import difflib
 import reprlib
 import tomllib
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import optax
@@ -14,6 +15,8 @@ import optax
 from spmdkit._checkpoint import CheckpointConfig
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies import ACCEPTS, StrategyOptions
+from spmdkit._tasks import TASKS
+from spmdkit._tasks import task_options as model_options
 from spmdkit._types import finite_float
 
 
@@ -221,7 +224,7 @@ _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', 
 
 
 # Keys whose flag turns them off (on by default).
-_NEGATED_FLAGS = {"progress": "--no-progress", "verify_data": "--no-verify-data"}
+_NEGATED_FLAGS = {"progress": "--no-progress", "verify_data": "--no-verify-data", "scan": "--no-scan"}
 
 
 def _flag(key: str) -> str:
@@ -362,6 +365,8 @@ def build_run_config(values: dict[str, Any]) -> RunConfig:
     try:
         train = TrainConfig(**sections["train"])
         _check_strategy_flags(sections[None])
+        task = sections[None].get("task", RunConfig.task)
+        check_task_flags(task, [k for k in TASK_FLAGS if sections[None].get(k) is not None])
         _check_optimizer_flags(sections["optimizer"])
         optimizer = OptimizerConfig(**sections["optimizer"])
         ckpt = sections["checkpoint"]
@@ -407,6 +412,22 @@ def _check_optimizer_flags(opt: dict[str, Any]) -> None:
 
 
 LM_OPTIONS = ("d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")
+TASK_FLAGS = ("layers", "depth", "embed", "scan", *LM_OPTIONS)  # the model options of the built-in tasks
+
+
+def check_task_flags(task: str, given: Sequence[str], offered: Sequence[str] = TASK_FLAGS) -> None:
+    """The task takes every model option ``given``, said in the terms of the flags (``get_task``
+    says it in Python's): another task's option would be dropped without a word. ``offered``:
+    the model options the command has flags for."""
+    if task not in TASKS:
+        return  # get_task names the known ones
+    accepted = model_options(task)
+    wrong = [k for k in offered if k in given and k not in accepted]
+    if wrong:
+        flags = ", ".join(_flag(k) for k in wrong)
+        takes = ", ".join(_flag(k) for k in offered if k in accepted) or "none of the model options"
+        raise ConfigError(fix(f"task {task!r} does not take option(s) {wrong} ({flags}).",
+                              f"drop them; --task {task} takes {takes}."))
 _FLAG_OF = {where: key for key, where in _KEYS.items()}
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
+from spmdkit._config import TASK_FLAGS, check_task_flags
 from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable
 
 # Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
@@ -181,20 +182,11 @@ def check_out(path: str | None, flag: str) -> None:
         raise PlanFileError(fix(*problem))
 
 
-_TASK_FLAGS = ("layers", "depth", "embed", "d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")
-
-
 def _check_task_options(args: argparse.Namespace) -> None:
-    """The task takes every model option given (as train's get_task checks): the planner
-    builds each model from its own sizes, so another task's would be dropped without a word."""
-    from spmdkit._tasks import task_options
-
-    accepted = task_options(args.task)
-    wrong = [k for k in _TASK_FLAGS if getattr(args, k, None) is not None and k not in accepted]
-    if wrong:
-        flags = lambda keys: ", ".join("--" + k.replace("_", "-") for k in keys)  # noqa: E731
-        raise ConfigError(fix(f"task {args.task!r} does not take option(s) {wrong} ({flags(wrong)}).",
-                              f"it takes {flags(k for k in _TASK_FLAGS if k in accepted)}; drop the others."))
+    """The task takes every model option given (as train checks): the planner builds each model
+    from its own sizes, so another task's would be dropped without a word."""
+    offered = [k for k in TASK_FLAGS if hasattr(args, k)]
+    check_task_flags(args.task, [k for k in offered if getattr(args, k) is not None], offered)
 
 
 def _check_args(args: argparse.Namespace) -> None:
