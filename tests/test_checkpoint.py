@@ -118,6 +118,35 @@ def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_p
         ckpt.restore(2, halved)
 
 
+def test_a_part_that_fits_two_places_of_the_state_is_named_never_guessed(tmp_path):
+    # A DQN's online and target networks, or parameters and their EMA: a bare subtree has no position.
+    def make_state(rng):
+        k1, k2, k3 = jax.random.split(rng, 3)
+        return {"online": {"w": jax.random.normal(k1, (8, 4))}, "target": {"w": jax.random.normal(k2, (8, 4))},
+                "head": {"w": jax.random.normal(k3, (8, 3))}}
+
+    state = spmdkit.DataParallel().init(make_state, jax.random.key(0))
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    ckpt.save(5, state, {})
+    ckpt.close()
+    abstract = spmdkit.Single().abstract(make_state)
+    reader = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)the target matches 2 places of the saved state, "
+                       r"\"\['online'\]\", \"\['target'\]\".*ambiguous.*Fix: name it: restore\(5, target, "
+                       r"part=\"\['target'\]\"\)"):
+        reader.restore(5, abstract["target"])
+    for name in ("online", "target"):
+        got, _ = reader.restore(5, abstract[name], part=f"['{name}']")
+        np.testing.assert_array_equal(got["w"], state[name]["w"])
+    # The shapes decide where they can: only the head is (8, 3).
+    np.testing.assert_array_equal(reader.restore(5, abstract["head"])[0]["w"], state["head"]["w"])
+    with pytest.raises(spmdkit.CheckpointError, match=r"part=\"\['nowhere'\]\" is not a place .* holding exactly"):
+        reader.restore(5, abstract["target"], part="['nowhere']")
+    with pytest.raises(spmdkit.CheckpointError, match=r"leaf state\['w'\] has shape \(8, 3\) in the checkpoint but "
+                                                      r"\(8, 4\)"):
+        reader.restore(5, abstract["target"], part="['head']")
+
+
 @pytest.mark.parametrize("strategy", [spmdkit.DataParallel, lambda: spmdkit.Ensemble(4)])
 def test_a_state_holding_typed_prng_keys_saves_and_restores(tmp_path, strategy):
     # A dropout key in the state, NNX's Rngs: Orbax stores no key dtype (a TypeError before).

@@ -146,22 +146,51 @@ def _keys_again(restored: Any, target: Any, impls: dict[str, str], prefix: str) 
 _KEY = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
 
 
-def part_of(saved: dict[str, list], want: dict[str, list]) -> tuple[str, list[str]] | None:
-    """Where a saved state holds exactly the leaves ``want`` names, when ``want`` is a part
-    of it: the path prefix and its keys (``(".params", ["params"])`` for the parameters
-    alone), or None."""
+def parts_of(saved: dict[str, list], want: dict[str, list]) -> list[str]:
+    """Every place where a saved state holds exactly the leaves ``want`` names, when ``want`` is
+    a part of it: path prefixes (``[".params"]`` for the parameters alone); [] for the whole."""
     if not want or set(want) == set(saved):
-        return None
+        return []
     first = next(iter(want))
+    found = []
     for path in saved:
         if not path.endswith(first):
             continue
         prefix = path[: len(path) - len(first)]
         under = {p for p in saved if p.startswith(prefix)}
-        keys = [m.group(1) or m.group(2) for m in _KEY.finditer(prefix)]
         if under == {prefix + w for w in want} and "".join(m.group(0) for m in _KEY.finditer(prefix)) == prefix:
-            return prefix, keys
-    return None
+            found.append(prefix)
+    return found
+
+
+def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str | None = None) -> tuple[str, list[str]] | None:
+    """The part of a saved state a restore target stands for: its path prefix and keys
+    (``(".params", ["params"])``), or None for the whole state.
+
+    A bare subtree carries no position: a target shaped like two places of the state (the
+    parameters and their EMA, a DQN's online and target networks) matches both. The places whose
+    shapes and dtypes match too decide; if several remain, ``part`` must name one, never a guess.
+    """
+    found = parts_of(saved, want)
+    if part is not None:
+        if part not in found:
+            raise CheckpointError(fix(
+                f"checkpoint step {step}: part={part!r} is not a place of the saved state holding exactly the "
+                f"target's leaves ({', '.join(map(repr, found)) or 'none does'}).",
+                "pass one of those as part= (a path as jax.tree_util.keystr prints it), or a target of that part."))
+        found = [part]
+    exact = [p for p in found if all(saved[p + w] == list(v) for w, v in want.items())]
+    if len(exact) > 1 or (not exact and len(found) > 1):
+        places = exact or found
+        raise CheckpointError(fix(
+            f"checkpoint step {step}: the target matches {len(places)} places of the saved state, "
+            f"{', '.join(map(repr, places))} (the same leaves, shapes and dtypes), so which one it asks for is "
+            "ambiguous.",
+            f"name it: restore({step}, target, part={places[-1]!r})."))
+    if not found:
+        return None
+    prefix = (exact or found)[0]
+    return prefix, [m.group(1) or m.group(2) for m in _KEY.finditer(prefix)]
 
 
 def step_name(step: int) -> str:
@@ -697,11 +726,11 @@ class Checkpointer:
             raise CheckpointError(fix(f"checkpoint step {step}: {path} cannot be read ({e}).",
                                       "the step is damaged; resume from another step.")) from None
 
-    def check_target(self, step: int, target: Any, members: int | None = None) -> None:
+    def check_target(self, step: int, target: Any, members: int | None = None, part: str | None = None) -> None:
         """The saved leaves have the target's paths, shapes and dtypes; the first difference is named."""
         saved = self.meta(step).get("leaves", {})
         want = leaf_table(target)
-        part = part_of(saved, want)
+        part = part_of(step, saved, want, part)
         if part is not None:  # a part of the saved state (the parameters alone): compare with that part
             saved = {p[len(part[0]):]: v for p, v in saved.items() if p.startswith(part[0])}
         for path, (shape, dtype) in want.items():
@@ -741,12 +770,14 @@ class Checkpointer:
                                       f"{'steps ' + str(have) if have else 'no steps'}).",
                                       "restore one of those (ckpt.steps()[-1] is the newest), or check the directory."))
 
-    def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
+    def restore(self, step: int, target: Any, part: str | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore ``step`` onto ``target`` (a pytree of ShapeDtypeStruct with shardings), verified.
 
         ``target`` is the whole saved state or a part of it: ``strategy.abstract(make_state).params``
-        restores the parameters alone (inference), onto any mesh. Every file of the step is
-        checked against its manifest (sizes, CRC-32) before its bytes are used.
+        restores the parameters alone (inference), onto any mesh. Where the target's leaves fit two
+        places of the state (parameters and their EMA), ``part`` names the one meant, as
+        ``jax.tree_util.keystr`` prints its path (``part="['ema']"``); without it that is an error.
+        Every file of the step is checked against its manifest (sizes, CRC-32) before its bytes are used.
         """
         self._check_step_exists(step)
         problems = self.problems(step, arrays=False)
@@ -758,11 +789,12 @@ class Checkpointer:
         except CheckpointError:
             saved, impls = None, {}  # the restore below reports what is wrong with the step
         typed, target = target, keys_as_data(target)
-        part = part_of(saved, leaf_table(target)) if saved else None
+        where = part
+        part = part_of(step, saved, leaf_table(target), where) if saved else None
         keys = part[1] if part else []
         _check_key_impls(step, impls, key_impls(typed), part[0] if part else "")
         if saved:
-            self.check_target(step, target)  # paths, shapes and dtypes: the first difference named
+            self.check_target(step, target, part=where)  # paths, shapes and dtypes: the first difference named
         item = target
         for key in reversed(keys):
             item = {key: item}
