@@ -199,7 +199,21 @@ def test_any_damage_falls_back_to_the_newest_intact_step(tmp_path, damage):
     state, meta = reader(ck, messages.append).restore_latest(target())
     assert meta["step"] == 10 and int(state.step) == 10
     assert any("step 20" in m and "falling back" in m for m in messages), messages
-    assert any("resuming from step 10" in m for m in messages), messages
+    # A reader moves nothing: to it a step without its manifest may be a save still in flight.
+    assert any("restored step 10" in m and "[20] left in place" in m for m in messages), messages
+    assert (ck / step_name(20)).exists()
+
+
+def test_a_resumed_run_sets_a_damaged_step_aside_and_a_reader_does_not(tmp_path):
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    (ck / "manifests" / "20.json").unlink()  # a kill after Orbax's commit: as a save in flight looks
+    reader(ck).restore_latest(target())
+    assert (ck / step_name(20)).exists()
+    messages: list[str] = []
+    assert fit(ck, steps=30, resume=True, log=messages.append).summary["resumed_from_step"] == 10
+    assert any("resuming from step 10" in m and "set aside" in m for m in messages), messages
+    assert [p.name.rsplit("-", 1)[0] for p in ck.glob("damaged-*")] == [f"damaged-{step_name(20)}"]
 
 
 def test_checkpoints_verify_finds_changed_bytes(tmp_path, capsys):
@@ -630,3 +644,22 @@ def test_a_grad_accum_fix_fits_the_data():
         spmdkit.fit(linreg.make(), spmdkit.DataParallel(), OPT, spmdkit.TrainConfig(steps=1, batch_size=128,
                                                                                    grad_accum=256), progress=False)
     assert "use grad_accum=128" in str(e.value) and "batch_size=256" not in str(e.value)
+
+
+def test_processes_given_different_checkpoint_directories_are_told_at_once(tmp_path, procs):
+    # A temporary directory made in each process: every process waited for the others' shards forever.
+    code = textwrap.dedent(f"""
+        import sys, jax, spmdkit
+        spmdkit.initialize()
+        d = {str(tmp_path)!r} + "/ck" + str(jax.process_index())
+        try:
+            spmdkit.Checkpointer(spmdkit.CheckpointConfig(d), log=lambda m: None).claim()
+        except spmdkit.CheckpointError as e:
+            print("refused:", str(e).splitlines()[0], flush=True)
+    """)
+    p = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", sys.executable, "-c", code])
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    for i in (0, 1):
+        assert (f"[{i}] refused: the processes were given different checkpoint directories (process 0: "
+                f"{tmp_path}/ck0; process 1: {tmp_path}/ck1)") in out, out + err[-2000:]

@@ -302,6 +302,20 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
         return {"error": got[8: 8 + size].tobytes().decode(errors="replace"), "kind": "refused"}
 
 
+def _from_every_process(text: str) -> list[str]:
+    """``text`` of every process, in process order (one collective; every process must call it)."""
+    if jax.process_count() == 1:
+        return [text]
+    from jax.experimental import multihost_utils
+
+    raw = text.encode()[: _VERDICT_BYTES - 8]
+    buf = np.zeros(_VERDICT_BYTES, np.uint8)
+    buf[:8] = np.frombuffer(len(raw).to_bytes(8, "little"), np.uint8)
+    buf[8: 8 + len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), _VERDICT_BYTES)
+    return [row[8: 8 + int.from_bytes(row[:8].tobytes(), "little")].tobytes().decode(errors="replace") for row in rows]
+
+
 _WATCHING: list[bool] = []
 
 
@@ -483,9 +497,22 @@ class Checkpointer:
         ``overwrite``; a second writer is refused while the first holds ``spmdkit.lock``.
         """
         if self.run_id is None:
+            self._check_same_directory()
             self.run_id = self._claim(self.config.resume)
             self.manager.reload()
         return self
+
+    def _check_same_directory(self) -> None:
+        """Every process writes its shards of a step into one directory: given different ones
+        (a temporary directory made in each process), each waited for the others' files forever."""
+        paths = _from_every_process(str(self.directory))
+        if len(set(paths)) > 1:
+            listed = "; ".join(f"process {i}: {p}" for i, p in enumerate(paths))
+            raise CheckpointError(fix(
+                f"the processes were given different checkpoint directories ({listed}), but each step is one "
+                "checkpoint that every process writes its shards into.",
+                "pass every process the same directory, on a file system they all reach (the same "
+                "--checkpoint-dir; CheckpointConfig(directory=...) from Python)."))
 
     # ---- ownership ---------------------------------------------------------------
     def _claim(self, resume: bool) -> str:
@@ -884,7 +911,12 @@ class Checkpointer:
                 self.log(f"checkpoints: {str(e).splitlines()[0]}; falling back to an earlier step")
                 damaged.append(step)
                 continue
-            if damaged:
+            if damaged and self.run_id is None:
+                # Only the run that owns the directory moves steps: to a reader (a sidecar evaluating
+                # a live run) a step without its manifest yet may be a save still in flight.
+                self.log(f"checkpoints: restored step {step}, the newest intact one; {sorted(damaged)} left in "
+                         "place (this Checkpointer only reads: claim() takes the directory for writing)")
+            elif damaged:
                 self.log(f"checkpoints: resuming from step {step}, the newest intact one "
                          f"(damaged: {sorted(damaged)}, set aside)")
                 self._set_aside(damaged)
