@@ -476,3 +476,14 @@ def test_resume_refuses_another_precision_and_points_out_moved_data(tmp_path):
         run(4, True, text_dir="corpus")
     with pytest.warns(RuntimeWarning, match=r"written with --text-dir corpus, this run has --text-dir elsewhere"):
         assert run(4, True, text_dir="elsewhere", precision="bf16").summary["steps"] == 4
+
+
+@pytest.mark.parametrize("leaf, fix_text", [(7, "jnp.asarray(7, jnp.int32)"), (0.5, "jnp.asarray(0.5, jnp.float32)"),
+                                            ("x", "keep it in save()'s meta dict")])
+def test_a_python_value_in_a_saved_state_is_named(tmp_path, leaf, fix_text):
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    with pytest.raises(spmdkit.CheckpointError, match=rf"save\(1, state\): state\['step'\] is a Python "
+                                                      rf"{type(leaf).__name__}") as e:
+        ckpt.save(1, {"w": jnp.ones(3), "step": leaf}, {})
+    assert fix_text in str(e.value)
+    assert not (tmp_path / "ck").exists() or ckpt.steps() == []

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import reprlib
 import shutil
 import threading
 import time
@@ -300,6 +301,19 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
         return json.loads(got[8: 8 + size].tobytes().decode())
     except ValueError:  # a message cut at the buffer's end
         return {"error": got[8: 8 + size].tobytes().decode(errors="replace"), "kind": "refused"}
+
+
+def _check_array_leaves(state: Any, step: int) -> None:
+    """Every leaf an array: a bare Python number has no dtype to store or to check a restore
+    target against (it raised an AttributeError naming no leaf)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+            dtype = {bool: "jnp.bool_", int: "jnp.int32", float: "jnp.float32"}.get(type(leaf))
+            as_array = f"make it an array in the state, jnp.asarray({leaf!r}, {dtype}), or " if dtype else ""
+            raise CheckpointError(fix(
+                f"save({step}, state): state{jax.tree_util.keystr(path)} is a Python {type(leaf).__name__} "
+                f"({reprlib.repr(leaf)}), not an array: a checkpoint stores arrays of a known dtype.",
+                f"{as_array}keep it in save()'s meta dict."))
 
 
 def _from_every_process(text: str) -> list[str]:
@@ -635,6 +649,7 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(fix(f"save(step={step!r}): a step is a whole number >= 0.", "pass the step count, e.g. save(100, state, {})."))
+        _check_array_leaves(state, step)
         t0 = time.perf_counter()
         self.claim()
         self._finish_pending()
