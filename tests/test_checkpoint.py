@@ -487,3 +487,45 @@ def test_a_python_value_in_a_saved_state_is_named(tmp_path, leaf, fix_text):
         ckpt.save(1, {"w": jnp.ones(3), "step": leaf}, {})
     assert fix_text in str(e.value)
     assert not (tmp_path / "ck").exists() or ckpt.steps() == []
+
+
+def test_opening_a_directory_a_live_run_changes_is_taken_again(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    from spmdkit import _checkpoint
+
+    real, calls = ocp.CheckpointManager, []
+
+    def flaky(*args, **kwargs):  # as when the writer's retention deletes the step being listed
+        calls.append(1)
+        if len(calls) <= failures:
+            raise ValueError("No step path found with name=spmdkit_106")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_checkpoint.ocp, "CheckpointManager", flaky)
+    failures = 2
+    assert spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "a"))).steps() == [] and len(calls) == 3
+    failures = 99
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)kept changing while it was opened \(5 attempts; the last: "
+                                                      r"ValueError: No step path found.*another process is saving"):
+        spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "b")))
+
+
+def test_a_step_deleted_while_listed_is_gone_not_damaged(tmp_path):
+    from spmdkit._checkpoint import _ReadableSteps
+
+    class Meta:
+        step = 7
+
+        @property
+        def commit_timestamp(self):
+            raise FileNotFoundError("spmdkit_7/_CHECKPOINT_METADATA")
+
+    class Inner:
+        def find_all(self, base_path):
+            return [Meta()]
+
+    names = _ReadableSteps(Inner())
+    assert list(names.find_all(tmp_path)) == [] and names.unreadable == {}  # no spmdkit_7/ any more
+    (tmp_path / "spmdkit_7").mkdir()
+    assert list(names.find_all(tmp_path)) == [] and 7 in names.unreadable  # still there: damaged

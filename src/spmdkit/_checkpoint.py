@@ -144,6 +144,7 @@ def _keys_again(restored: Any, target: Any, impls: dict[str, str], prefix: str) 
     return jax.tree_util.tree_map_with_path(one, restored, target)
 
 
+_OPEN_ATTEMPTS = 5
 _KEY = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
 
 
@@ -425,6 +426,8 @@ class _ReadableSteps:
             try:
                 metadata.commit_timestamp  # what the manager reads first: raises on a damaged file
             except Exception as e:  # Orbax raises ValueError, TypeError, KeyError on such files
+                if not (Path(str(base_path)) / step_name(metadata.step)).exists():
+                    continue  # deleted meanwhile by the retention of a run writing here: gone, not damaged
                 self.unreadable[metadata.step] = (f"Orbax's {step_name(metadata.step)}/_CHECKPOINT_METADATA "
                                                   f"cannot be read ({type(e).__name__}: {str(e)[:120]})")
                 continue
@@ -492,17 +495,33 @@ class Checkpointer:
                                       "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
         _quiet_orbax()
         self._names = _ReadableSteps(ocp.step.standard_name_format(step_prefix=STEP_PREFIX))
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                # Retention is ours: Orbax's keep-N would delete any integer-named directory.
-                max_to_keep=None, enable_async_checkpointing=True, create=True, step_name_format=self._names,
-            ),
-            item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(use_compression=config.compress, use_ocdbt=config.ocdbt),
-                "meta": ocp.JsonCheckpointHandler(),
-            },
-        )
+        self.manager = self._open_manager()
+
+    def _open_manager(self) -> ocp.CheckpointManager:
+        """Orbax's manager of the directory. Opening lists the steps and reads the newest one's
+        metadata: in a directory a live run saves to, its retention may delete a step in between
+        (Orbax then raised a bare ValueError), so the listing is taken again."""
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                return ocp.CheckpointManager(
+                    self.directory,
+                    options=ocp.CheckpointManagerOptions(
+                        # Retention is ours: Orbax's keep-N would delete any integer-named directory.
+                        max_to_keep=None, enable_async_checkpointing=True, create=True, step_name_format=self._names,
+                    ),
+                    item_handlers={
+                        "state": ocp.PyTreeCheckpointHandler(use_compression=self.config.compress,
+                                                             use_ocdbt=self.config.ocdbt),
+                        "meta": ocp.JsonCheckpointHandler(),
+                    },
+                )
+            except (ValueError, FileNotFoundError) as e:
+                cause = f"{type(e).__name__}: {str(e)[:200]}"
+                time.sleep(0.1 * (attempt + 1))
+        raise CheckpointError(fix(
+            f"checkpoint directory {self.directory} kept changing while it was opened ({_OPEN_ATTEMPTS} attempts; "
+            f"the last: {cause}): another process is saving or deleting steps in it.",
+            "open it again (a reader following a live run retries on CheckpointError), or read a copy."))
 
     def claim(self) -> Checkpointer:
         """Take the directory for writing (every process calls it; returns ``self``).
