@@ -431,3 +431,25 @@ def test_launch_gives_up_on_a_port_that_stays_taken(tmp_path):
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.count(f"port {port}, free when picked, was taken") == 3  # then the error stands
     assert f"[0] error: process 0 serves the coordinator at 127.0.0.1:{port}" in out.stderr
+
+
+def test_a_watchdog_around_a_users_own_loop_ends_a_job_with_a_stuck_process():
+    # Process 1 stays alive (its heartbeat goes on) but stops stepping, as a data reader waiting
+    # forever would: without a watchdog process 0 waited in the next collective for ever.
+    code = ("import sys, time, jax, spmdkit\n"
+            "from jax.experimental import multihost_utils\n"
+            "spmdkit.initialize()\n"
+            "with spmdkit.StepWatchdog(timeout_s=8) as watchdog:\n"
+            "    for i in range(1, 1000):\n"
+            "        if jax.process_index() == 1 and i == 3:\n"
+            "            time.sleep(600)\n"
+            "        watchdog.started(i)\n"
+            "        multihost_utils.sync_global_devices(f'step {i}')  # the step's collective\n"
+            "        watchdog.finished(i)\n")
+    t0 = time.time()
+    out = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", sys.executable, "-c", code],
+              timeout=180)
+    assert out.returncode == 4, out.stderr[-2000:]
+    assert "behind: process 1 has not started step 3 (hung at step 2)" in out.stderr, out.stderr[-2000:]
+    assert "raise StepWatchdog(timeout_s=...) if steps are just slow" in out.stderr
+    assert time.time() - t0 < 120

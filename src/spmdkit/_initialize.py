@@ -30,8 +30,10 @@ def initialize(
     in this process (default: ``SPMDKIT_HOST_DEVICES``, else the real devices). Without
     arguments it joins what the environment describes (``spmdkit launch``, JAX's
     ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM, Open MPI)
-    and returns False in a lone process. ``timeout_s`` is how long peers may fall silent
-    before the job is ended (the coordination heartbeat is ``3 * timeout_s + 30``). In a job
+    and returns False in a lone process. ``timeout_s`` is how long a peer may fall silent
+    (dead, disconnected) before the job is ended (the coordination heartbeat is
+    ``3 * timeout_s + 30``); a peer alive but stuck keeps its heartbeat, so wrap your own loop in
+    a :class:`spmdkit.StepWatchdog` (``fit`` runs one). In a job
     of several processes, a process whose main thread raises an uncaught exception then exits
     within 20 s (or ``timeout_s / 2`` if shorter), rather than wait in JAX's exit handler for
     peers that wait for it (install your own ``sys.excepthook`` before calling this); leave

@@ -11,6 +11,7 @@ from spmdkit._train._hooks import (
     run_hooks,
 )
 from spmdkit._train._loop import FitResult, evaluate_task, fit, iterate_batches
+from spmdkit._train._watchdog import StepWatchdog
 
 __all__ = [
     "CheckpointHook",
@@ -20,6 +21,7 @@ __all__ = [
     "NaNGuard",
     "ProgressHook",
     "StepInfo",
+    "StepWatchdog",
     "evaluate_task",
     "fit",
     "iterate_batches",

@@ -518,7 +518,8 @@ class _Run:
             if progress and self.primary else None
         if progress and self.primary:
             _hint_host_memory(self.host_memory, log)
-        self.watchdog = StepWatchdog(step_timeout) if step_timeout and jax.process_count() > 1 else _NoWatchdog()
+        self.watchdog = StepWatchdog(step_timeout, knob="--distributed-timeout (fit(step_timeout=...) from Python)") \
+            if step_timeout and jax.process_count() > 1 else _NoWatchdog()
         self.hooks = self._hooks(checkpoint)
 
     def release(self) -> None:

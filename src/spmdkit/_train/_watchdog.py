@@ -16,6 +16,7 @@ import warnings
 
 import jax
 
+from spmdkit._errors import ConfigError, fix
 from spmdkit._process import exit_now
 
 EXIT_PEER_LOST = 4
@@ -47,8 +48,33 @@ def _client():
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    """Ends every process of a job whose steps stop, naming the process that fell behind.
+
+    ``jax.distributed`` ends a job when a process dies or disconnects, but a process that is
+    alive and stuck (a data reader waiting forever, a ``time.sleep`` in a debugger) keeps its
+    heartbeat, and its peers wait in the next collective forever. ``fit`` runs one of these
+    (``--distributed-timeout``); wrap your own loop in one the same way. If no step finishes for
+    ``timeout_s`` seconds, each process prints which peer is behind and exits with code 4. In a
+    lone process it does nothing.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, spmdkit
+        >>> step = jax.jit(lambda x: x + 1)
+        >>> x = jnp.zeros(3)
+        >>> with spmdkit.StepWatchdog(timeout_s=100) as watchdog:
+        ...     for i in range(3):
+        ...         watchdog.started(i + 1)
+        ...         x = jax.block_until_ready(step(x))
+        ...         watchdog.finished(i + 1)
+        >>> int(x[0])
+        3
+    """
+
+    def __init__(self, timeout_s: float, knob: str = "StepWatchdog(timeout_s=...)"):
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(fix(f"StepWatchdog(timeout_s={timeout_s!r}): a number of seconds > 0.",
+                                  "pass e.g. timeout_s=100, well above your slowest step (a compile counts)."))
+        self.timeout_s, self.knob = timeout_s, knob
         self.index = jax.process_index()
         self.count = jax.process_count()
         self.step = 0
@@ -59,7 +85,9 @@ class StepWatchdog:
         self._thread = threading.Thread(target=self._watch, daemon=True, name="spmdkit-watchdog")
 
     def __enter__(self) -> StepWatchdog:
-        if self.count > 1 and coordination_client() is None:
+        if self.count == 1:
+            return self  # no peer to wait for: a slow step is only slow
+        if coordination_client() is None:
             warnings.warn(
                 f"spmdkit: JAX {jax.__version__} does not expose its coordination client where "
                 "spmdkit looks for it; a run whose steps stop for --distributed-timeout seconds still "
@@ -75,10 +103,13 @@ class StepWatchdog:
         self._stop.set()
 
     def started(self, step: int) -> None:
+        """Call before step ``step`` (counted from 1): peers see which step each process is in."""
         self.started_step = step
-        self._publish()
+        if self.count > 1:
+            self._publish()
 
     def finished(self, step: int) -> None:
+        """Call once step ``step``'s results are ready (``jax.block_until_ready``)."""
         self.step = step
         self._last = time.monotonic()
 
@@ -127,6 +158,6 @@ class StepWatchdog:
             sys.stderr.write(
                 f"spmdkit: process {self.index}: no step finished for {idle:.0f} s (timeout {self.timeout_s:.0f} s); "
                 f"behind: {who}. A dead or hung process stops the collective; every process now exits. "
-                "Fix: see that process's log; raise --distributed-timeout if steps are just slow.\n"
+                f"Fix: see that process's log; raise {self.knob} if steps are just slow.\n"
             )
             exit_now(EXIT_PEER_LOST)
