@@ -196,6 +196,24 @@ def test_errors_name_the_argument_and_path():
     assert isinstance(err.value, TypeError)
 
 
+
+@pytest.mark.parametrize("make, call", [
+    (lambda: spmdkit.DataParallel(), "init"), (lambda: spmdkit.DataParallel(), "abstract"),
+    (lambda: spmdkit.Sharded(spmdkit.make_mesh(data=8), "dp"), "init"),
+    (lambda: spmdkit.Sharded(spmdkit.make_mesh(data=8), "dp"), "abstract"),
+    (lambda: spmdkit.Sharded(spmdkit.make_mesh(data=8), "dp"), "plan"),
+    (lambda: spmdkit.Ensemble(members=2), "init")])
+def test_a_make_state_without_the_key_argument_is_named_before_tracing(make, call):
+    # It raised Python's "<lambda>() takes 0 positional arguments" from inside eval_shape;
+    # spmdkit.plan already said so (the same check).
+    strategy = make()
+    args = (lambda: {"w": jnp.zeros(3)}, jax.random.key(0))
+    with pytest.raises(spmdkit.SignatureError, match=r"(?s)make_state must take one argument, the PRNG key.*"
+                       r"<lambda>\(\) does not.*Fix: pass make_state=lambda rng") as err:
+        getattr(strategy, call)(*args)
+    assert isinstance(err.value, TypeError)
+
+
 # ---- ensembles ------------------------------------------------------------------------
 def test_ensemble_members_get_their_own_hyperparameters():
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)

@@ -24,7 +24,7 @@ from spmdkit._plan._processes import (agreed_target, check_device_order, check_p
                                       links_note, slowest)
 from spmdkit._plan._search import plan as _plan
 from spmdkit._strategies._base import put_global
-from spmdkit._strategies._compile import check_callable
+from spmdkit._strategies._compile import check_callable, check_make_state
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._target import Target
 
@@ -113,14 +113,7 @@ def _check_arity(fn: Callable, name: str) -> None:
 
 def _check_inputs(make_state: Any, train_step: Any, batch: Any, target: Any, **callbacks: Any) -> None:
     """The functions, batch and target ``plan`` takes, checked before anything is traced."""
-    check_callable(make_state, "make_state", "rng -> state")
-    try:
-        inspect.signature(make_state).bind(0)
-    except TypeError:
-        raise SignatureError(fix("make_state must take one argument, the PRNG key (it builds the state from it).",
-                                 "pass make_state=lambda rng: {...}, e.g. lambda rng: model.init(rng, x).")) from None
-    except ValueError:
-        pass  # no signature to read (a builtin): calling it will tell
+    check_make_state(make_state)
     for name, fn in (("train_step", train_step), *callbacks.items()):
         if fn is not None:
             check_callable(fn, name, "(see spmdkit.plan)")

@@ -10,6 +10,7 @@ return while tracing, and gives the model a mesh to constrain its activations ag
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -196,6 +197,23 @@ def check_callable(fn: Any, argument: str, signature: str) -> None:
                             f"pass {argument}=a function {signature}."))
 
 
+def check_make_state(make_state: Any) -> None:
+    """``make_state`` a function of one argument, the key: checked before tracing, since a
+    wrong arity otherwise fails inside ``jax.eval_shape`` with Python's bare TypeError."""
+    check_callable(make_state, "make_state", "rng -> state")
+    try:
+        signature = inspect.signature(make_state)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): calling it will tell
+    try:
+        signature.bind(0)
+    except TypeError:
+        name = getattr(make_state, "__name__", type(make_state).__name__)
+        raise SignatureError(fix(f"make_state must take one argument, the PRNG key (it builds the state from it); "
+                                 f"{name}{signature} does not.",
+                                 "pass make_state=lambda rng: {...}, e.g. lambda rng: model.init(rng, x).")) from None
+
+
 class Placement:
     """``init``/``step``/``apply``/``shardings``, on top of a strategy's placement hooks.
 
@@ -328,7 +346,7 @@ class Placement:
         included; ``unbox=True`` removes them (``flax.core.meta.unbox``), their layout
         still applied.
         """
-        check_callable(make_state, "make_state", "rng -> state")
+        check_make_state(make_state)
         rng = self._init_key(as_key(rng))
         make = self._make(_arrays_only(make_state))
         shardings = self.shardings(self._abstract_boxed(make, rng))
@@ -361,7 +379,7 @@ class Placement:
     def abstract(self, make_state: MakeState, rng: Any = 0, *, unbox: bool = False) -> State:
         """The state's shapes and dtypes with this strategy's shardings, allocating nothing:
         the target a checkpoint restores into (the structure ``init`` returns)."""
-        check_callable(make_state, "make_state", "rng -> state")
+        check_make_state(make_state)
         boxed = self._abstract_boxed(self._make(_arrays_only(make_state)), self._init_key(as_key(rng)))
         shardings = jax.tree.leaves(self.shardings(boxed))
         tree = unbox_tree(boxed) if unbox else boxed

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import ConfigError, SignatureError, fix
-from spmdkit._strategies._compile import Placement, as_key, auto_mesh
+from spmdkit._strategies._compile import Placement, as_key, auto_mesh, check_make_state
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, _as_tuple, check_spec
 from spmdkit._types import MakeState
 
@@ -273,6 +273,7 @@ class Sharded(Placement):
                 f"(init_fn, optimizer): its second argument is a PRNG key or seed, not {type(rng).__name__}.",
                 "build the optimizer state inside make_state, e.g. plan(lambda rng: "
                 "TrainState.create(apply_fn=..., params=init_fn(rng), tx=optimizer))."))
+        check_make_state(make_state)
         return self.layout_of(self._abstract_boxed(make_state, as_key(rng)))
 
     def __repr__(self) -> str:
