@@ -1047,6 +1047,22 @@ def test_plan_no_rules_and_a_bad_rng_are_named():
     assert isinstance(err.value, TypeError)
 
 
+@pytest.mark.parametrize("rules, words", [
+    (5, r"(?s)plan\(rules=5\): rules is int, not a rules name.*Fix: pass a name such as \"dp\""),
+    (None, r"(?s)plan\(rules=None\): rules is NoneType.*leave rules out for the default \('dp'"),
+    (b"dp", r"plan\(rules=b'dp'\): rules is bytes"),
+    (spmdkit.AxisRules, r"rules is the class AxisRules, not a rules name"),
+    (("dp", "fsdp", "dp"), r"(?s)plan\(rules=...\) lists 'dp' twice.*Fix: list each rules table once: drop the second"),
+    (({"batch": "data"}, {"batch": "data"}), r"lists 'batch=data' twice"),
+])
+def test_plan_rules_of_the_wrong_kind_or_listed_twice_are_named(rules, words):
+    # A non-iterable raised Python's bare TypeError, bytes named the byte 100, and a name
+    # listed twice was compiled and ranked twice.
+    make_state, step, batch = _tiny()
+    with pytest.raises(spmdkit.LayoutError, match=words):
+        spmdkit.plan(make_state, step, batch, rules=rules, target="h100x8")
+
+
 def test_plan_dtype_alias_rules_string_and_dict():
     make_state, step, batch = _tiny()
     one = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", dtype="bf16")

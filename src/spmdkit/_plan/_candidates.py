@@ -9,7 +9,7 @@ and vocabulary over ``model``: hybrid sharded data parallelism with tensor paral
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from itertools import product
 from typing import Any, NamedTuple
 
@@ -52,6 +52,14 @@ def rules_names(rules: Any) -> tuple[str, ...]:
     """
     if isinstance(rules, (str, Mapping, AxisRules)):
         rules = (rules,)
+    if isinstance(rules, (bytes, bytearray, type)) or not isinstance(rules, Iterable):
+        # Iterating these would fail with Python's own TypeError, or name a byte's value.
+        kind = f"the class {rules.__name__}" if isinstance(rules, type) else type(rules).__name__
+        raise LayoutError(fix(f"plan(rules={rules!r}): rules is {kind}, not a rules name, a dict or "
+                              "a sequence of them.",
+                              f'pass a name such as "dp", names such as ("dp", "fsdp+tp"), a dict such as '
+                              f'{{"batch": "data", "hidden": "model"}} or an AxisRules instance; leave rules out for '
+                              f"the default {DEFAULT_RULES}."))
     out = []
     for entry in rules:
         if isinstance(entry, Mapping):
@@ -64,6 +72,9 @@ def rules_names(rules: Any) -> tuple[str, ...]:
             raise LayoutError(fix(f"plan(rules=...): the entry {entry!r} is neither a rules name nor a dict.",
                                   'pass names such as ("dp", "fsdp+tp"), or dicts such as '
                                   '({"batch": "data", "hidden": "model"},).'))
+        if entry in out:  # it would be compiled, priced and listed twice
+            raise LayoutError(fix(f"plan(rules=...) lists {entry!r} twice.",
+                                  f"list each rules table once: drop the second {entry!r}."))
         out.append(entry)
     if not out:
         raise LayoutError(fix("plan(rules=()) leaves no layout to compare.",
