@@ -69,7 +69,7 @@ def test_a_dead_process_stops_the_launch_within_60_s(tmp_path):
               f'--out {tmp_path / "o"}')
     t0 = time.time()
     out = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "2", "--", "sh", "-c", script], timeout=120)
-    assert out.returncode != 0
+    assert out.returncode == 137, out.stderr[-2000:]  # 128 + SIGKILL, as a shell reports it
     assert time.time() - t0 < 60 + 15
     assert "process 1 was killed by signal 9" in out.stderr
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "o")], capture_output=True, text=True).stdout.split()
@@ -82,6 +82,17 @@ def test_a_failing_process_gives_its_exit_code():
     out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
     assert out.returncode == 3 and time.time() - t0 < 30
     assert "process 1 exited with code 3; stopped the other 1" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [9, 15])
+def test_a_process_killed_by_a_signal_gives_128_plus_its_number(sig):
+    # It gave 1: a script could not tell an OOM kill (9) or a stop (15) from a Python error.
+    code = (f"import os, time; i = os.environ['SPMDKIT_PROCESS_ID']; "
+            f"os.kill(os.getpid(), {sig}) if i == '1' else time.sleep(60)")
+    t0 = time.time()
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
+    assert out.returncode == 128 + sig and time.time() - t0 < 30, out.stderr[-2000:]
+    assert f"process 1 was killed by signal {sig}; stopped the other 1" in out.stderr
 
 
 @pytest.mark.parametrize("line, what, how", [

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a command in P local processes joined by jax.distributed",
         description="Starts P copies of COMMAND with a coordinator on 127.0.0.1 and a free port; "
         "output lines are prefixed with the process index; if one process fails, the others are "
-        "stopped (SIGKILL after a grace period) and launch exits with its code.",
+        "stopped (SIGKILL after a grace period) and launch exits with its code (128 + N if signal N killed it).",
     )
     p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
     p.add_argument("--host-devices-per-process", type=_host_device_count, metavar="D", help="simulated CPU devices each")

@@ -349,7 +349,8 @@ class _Group:
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0,
            max_restarts: int = 0, backoff_s: float = 1.0) -> int:
-    """Run ``command`` in ``processes`` local processes; the exit code of the first to fail, else 0.
+    """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
+    signal N killed it, as a shell says), else 0.
 
     When one fails and ``max_restarts`` allows, every process is stopped and the group is
     started again after a back-off (1 s, 2 s, 4 s ... at most 30 s), resuming from the last good
@@ -404,7 +405,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             for hint in group.hints:  # complete: stop() has waited for the output pumps
                 sys.stderr.write(f"spmdkit launch: {hint}\n")
             if attempt >= max_restarts or code == 2:
-                return code if code > 0 else 1
+                # A child killed by signal N exits as a shell reports it: 128 + N (137 for SIGKILL).
+                return code if code > 0 else 128 - code
             attempt += 1
             wait = min(backoff_s * 2 ** (attempt - 1), 30.0)
             sys.stderr.write(f"spmdkit launch: restart {attempt}/{max_restarts} of all {processes} processes in "
