@@ -105,5 +105,10 @@ class DonatedStateError(SpmdkitError, RuntimeError):
     """A state whose arrays were given away (donated) to an earlier step was passed again."""
 
 
+class ProcessMismatchError(SpmdkitError, ValueError):
+    """The processes of one program gave different values where each must give the same one
+    (the init key): names the processes and what each gave."""
+
+
 class StepOutputError(SpmdkitError, TypeError):
     """A user's step returned what cannot be the next step's input or leave a compiled call."""

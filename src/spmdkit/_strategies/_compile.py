@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
                              StepOutputError, TreeMismatchError, fix)
 from spmdkit._mesh import make_mesh
+from spmdkit._strategies._agree import check_same_key
 from spmdkit._rules import LayoutError
 from spmdkit._tree import bad_dtype
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
@@ -347,7 +348,9 @@ class Placement:
         still applied.
         """
         check_make_state(make_state)
-        rng = self._init_key(as_key(rng))
+        rng = as_key(rng)
+        check_same_key(rng, self.mesh, f"{type(self).__name__}.init")
+        rng = self._init_key(rng)
         make = self._make(_arrays_only(make_state))
         shardings = self.shardings(self._abstract_boxed(make, rng))
         strip = unbox_tree if unbox else (lambda tree: tree)

@@ -1,0 +1,72 @@
+"""What the processes of one program must give alike, checked across them.
+
+Under ``jax.distributed`` every process passes its own copy of a value that the strategy
+takes as one global value: the init key (every process builds the same replicated state
+from it). JAX never
+compares the copies, so processes that differ train on silently apart. Each check here is
+one small collective of a digest (a second, to name what differs, only when they differ),
+which every process runs at the same point: a check only some processes ran would wait
+for the others forever. A strategy whose mesh does not span every process (a process's own
+``Single(jax.local_devices()[0])``) runs independent programs: nothing is compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from spmdkit._errors import ProcessMismatchError, fix
+
+_SHOWN = 8  # key words named in the error
+
+
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether ``mesh`` holds devices of every process (of several): one program over all of them."""
+    if jax.process_count() == 1:
+        return False
+    return len({d.process_index for d in mesh.devices.flat}) == jax.process_count()
+
+
+def disagreement(payload: bytes, detail: Callable[[], Any]) -> list[Any] | None:
+    """None when every process gave the same ``payload``; else every process's ``detail()``
+    (JSON-able), in process order. Every process must call it, at the same point."""
+    from jax.experimental import multihost_utils
+
+    from spmdkit._data._feed import gather_json
+
+    digest = np.frombuffer(hashlib.sha256(payload).digest()[:16], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
+    if (every == every[0]).all():
+        return None
+    return gather_json(detail())  # every process saw the same digests: all take this path
+
+
+def _key_words(key: jax.Array) -> np.ndarray:
+    data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    if isinstance(data, jax.Array) and not data.is_fully_addressable:
+        data = data.addressable_data(0)
+    return np.asarray(data)
+
+
+def check_same_key(key: jax.Array, mesh: Mesh, call: str) -> None:
+    """Refuse an init key that differs between the processes of ``mesh``'s program."""
+    if not spans_processes(mesh):
+        return
+    words = _key_words(key)
+    every = disagreement(words.tobytes() + str((words.shape, words.dtype)).encode(),
+                         lambda: [int(w) for w in words.ravel()[:_SHOWN]] + (["..."] if words.size > _SHOWN else []))
+    if every is None:
+        return
+    differ = [p for p, w in enumerate(every) if w != every[0]]
+    shown = ", ".join(f"process {p} {every[p]}" for p in [0, *differ][:4])
+    raise ProcessMismatchError(fix(
+        f"{call}(make_state, rng): rng differs between processes (key data: {shown}). Every process builds "
+        f"the one replicated state from it: with different keys the processes hold different copies of "
+        f"the same 'replicated' parameters and train apart, silently.",
+        "pass the same key in every process, e.g. rng=jax.random.key(0), not jax.random.key(jax.process_index()); "
+        "for per-process randomness after init, use jax.random.fold_in(key, jax.process_index())."))

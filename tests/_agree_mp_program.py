@@ -1,0 +1,64 @@
+"""A user's script for tests/test_agree.py, run under ``spmdkit launch -n 2``: processes that
+give different init keys, each case caught in both processes (both raise at
+the same point, so they stay in step). Process i writes what each case raised to the JSON file
+named on the command line, suffixed ``.i``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+
+def cases():
+    import jax
+    import jax.numpy as jnp
+
+    import spmdkit
+
+    me = jax.process_index()
+
+    def make_state(key):
+        return {"w": jax.random.normal(key, (8, 4))}
+
+    def train_step(state, batch):
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(state["w"])
+        return {"w": state["w"] - 0.1 * grad}, {"loss": loss}
+
+    x = np.ones((16, 8), np.float32)
+    data = spmdkit.DataParallel()
+    same = data.init(make_state, jax.random.key(0))
+    yield "same key and batch", lambda: data.step(train_step)(same, {"x": x})
+    for name, strategy in (("data", data), ("sharded", spmdkit.Sharded(spmdkit.make_mesh(data=8), "dp")),
+                           ("ensemble", spmdkit.Ensemble(8))):
+        yield f"key {name}", lambda s=strategy: s.init(make_state, jax.random.key(me))
+    yield "key as int seed", lambda: data.init(make_state, 3 + me)
+    # A process's own one-device strategy runs its own program: its keys and batches may differ.
+    own = spmdkit.Single(jax.local_devices()[0])
+    yield "own device", lambda: own.step(train_step)(own.init(make_state, me), {"x": x[: 8 + 8 * me]})
+
+
+def run() -> dict[str, str | None]:
+    import spmdkit
+
+    out = {}
+    for name, case in cases():
+        try:
+            case()
+            out[name] = None
+        except spmdkit.ProcessMismatchError as e:
+            out[name] = str(e)
+    return out
+
+
+if __name__ == "__main__":
+    import spmdkit
+
+    assert spmdkit.initialize(), "expected to run under spmdkit launch"
+    import jax
+
+    results = run()
+    with open(f"{sys.argv[1]}.{jax.process_index()}", "w") as f:
+        json.dump(results, f)
+    print("process", jax.process_index(), "of", jax.process_count(), "devices", jax.device_count())

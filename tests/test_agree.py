@@ -1,0 +1,51 @@
+"""Processes that must give alike what each gives (the init key) are compared:
+2 processes x 4 devices under spmdkit launch, each case refused in both, naming both processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import spmdkit
+from spmdkit._strategies._agree import spans_processes
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _launch_two import launch_two  # noqa: E402
+
+sys.path.remove(str(HERE))
+
+
+@pytest.fixture(scope="module")
+def raised(tmp_path_factory):
+    out = tmp_path_factory.mktemp("agree") / "raised.json"
+    launch_two(HERE / "_agree_mp_program.py", str(out), timeout=400)
+    got = [json.loads(Path(f"{out}.{i}").read_text()) for i in (0, 1)]
+    assert got[0] == got[1]  # both processes raised, the same error: they stayed in step
+    return got[0]
+
+
+def test_the_same_key_and_batch_and_a_process_s_own_device_pass(raised):
+    assert raised["same key and batch"] is None
+    assert raised["own device"] is None  # a mesh of one process's devices: its own program
+
+
+@pytest.mark.parametrize("case, strategy", [("key data", "DataParallel"), ("key sharded", "Sharded"),
+                                            ("key ensemble", "Ensemble")])
+def test_a_key_that_differs_between_processes_is_refused_at_init(raised, case, strategy):
+    # Each process built "replicated" parameters of its own and trained on, silently.
+    message = raised[case]
+    assert message.startswith(f"{strategy}.init(make_state, rng): rng differs between processes "
+                              "(key data: process 0 [0, 0], process 1 [0, 1])"), message
+    assert "Fix: pass the same key in every process" in message and "jax.random.key(jax.process_index())" in message
+
+
+def test_an_int_seed_that_differs_is_refused(raised):
+    assert "process 0 [0, 3], process 1 [0, 4]" in raised["key as int seed"]
+
+
+def test_one_process_compares_nothing():
+    assert not spans_processes(spmdkit.DataParallel().mesh)
