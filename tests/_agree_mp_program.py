@@ -1,5 +1,5 @@
 """A user's script for tests/test_agree.py, run under ``spmdkit launch -n 2``: processes that
-give different init keys, each case caught in both processes (both raise at
+give different init keys or global batches, each case caught in both processes (both raise at
 the same point, so they stay in step). Process i writes what each case raised to the JSON file
 named on the command line, suffixed ``.i``."""
 
@@ -34,6 +34,9 @@ def cases():
                            ("ensemble", spmdkit.Ensemble(8))):
         yield f"key {name}", lambda s=strategy: s.init(make_state, jax.random.key(me))
     yield "key as int seed", lambda: data.init(make_state, 3 + me)
+    yield "rows", lambda: data.step(lambda s, b: train_step(s, b))(same, {"x": x if me == 0 else np.ones((24, 8), np.float32)})
+    yield "dtype", lambda: data.evaluate(lambda s, b: b["x"].sum())(same, {"x": x.astype(np.float32 if me == 0 else np.float64)})
+    yield "leaf", lambda: data.apply(lambda s, b: b["x"] @ s["w"])(same, {"x": x, **({"y": x} if me == 1 else {})})
     # A process's own one-device strategy runs its own program: its keys and batches may differ.
     own = spmdkit.Single(jax.local_devices()[0])
     yield "own device", lambda: own.step(train_step)(own.init(make_state, me), {"x": x[: 8 + 8 * me]})

@@ -1,4 +1,4 @@
-"""Processes that must give alike what each gives (the init key) are compared:
+"""Processes that must give alike what each gives (the init key, the global batch) are compared:
 2 processes x 4 devices under spmdkit launch, each case refused in both, naming both processes."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 import spmdkit
-from spmdkit._strategies._agree import spans_processes
+from spmdkit._strategies._agree import batch_signature, spans_processes
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -47,5 +49,21 @@ def test_an_int_seed_that_differs_is_refused(raised):
     assert "process 0 [0, 3], process 1 [0, 4]" in raised["key as int seed"]
 
 
+@pytest.mark.parametrize("case, words", [
+    ("rows", "DataParallel.step(train_step)(state, batch): batch['x'] differs between processes: "
+             "process 0 has shape (16, 8) float32, process 1 has shape (24, 8) float32"),
+    ("dtype", "DataParallel.evaluate(fn)(state, batch): batch['x'] differs between processes: "
+              "process 0 has shape (16, 8) float32, process 1 has shape (16, 8) float64"),
+    ("leaf", "DataParallel.apply(fn)(state, batch): batch['y'] differs between processes: "
+             "process 0 has no batch['y'], process 1 has shape (16, 8) float32"),
+])
+def test_a_global_batch_that_differs_between_processes_is_refused_at_the_first_call(raised, case, words):
+    # Both processes trained to the end on global arrays of different shapes, silently.
+    assert raised[case].startswith(words), raised[case]
+    assert "Fix: give every process the same global batch" in raised[case]
+
+
 def test_one_process_compares_nothing():
     assert not spans_processes(spmdkit.DataParallel().mesh)
+    assert batch_signature({"x": np.zeros((4, 2), np.float32), "n": jax.numpy.zeros(4, jax.numpy.int32)}) == [
+        ["['n']", [4], "int32"], ["['x']", [4, 2], "float32"]]

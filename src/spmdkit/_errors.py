@@ -107,7 +107,7 @@ class DonatedStateError(SpmdkitError, RuntimeError):
 
 class ProcessMismatchError(SpmdkitError, ValueError):
     """The processes of one program gave different values where each must give the same one
-    (the init key): names the processes and what each gave."""
+    (the init key, the global batch's structure, shapes or dtypes): names the processes and what each gave."""
 
 
 class StepOutputError(SpmdkitError, TypeError):

@@ -2,7 +2,7 @@
 
 Under ``jax.distributed`` every process passes its own copy of a value that the strategy
 takes as one global value: the init key (every process builds the same replicated state
-from it). JAX never
+from it) and the global batch (each process hands JAX its devices' rows of it). JAX never
 compares the copies, so processes that differ train on silently apart. Each check here is
 one small collective of a digest (a second, to name what differs, only when they differ),
 which every process runs at the same point: a check only some processes ran would wait
@@ -13,6 +13,7 @@ for the others forever. A strategy whose mesh does not span every process (a pro
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -70,3 +71,37 @@ def check_same_key(key: jax.Array, mesh: Mesh, call: str) -> None:
         f"the same 'replicated' parameters and train apart, silently.",
         "pass the same key in every process, e.g. rng=jax.random.key(0), not jax.random.key(jax.process_index()); "
         "for per-process randomness after init, use jax.random.fold_in(key, jax.process_index())."))
+
+
+def batch_signature(batch: Any) -> list[list[Any]]:
+    """``[path, shape, dtype]`` of every leaf of ``batch``, in order."""
+    return [[jax.tree_util.keystr(path), list(np.shape(x)), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)]
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
+
+
+def check_same_batch(batch: Any, mesh: Mesh, call: str, argument: str = "batch") -> None:
+    """Refuse a global batch whose structure, shapes or dtypes differ between the processes
+    of ``mesh``'s program (each would hand JAX rows of another global array)."""
+    if not spans_processes(mesh):
+        return
+    signature = batch_signature(batch)
+    every = disagreement(json.dumps(signature).encode(), lambda: signature)
+    if every is None:
+        return
+    p = next(p for p, s in enumerate(every) if s != every[0])
+    first, other = ({path: (shape, dtype) for path, shape, dtype in s} for s in (every[0], every[p]))
+    path = next((k for k in [*first, *other] if first.get(k) != other.get(k)), None)
+
+    def has(leaves: dict, process: int) -> str:
+        if path not in leaves:
+            return f"process {process} has no {argument}{path}"
+        shape, dtype = leaves[path]
+        return f"process {process} has shape {tuple(shape)} {dtype}"
+
+    where = f"{argument}{path}" if path is not None else f"the leaf order of {argument}"
+    raise ProcessMismatchError(fix(
+        f"{call}: {where} differs between processes: {has(first, 0)}, {has(other, p)}. Each process passes "
+        f"the one global {argument} (its devices take their rows of it): processes that disagree compute on "
+        "different arrays, silently.",
+        f"give every process the same global {argument} (the same rows, shapes and dtypes, e.g. drawn from a "
+        "seed every process shares); each process's own rows are taken from it for you."))

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
                              StepOutputError, TreeMismatchError, fix)
 from spmdkit._mesh import make_mesh
-from spmdkit._strategies._agree import check_same_key
+from spmdkit._strategies._agree import check_same_batch, check_same_key
 from spmdkit._rules import LayoutError
 from spmdkit._tree import bad_dtype
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
@@ -486,6 +486,9 @@ class _RowwiseCheck:
         return out
 
 
+_CALLS = {"step": "step(train_step)", "eval": "evaluate(fn)", "apply": "apply(fn)"}
+
+
 class CompiledStep:
     """What ``strategy.step`` / ``strategy.apply`` return; compiled once per signature."""
 
@@ -496,6 +499,7 @@ class CompiledStep:
         self.donate = donate
         self.rowwise = rowwise
         self._compiled: dict[Any, Any] = {}
+        self._agreed = False  # the processes' batches compared (at the first call)
         self.__wrapped__ = fn
 
     def _build(self, state: State, even: bool, keep: int | None = None):
@@ -534,6 +538,11 @@ class CompiledStep:
         s = self.strategy
         n = batch_rows(batch)
         s._check_batch(self.kind, n, batch)
+        if not self._agreed:
+            # At the first call only, which every process makes: a check at each new batch
+            # signature would run only in a process that saw one, and wait for the others forever.
+            check_same_batch(batch, s.mesh, f"{type(s).__name__}.{_CALLS[self.kind]}(state, batch)")
+            self._agreed = True
         even = n % s.batch_shards == 0
         rows, given = n, batch
         if not even and self.rowwise:
