@@ -1317,3 +1317,26 @@ def test_a_step_time_range_prints_once_when_its_ends_agree():
 
     assert _ms_range(0.004981, 0.0049812) == "4.981"  # no collective to overlap: one figure
     assert _ms_range(0.004981, 0.0061) == "4.981-6.100"
+
+
+def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
+    # Every process returns process 0's plan: process 1's own rules were dropped without a word.
+    import subprocess
+    import sys
+
+    code = ("import jax, jax.numpy as jnp, spmdkit\n"
+            "spmdkit.initialize()\n"
+            "rules = 'dp' if jax.process_index() == 0 else 'fsdp'\n"
+            "try:\n"
+            "    spmdkit.plan(lambda rng: {'w': jax.random.normal(rng, (16, 16))},\n"
+            "                 lambda s, b: (s, {'loss': jnp.mean(b['x'] @ s['w'])}), {'x': jnp.zeros((8, 16))},\n"
+            "                 memory_per_device=2**30, rules=rules)\n"
+            "except spmdkit.ProcessMismatchError as e:\n"
+            "    print('refused:', str(e).splitlines()[0], flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+    out = subprocess.run([sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "2",
+                          "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for i in (0, 1):
+        assert (f"[{i}] refused: plan(rules=...) differs between processes: process 0 gave ['dp'], process 1 gave "
+                "['fsdp']") in out.stdout, out.stdout + out.stderr[-2000:]

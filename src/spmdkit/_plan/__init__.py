@@ -20,9 +20,10 @@ import numpy as np
 from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, fix
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
 from spmdkit._plan._report import explain, measure as _measure, pareto, print_plan, save_png, spearman, time_steps
-from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, from_process_0,
-                                      links_note, slowest)
+from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same,
+                                      check_same_arguments, from_process_0, links_note, slowest)
 from spmdkit._plan._search import plan as _plan
+from spmdkit._strategies._agree import batch_signature
 from spmdkit._strategies._base import put_global
 from spmdkit._strategies._compile import check_callable, check_make_state
 from spmdkit._strategies.sharded import Sharded
@@ -189,6 +190,9 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     rules = rules_names(rules)
     processes = check_processes(processes, measure)
     if jax.process_count() > 1:
+        check_same_arguments({"rules": rules, "remat": remat, "accum": accum, "memory_per_device": memory_per_device,
+                              "dtype": dtype, "measure": measure, "measure_steps": measure_steps,
+                              "measure_rounds": measure_rounds, "batch": batch_signature(batch)})
         check_device_order()
         target = agreed_target(target)
     result = _plan(make_state, train_step, batch, memory_per_device=memory_per_device, target=target, rules=rules,

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit._errors import ConfigError, SpmdkitError, fix
+from spmdkit._errors import ConfigError, ProcessMismatchError, SpmdkitError, fix
 
 
 class PlanRunError(SpmdkitError, RuntimeError):
@@ -66,6 +66,26 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (np.generic, np.ndarray)):
         return x.tolist()
     return str(x)
+
+
+def check_same_arguments(arguments: dict[str, Any]) -> None:
+    """Every process called ``plan`` with the same ``arguments`` (JSON-able): each gets process
+    0's plan, so another process's own rules or batch would be dropped without a word. Every
+    process must call it."""
+    if jax.process_count() == 1:
+        return
+    from spmdkit._strategies._agree import disagreement
+
+    plain = json.loads(json.dumps(arguments, sort_keys=True, default=_plain))
+    every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain)
+    if every is None:
+        return
+    p = next(i for i, a in enumerate(every) if a != every[0])
+    key = next(k for k in every[0] if every[0][k] != every[p].get(k))
+    raise ProcessMismatchError(fix(
+        f"plan({key}=...) differs between processes: process 0 gave {every[0][key]!r}, process {p} gave "
+        f"{every[p][key]!r}. Every process returns process 0's plan, so process {p}'s {key} would be dropped.",
+        f"pass every process the same {key}."))
 
 
 def from_process_0(value: Any) -> Any:
