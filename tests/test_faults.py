@@ -230,6 +230,16 @@ def test_checkpoints_verify_finds_changed_bytes(tmp_path, capsys):
     assert rows[0]["status"].startswith("damaged") and "checksum differs" in rows[0]["status"]
 
 
+def test_checkpoints_verify_counts_an_incomplete_step_as_one_a_restore_refuses(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    (ck / "manifests" / "20.json").unlink()  # a kill between Orbax's commit and the manifest
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 6
+    rows = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    assert rows[20].startswith("incomplete") and rows[10] == "complete, verified"
+    assert cli_main(["checkpoints", str(ck), "--json"]) == 0  # listing alone never fails
+
+
 # ---- never a non-finite state; params and summary agree ------------------------------
 
 @pytest.mark.parametrize("end", ["mid-run", "at-the-last-step"])

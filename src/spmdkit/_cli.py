@@ -36,7 +36,7 @@ from spmdkit._host_memory import _apply as _reuse_host_memory
 from spmdkit._host_memory import host_memory
 from spmdkit._process import end_soon
 
-EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged step
+EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged or incomplete step
 
 
 def _positive_int(text: str) -> int:
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
     p.add_argument("directory", help="a --checkpoint-dir")
     p.add_argument("--verify", action="store_true", help="compare every file's CRC-32 with the step's manifest "
-                   f"(exit {EXIT_DAMAGED} if a step is damaged)")
+                   f"(exit {EXIT_DAMAGED} if a step is damaged or incomplete)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     from spmdkit._bench import SUITES
@@ -542,7 +542,8 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._checkpoint import describe_directory
 
     rows = describe_directory(args.directory, verify=args.verify)
-    damaged = args.verify and any(r["status"].startswith("damaged") for r in rows)
+    # An incomplete step (its save cut short before the manifest) is one a restore refuses too.
+    damaged = args.verify and any(r["status"].startswith(("damaged", "incomplete")) for r in rows)
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_DAMAGED if damaged else 0
