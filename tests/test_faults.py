@@ -121,7 +121,7 @@ def test_a_second_writer_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
     (ck / "spmdkit.lock").write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname().nodename}))
     messages: list[str] = []
     assert fit(ck, steps=20, resume=True, log=messages.append).summary["steps"] == 20
-    assert any("removed the lock of an ended run" in m for m in messages)
+    assert any("took over the lock of an ended run" in m for m in messages)
 
 
 def test_a_second_run_into_the_same_out_is_refused_and_leaves_the_first_runs_files(tmp_path):
@@ -143,7 +143,7 @@ def test_a_second_run_into_the_same_out_is_refused_and_leaves_the_first_runs_fil
     (out / OUT_LOCK).write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname().nodename}))
     messages: list[str] = []
     assert fit(tmp_path / "ck", steps=10, out=out, log=messages.append).summary["steps"] == 10
-    assert any(m.startswith("out: removed the lock of an ended run (pid 4194311)") for m in messages), messages
+    assert any(m.startswith("out: took over the lock of an ended run (pid 4194311)") for m in messages), messages
     assert not (out / OUT_LOCK).exists() and (out / "summary.json").exists()
 
 
@@ -673,3 +673,31 @@ def test_processes_given_different_checkpoint_directories_are_told_at_once(tmp_p
     for i in (0, 1):
         assert (f"[{i}] refused: the processes were given different checkpoint directories (process 0: "
                 f"{tmp_path}/ck0; process 1: {tmp_path}/ck1)") in out, out + err[-2000:]
+
+
+def test_runs_racing_for_a_stale_lock_never_both_hold_it(tmp_path, procs):
+    # Each racer judged the old lock stale and deleted it, and a slow one could delete the lock a
+    # fast one had just taken: both wrote one --out (1 try in 9). The kernel's lock admits one.
+    lock = tmp_path / "spmdkit-out.lock"
+    code = textwrap.dedent(f"""
+        import sys, time
+        from spmdkit._lockfile import DirLock
+        start = float(sys.argv[1])
+        time.sleep(max(0.0, start - time.time()))
+        d = DirLock({str(lock)!r}, lambda m: None, "out")
+        try:
+            d.take("r", lambda other: RuntimeError("refused"))
+        except RuntimeError:
+            print("refused", flush=True)
+            sys.exit(0)
+        print("held", flush=True)
+        time.sleep(3)
+        d.release()
+    """)
+    for attempt in range(3):
+        lock.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))  # our own pid: reused
+        start = time.time() + 2
+        racers = [spawn(procs, [sys.executable, "-c", code, str(start)]) for _ in range(4)]
+        said = [r.communicate(timeout=60)[0].strip() for r in racers]
+        assert sorted(said) == ["held", "refused", "refused", "refused"], said
+        assert not lock.exists()

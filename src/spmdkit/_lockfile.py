@@ -1,14 +1,17 @@
 """One writer per directory: a lock file that names the process holding it.
 
 A checkpoint directory and a run's ``--out`` each take one, so two runs started into the same
-place are refused before either writes, instead of interleaving their files. The lock is a file
-created with ``O_EXCL`` (atomic on local and network file systems alike, unlike ``flock``), holding
-the owner's pid, host, run id and start time; a lock whose process has ended on this host, or an
-unreadable one older than a few seconds, is taken over and said so.
+place are refused before either writes, instead of interleaving their files. The lock is the
+kernel's (``flock`` on the file, which NFSv4 and local file systems honour): it is released
+when its process ends however it ends, so a run killed with ``kill -9`` leaves nothing that
+blocks the next, and no pid has to be judged alive or dead (a pid is reused, also by the next
+run itself after a container restart). The file's text only names the holder for the error.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -17,76 +20,82 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_UNREADABLE_STALE_S = 10  # a lock file cut short by a kill, or still being written by its owner
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (one of another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_ATTEMPTS = 5  # a holder releasing (unlinking) the file while we open it sends us round again
 
 
 class DirLock:
     """``take()`` the lock file at ``path``, or raise what ``refuse(owner)`` builds; ``release()`` it.
 
     ``owner`` is the holder's record (pid, host, run_id, started; empty if unreadable). ``log``
-    hears of a lock taken over from an ended process.
+    hears of a lock file left by an ended run and taken over.
     """
 
     def __init__(self, path: Path, log: Callable[[str], None], what: str):
         self.path, self.log, self.what = Path(path), log, what
         self.held = False
+        self._fd: int | None = None
 
     def take(self, run_id: str, refuse: Callable[[dict[str, Any]], Exception]) -> None:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        for _ in range(3):  # a stale lock removed here may be taken by a third run first
+        for _ in range(_ATTEMPTS):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                other = self._owner()
-                if not self._stale(other, me["host"]):
-                    raise refuse(other) from None
-                self.path.unlink(missing_ok=True)
-                self.log(f"{self.what}: removed the lock of an ended run (pid {other.get('pid', '?')})")
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise refuse(self._owner()) from None
+                raise
+            if not self._is_current(fd):  # the file we locked was unlinked by a releasing holder
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps(me))
-            self.held = True
+            previous = _record(os.pread(fd, 4096, 0))
+            if previous is not None:
+                self.log(f"{self.what}: took over the lock of an ended run (pid {previous.get('pid', '?')})")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            self._fd, self.held = fd, True
             return
         raise refuse(self._owner())
 
+    def _is_current(self, fd: int) -> bool:
+        try:
+            here, there = os.fstat(fd), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
     def release(self) -> None:
-        """Remove the lock if this process holds it; never raises (a directory turned read-only
-        leaves a lock of a dead pid, which the next run takes over)."""
+        """Unlock and remove the file if this process holds it; never raises (a directory turned
+        read-only keeps the file, which no process then holds: the next run takes it over)."""
         if not self.held:
             return
         self.held = False
         try:
-            self.path.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)  # before unlocking: no one may lock this file again
         except OSError as e:
-            self.log(f"{self.what}: could not remove {self.path} ({e.strerror or e}); the next run takes it over "
-                     "once this process has ended")
+            self.log(f"{self.what}: could not remove {self.path} ({e.strerror or e}); the next run takes it over")
+        finally:
+            os.close(self._fd)  # releases the kernel's lock
+            self._fd = None
 
     def _owner(self) -> dict[str, Any]:
         try:
-            other = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            return _record(self.path.read_bytes()) or {}
+        except OSError:
             return {}
-        return other if isinstance(other, dict) else {}
 
-    def _stale(self, other: dict[str, Any], host: str) -> bool:
-        if not other:
-            try:
-                return time.time() - self.path.stat().st_mtime > _UNREADABLE_STALE_S
-            except FileNotFoundError:
-                return True  # released meanwhile
-        return other.get("host") == host and isinstance(other.get("pid"), int) and not pid_alive(other["pid"])
+
+def _record(raw: bytes) -> dict[str, Any] | None:
+    """A lock file's record; None for an empty file (just created), {} for an unreadable one."""
+    if not raw.strip():
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def holder(other: dict[str, Any]) -> str:
