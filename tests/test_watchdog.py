@@ -1,5 +1,6 @@
 """The step watchdog's access to JAX's coordination service degrades with a warning."""
 
+import time
 import warnings
 
 import pytest
@@ -34,3 +35,33 @@ def test_client_lookup_tolerates_a_client_without_the_methods(monkeypatch):
 
     monkeypatch.setattr(distributed.global_state, "client", Moved())
     assert _watchdog.coordination_client() is None
+
+
+def test_a_watchdog_is_refused_where_it_would_watch_nothing():
+    import numpy as np
+
+    import spmdkit
+
+    assert spmdkit.StepWatchdog(np.float32(5)).timeout_s == 5.0
+    for bad in (0, -1, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(spmdkit.ConfigError, match="a number of seconds > 0"):
+            spmdkit.StepWatchdog(bad)
+    with spmdkit.StepWatchdog(5) as watchdog:
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(spmdkit.ConfigError, match="steps are whole numbers counted from 1"):
+                watchdog.started(bad)
+        watchdog.started(1)
+        watchdog.finished(np.int64(1))
+    with pytest.raises(spmdkit.ConfigError, match="entered before"):
+        with watchdog:
+            pass
+
+
+def test_the_watchdogs_clock_starts_when_it_is_entered(monkeypatch):
+    import spmdkit
+
+    watchdog = spmdkit.StepWatchdog(5)
+    made = watchdog._last
+    time.sleep(0.05)
+    with watchdog:
+        assert watchdog._last > made

@@ -9,10 +9,13 @@ It names them and ends this process with an error; every process runs one, so al
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 import threading
 import time
 import warnings
+from typing import Any
 
 import jax
 
@@ -70,23 +73,33 @@ class StepWatchdog:
         3
     """
 
+    _entered = 0  # watchdogs entered in this process: every process enters its own in the same order
+
     def __init__(self, timeout_s: float, knob: str = "StepWatchdog(timeout_s=...)"):
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
             raise ConfigError(fix(f"StepWatchdog(timeout_s={timeout_s!r}): a number of seconds > 0.",
                                   "pass e.g. timeout_s=100, well above your slowest step (a compile counts)."))
-        self.timeout_s, self.knob = timeout_s, knob
+        self.timeout_s, self.knob = float(timeout_s), knob
         self.index = jax.process_index()
         self.count = jax.process_count()
         self.step = 0
         self.started_step = 0
         self._tick = 0
+        self._key = "spmdkit/progress/0"
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="spmdkit-watchdog")
 
     def __enter__(self) -> StepWatchdog:
+        if self._thread.is_alive() or self._stop.is_set():
+            raise ConfigError(fix("this StepWatchdog was entered before: each watches one loop.",
+                                  "make a new spmdkit.StepWatchdog(timeout_s=...) for each with block."))
+        self._last = time.monotonic()  # the clock starts here, not when it was made
         if self.count == 1:
             return self  # no peer to wait for: a slow step is only slow
+        # Its own keys: a watchdog nested in another's loop must not overwrite the outer's steps.
+        StepWatchdog._entered += 1
+        self._key = f"spmdkit/progress/{StepWatchdog._entered}"
         if coordination_client() is None:
             warnings.warn(
                 f"spmdkit: JAX {jax.__version__} does not expose its coordination client where "
@@ -102,21 +115,31 @@ class StepWatchdog:
     def __exit__(self, *exc) -> None:
         self._stop.set()
 
+    def _check_step(self, step: Any, call: str) -> None:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+            raise ConfigError(fix(f"StepWatchdog.{call}({step!r}): steps are whole numbers counted from 1.",
+                                  f"pass the step's number, e.g. watchdog.{call}(i + 1) for the loop's i-th."))
+        if self.count > 1 and not self._thread.is_alive():
+            raise ConfigError(fix(f"StepWatchdog.{call}() outside its with block: nothing watches the steps.",
+                                  "write: with spmdkit.StepWatchdog(timeout_s=...) as watchdog: (your loop)."))
+
     def started(self, step: int) -> None:
         """Call before step ``step`` (counted from 1): peers see which step each process is in."""
-        self.started_step = step
+        self._check_step(step, "started")
+        self.started_step = int(step)
         if self.count > 1:
             self._publish()
 
     def finished(self, step: int) -> None:
         """Call once step ``step``'s results are ready (``jax.block_until_ready``)."""
-        self.step = step
+        self._check_step(step, "finished")
+        self.step = int(step)
         self._last = time.monotonic()
 
     def _publish(self) -> None:
         try:
             value = f"{self.started_step} {self._tick}"
-            _client().key_value_set(f"spmdkit/progress/{self.index}", value, allow_overwrite=True)
+            _client().key_value_set(f"{self._key}/{self.index}", value, allow_overwrite=True)
         except Exception:  # publishing is best effort; the timeout still fires
             pass
 
@@ -124,7 +147,7 @@ class StepWatchdog:
         out = {}
         for i in range(self.count):
             try:
-                started, tick = _client().blocking_key_value_get(f"spmdkit/progress/{i}", 200).split()
+                started, tick = _client().blocking_key_value_get(f"{self._key}/{i}", 200).split()
                 out[i] = (int(started), int(tick))
             except Exception:
                 out[i] = None
@@ -143,6 +166,8 @@ class StepWatchdog:
                 self._tick += 1
                 self._publish()
             after = self._peers()
+            if time.monotonic() - self._last < self.timeout_s:
+                continue  # a step finished while the peers were asked: the job moves after all
             reasons = {}
             for i in range(self.count):
                 if i == self.index:
