@@ -464,3 +464,20 @@ def test_a_watchdog_around_a_users_own_loop_ends_a_job_with_a_stuck_process():
     assert "behind: process 1 has not started step 3 (hung at step 2)" in out.stderr, out.stderr[-2000:]
     assert "raise StepWatchdog(timeout_s=...) if steps are just slow" in out.stderr
     assert time.time() - t0 < 120
+
+
+def test_an_ensemble_over_two_processes_spreads_its_members_over_both(tmp_path):
+    # Its members sat on the first devices, all of process 0: the run failed with bare Python errors.
+    train = ["train", "--task", "linreg", "--strategy", "ensemble", "--steps", "10", "--no-progress"]
+    multi = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "2", "--", *CLI, *train, "--members", "2",
+                 "--out", str(tmp_path / "multi")], timeout=240)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    single = run([*CLI, "--host-devices", "2", *train, "--members", "2", "--out", str(tmp_path / "single")])
+    assert single.returncode == 0, single.stderr[-2000:]
+    with np.load(tmp_path / "multi" / "params.npz") as a, np.load(tmp_path / "single" / "params.npz") as b:
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k])
+    odd = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "2", "--", *CLI, *train, "--members", "3",
+               "--out", str(tmp_path / "odd")], timeout=240)
+    assert odd.returncode == 2, odd.stderr[-3000:]
+    assert "Ensemble(members=3) over 2 processes: the members must be spread evenly" in odd.stderr + odd.stdout

@@ -73,6 +73,41 @@ def _g(values: np.ndarray) -> str:
     return ", ".join(f"{v:g}" for v in values.ravel().tolist())
 
 
+def _member_devices(members: int, devs: list[jax.Device]) -> list[jax.Device]:
+    """The devices K members use: the largest divisor of K the devices take, spread evenly over
+    the processes the devices belong to (the first of them on one process left the others'
+    devices out of the program, which then failed with bare Python errors)."""
+    by_process: dict[int, list[jax.Device]] = {}
+    for d in devs:
+        by_process.setdefault(d.process_index, []).append(d)
+    procs = len(by_process)
+    if procs == 1:
+        used = placement(members, len(devs))
+        _warn_idle(members, len(devs), used)
+        return devs[:used]
+    least = min(len(v) for v in by_process.values())
+    fits = [d for d in range(procs, procs * least + 1, procs) if members % d == 0]
+    if not fits:
+        raise ConfigError(fix(
+            f"Ensemble(members={members}) over {procs} processes: the members must be spread evenly over every "
+            f"process's devices ({least} each), so their number must have a divisor that is a multiple of {procs} "
+            f"and at most {procs * least}.",
+            f"use members={procs * least} (one per device), {2 * procs * least}, or another multiple of {procs} "
+            "(--members)."))
+    used = max(fits)
+    _warn_idle(members, len(devs), used)
+    return [d for group in by_process.values() for d in group[: used // procs]]
+
+
+def _check_holds_this_process(mesh: Mesh, members: int) -> None:
+    if jax.process_count() > 1 and not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+        raise ConfigError(fix(
+            f"Ensemble(members={members}): its mesh holds no device of this process ({jax.process_index()}), "
+            "so this process has no part in the program it runs.",
+            "give every process a mesh or devices= with devices of its own (jax.local_devices() for a per-process "
+            "ensemble), or leave both out for spmdkit's placement over every process."))
+
+
 def _warn_idle(members: int, devices: int, used: int) -> None:
     """Say so when K members leave devices idle that a nearby K would have used."""
     if used >= min(members, devices):
@@ -81,8 +116,8 @@ def _warn_idle(members: int, devices: int, used: int) -> None:
     warnings.warn(
         f"Ensemble(members={members}) on {devices} devices: {members} members split evenly over only {used} of "
         f"them ({members // used} each), so {devices - used} devices stay idle. Use members="
-        f"{' or '.join(map(str, near))} (--members) to use all {devices}, or pass devices= a list of {used} to "
-        "say this is meant.", stacklevel=3)
+        f"{' or '.join(map(str, near))} (--members) to use all {devices}, or, from Python, pass devices= a list "
+        f"of {used} to say this is meant.", stacklevel=4)
 
 
 def _check_hyperparams(hyperparams: Any, members: int) -> dict[str, list[float]]:
@@ -165,11 +200,10 @@ class Ensemble(Placement):
             if not devs or not all(isinstance(d, jax.Device) for d in devs):
                 raise MeshError(fix(f"Ensemble(devices={devices!r:.60}): a non-empty list of jax.Device.",
                                     "pass e.g. devices=jax.devices()[:4], or leave it out for all of them."))
-            used = placement(members, len(devs))
-            _warn_idle(members, len(devs), used)
-            mesh = Mesh(np.array(devs[:used]), (axis,))
+            mesh = Mesh(np.array(_member_devices(members, devs)), (axis,))
         else:
             mesh = auto_mesh(mesh)
+        _check_holds_this_process(mesh, members)
         if axis not in mesh.axis_names:
             raise MeshError(
                 fix(f"the mesh has axes {list(mesh.axis_names)}, not the member axis {axis!r}.", "pass axis= one of them.")
