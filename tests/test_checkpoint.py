@@ -113,7 +113,7 @@ def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_p
     assert "damaged" not in str(e.value)
     # Another dtype was cast silently (a float32 step counter, bfloat16 weights rounded).
     halved = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), target)
-    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)leaf state\['\w+'\] is float32 in the checkpoint but "
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)leaf state.params\['\w+'\] is float32 in the checkpoint but "
                                                       r"bfloat16 in the target.*cast after"):
         ckpt.restore(2, halved)
 
@@ -142,7 +142,7 @@ def test_a_part_that_fits_two_places_of_the_state_is_named_never_guessed(tmp_pat
     np.testing.assert_array_equal(reader.restore(5, abstract["head"])[0]["w"], state["head"]["w"])
     with pytest.raises(spmdkit.CheckpointError, match=r"part=\"\['nowhere'\]\" is not a place .* holding exactly"):
         reader.restore(5, abstract["target"], part="['nowhere']")
-    with pytest.raises(spmdkit.CheckpointError, match=r"leaf state\['w'\] has shape \(8, 3\) in the checkpoint but "
+    with pytest.raises(spmdkit.CheckpointError, match=r"leaf state\['head'\]\['w'\] has shape \(8, 3\) in the checkpoint but "
                                                       r"\(8, 4\)"):
         reader.restore(5, abstract["target"], part="['head']")
 

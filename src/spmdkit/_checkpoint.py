@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from spmdkit import _checkpoint_read as _read
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
-from spmdkit._lockfile import DirLock, holder
+from spmdkit._lockfile import OUT_LOCK, DirLock, holder
 from spmdkit._process import exit_now
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -613,7 +613,7 @@ class Checkpointer:
         return str(run_id)
 
     def _is_ours(self, name: str) -> bool:
-        return (name in (MANIFESTS, OWNER_FILE, LOCK_FILE) or parse_step(name) is not None
+        return (name in (MANIFESTS, OWNER_FILE, LOCK_FILE, OUT_LOCK) or parse_step(name) is not None
                 or name.startswith((f"{STEP_PREFIX}_", _ASIDE, f".{OWNER_FILE}.")))
 
     def _lock(self, run_id: str) -> None:
@@ -792,26 +792,28 @@ class Checkpointer:
         saved = self.meta(step).get("leaves", {})
         want = leaf_table(target)
         part = part_of(step, saved, want, part)
+        at = ""  # errors name a leaf by its place in the saved state
         if part is not None:  # a part of the saved state (the parameters alone): compare with that part
-            saved = {p[len(part[0]):]: v for p, v in saved.items() if p.startswith(part[0])}
+            at = part[0]
+            saved = {p[len(at):]: v for p, v in saved.items() if p.startswith(at)}
         for path, (shape, dtype) in want.items():
             if path not in saved:
                 what = "optimizer" if path.startswith(".opt_state") else "model (task and options)"
                 raise CheckpointError(
-                    fix(f"checkpoint step {step} has no leaf state{path} (the run being resumed has it).",
+                    fix(f"checkpoint step {step} has no leaf state{at}{path} (the run being resumed has it).",
                         f"resume with the {what} the checkpoint was written with.")
                 )
             if list(saved[path][0]) != list(shape):
                 hint = _members_hint(tuple(saved[path][0]), tuple(shape), members)
                 raise CheckpointError(
-                    fix(f"checkpoint step {step}: leaf state{path} has shape {tuple(saved[path][0])} in the "
+                    fix(f"checkpoint step {step}: leaf state{at}{path} has shape {tuple(saved[path][0])} in the "
                         f"checkpoint but {tuple(shape)} in the model being trained.{hint}",
                         "resume with the same model size and member count, or start a new run.")
                 )
             if len(saved[path]) > 1 and saved[path][1] != dtype:
                 # Orbax would cast silently: a float32 step counter, bfloat16 weights rounded.
                 raise CheckpointError(
-                    fix(f"checkpoint step {step}: leaf state{path} is {saved[path][1]} in the checkpoint but "
+                    fix(f"checkpoint step {step}: leaf state{at}{path} is {saved[path][1]} in the checkpoint but "
                         f"{dtype} in the target.",
                         f"restore into a target of the saved dtypes ({saved[path][1]} here) and cast after: "
                         "jax.tree.map(lambda x: x.astype(...), state).")
@@ -820,7 +822,7 @@ class Checkpointer:
         if extra:
             what = "optimizer" if extra[0].startswith(".opt_state") else "model (task and options)"
             raise CheckpointError(
-                fix(f"checkpoint step {step} has leaves the run being resumed lacks, e.g. state{extra[0]}.",
+                fix(f"checkpoint step {step} has leaves the run being resumed lacks, e.g. state{at}{extra[0]}.",
                     f"resume with the {what} the checkpoint was written with.")
             )
 

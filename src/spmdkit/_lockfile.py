@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+OUT_LOCK = "spmdkit-out.lock"  # a run's --out; not spmdkit.lock, so one directory can be --out and checkpoints
 _ATTEMPTS = 5  # a holder releasing (unlinking) the file while we open it sends us round again
 
 

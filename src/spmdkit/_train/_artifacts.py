@@ -18,7 +18,7 @@ import numpy as np
 
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
-from spmdkit._lockfile import DirLock, holder
+from spmdkit._lockfile import OUT_LOCK, DirLock, holder
 
 
 class ArtifactError(SpmdkitError, OSError):
@@ -49,7 +49,6 @@ def prepare_out_dir(out: Path) -> None:
         raise _cannot_write(out, e) from None
 
 
-OUT_LOCK = "spmdkit-out.lock"  # not the checkpoints' spmdkit.lock: --out may be the checkpoint directory too
 
 
 def lock_out_dir(out: Path, log: Callable[[str], None]) -> DirLock:
@@ -65,8 +64,11 @@ def lock_out_dir(out: Path, log: Callable[[str], None]) -> DirLock:
     lock = DirLock(out / OUT_LOCK, log, "out")
     try:
         lock.take(uuid.uuid4().hex[:12], refuse)
+    except IsADirectoryError:
+        raise ConfigError(fix(f"{out / OUT_LOCK} is a directory, where spmdkit keeps the lock file of --out {out}.",
+                              f"remove or rename {out / OUT_LOCK}, or pass another --out.")) from None
     except OSError as e:
-        raise _cannot_write(out, e) from None
+        raise _cannot_write(out / OUT_LOCK, e) from None
     return lock
 
 
