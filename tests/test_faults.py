@@ -538,7 +538,10 @@ def test_a_refusal_on_process_0_ends_every_process_at_once(tmp_path, procs):
     # Only process 0 takes the lock: the others learn its verdict instead of waiting for it.
     ck = tmp_path / "ck"
     ck.mkdir()
-    (ck / "spmdkit.lock").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    from spmdkit._lockfile import DirLock
+
+    held = DirLock(ck / "spmdkit.lock", lambda m: None, "checkpoints")  # another run, alive: this test
+    held.take("other", lambda other: AssertionError(other))
     p = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train", "--task",
                       "linreg", "--steps", "5", "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "o"),
                       "--no-progress", "--distributed-timeout", "100"])
@@ -546,6 +549,7 @@ def test_a_refusal_on_process_0_ends_every_process_at_once(tmp_path, procs):
     text = stdout + stderr
     assert p.returncode == 2, text[-3000:]
     assert "[0] error: another run" in text and "[1] error: another run" in text, text[-3000:]
+    held.release()
 
 
 def alive(pid: int) -> bool:

@@ -40,7 +40,9 @@ class DirLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         for _ in range(_ATTEMPTS):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # Held read-only: a file open for writing would keep its file system from being
+            # remounted read-only for as long as the run lasts. The record is written apart.
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -54,8 +56,12 @@ class DirLock:
             previous = _record(os.pread(fd, 4096, 0))
             if previous is not None:
                 self.log(f"{self.what}: took over the lock of an ended run (pid {previous.get('pid', '?')})")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(me).encode(), 0)
+            try:
+                with open(self.path, "w") as fh:
+                    fh.write(json.dumps(me))
+            except OSError:
+                os.close(fd)
+                raise
             self._fd, self.held = fd, True
             return
         raise refuse(self._owner())
