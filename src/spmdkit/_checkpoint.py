@@ -37,8 +37,8 @@ import orbax.checkpoint as ocp
 from spmdkit import _checkpoint_read as _read
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
-from spmdkit._lockfile import OUT_LOCK, DirLock, holder
-from spmdkit._process import exit_now
+from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
+from spmdkit._process import exit_now, gather_json
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 STEP_PREFIX = "spmdkit"
@@ -317,20 +317,6 @@ def _check_array_leaves(state: Any, step: int) -> None:
                 f"{as_array}keep it in save()'s meta dict."))
 
 
-def _from_every_process(text: str) -> list[str]:
-    """``text`` of every process, in process order (one collective; every process must call it)."""
-    if jax.process_count() == 1:
-        return [text]
-    from jax.experimental import multihost_utils
-
-    raw = text.encode()[: _VERDICT_BYTES - 8]
-    buf = np.zeros(_VERDICT_BYTES, np.uint8)
-    buf[:8] = np.frombuffer(len(raw).to_bytes(8, "little"), np.uint8)
-    buf[8: 8 + len(raw)] = np.frombuffer(raw, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), _VERDICT_BYTES)
-    return [row[8: 8 + int.from_bytes(row[:8].tobytes(), "little")].tobytes().decode(errors="replace") for row in rows]
-
-
 _WATCHING: list[bool] = []
 
 
@@ -538,7 +524,7 @@ class Checkpointer:
     def _check_same_directory(self) -> None:
         """Every process writes its shards of a step into one directory: given different ones
         (a temporary directory made in each process), each waited for the others' files forever."""
-        paths = _from_every_process(str(self.directory))
+        paths = [str(self.directory)] if jax.process_count() == 1 else gather_json(str(self.directory))
         if len(set(paths)) > 1:
             listed = "; ".join(f"process {i}: {p}" for i, p in enumerate(paths))
             raise CheckpointError(fix(
@@ -617,14 +603,9 @@ class Checkpointer:
                 or name.startswith((f"{STEP_PREFIX}_", _ASIDE, f".{OWNER_FILE}.")))
 
     def _lock(self, run_id: str) -> None:
-        def refuse(other: dict[str, Any]) -> CheckpointError:
-            return CheckpointError(fix(
-                f"another run ({holder(other)}) is writing checkpoints to {self.directory}; two writers would "
-                "destroy each other's steps.",
-                f"wait for it to end, or pass another --checkpoint-dir. If no such process runs, delete "
-                f"{self._lockfile.path}."))
-
-        self._lockfile.take(run_id, refuse)
+        self._lockfile.take(run_id, lambda other: CheckpointError(refusal(
+            other, self._lockfile.path, f"checkpoints to {self.directory}", "two writers would destroy each other's steps",
+            "another --checkpoint-dir")))
 
     def _release(self) -> None:
         self._lockfile.release()

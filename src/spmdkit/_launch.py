@@ -356,7 +356,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     started again after a back-off (1 s, 2 s, 4 s ... at most 30 s), resuming from the last good
     checkpoint (``SPMDKIT_RESUME=1`` makes ``spmdkit train --checkpoint-dir D`` resume). Exit code 2 (bad
     input) is never retried, except when process 0 found the port picked for it taken by another
-    program: then the group starts again on another port (up to 3 times, besides ``max_restarts``). SIGTERM/SIGINT to the launcher go to every process; the launcher
+    program: then the group starts again on another port (up to 3 times, besides ``max_restarts``).
+    SIGTERM/SIGINT to the launcher go to every process; the launcher
     then exits with 143/130 once they have ended.
     """
     if processes < 1:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spmdkit._errors import fix
+
 OUT_LOCK = "spmdkit-out.lock"  # a run's --out; not spmdkit.lock, so one directory can be --out and checkpoints
 _ATTEMPTS = 5  # a holder releasing (unlinking) the file while we open it sends us round again
 
@@ -103,6 +105,15 @@ def _record(raw: bytes) -> dict[str, Any] | None:
     except ValueError:
         return {}
     return record if isinstance(record, dict) else {}
+
+
+def refusal(other: dict[str, Any], path: Path, writing: str, harm: str, instead: str) -> str:
+    """The message of a refused lock: who holds it, what two writers would do, the way out.
+
+    ``writing``: what the holder writes (``to --out DIR``); ``instead``: the other place to pass.
+    """
+    return fix(f"another run ({holder(other)}) is writing {writing}: {harm}.",
+               f"wait for it to end, or pass {instead}. If no such process runs, delete {path}.")
 
 
 def holder(other: dict[str, Any]) -> str:

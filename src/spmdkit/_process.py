@@ -1,12 +1,16 @@
-"""Facts about the running process that summaries report, and ending it: at once, or soon."""
+"""Facts about the running process that summaries report, ending it (at once, or soon), and what
+every process of a job holds (gather_json)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
+
+import numpy as np
 
 from spmdkit._errors import ConfigError, fix
 
@@ -135,3 +139,15 @@ def process_age_s() -> float | None:
         return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order (every process must call it)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    padded = np.zeros(1 << max(8, int(sizes.max() - 1).bit_length()), np.uint8)  # few sizes: few compilations
+    padded[:data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(gathered[p, :int(n)]).decode()) for p, n in enumerate(sizes)]

@@ -20,7 +20,6 @@ it after ``step`` batches.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 
 from spmdkit._data._errors import BatchError, DataExhaustedError
 from spmdkit._errors import ConfigError, DataError, fix
+from spmdkit._process import gather_json
 
 ShardingFor = Callable[[bool], Any]  # even -> where a global batch goes (the strategy's choice)
 
@@ -53,18 +53,6 @@ def resolve_train_data(data: Any) -> Any:
         raise DataError(fix(f"train_data is the function {name!r}; spmdkit does not guess how to call it.",
                             f"pass what it returns: train_data={name}() (an iterable of batches), or the arrays."))
     return data
-
-
-def gather_json(value: Any) -> list[Any]:
-    """Every process's JSON-able ``value``, in process order (every process must call it)."""
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
-    padded = np.zeros(1 << max(8, int(sizes.max() - 1).bit_length()), np.uint8)  # few sizes: few compilations
-    padded[:data.size] = data
-    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(bytes(gathered[p, :int(n)]).decode()) for p, n in enumerate(sizes)]
 
 
 def num_rows(tree: Any) -> int:

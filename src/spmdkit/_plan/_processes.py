@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from spmdkit._errors import ConfigError, ProcessMismatchError, SpmdkitError, fix
+from spmdkit._process import gather_json
 
 
 class PlanRunError(SpmdkitError, RuntimeError):
@@ -109,8 +110,6 @@ def check_same(value: Any) -> None:
         return
     import hashlib
 
-    from spmdkit._data._feed import gather_json
-
     digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=_plain).encode()).hexdigest()
     every = gather_json(digest)
     if len(set(every)) > 1:
@@ -125,8 +124,6 @@ def slowest(times: list[float], memory: Any) -> tuple[list[float], Any]:
     the largest memory figure; every process must call it. Unchanged in a lone process."""
     if jax.process_count() == 1:
         return times, memory
-    from spmdkit._data._feed import gather_json
-
     every = gather_json([list(map(float, times)), memory])
     steps = [max(t[i] for t, _ in every) for i in range(len(times))]
     figures = [m for _, m in every if m is not None]

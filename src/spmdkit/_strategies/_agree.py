@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdkit._errors import ProcessMismatchError, fix
+from spmdkit._process import gather_json
 
 _SHOWN = 8  # key words named in the error
 
@@ -37,8 +38,6 @@ def disagreement(payload: bytes, detail: Callable[[], Any]) -> list[Any] | None:
     """None when every process gave the same ``payload``; else every process's ``detail()``
     (JSON-able), in process order. Every process must call it, at the same point."""
     from jax.experimental import multihost_utils
-
-    from spmdkit._data._feed import gather_json
 
     digest = np.frombuffer(hashlib.sha256(payload).digest()[:16], np.uint32)
     every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)

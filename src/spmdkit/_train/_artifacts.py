@@ -18,7 +18,7 @@ import numpy as np
 
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
-from spmdkit._lockfile import OUT_LOCK, DirLock, holder
+from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
 
 
 class ArtifactError(SpmdkitError, OSError):
@@ -54,16 +54,12 @@ def prepare_out_dir(out: Path) -> None:
 def lock_out_dir(out: Path, log: Callable[[str], None]) -> DirLock:
     """Keep a second run from writing the same ``--out`` at once (each would truncate the other's
     metrics.jsonl and overwrite its summary, plots and parameters)."""
-    def refuse(other: dict[str, Any]) -> ConfigError:
-        return ConfigError(fix(
-            f"another run ({holder(other)}) is writing to --out {out}: two runs would overwrite each other's "
-            "metrics.jsonl, summary.json, plots and params.npz.",
-            f"wait for it to end, or pass another --out (fit(out_dir=...) from Python). If no such process "
-            f"runs, delete {out / OUT_LOCK}."))
-
     lock = DirLock(out / OUT_LOCK, log, "out")
     try:
-        lock.take(uuid.uuid4().hex[:12], refuse)
+        lock.take(uuid.uuid4().hex[:12], lambda other: ConfigError(refusal(
+            other, lock.path, f"to --out {out}",
+            "two runs would overwrite each other's metrics.jsonl, summary.json, plots and params.npz",
+            "another --out (fit(out_dir=...) from Python)")))
     except IsADirectoryError:
         raise ConfigError(fix(f"{out / OUT_LOCK} is a directory, where spmdkit keeps the lock file of --out {out}.",
                               f"remove or rename {out / OUT_LOCK}, or pass another --out.")) from None
