@@ -43,6 +43,8 @@ def test_a_key_that_differs_between_processes_is_refused_at_init(raised, case, s
     assert message.startswith(f"{strategy}.init(make_state, rng): rng differs between processes "
                               "(key data: process 0 [0, 0], process 1 [0, 1])"), message
     assert "Fix: pass the same key in every process" in message and "jax.random.key(jax.process_index())" in message
+    # The ensemble's members are not replicated: the message speaks of one global state, not of replicas.
+    assert "its part of one global state" in message and "'replicated'" not in message
 
 
 def test_an_int_seed_that_differs_is_refused(raised):

@@ -1,7 +1,7 @@
 """What the processes of one program must give alike, checked across them.
 
 Under ``jax.distributed`` every process passes its own copy of a value that the strategy
-takes as one global value: the init key (every process builds the same replicated state
+takes as one global value: the init key (every process builds its part of one global state
 from it) and the global batch (each process hands JAX its devices' rows of it). JAX never
 compares the copies, so processes that differ train on silently apart. Each check here is
 one small collective of a digest (a second, to name what differs, only when they differ),
@@ -66,8 +66,9 @@ def check_same_key(key: jax.Array, mesh: Mesh, call: str) -> None:
     shown = ", ".join(f"process {p} {every[p]}" for p in [0, *differ][:4])
     raise ProcessMismatchError(fix(
         f"{call}(make_state, rng): rng differs between processes (key data: {shown}). Every process builds "
-        f"the one replicated state from it: with different keys the processes hold different copies of "
-        f"the same 'replicated' parameters and train apart, silently.",
+        f"its part of one global state from it (replicated parameters, an ensemble's members, a sharded "
+        f"layout): with different keys the processes' parts do not belong to one state, and they train "
+        f"apart, silently.",
         "pass the same key in every process, e.g. rng=jax.random.key(0), not jax.random.key(jax.process_index()); "
         "for per-process randomness after init, use jax.random.fold_in(key, jax.process_index())."))
 
