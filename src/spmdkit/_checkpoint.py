@@ -772,10 +772,14 @@ class Checkpointer:
         """The saved leaves have the target's paths, shapes and dtypes; the first difference is named."""
         saved = self.meta(step).get("leaves", {})
         want = leaf_table(target)
-        part = part_of(step, saved, want, part)
-        at = ""  # errors name a leaf by its place in the saved state
-        if part is not None:  # a part of the saved state (the parameters alone): compare with that part
-            at = part[0]
+        found = part_of(step, saved, want, part)
+        self._check_leaves(step, saved, want, found[0] if found else "", members)
+
+    @staticmethod
+    def _check_leaves(step: int, saved: dict[str, list], want: dict[str, list], at: str, members: int | None) -> None:
+        """``want``'s leaves against the saved ones under the place ``at`` ("" for the whole
+        state); errors name a leaf by its place in the saved state."""
+        if at:  # a part of the saved state (the parameters alone): compare with that part
             saved = {p[len(at):]: v for p, v in saved.items() if p.startswith(at)}
         for path, (shape, dtype) in want.items():
             if path not in saved:
@@ -833,12 +837,12 @@ class Checkpointer:
         except CheckpointError:
             saved, impls = None, {}  # the restore below reports what is wrong with the step
         typed, target = target, keys_as_data(target)
-        where = part
-        part = part_of(step, saved, leaf_table(target), where) if saved else None
+        want = leaf_table(target)
+        part = part_of(step, saved, want, part) if saved else None
         keys = part[1] if part else []
         _check_key_impls(step, impls, key_impls(typed), part[0] if part else "")
-        if saved:
-            self.check_target(step, target, part=where)  # paths, shapes and dtypes: the first difference named
+        if saved:  # paths, shapes and dtypes: the first difference named
+            self._check_leaves(step, saved, want, part[0] if part else "", None)
         item = target
         for key in reversed(keys):
             item = {key: item}
