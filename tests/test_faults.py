@@ -216,6 +216,41 @@ def test_a_resumed_run_sets_a_damaged_step_aside_and_a_reader_does_not(tmp_path)
     assert [p.name.rsplit("-", 1)[0] for p in ck.glob("damaged-*")] == [f"damaged-{step_name(20)}"]
 
 
+def test_a_reader_whose_steps_the_writer_deletes_reads_the_newer_ones(tmp_path, monkeypatch):
+    # A sidecar polling a live run: the writer's retention deleted every step the reader had
+    # listed, and saved a newer one meanwhile. The reader called them all damaged and gave up.
+    ck = tmp_path / "ck"
+    fit(ck, steps=30, keep=3)
+    later = tmp_path / "later"
+    shutil.move(ck / step_name(30), later)  # not yet saved when the reader lists the steps
+    shutil.move(ck / "manifests" / "30.json", tmp_path / "30.json")
+    problems = spmdkit.Checkpointer.problems
+
+    def retention_meanwhile(self, step, arrays=True):
+        if step in (10, 20):  # deleted as the reader looks at it; the newer step committed
+            shutil.rmtree(ck / step_name(step), ignore_errors=True)
+            if later.exists():
+                shutil.move(tmp_path / "30.json", ck / "manifests" / "30.json")
+                shutil.move(later, ck / step_name(30))
+        return problems(self, step, arrays=arrays)
+
+    monkeypatch.setattr(spmdkit.Checkpointer, "problems", retention_meanwhile)
+    messages: list[str] = []
+    state, meta = reader(ck, messages.append).restore_latest(target())
+    assert meta["step"] == 30 and int(state.step) == 30
+    assert any("step 20 was deleted while being read" in m for m in messages), messages
+    assert not any("damaged" in m for m in messages), messages
+
+
+def test_a_reader_says_a_step_without_its_manifest_may_be_in_flight(tmp_path):
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    (ck / "manifests" / "20.json").unlink()
+    messages: list[str] = []
+    reader(ck, messages.append).restore_latest(target())
+    assert any("step 20 is not complete yet, or damaged (it has no manifest" in m for m in messages), messages
+
+
 def test_checkpoints_verify_finds_changed_bytes(tmp_path, capsys):
     ck = tmp_path / "ck"
     fit(ck, steps=20)

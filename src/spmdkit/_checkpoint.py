@@ -145,6 +145,7 @@ def _keys_again(restored: Any, target: Any, impls: dict[str, str], prefix: str) 
 
 
 _OPEN_ATTEMPTS = 5
+_READ_PASSES = 3  # listings of a directory whose writer deletes steps under a reader
 _KEY = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
 
 
@@ -193,6 +194,12 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
         return None
     prefix = (exact or found)[0]
     return prefix, [m.group(1) or m.group(2) for m in _KEY.finditer(prefix)]
+
+
+def _without_step(message: str, step: int) -> str:
+    """An error's first line without its leading ``checkpoint step N:``, for a log line that names the step."""
+    head = f"checkpoint step {step}: "
+    return message[len(head):] if message.startswith(head) else message
 
 
 def step_name(step: int) -> str:
@@ -912,41 +919,66 @@ class Checkpointer:
                 "directories with checksummed manifests and cannot vouch for those files.",
                 "resume them with the spmdkit version that wrote them, or start a new run in another "
                 "--checkpoint-dir (CheckpointConfig(directory=...) from Python)."))
-        damaged: list[int] = []
-        for step in reversed(steps):
-            problems = self.problems(step, arrays=False)  # the array files: checked as restore() reads them
-            if problems:
-                self.log(f"checkpoints: step {step} is damaged ({problems[0]}); falling back to an earlier step")
-                damaged.append(step)
-                continue
-            try:
-                self.meta(step)
-            except CheckpointError as e:
-                self.log(f"checkpoints: {str(e).splitlines()[0]}; falling back to an earlier step")
-                damaged.append(step)
-                continue
-            self.check_target(step, target, members)
-            try:
-                restored = self.restore(step, target)
-            except CheckpointError as e:
-                self.log(f"checkpoints: {str(e).splitlines()[0]}; falling back to an earlier step")
-                damaged.append(step)
-                continue
-            if damaged and self.run_id is None:
-                # Only the run that owns the directory moves steps: to a reader (a sidecar evaluating
-                # a live run) a step without its manifest yet may be a save still in flight.
-                self.log(f"checkpoints: restored step {step}, the newest intact one; {sorted(damaged)} left in "
-                         "place (this Checkpointer only reads: claim() takes the directory for writing)")
-            elif damaged:
-                self.log(f"checkpoints: resuming from step {step}, the newest intact one "
-                         f"(damaged: {sorted(damaged)}, set aside)")
-                self._set_aside(damaged)
-            return restored
+        for _ in range(_READ_PASSES):
+            restored, damaged, gone = self._newest_intact(steps, target, members)
+            if restored is not None:
+                if damaged and self.run_id is None:
+                    # Only the run that owns the directory moves steps: to a reader (a sidecar evaluating
+                    # a live run) a step without its manifest yet may be a save still in flight.
+                    self.log(f"checkpoints: restored step {restored[1]['step']}, the newest intact one; "
+                             f"{sorted(damaged)} left in place (this Checkpointer only reads: claim() takes the "
+                             "directory for writing)")
+                elif damaged:
+                    self.log(f"checkpoints: resuming from step {restored[1]['step']}, the newest intact one "
+                             f"(damaged: {sorted(damaged)}, set aside)")
+                    self._set_aside(damaged)
+                return restored
+            if not gone:
+                break
+            # A run writing here deleted steps under the reader (its retention): list them again.
+            steps = self.steps()
         if steps:
             raise CheckpointError(
                 fix(f"no intact checkpoint in {self.directory}: steps {steps} are all damaged.",
                     "start a new run in another --checkpoint-dir (or --overwrite-checkpoints).")
             )
+        return None
+
+    def _newest_intact(self, steps: list[int], target: Any, members: int | None) -> tuple[Any, list[int], list[int]]:
+        """The newest of ``steps`` that restores onto ``target`` (None if none does), the steps
+        found damaged on the way, and those deleted meanwhile (gone, not damaged)."""
+        damaged: list[int] = []
+        gone: list[int] = []
+        for step in reversed(steps):
+            problem = self._why_not(step, target, members)
+            if problem is None:
+                try:
+                    return self.restore(step, target), damaged, gone
+                except (CheckpointError, OSError) as e:
+                    if isinstance(e, OSError) and (self.directory / step_name(step)).exists():
+                        raise
+                    problem = _without_step(str(e).splitlines()[0], step)
+            if not (self.directory / step_name(step)).exists():
+                self.log(f"checkpoints: step {step} was deleted while being read (the run writing here keeps "
+                         "fewer steps); trying the next")
+                gone.append(step)
+                continue
+            in_flight = self.run_id is None and "no manifest" in problem
+            self.log(f"checkpoints: step {step} {'is not complete yet, or damaged' if in_flight else 'is damaged'} "
+                     f"({problem}); falling back to an earlier step")
+            damaged.append(step)
+        return None, damaged, gone
+
+    def _why_not(self, step: int, target: Any, members: int | None) -> str | None:
+        """Why ``step`` cannot be restored, found before reading its arrays; None if nothing is seen."""
+        problems = self.problems(step, arrays=False)  # the array files: checked as restore() reads them
+        if problems:
+            return problems[0]
+        try:
+            self.meta(step)
+        except CheckpointError as e:
+            return _without_step(str(e).splitlines()[0], step)
+        self.check_target(step, target, members)  # a target that does not fit is the caller's error
         return None
 
     def _legacy_steps(self) -> list[int]:
