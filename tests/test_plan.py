@@ -580,6 +580,16 @@ def test_kernels_count_each_operation_with_loop_trips_and_leave_collectives_out(
     assert all(k.cold == 0 for k in found if k.count == trips)
 
 
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_collectives_are_measured_over_a_device_count_that_does_not_divide_the_payload(kind):
+    # --devices 7: the 1 MB payload (2**18 floats a device) split 7 ways lost elements, and the
+    # measuring program failed to trace (a raw TypeError from inside `spmdkit plan`).
+    from spmdkit._target import measure_collective
+
+    link = measure_collective(kind, 7, loops=1)
+    assert link is not None and link.alpha > 0 and link.beta >= 0
+
+
 def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
     from spmdkit._target import measure_collective_sync
 
@@ -1083,6 +1093,10 @@ def test_cli_memory_per_device_must_be_positive():
     assert parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
         parse_bytes("0")
+    assert parse_bytes("1E10") == parse_bytes("1e+10") == 1e10
+    # "1G" as docker and ulimit take it: which one is meant, 10^9 or 2^30, is asked, not guessed.
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'1G' could mean 1GB \(10\^9 bytes\) or 1GiB \(2\^30"):
+        parse_bytes("1G")
 
 
 def test_raise_failure_of_a_killed_process_is_a_plan_run_error():
@@ -1175,7 +1189,20 @@ def test_explain_runner_up_part_never_exceeds_its_total_and_empty_plans_point_no
     over = dict(win, status="over_budget")
     assert explain({"candidates": [over]}) == ["no candidate fits: all 1 were excluded (0 pruned, 1 over the memory "
                                                "budget); each one's reason is in its \"reason\" (printed as "
-                                               "\"excluded ...\")."]
+                                               "\"excluded ...\"). Fix: a budget of at least 1 MiB per device "
+                                               "(--memory-per-device), or more devices."]
+
+
+def test_a_layout_that_one_candidate_alone_cannot_take_is_its_reason_with_a_fix(capsys):
+    # 2 heads over a model axis of 8, the only candidate: the plan ended with that layout's error
+    # as if the model itself were wrong (as with --devices 7, where only tp [model=7] is left).
+    code = main(["plan", "--task", "lm", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+                 "--devices", "8", "--rules", "tp,dp", "--batch-size", "12", "--target", "h100x8"])
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps lines
+    assert code == 1, out
+    assert "excluded tp [model=8]: state.params" in out and "cannot split evenly" in out, out
+    fixes = out[out.index("no candidate fits"):]
+    assert "e.g. 16 rows (--batch-size 16)" in fixes and "--heads or --d-model a multiple" in fixes, fixes
 
 
 def test_over_budget_reason_in_readable_units():

@@ -27,9 +27,17 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 
 
+_POWER = {"K": "10^3 bytes", "M": "10^6 bytes", "G": "10^9 bytes", "T": "10^12 bytes", "Ki": "2^10 bytes",
+          "Mi": "2^20 bytes", "Gi": "2^30 bytes", "Ti": "2^40 bytes"}
+
+
 def parse_bytes(text: str) -> float:
     """``"16e9"``, ``"16GB"``, ``"512MiB"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m and m.group(2).lower() in ("k", "m", "g", "t"):
+        unit = m.group(2).upper()
+        raise argparse.ArgumentTypeError(f"{text!r} could mean {m.group(1)}{unit}B ({_POWER[unit]}) or "
+                                         f"{m.group(1)}{unit}iB ({_POWER[unit + 'i']}): write one of those")
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected bytes like 16e9, 16GB or 512MiB, got {text!r}")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]

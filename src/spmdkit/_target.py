@@ -526,7 +526,8 @@ def measure_collective(kind: str, n: int, loops: int = 20) -> Link | None:
         return None
     mesh, program = _collective_program(kind, n, loops)
     seconds = []
-    sizes = (8 * n, 2**18)  # float32 elements per device
+    # float32 elements per device, multiples of n: all_gather and reduce_scatter split a block n ways
+    sizes = (8 * n, 2**18 - 2**18 % n)
     for per_device in sizes:
         x = jax.device_put(jnp.ones((n * per_device,), jnp.float32), NamedSharding(mesh, P("link")))
         seconds.append(_best_seconds(lambda: program(x), repeats=3) / loops)

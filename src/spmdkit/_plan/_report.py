@@ -52,6 +52,23 @@ def _by_kind(row: dict[str, Any]) -> dict[tuple[str, str], dict[str, float]]:
     return out
 
 
+def _no_fit_hints(plan: dict[str, Any]) -> list[str]:
+    """What would let a candidate fit, from the reasons all of them were excluded for."""
+    rows, n, batch = plan["candidates"], plan.get("devices"), plan.get("global_batch")
+    reasons = [r.get("reason") or "" for r in rows]
+    hints = []
+    if n and batch and any("is not divisible by" in r for r in reasons):
+        rows_fit = -(-batch // n) * n
+        hints.append(f"a global batch that {n} devices split evenly, e.g. {rows_fit} rows (--batch-size {rows_fit})")
+    over = [r["memory"]["per_device"] for r in rows if r["status"] == "over_budget"]
+    if over:
+        hints.append(f"a budget of at least {readable_bytes(min(over))} per device (--memory-per-device), or more "
+                     "devices")
+    if any("cannot split evenly" in r for r in reasons):
+        hints.append("model sizes the mesh axes divide (e.g. --heads or --d-model a multiple of the model axis)")
+    return hints
+
+
 def explain(plan: dict[str, Any]) -> list[str]:
     """Why the winner wins: what it pays, what it avoids, what the runner-up costs more."""
     ok = [r for r in plan["candidates"] if r["status"] == "ok"]
@@ -60,8 +77,10 @@ def explain(plan: dict[str, Any]) -> list[str]:
         if not rows:
             return ["no candidate at all: the rules given yield no layout; pass rules such as (\"dp\", \"fsdp\")."]
         over = sum(r["status"] == "over_budget" for r in rows)
+        hints = _no_fit_hints(plan)
         return [f"no candidate fits: all {len(rows)} were excluded ({len(rows) - over} pruned, {over} over the memory "
-                "budget); each one's reason is in its \"reason\" (printed as \"excluded ...\")."]
+                "budget); each one's reason is in its \"reason\" (printed as \"excluded ...\")."
+                + (f" Fix: {'; or '.join(hints)}." if hints else "")]
     win = ok[0]
     lines = [f"winner: {win['label']}: {_ms_range(win['step_s_overlapped'], win['step_s_serial'])} ms per step "
              f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"

@@ -259,7 +259,9 @@ def _raise_common_failure(results: list[dict[str, Any]]) -> None:
     traceback as the cause) instead of a plan of nothing but pruned layouts."""
     tried = [r for r in results if r["status"] != "pruned" or "_error" in r]  # compiled, or failed to
     errors = [r.pop("_error") for r in results if "_error" in r]
-    if not errors or any(r["status"] == "ok" for r in results) or len(errors) < len(tried):
+    # One failure alone may be its layout's (two heads over a model axis of 7): it stays that
+    # candidate's reason. Two layouts failing alike point at the step or the state.
+    if len(errors) < 2 or any(r["status"] == "ok" for r in results) or len(errors) < len(tried):
         return
     first = errors[0]
     if any(type(e) is not type(first) or str(e) != str(first) for e in errors[1:]):
