@@ -22,7 +22,7 @@ from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
-from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes
+from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes, is_empty_box
 from spmdkit._target import Target, load_target
 
 # A replicated parameter is flagged when it holds at least this share of the parameters.
@@ -42,7 +42,8 @@ def _arrays_only(make_state: Callable) -> Callable:
     path before JAX's own error, which names neither ``make_state`` nor the fix."""
     def checked(rng: Any) -> Any:
         state = make_state(rng)
-        found = non_array_leaf(state, _is_box, _unboxed)
+        # an empty box (a masked optimizer group's) is looked into: it holds nothing
+        found = non_array_leaf(state, lambda x: _is_box(x) and not is_empty_box(x), _unboxed)
         if found is not None:
             path, value = found
             raise StateLeafError(fix(
@@ -74,6 +75,8 @@ def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> li
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
         where = "state" + jax.tree_util.keystr(path)
+        if is_empty_box(leaf):
+            continue
         if isinstance(leaf, nn.LogicallyPartitioned):
             value, names, direct = leaf.value, tuple(leaf.names), False
         elif isinstance(leaf, nnx.Variable) and (names := _nnx_names(leaf)):

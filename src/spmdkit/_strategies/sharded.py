@@ -54,6 +54,12 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, (meta.AxisMetadata, nnx.Variable))
 
 
+def is_empty_box(leaf: Any) -> bool:
+    """A box around no array: optax.masked / multi_transform keep a parameter's box in the
+    state of a group it is not in, around a ``MaskedNode``. Unboxed it is no leaf at all."""
+    return _is_box(leaf) and not jax.tree_util.tree_leaves(leaf)
+
+
 def _unboxed(leaf: Any) -> Any:
     """The array in a Flax box or NNX variable (NNX deprecates ``.value``), else ``leaf``."""
     if isinstance(leaf, nnx.Variable):
@@ -86,6 +92,8 @@ def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "sta
     leaves, treedef = jax.tree_util.tree_flatten_with_path(boxed_state, is_leaf=_is_box)
     out, shardings, abstract = [], [], []
     for path, leaf in leaves:
+        if is_empty_box(leaf):
+            continue
         where = root + jax.tree_util.keystr(path)
         logical = None
         if isinstance(leaf, nn.LogicallyPartitioned):
