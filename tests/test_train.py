@@ -320,3 +320,26 @@ def test_a_preemption_without_a_checkpoint_directory_says_nothing_was_saved(monk
                          progress=False, log=said.append)
     assert result.summary["status"] == "preempted" and result.summary["steps"] == 2
     assert any("preempted at step 2 with no checkpoint directory" in m for m in said)
+
+
+@pytest.mark.parametrize("where, name", [("loss_fn", "step"), ("loss_fn", "split"), ("loss_fn", "loss"),
+                                         ("loss_fn", "elapsed_s"), ("eval_fn", "epoch")])
+def test_a_metric_named_like_a_row_field_is_refused_before_training(tmp_path, where, name):
+    # A metric "step" renumbered every row of metrics.jsonl and "split" turned the eval rows
+    # into neither train nor eval (summary eval_loss None, an empty plot), silently.
+    x = np.linspace(-1, 1, 16, dtype=np.float32)
+
+    def loss(p, b, rng):
+        err = jnp.mean((p["w"] * b["x"] - b["y"]) ** 2)
+        return err, ({name: err} if where == "loss_fn" else {})
+
+    def eval_fn(p, b, rng):
+        return loss(p, b, rng)[0], {name: jnp.float32(0.0)}
+
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(())}, loss_fn=loss,
+                        train_data={"x": x, "y": 2 * x}, eval_data={"x": x, "y": 2 * x},
+                        eval_fn=eval_fn if where == "eval_fn" else None)
+    with pytest.raises(spmdkit.TaskError, match=rf"(?s){where}'s aux has metric\(s\) \['{name}'\].*Fix: rename"):
+        spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
+                    progress=False, out_dir=tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -43,6 +43,22 @@ class StepInfo(NamedTuple):
     metrics: dict[str, Any]
 
 
+# The fields a metrics row has besides the metrics. A metric of the same name overwrote
+# them: a metric "step" renumbered every row, one named "split" hid the eval rows from the
+# summary and the plot, with no error.
+ROW_FIELDS = ("split", "step", "epoch", "steps_per_sec", "elapsed_s")
+
+
+def check_metric_names(names: Iterable[str], where: str) -> None:
+    """Refuse metric names that a row's own fields (``ROW_FIELDS``) would collide with."""
+    clash = sorted(set(names) & set(ROW_FIELDS))
+    if clash:
+        raise ConfigError(fix(
+            f"{where}: metric(s) {clash} have the name of a field of every metrics row ({', '.join(ROW_FIELDS)}); "
+            "one of the two values would be lost.",
+            f"rename the metric, e.g. {clash[0]!r} -> 'my_{clash[0]}'."))
+
+
 def to_python(values: dict[str, Any]) -> dict[str, Any]:
     """Scalars to float, per-member arrays to lists: what JSON lines and plots take."""
     out = {}
@@ -146,6 +162,7 @@ class MetricsHook(Hook):
     def __call__(self, info: StepInfo) -> None:
         if not self._count:
             self.add(info)
+        check_metric_names(self._sums, "MetricsHook")
         now = time.perf_counter()
         means = to_python({k: v / self._count for k, v in self._sums.items()})
         row = {"split": "train", "step": info.step, "epoch": info.epoch + 1, **with_member_means(means),
@@ -169,6 +186,7 @@ class EvalHook(Hook):
         if not isinstance(metrics, Mapping):
             raise ConfigError(fix(f"EvalHook: evaluate(state) returned {type(metrics).__name__} {metrics!r:.40}, "
                                   "not a dict of metrics.", "return e.g. {'loss': loss, 'accuracy': acc}."))
+        check_metric_names(metrics, "EvalHook: evaluate(state)")
         self.record({"split": "eval", "step": info.step, **metrics})
         self.seconds += time.perf_counter() - started
         self.last_step = info.step

@@ -18,6 +18,7 @@ import numpy as np
 from spmdkit._data import is_pipeline
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._tasks._base import Task
+from spmdkit._train._hooks import ROW_FIELDS
 
 
 class TaskError(SpmdkitError, TypeError):
@@ -124,12 +125,24 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
     if not isinstance(aux, Mapping):
         raise TaskError(fix(f"task {task.name!r}: loss_fn's aux is a {type(aux).__name__}; it must be a dict of "
                             "scalar metrics.", 'return loss, {} or loss, {"accuracy": acc}.'))
+    _check_metric_names(task, aux, "loss_fn")
     for name, value in aux.items():
         if getattr(value, "shape", None) != ():
             raise TaskError(fix(
                 f"task {task.name!r}: metric aux[{name!r}] has shape {getattr(value, 'shape', type(value))}; "
                 "metrics are scalar means over the batch.", f"return jnp.mean(...) for {name!r}."))
     _check_eval(task, params, batch_size)
+
+
+def _check_metric_names(task: Task, aux: Mapping[str, Any], fn: str) -> None:
+    """fit reports the loss as "loss" and writes rows with ``ROW_FIELDS``: a metric of one of
+    those names replaced the value there (or was replaced), silently."""
+    reserved = sorted(set(aux) & {"loss", *ROW_FIELDS})
+    if reserved:
+        raise TaskError(fix(
+            f"task {task.name!r}: {fn}'s aux has metric(s) {reserved}, names fit gives the loss and the fields of "
+            f"every metrics row ('loss', {', '.join(map(repr, ROW_FIELDS))}); one of the two values would be lost.",
+            f"rename them in aux, e.g. {reserved[0]!r} -> 'my_{reserved[0]}'."))
 
 
 def _check_eval(task: Task, params: Any, batch_size: int) -> None:
@@ -141,7 +154,8 @@ def _check_eval(task: Task, params: Any, batch_size: int) -> None:
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), task.eval_data)
     model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0)) if task.stateful else None
     try:
-        jax.eval_shape(lambda p, s, b, k: task.eval_loss(p, s, b, k), params, model_state, batch, jax.random.key(0))
+        _, aux = jax.eval_shape(lambda p, s, b, k: task.eval_loss(p, s, b, k), params, model_state, batch,
+                                jax.random.key(0))
     except Exception as e:
         raise TaskError(fix(
             f"task {task.name!r}: {'eval_fn' if task.eval_fn else 'loss_fn'} fails on eval_data, whose examples "
@@ -149,6 +163,8 @@ def _check_eval(task: Task, params: Any, batch_size: int) -> None:
             f"{_shapes(task.train_data) if task.num_train else 'from a pipeline'}): {type(e).__name__}: {str(e)[:300]}",
             "give eval_data the leaves and per-example shapes of train_data (the model evaluates what it trains on)."
         )) from None
+    if isinstance(aux, Mapping):
+        _check_metric_names(task, aux, "eval_fn" if task.eval_fn else "loss_fn")
 
 
 def _shapes(tree: Any) -> str:
