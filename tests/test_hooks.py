@@ -18,3 +18,35 @@ def test_a_metric_named_like_a_row_field_is_refused_not_overwritten(name):
     with pytest.raises(spmdkit.ConfigError, match=rf"EvalHook: evaluate\(state\): metric\(s\) \['{name}'\]"):
         run_hooks([EvalHook(lambda state: {"loss": 1.0, name: 7.0}, rows.append, every=1)], info)
     assert rows == []
+
+
+@pytest.mark.parametrize("every", [0, -2, 2.5, True, None, "5"])
+@pytest.mark.parametrize("make", [
+    lambda every: MetricsHook([].append, every=every),
+    lambda every: EvalHook(lambda state: {"loss": 1.0}, [].append, every=every),
+    lambda every: spmdkit.CheckpointHook(spmdkit.Checkpointer.__new__(spmdkit.Checkpointer), every=every,
+                                         meta=lambda info: {}),
+    lambda every: spmdkit.ProgressHook(10, "t", every=every),
+    lambda every: spmdkit.NaNGuard(every=every),
+], ids=["MetricsHook", "EvalHook", "CheckpointHook", "ProgressHook", "NaNGuard"])
+def test_every_that_is_not_a_whole_number_of_steps_is_named(make, every):
+    # every=0 was a bare ZeroDivisionError at the first step; -2 ran at every even step and
+    # 2.5 at every fifth, silently.
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)\(every=.*\): every must be a whole number of steps >= 1"):
+        make(every)
+
+
+def test_run_hooks_takes_plain_functions_as_every_step_hooks_and_names_a_bad_every():
+    seen = []
+    for step in (1, 2, 3):
+        run_hooks([seen.append, MetricsHook([].append, every=2)], StepInfo(step, 0, None, {"loss": 1.0}))
+    assert [info.step for info in seen] == [1, 2, 3]  # was AttributeError: no attribute 'every'
+
+    class Mine:
+        every = 0
+
+        def __call__(self, info):
+            pass
+
+    with pytest.raises(spmdkit.ConfigError, match=r"run_hooks: hooks\[1\] is Mine\(every=0\)"):
+        run_hooks([seen.append, Mine()], StepInfo(1, 0, None, {}))

@@ -1,7 +1,8 @@
 """Small pieces that run every N steps around ``strategy.step``: the parts of ``fit``.
 
 Each hook is a callable ``hook(info)`` with an ``every`` (``run_hooks`` calls it when
-``info.step % every == 0``) and a ``close(info, status)`` for the end of a run. They
+``info.step % every == 0``; a plain function, with none, after every step) and a
+``close(info, status)`` for the end of a run. They
 work alone around a user's own loop:
 
     >>> import jax, jax.numpy as jnp, numpy as np, spmdkit
@@ -86,9 +87,20 @@ def run_hooks(hooks: Iterable[Any], info: StepInfo) -> None:
     if not isinstance(info, StepInfo):
         raise ConfigError(fix(f"run_hooks(..., info={info!r:.60}): needs a spmdkit.StepInfo.",
                               "pass spmdkit.StepInfo(step, epoch, state, metrics)."))
-    for hook in hooks:
-        if info.step % hook.every == 0:
+    for i, hook in enumerate(hooks):
+        # A plain function of info is a hook that runs after every step.
+        every = check_every(getattr(hook, "every", 1), f"run_hooks: hooks[{i}] is {type(hook).__name__}")
+        if info.step % every == 0:
             hook(info)
+
+
+def check_every(every: Any, where: str) -> int:
+    """``every`` as a whole number of steps >= 1: 0 raised a bare ZeroDivisionError at the
+    first step, and -2 or 2.5 were taken (``step % every``) and ran at other steps than asked."""
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
+        raise ConfigError(fix(f"{where}(every={every!r}): every must be a whole number of steps >= 1.",
+                              "e.g. every=10 (every=1: after each step)."))
+    return int(every)
 
 
 class Hook:
@@ -107,9 +119,7 @@ class NaNGuard(Hook):
     """Raises :class:`NonFiniteLossError` when the loss is NaN or inf (``hint``: the fix)."""
 
     def __init__(self, every: int = 1, key: str = "loss", hint: str = "lower the learning rate, or check the data for NaN/inf."):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(fix(f"NaNGuard(every={every!r}): a whole number of steps >= 1.", "e.g. NaNGuard(every=1)."))
-        self.every, self.key, self.hint = every, key, hint
+        self.every, self.key, self.hint = check_every(every, "NaNGuard"), key, hint
         self.last: tuple[int, float] | None = None
         self._warned = False
 
@@ -146,7 +156,7 @@ class MetricsHook(Hook):
         if not callable(record):
             raise ConfigError(fix(f"MetricsHook({type(record).__name__}): record must be a function of one row.",
                                   "pass a list's append: MetricsHook(rows.append)."))
-        self.record, self.every = record, every
+        self.record, self.every = record, check_every(every, "MetricsHook")
         self._sums: dict[str, Any] = {}
         self._count = 0
         self._start = self._t0 = time.perf_counter()
@@ -176,7 +186,7 @@ class EvalHook(Hook):
     """Every ``every`` steps, ``evaluate(state) -> {metric: value}`` recorded as an eval row."""
 
     def __init__(self, evaluate: Callable[[Any], dict[str, Any]], record: Callable[[dict[str, Any]], None], every: int):
-        self.evaluate, self.record, self.every = evaluate, record, every
+        self.evaluate, self.record, self.every = evaluate, record, check_every(every, "EvalHook")
         self.seconds = 0.0
         self.last_step: int | None = None
 
@@ -205,7 +215,7 @@ class CheckpointHook(Hook):
             raise ConfigError(fix(f"CheckpointHook({checkpointer!r:.60}, ...): needs a spmdkit.Checkpointer.",
                                   "pass CheckpointHook(spmdkit.Checkpointer(spmdkit.CheckpointConfig(dir)).claim(), "
                                   "every=100, meta=lambda info: {})."))
-        self.checkpointer, self.every, self.meta, self.known = checkpointer, every, meta, known
+        self.checkpointer, self.every, self.meta, self.known = checkpointer, check_every(every, "CheckpointHook"), meta, known
         self.saved_at: int | None = None
 
     def __call__(self, info: StepInfo) -> None:
@@ -228,7 +238,7 @@ class ProgressHook(Hook):
     def __init__(self, total: int, title: str, every: int = 1, start: int = 0):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        self.every = every
+        self.every = check_every(every, "ProgressHook")
         self._bar = Bar(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                         TextColumn("{task.fields[rate]} steps/s"), TimeElapsedColumn(), TimeRemainingColumn())
         self._task = self._bar.add_task(title, total=total, loss="-", rate="-", completed=start)
