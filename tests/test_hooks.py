@@ -50,3 +50,27 @@ def test_run_hooks_takes_plain_functions_as_every_step_hooks_and_names_a_bad_eve
 
     with pytest.raises(spmdkit.ConfigError, match=r"run_hooks: hooks\[1\] is Mine\(every=0\)"):
         run_hooks([seen.append, Mine()], StepInfo(1, 0, None, {}))
+
+
+def test_close_writes_the_steps_since_the_last_row():
+    # A loop of 7 steps with every=5 recorded steps 1-5 only: steps 6 and 7 were lost.
+    rows = []
+    hook = MetricsHook(rows.append, every=5)
+    for step in range(1, 8):
+        info = StepInfo(step, 0, None, {"loss": float(step)})
+        hook.add(info)
+        run_hooks([hook], info)
+    hook.close(info, "completed")
+    hook.close(info, "completed")  # nothing twice
+    assert [(row["step"], row["loss"]) for row in rows] == [(5, 3.0), (7, 6.5)]
+
+
+def test_nested_metrics_are_flattened_and_a_non_number_is_named():
+    import jax.numpy as jnp
+
+    rows = []
+    info = StepInfo(1, 0, None, {"loss": jnp.float32(1.0), "grad_norm": {"w": jnp.float32(2.0), "b": 3}})
+    run_hooks([MetricsHook(rows.append)], info)  # was TypeError: float() argument ... not 'dict'
+    assert rows[0]["grad_norm/w"] == 2.0 and rows[0]["grad_norm/b"] == 3.0
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)metric 'tag' is str 'abc', not a number.*Fix: leave 'tag'"):
+        run_hooks([MetricsHook(rows.append)], StepInfo(1, 0, None, {"loss": 1.0, "tag": "abc"}))

@@ -16,7 +16,7 @@ work alone around a user's own loop:
     >>> hooks = [NaNGuard(), MetricsHook(rows.append, every=5)]
     >>> for i in range(10):
     ...     state, aux = step(state, {"x": np.ones(8, np.float32)})
-    ...     run_hooks(hooks, StepInfo(i + 1, 0, state, to_python(aux)))
+    ...     run_hooks(hooks, StepInfo(i + 1, 0, state, aux))  # device values are fine
     >>> [row["step"] for row in rows]
     [5, 10]
 """
@@ -24,6 +24,7 @@ work alone around a user's own loop:
 from __future__ import annotations
 
 import math
+import reprlib
 import warnings
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -66,6 +67,25 @@ def to_python(values: dict[str, Any]) -> dict[str, Any]:
     for k, v in jax.device_get(values).items():
         a = np.asarray(v, np.float64)
         out[k] = float(a) if a.ndim == 0 else a.tolist()
+    return out
+
+
+def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    """Metrics as float64 arrays; a nested dict's entries as ``outer/inner`` (a step's aux
+    may group them: ``{"grad_norm": {"w": ..., "b": ...}}``). A value that is not a number is
+    named (numpy's own error named neither the metric nor the fix)."""
+    out: dict[str, np.ndarray] = {}
+    for k, v in metrics.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flat_metrics(v, f"{name}/"))
+            continue
+        try:
+            out[name] = np.asarray(jax.device_get(v), np.float64)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(fix(f"MetricsHook: metric {name!r} is {type(v).__name__} {reprlib.repr(v)}, not a number "
+                                  f"or an array of numbers ({e}).", f"leave {name!r} out of the metrics, or log it "
+                                  "yourself.")) from None
     return out
 
 
@@ -165,8 +185,8 @@ class MetricsHook(Hook):
     def add(self, info: StepInfo) -> None:
         """Count a step toward the next row (``run_hooks`` calls only every N steps, so
         a loop that wants window means calls this every step; ``fit`` does)."""
-        for k, v in info.metrics.items():
-            self._sums[k] = self._sums.get(k, 0.0) + np.asarray(v, np.float64)
+        for k, v in flat_metrics(info.metrics).items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
         self._count += 1
 
     def __call__(self, info: StepInfo) -> None:
@@ -180,6 +200,12 @@ class MetricsHook(Hook):
         self._sums, self._count, self._start = {}, 0, now
         self.last_row = row
         self.record(row)
+
+    def close(self, info: StepInfo | None, status: str) -> None:
+        """The last row: the steps since the previous one (a run of 7 steps with every=5 lost
+        steps 6 and 7), unless a row for ``info.step`` was written already."""
+        if info is not None and (self.last_row is None or self.last_row["step"] != info.step):
+            self(info)
 
 
 class EvalHook(Hook):
