@@ -433,6 +433,18 @@ def test_shard_even_and_padded():
     np.testing.assert_array_equal(data[mask], np.arange(13.0))
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_shard_splits_a_key_per_example(impl):
+    # A batch with a typed key per example (a dropout key each) was a bare TypeError from NumPy.
+    keys = jax.random.split(jax.random.key(0, impl=impl), 13)
+    data, mask = spmdkit.shard({"key": keys, "x": np.arange(13.0)}, n_devices=4)
+    assert data["key"].shape == (4, 4) and jax.random.key_impl(data["key"]) == jax.random.key_impl(keys)
+    np.testing.assert_array_equal(jax.random.key_data(data["key"][mask]), jax.random.key_data(keys))
+    if impl == "threefry2x32":  # rbg's draws under vmap depend on the batch's shape (JAX's, not shard's)
+        draws = spmdkit.pmap(jax.vmap(lambda k: jax.random.uniform(k)))(data["key"])
+        np.testing.assert_array_equal(np.asarray(draws)[mask], jax.vmap(jax.random.uniform)(keys))
+
+
 def test_shard_mask_gives_exact_mean_on_devices():
     values = np.random.default_rng(1).standard_normal(13).astype(np.float32)
     data, mask = spmdkit.shard(values, n_devices=4)

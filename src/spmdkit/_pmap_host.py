@@ -142,6 +142,11 @@ def shard(batch: Any, n_devices: int | None = None, *, pad: bool = True) -> Shar
         )
 
     def reshape(x):
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            # Typed PRNG keys (a key per example) have no NumPy form: split their data, padded
+            # with all-zero keys, and wrap it again with the same implementation.
+            data = reshape(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         x = np.asarray(x)
         if padding:
             x = np.concatenate([x, np.zeros((padding, *x.shape[1:]), x.dtype)])
