@@ -343,3 +343,17 @@ def test_a_metric_named_like_a_row_field_is_refused_before_training(tmp_path, wh
         spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
                     progress=False, out_dir=tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_loss_png_plots_every_metric_a_user_returns(tmp_path, monkeypatch):
+    # A metric named "count" (tokens, positives...) was silently left out of loss.png.
+    from spmdkit._train import _artifacts as art
+
+    figures = []
+    monkeypatch.setattr(art, "_save_figure", lambda fig, path: figures.append(fig))
+    history = [{"split": "train", "step": s, "epoch": 1, "loss": 1.0 / s, "count": 8.0 * s, "acc": 0.5,
+                "steps_per_sec": 3.0, "elapsed_s": 0.1 * s} for s in (1, 2)] + [{"split": "eval", "step": 2, "loss": 0.4,
+                                                                                "count": 5.0}]
+    art.plot_history(history, tmp_path / "loss.png", "t")
+    labels = {line.get_label() for ax in figures[0].axes for line in ax.get_lines()}
+    assert labels == {"train loss", "eval loss", "train acc", "train count", "eval count"}

@@ -19,6 +19,7 @@ import numpy as np
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
 from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
+from spmdkit._train._hooks import ROW_FIELDS
 
 
 class ArtifactError(SpmdkitError, OSError):
@@ -321,4 +322,5 @@ def plot_members(history: list[dict[str, Any]], path: Path, title: str) -> None:
     _save_figure(fig, path)
 
 
-_NOT_METRICS = {"split", "step", "epoch", "steps_per_sec", "elapsed_s", "count"}
+# A row's own fields. (A stale "count" here left a user's metric of that name out of loss.png.)
+_NOT_METRICS = set(ROW_FIELDS)
