@@ -68,6 +68,18 @@ def test_load_params_errors(tmp_path):
     assert back["w"].dtype == np.float64 and back["w"].sum() == 6
 
 
+def test_load_params_refuses_a_like_without_a_place_for_every_array(tmp_path):
+    # A model built with one layer fewer than the file loaded the rest and dropped that layer, silently.
+    layers = {f"layer_{i}": {"w": np.full((2, 2), i, np.float32)} for i in range(3)}
+    spmdkit.save_params(tmp_path / "p.npz", layers)
+    fewer = {k: v for k, v in layers.items() if k != "layer_2"}
+    with pytest.raises(spmdkit.DataError, match=r"(?s)holds 1 array\(s\) that `like` has no place for: "
+                                                 r"\[\"\['layer_2'\]\['w'\]\"\] \(like has 2, the file 3\).*Fix: load it"):
+        spmdkit.load_params(tmp_path / "p.npz", like=fewer)
+    back = spmdkit.load_params(tmp_path / "p.npz", like=layers)  # the whole structure still loads
+    assert back["layer_2"]["w"][0, 0] == 2
+
+
 def test_params_keep_bfloat16_float8_and_prng_keys(tmp_path):
     # np.savez keeps them as raw bytes ('|V2'), which failed far away, at the first use.
     params = {"w": jnp.arange(3, dtype=jnp.bfloat16) + 0.5, "s": jnp.ones(2, jnp.float8_e4m3fn), "b": np.ones(2)}

@@ -173,7 +173,8 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
     """Read a ``params.npz`` written by spmdkit (no pickle is ever loaded).
 
     Without ``like`` returns ``{path: array}``; with ``like`` (a pytree of the same
-    structure, e.g. the model's init) returns that structure filled from the file.
+    structure, e.g. the model's init) returns that structure filled from the file; an array
+    of the file that ``like`` has no place for is a :class:`DataError`, not dropped.
 
     Example:
         >>> import numpy as np, tempfile, pathlib, spmdkit
@@ -214,7 +215,21 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
             )
         _check_dtype(path, key, arrays[key], leaf)
         out.append(arrays[key])
+    _check_all_used(path, arrays, {jax.tree_util.keystr(p) for p, _ in leaves[0]})
     return jax.tree_util.tree_unflatten(leaves[1], out)
+
+
+def _check_all_used(path: Any, arrays: dict[str, Any], used: set[str]) -> None:
+    """Every array of the file has a place in ``like``: a model built without a layer the file
+    holds (another depth, a renamed module) loaded the rest and dropped that layer, silently."""
+    unused = sorted(set(arrays) - used)
+    if unused:
+        raise DataError(fix(
+            f"{path} holds {len(unused)} array(s) that `like` has no place for: {unused[:6]}"
+            f"{'...' if len(unused) > 6 else ''} (like has {len(used)}, the file {len(arrays)}).",
+            "load it into the whole structure it was saved from (a stateful task's file holds "
+            "{'params': ..., 'model_state': ...}), or take the arrays you want from load_params(path), "
+            "which returns every array by its path."))
 
 
 def _check_dtype(path: Any, key: str, arr: Any, leaf: Any) -> None:
