@@ -30,6 +30,24 @@ def test_train_config_errors(kwargs, match):
         spmdkit.TrainConfig(**kwargs)
 
 
+def test_numpy_numbers_from_a_sweep_are_taken_as_python_numbers():
+    # for bs in np.array([16, 32]): TrainConfig(batch_size=bs) said "batch_size=np.int64(16) must be a
+    # whole number >= 1", and lr=np.float32(1e-3) "must be a finite number > 0": both false.
+    import json
+
+    import numpy as np
+
+    config = spmdkit.TrainConfig(steps=np.int64(10), batch_size=np.int32(16), seed=np.uint8(3), prefetch=np.int64(0))
+    assert (config.steps, config.batch_size, config.seed, config.prefetch) == (10, 16, 3, 0)
+    assert all(type(v) is int for v in (config.steps, config.batch_size, config.seed, config.prefetch))
+    json.dumps(config.__dict__)  # summaries and checkpoint metadata are JSON
+    opt = spmdkit.OptimizerConfig("sgd", lr=np.float32(0.5), momentum=np.float64(0.9))
+    assert type(opt.lr) is float and opt.lr == 0.5 and type(opt.momentum) is float
+    for bad in ({"steps": np.float64(10.0)}, {"steps": np.bool_(True)}, {"batch_size": np.int64(0)}):
+        with pytest.raises(spmdkit.ConfigError, match="must be a whole number >= 1"):
+            spmdkit.TrainConfig(**bad)
+
+
 def test_train_config_default_length():
     assert spmdkit.TrainConfig().steps == 100
     assert spmdkit.TrainConfig(epochs=3).steps is None

@@ -190,3 +190,9 @@ def test_ensemble_names_an_empty_device_list_and_keys_already_split():
         spmdkit.Ensemble(4, devices=[])
     with pytest.raises(spmdkit.SignatureError, match=r"rng has shape \(4,\); it takes one key"):
         spmdkit.Ensemble(4).init(lambda rng: {"w": jax.random.normal(rng, (3,))}, jax.random.split(jax.random.key(0), 4))
+
+
+def test_a_numpy_member_count_is_a_member_count():
+    # members=np.int64(4) (a sweep over np.arange) was "an ensemble needs a whole number of members >= 1".
+    ens = spmdkit.Ensemble(np.int64(4))
+    assert ens.members == 4 and type(ens.members) is int and ens.describe()["members"] == 4

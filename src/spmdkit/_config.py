@@ -17,7 +17,7 @@ from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies import ACCEPTS, StrategyOptions
 from spmdkit._tasks import TASKS
 from spmdkit._tasks import task_options as model_options
-from spmdkit._types import finite_float
+from spmdkit._types import finite_float, whole_number
 
 
 @dataclass(frozen=True)
@@ -54,17 +54,23 @@ class TrainConfig:
             value = getattr(self, name)
             if value is None and name in ("steps", "epochs", "eval_every"):
                 continue  # None has a meaning for these (see the fields)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            number = whole_number(value)
+            if number is None or number < 1:
                 raise ConfigError(
                     fix(f"{name}={value!r} must be a whole number >= 1.", f"e.g. {name}=10.")
                 )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            object.__setattr__(self, name, number)  # a NumPy int as Python's: summaries are JSON
+        seed = whole_number(self.seed)
+        if seed is None or seed < 0:
             raise ConfigError(fix(f"seed={self.seed!r} must be an int >= 0.", "e.g. seed=0."))
+        object.__setattr__(self, "seed", seed)
         if not isinstance(self.drop_remainder, bool):
             raise ConfigError(fix(f"drop_remainder={self.drop_remainder!r} must be True or False.",
                                   "e.g. drop_remainder=True (--drop-remainder)."))
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+        prefetch = whole_number(self.prefetch)
+        if prefetch is None or prefetch < 0:
             raise ConfigError(fix(f"prefetch={self.prefetch!r} must be an int >= 0.", "e.g. prefetch=2 (--prefetch 2)."))
+        object.__setattr__(self, "prefetch", prefetch)
 
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -112,6 +118,8 @@ class OptimizerConfig:
             raise ConfigError(fix(f"momentum={self.momentum!r} must be a number in [0, 1).", "e.g. 0.9."))
         if decay is None or decay < 0:
             raise ConfigError(fix(f"weight_decay={self.weight_decay!r} must be a finite number >= 0.", "e.g. 1e-4."))
+        for name, value in (("lr", finite_float(lr)), ("momentum", momentum), ("weight_decay", decay)):
+            object.__setattr__(self, name, value)  # a NumPy number as Python's float
         self._check_used()
 
     def _check_used(self) -> None:

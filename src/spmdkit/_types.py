@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 State = Any  # any pytree: a dict, a flax TrainState (subclass), nnx state, several optimizers
 Batch = Any  # a pytree of arrays sharing their leading (example) axis
@@ -54,14 +55,26 @@ class Predictor(NamedTuple):
     score: Callable[[jax.Array, Batch], dict[str, jax.Array]]
 
 
+def whole_number(value: object) -> int | None:
+    """``value`` as an int if it is an integer, Python's or NumPy's (a sweep over
+    ``np.arange`` gives ``np.int64``), not a bool; else None.
+
+    >>> whole_number(np.int64(8)), whole_number(8.0), whole_number(True)
+    (8, None, None)
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
 def finite_float(value: object) -> float | None:
     """``value`` as a float if it is a finite real number (not a bool), else None.
 
     >>> finite_float(10**400), finite_float(True), finite_float("0.1"), finite_float(3)
     (None, None, None, 3.0)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return None  # NumPy's numbers count: a sweep over np.logspace gives np.float32/64
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range

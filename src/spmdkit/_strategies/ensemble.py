@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._errors import BatchSizeError, ConfigError, MeshError, SignatureError, fix
 from spmdkit._strategies._compile import Placement, auto_mesh, unbox_tree, with_size1_axes
-from spmdkit._types import Params
+from spmdkit._types import Params, whole_number
 
 
 MEMBER_LOOPS = ("unroll", "map", "vmap")
@@ -191,10 +191,11 @@ class Ensemble(Placement):
         member_loop: str = "unroll",
         hyperparams: dict[str, Sequence[float]] | None = None,
     ):
-        if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+        if whole_number(members) is None or members < 1:
             raise ConfigError(
                 fix(f"members={members!r}: an ensemble needs a whole number of members >= 1.", "e.g. members=8.")
             )
+        members = int(members)  # np.int64 from a sweep counts too
         if mesh is None:
             devs = list(jax.devices() if devices is None else devices)
             if not devs or not all(isinstance(d, jax.Device) for d in devs):
