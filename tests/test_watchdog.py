@@ -65,3 +65,39 @@ def test_the_watchdogs_clock_starts_when_it_is_entered(monkeypatch):
     time.sleep(0.05)
     with watchdog:
         assert watchdog._last > made
+
+
+def test_progress_between_steps_restarts_the_clock():
+    import spmdkit
+
+    watchdog = spmdkit.StepWatchdog(5)
+    with watchdog:
+        watchdog._last -= 100  # as if the last step finished long ago
+        watchdog.progressed()
+        assert time.monotonic() - watchdog._last < 1
+
+
+def test_an_eval_longer_than_the_step_timeout_does_not_end_a_healthy_job():
+    # Each eval (24 chunks, ~6 s) outlasted step_timeout=3 with every chunk on time: both processes
+    # exited with code 4, "no step finished for 5 s ... no process stands out (all in step 2)".
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    try:
+        from _launch_two import start_two
+    finally:
+        sys.path.remove(str(here))
+    import os
+    import signal
+
+    proc = start_two(here / "_slow_eval_mp_program.py", "3")
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("status completed evals 2") == 2 and "no step finished" not in stderr

@@ -170,7 +170,7 @@ def _task_report(task: Task, strategy: Strategy, params: Any) -> dict[str, Any]:
 
 def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..., Any],
                   predict: Callable[..., Any] | None = None, predictor: Any = None, *,
-                  strategy: Any = None) -> dict[str, Any]:
+                  strategy: Any = None, on_chunk: Callable[[], None] | None = None) -> dict[str, Any]:
     """Means over a whole eval set: arrays, a data set directory or a finite pipeline.
 
     Arrays are read in chunks of ``batch_size`` (see :func:`spmdkit._data.eval_chunks`:
@@ -180,6 +180,8 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
     the loss reports one), so none is dropped or counted twice. ``strategy`` (by default
     ``eval_step``'s) says where chunks go. With ``predict`` (an ensemble's ``apply`` of
     the predictor) the mean of the members' probabilities is scored as ``ensemble_<metric>``.
+    ``on_chunk()`` runs after each chunk's values are on the host (``fit``: the step watchdog's
+    ``progressed``, so a long eval of many chunks is not taken for a hung job).
     """
     strategy = strategy if strategy is not None else getattr(eval_step, "strategy", None)
     where = getattr(strategy, "_batch_sharding_for", None)
@@ -202,6 +204,8 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
             probs = np.mean(np.asarray(to_host(predict(state, chunk))), axis=0)  # members' mean
             for name, v in predictor.score(probs, to_host(chunk)).items():
                 scored[f"ensemble_{name}"] = scored.get(f"ensemble_{name}", 0.0) + float(np.sum(v))
+        if on_chunk is not None:
+            on_chunk()
     means = {k: v / weight for k, v in totals.items()} | {k: v / n for k, v in scored.items()}
     if weighted:  # the eval set's whole denominator, as the train step reports its batch's
         means[LOSS_WEIGHT] = weight
@@ -443,6 +447,9 @@ class _NoWatchdog:
     def finished(self, step: int) -> None:
         pass
 
+    def progressed(self) -> None:
+        pass
+
 
 class HeldCheckpoints(Hook):
     """fit's checkpoints: every ``every`` steps a save is held in ``known`` until the next
@@ -532,7 +539,8 @@ class _Run:
         hint = ("lower the learning rate (optimizer=; --lr on the command line), or check the data for NaN/inf. "
                 "The parameters of the last finite loss are kept" + (f" in {self.out / 'params.npz'}." if self.out else "."))
         self.metrics = MetricsHook(self._record, every=self.config.log_every)
-        self.evaluator = _eval_hook(self.task, self.strategy, self.config, self.plan, self._record, self.eval_key)
+        self.evaluator = _eval_hook(self.task, self.strategy, self.config, self.plan, self._record, self.eval_key,
+                                    self.watchdog.progressed)
         self.held = None if self.ckpt is None else HeldCheckpoints(
             self.ckpt, checkpoint.every,
             _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed), self.known)
@@ -688,7 +696,7 @@ def _hint_host_memory(status: HostMemory, log: Callable[[str], None]) -> None:
             "on CPU'), or set SPMDKIT_HOST_ALLOCATOR=system to keep the defaults without this note.")
 
 
-def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | None:
+def _eval_hook(task, strategy, config, plan, record, eval_key, on_chunk=None) -> EvalHook | None:
     """Eval over the task's whole eval set every ``plan.eval_every`` steps (none without eval data)."""
     if task.eval_data is None:
         return None
@@ -698,7 +706,7 @@ def _eval_hook(task, strategy, config, plan, record, eval_key) -> EvalHook | Non
 
     def run_eval(state):
         return evaluate_task(state, task.eval_data, config.eval_batch_size, eval_step, predict, task.predictor,
-                             strategy=strategy)
+                             strategy=strategy, on_chunk=on_chunk)
 
     return EvalHook(run_eval, record, every=plan.eval_every)
 

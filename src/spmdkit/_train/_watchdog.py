@@ -136,6 +136,13 @@ class StepWatchdog:
         self.step = int(step)
         self._last = time.monotonic()
 
+    def progressed(self) -> None:
+        """Call when work between steps that every process does together completes a part (an
+        eval chunk, a collective like a step's): the clock restarts as after a step. An eval of
+        many chunks longer than ``timeout_s`` ended a healthy job ("no process stands out"); a
+        hung peer stops those chunks too, so the timeout still fires."""
+        self._last = time.monotonic()
+
     def _publish(self) -> None:
         try:
             value = f"{self.started_step} {self._tick}"
