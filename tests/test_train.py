@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import flax.linen as nn
@@ -369,3 +370,36 @@ def test_loss_png_plots_every_metric_a_user_returns(tmp_path, monkeypatch):
     art.plot_history(history, tmp_path / "loss.png", "t")
     labels = {line.get_label() for ax in figures[0].axes for line in ax.get_lines()}
     assert labels == {"train loss", "eval loss", "train acc", "train count", "eval count"}
+
+
+def _strict_json(text: str):
+    def refuse(token):
+        raise AssertionError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_metrics_are_written_as_json_null(tmp_path):
+    # NaN and inf were written as NaN/Infinity: JavaScript's JSON.parse refused the lines and jq read
+    # Infinity as 1.8e308. A metric that is 0/0 on some batches (a precision) is ordinary.
+    x = np.linspace(-1, 1, 16, dtype=np.float32)
+
+    def loss(p, b, rng):
+        err = jnp.mean((p["w"] * b["x"] - b["y"]) ** 2)
+        return err, {"precision": jnp.float32(jnp.nan), "ratio": jnp.float32(jnp.inf)}
+
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(())}, loss_fn=loss,
+                        train_data={"x": x, "y": 2 * x}, eval_data={"x": x, "y": 2 * x})
+    result = spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
+                         progress=False, out_dir=tmp_path)
+    rows = [_strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["split"] for r in rows} == {"train", "eval"}
+    assert all(r["precision"] is None and r["ratio"] is None and r["loss"] > 0 for r in rows)
+    summary = _strict_json((tmp_path / "summary.json").read_text())
+    assert summary["eval_precision"] is None and summary["final_train_metrics"]["ratio"] is None
+    assert math.isnan(result.history[0]["precision"])  # in memory the values stay as they were
+    # A resumed run's history is read back from metrics.jsonl, nulls included: it still plots.
+    from spmdkit._train import _artifacts as art
+
+    art.plot_history(rows + [{"split": "eval", "step": 3, "loss": None}], tmp_path / "again.png", "t")
+    assert (tmp_path / "again.png").read_bytes().startswith(PNG_MAGIC)

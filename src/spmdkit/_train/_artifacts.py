@@ -82,7 +82,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:
             try:
-                self._fh.write(json.dumps(record) + "\n")
+                self._fh.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
                 self._fh.flush()
             except OSError as e:
                 fh, self._fh = self._fh, None
@@ -102,16 +102,29 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+        tmp.write_text(json.dumps(finite_or_null(data), indent=2, default=_jsonable, allow_nan=False) + "\n")
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _cannot_write(path, e) from None
 
 
+def finite_or_null(x: Any) -> Any:
+    """NaN and +-inf as JSON's null, in dicts and lists too. Python writes them as NaN and
+    Infinity, which are not JSON: JavaScript's JSON.parse refused such a metrics line, and jq
+    read Infinity as 1.8e308."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_or_null(v) for v in x]
+    return x
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, (np.generic, np.ndarray, jax.Array)):
-        return np.asarray(x).tolist()
+        return finite_or_null(np.asarray(x).tolist())
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
@@ -279,7 +292,8 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     if evals:
         ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval loss")
-    losses = [r["loss"] for r in train + evals if math.isfinite(r["loss"])]
+    # None: a non-finite value read back from metrics.jsonl (a resumed run's history)
+    losses = [r["loss"] for r in train + evals if r["loss"] is not None and math.isfinite(r["loss"])]
     if losses and min(losses) > 0 and max(losses) / min(losses) > 100:
         ax.set_yscale("log")
     ax.set_xlabel("step")
@@ -322,7 +336,7 @@ def plot_members(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
     evals = [r for r in history if r["split"] == "eval" and "member_accuracy" in r]
     steps = [r["step"] for r in evals]
-    members = np.array([r["member_accuracy"] for r in evals])
+    members = np.array([r["member_accuracy"] for r in evals], dtype=float)  # null (non-finite) as NaN
     fig, ax = plt.subplots(figsize=(7, 4))
     for m in range(members.shape[1]):
         ax.plot(steps, members[:, m], color="0.6", lw=1, label="members" if m == 0 else None)
