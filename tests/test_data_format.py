@@ -209,3 +209,15 @@ def _toml(tmp_path, text):
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
     return path
+
+
+def test_overwriting_a_data_set_leaves_its_open_readers_the_old_rows(tmp_path):
+    # np.save over the file truncated it under the reader's memory map: the reader saw the new
+    # rows silently, then died with SIGBUS past the new end. Each file is now renamed into place.
+    d = spmdkit.write_dataset(tmp_path / "ds", {"x": np.arange(40000.0).reshape(10000, 4)})
+    reading = spmdkit.load_dataset(d)
+    spmdkit.write_dataset(d, {"x": np.ones((10, 4))}, overwrite=True)
+    np.testing.assert_array_equal(reading["x"][5], [20.0, 21.0, 22.0, 23.0])
+    np.testing.assert_array_equal(reading["x"][9999], [39996.0, 39997.0, 39998.0, 39999.0])
+    assert spmdkit.load_dataset(d, verify=True)["x"].shape == (10, 4)
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "x.npy"]  # no temporary left

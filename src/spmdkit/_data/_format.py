@@ -128,13 +128,27 @@ def _write_files(directory: Path, leaves: list, count: int) -> None:
     entries = []
     for key, x in leaves:
         name = _file_name(key, used)
-        np.save(directory / name, np.ascontiguousarray(np.asarray(x)), allow_pickle=False)
+        _save_replacing(directory / name, x)
         entries.append({"key": list(key), "file": name, "shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).str,
                         "bytes": (directory / name).stat().st_size, "crc32": crc32_file(directory / name)})
     manifest = {"format": FORMAT, "version": VERSION, "count": count, "leaves": entries}
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, directory / MANIFEST)
+
+
+def _save_replacing(path: Path, x: Any) -> None:
+    """``x`` saved as ``path`` through a temporary file renamed over it. A reader (a training run)
+    may hold the old file memory-mapped: saving in place truncated it under the map, and the
+    reader silently read the new rows, then died with SIGBUS past the new end. A rename leaves
+    the old file's data to its readers until they close it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, np.ascontiguousarray(np.asarray(x)), allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _cannot_write(directory: Path, e: OSError) -> DataError:
