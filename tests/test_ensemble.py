@@ -196,3 +196,28 @@ def test_a_numpy_member_count_is_a_member_count():
     # members=np.int64(4) (a sweep over np.arange) was "an ensemble needs a whole number of members >= 1".
     ens = spmdkit.Ensemble(np.int64(4))
     assert ens.members == 4 and type(ens.members) is int and ens.describe()["members"] == 4
+
+
+def _scored_task(score, eval_data):
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    loss = lambda p, b, r: (optax.softmax_cross_entropy_with_integer_labels(b["x"] @ p["w"], b["y"]).mean(), {})
+    predict = lambda p, b: jax.nn.softmax(b["x"] @ p["w"])
+    return spmdkit.Task(name="scored", init=lambda k: {"w": jax.random.normal(k, (4, 2)) * 0.1}, loss_fn=loss,
+                        train_data={"x": x, "y": y}, eval_data=eval_data(x, y),
+                        predictor=spmdkit.Predictor(predict, score))
+
+
+@pytest.mark.parametrize("eval_data", [lambda x, y: {"x": x, "y": y},
+                                       lambda x, y: [{"x": x[i:i + 16], "y": y[i:i + 16]} for i in (0, 16, 32)]],
+                         ids=["arrays", "pipeline"])
+def test_a_score_that_returns_a_mean_is_named_not_divided_by_the_rows(eval_data):
+    # The ensemble metrics sum score's values and divide by the eval set's size: a mean came out
+    # divided by the rows (ensemble_accuracy 0.064 for 0.825), silently.
+    mean = lambda probs, b: {"accuracy": jnp.mean(jnp.argmax(probs, -1) == b["y"])}
+    rows = lambda probs, b: {"accuracy": (jnp.argmax(probs, -1) == b["y"]).astype(jnp.float32)}
+    config = spmdkit.TrainConfig(steps=2, batch_size=8, eval_batch_size=16)
+    with pytest.raises(spmdkit.TaskError, match=r"'accuracy' has shape \(\) on a batch of \d+; it must give one value"):
+        spmdkit.fit(_scored_task(mean, eval_data), spmdkit.Ensemble(2), optax.sgd(0.1), config, progress=False)
+    result = spmdkit.fit(_scored_task(rows, eval_data), spmdkit.Ensemble(2), optax.sgd(0.1), config, progress=False)
+    assert 0.5 < result.summary["ensemble_accuracy"] <= 1.0

@@ -49,7 +49,7 @@ from spmdkit._train._hooks import (
 from spmdkit._train._guards import KnownGood, state_is_finite
 from spmdkit._train._preempt import Preemption
 from spmdkit._train._steps import task_eval_step, task_state, task_train_step
-from spmdkit._train._validate import validate_task
+from spmdkit._train._validate import per_example_scores, validate_task
 from spmdkit._train._watchdog import StepWatchdog
 
 
@@ -202,7 +202,10 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
             totals[k] = totals.get(k, 0.0) + np.where(w > 0, v * w, 0.0)
         if predict is not None:
             probs = np.mean(np.asarray(to_host(predict(state, chunk))), axis=0)  # members' mean
-            for name, v in predictor.score(probs, to_host(chunk)).items():
+            host = to_host(chunk)
+            scores = predictor.score(probs, host)
+            per_example_scores(scores, int(np.shape(jax.tree.leaves(host)[0])[0]), "the ensemble's eval")  # a pipeline's batches too
+            for name, v in scores.items():
                 scored[f"ensemble_{name}"] = scored.get(f"ensemble_{name}", 0.0) + float(np.sum(v))
         if on_chunk is not None:
             on_chunk()

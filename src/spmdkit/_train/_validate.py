@@ -132,6 +132,39 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
                 f"task {task.name!r}: metric aux[{name!r}] has shape {getattr(value, 'shape', type(value))}; "
                 "metrics are scalar means over the batch.", f"return jnp.mean(...) for {name!r}."))
     _check_eval(task, params, batch_size)
+    _check_predictor(task, params, batch_size)
+
+
+def per_example_scores(scores: Any, rows: int, where: str) -> None:
+    """Raise :class:`TaskError` unless ``scores`` (a predictor's ``score`` output, concrete or
+    abstract) holds one value per example: the ensemble metrics sum them and divide by the eval
+    set's size, so a mean returned here came out divided by the rows, silently (0.06 for 0.83)."""
+    if not isinstance(scores, Mapping):
+        raise TaskError(fix(f"{where}: predictor.score returned a {type(scores).__name__}; it must be a "
+                            "dict of per-example values.", "return e.g. {'accuracy': (argmax(probs, -1) == label)}."))
+    for name, value in scores.items():
+        if tuple(np.shape(value)) != (rows,):
+            raise TaskError(fix(
+                f"{where}: predictor.score's {name!r} has shape {tuple(np.shape(value))} on a batch of "
+                f"{rows}; it must give one value per example, shape ({rows},) (spmdkit averages them over the eval set).",
+                f"return the per-example values for {name!r}, without the mean: e.g. "
+                "(jnp.argmax(probs, -1) == batch['label']).astype(jnp.float32)."))
+
+
+def _check_predictor(task: Task, params: Any, batch_size: int) -> None:
+    """A predictor's score gives one value per example (abstractly, before training)."""
+    if task.predictor is None or task.eval_data is None or is_pipeline(task.eval_data):
+        return
+    n = min(batch_size, task.num_eval)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), task.eval_data)
+    try:
+        scores = jax.eval_shape(lambda p, b: task.predictor.score(task.predictor.predict(p, b), b), params, batch)
+    except Exception as e:
+        raise TaskError(fix(f"task {task.name!r}: predictor.score(predictor.predict(params, batch), batch) failed on "
+                            f"an eval batch of {n}: {type(e).__name__}: {str(e)[:300]}",
+                            "predict returns probabilities [B, C]; score returns {metric: per-example values [B]}."
+                            )) from None
+    per_example_scores(scores, n, f"task {task.name!r}")
 
 
 def _check_metric_names(task: Task, aux: Mapping[str, Any], fn: str) -> None:
