@@ -200,6 +200,22 @@ def test_a_file_larger_than_memory_is_read_only_as_far_as_needed(tmp_path):
     assert train == (b"to train " * 20)[:100] and held == bytes(10)
 
 
+def test_a_file_deleted_after_the_listing_is_named(tmp_path, monkeypatch):
+    # A file removed between listing the corpus and reading it was a bare FileNotFoundError.
+    for name in "abc":
+        (tmp_path / f"{name}.txt").write_bytes(name.encode() * 300)
+    listing = lm.text_files
+
+    def racing(text_dir=None):
+        files = listing(text_dir)
+        files[1].unlink()  # another process deletes it meanwhile
+        return files
+
+    monkeypatch.setattr(lm, "text_files", racing)
+    with pytest.raises(spmdkit.DataError, match=r"cannot read the corpus file .*b\.txt .*removed or replaced while"):
+        lm.load_text(tmp_path)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

@@ -267,8 +267,14 @@ def _read(files: list[Path], limit: int) -> bytes:
             break
         # Only the bytes still wanted: read_bytes() took a 4 GB file whole (4.3 GB resident, 11 s)
         # to keep its first kilobyte, and a file larger than memory killed the run.
-        with open(path, "rb") as f:
-            data = f.read(limit - size)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(limit - size)
+        except OSError as e:  # unreadable, or deleted since the listing: a bare traceback before
+            raise DataError(fix(f"lm: cannot read the corpus file {path} ({e.strerror or e}): it is not readable, "
+                                "or it was removed or replaced while the corpus was read.",
+                                "run again once the directory is settled, or make every file under --text-dir "
+                                "readable (move others out of it).")) from None
         parts.append(data)
         size += len(data)
     return b"".join(parts)
