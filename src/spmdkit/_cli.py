@@ -568,8 +568,15 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
 def _cmd_sample(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._sample import sample
 
-    out = sample(args.checkpoint_dir, args.prompt, args.length, args.temperature, args.seed, args.step)
-    sys.stdout.write(args.prompt + out.decode("utf-8", errors="replace") + "\n")
+    # The model's vocabulary is bytes: the prompt goes in as the bytes typed (os.fsencode keeps any
+    # that are not UTF-8) and the output comes out as the bytes generated. Decoding with
+    # errors="replace" printed U+FFFD for every byte that was not UTF-8, so piped output was not the
+    # sample; a prompt of such bytes was a UnicodeEncodeError traceback.
+    prompt = os.fsencode(args.prompt)
+    out = sample(args.checkpoint_dir, prompt, args.length, args.temperature, args.seed, args.step)
+    sys.stdout.flush()
+    sys.stdout.buffer.write(prompt + out + b"\n")
+    sys.stdout.buffer.flush()
     return 0
 
 

@@ -70,6 +70,19 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
     return model_def, state.params, step
 
 
+def _prompt_bytes(prompt: str | bytes | bytearray) -> bytes:
+    """The prompt's bytes: text as UTF-8, with the undecodable bytes of a command line (which Python
+    holds as lone surrogates, U+DC80-U+DCFF) given back as those bytes, as ``os.fsencode`` does."""
+    if not isinstance(prompt, str):
+        return bytes(prompt)
+    try:
+        return prompt.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as e:
+        raise ConfigError(fix(f"prompt holds {prompt[e.start:e.end]!r} at position {e.start}, a lone surrogate that is "
+                              "no text and no escaped byte.", "pass the prompt as bytes (prompt=b'...'), or as valid "
+                              "text.")) from None
+
+
 def sample(
     checkpoint_dir: str | Path,
     prompt: str | bytes = "",
@@ -94,9 +107,9 @@ def sample(
     if not isinstance(prompt, (str, bytes, bytearray)):
         raise ConfigError(fix(f"prompt={prompt!r:.40} ({type(prompt).__name__}): text or bytes.",
                               "e.g. prompt='def main(' (--prompt 'def main(')."))
+    text = bytearray(_prompt_bytes(prompt)) or bytearray(b"\n")
     model_def, params, _ = load_lm(checkpoint_dir, step, **model)
     seq_len = model_def.cfg.seq_len
-    text = bytearray(prompt.encode() if isinstance(prompt, str) else prompt) or bytearray(b"\n")
 
     @jax.jit
     def next_byte(params, window, last, key):
