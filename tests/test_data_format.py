@@ -221,3 +221,25 @@ def test_overwriting_a_data_set_leaves_its_open_readers_the_old_rows(tmp_path):
     np.testing.assert_array_equal(reading["x"][9999], [39996.0, 39997.0, 39998.0, 39999.0])
     assert spmdkit.load_dataset(d, verify=True)["x"].shape == (10, 4)
     assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "x.npy"]  # no temporary left
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m["leaves"][1].update(key=["image"]), r"leaf key \['image'\] is given twice"),
+    (lambda m: m["leaves"][1].update(key=["image", "x"]), r"\['image'\] is both a leaf and the parent of"),
+    (lambda m: m["leaves"][0].update(key=[]), r"leaf key \[\] is not a list of non-empty strings"),
+    (lambda m: m["leaves"][0].update(key="image"), r"leaf key 'image' is not a list"),
+    (lambda m: m["leaves"][0].update(key=[1]), r"leaf key \[1\] is not a list"),
+    (lambda m: m.update(count=10.5), r"count 10.5 is not a whole number"),
+    (lambda m: m["leaves"][0].update(file="../other/image.npy"), r"is not a file name inside the data set"),
+    (lambda m: m["leaves"][0].pop("crc32"), r"lacks or mangles a field \(KeyError: 'crc32'\)"),
+])
+def test_a_hand_edited_manifest_is_named_not_loaded_wrong(tmp_path, edit, words):
+    # Two leaves under one key lost one silently; a key "xy" became the path x/y; an empty or
+    # clashing key, or a missing crc32 under verify=True, was a bare Python error.
+    d = spmdkit.write_dataset(tmp_path / "ds", ARRAYS)
+    manifest = json.loads((d / "manifest.json").read_text())
+    edit(manifest)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    for verify in (False, True):
+        with pytest.raises(DatasetLayoutError, match=words):
+            spmdkit.load_dataset(d, verify=verify)

@@ -191,13 +191,44 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     try:
         count = int(manifest["count"])
         for e in manifest["leaves"]:
-            _ = (list(e["key"]), str(e["file"]), list(e["shape"]), np.dtype(e["dtype"]), int(e["bytes"]))
+            _ = (list(e["key"]), str(e["file"]), list(e["shape"]), np.dtype(e["dtype"]), int(e["bytes"]), e["crc32"])
     except (KeyError, TypeError, ValueError) as e:
         raise DatasetLayoutError(fix(f"{path} lacks or mangles a field ({type(e).__name__}: {e}).",
                                      "write the data set again.")) from None
     if not manifest["leaves"] or count <= 0:
         raise DatasetLayoutError(fix(f"{path} describes no examples.", "write a data set with at least one example."))
+    if (problem := _entries_problem(manifest)) is not None:
+        raise DatasetLayoutError(fix(f"{path}: {problem}", "write the data set again with spmdkit.write_dataset "
+                                     "(a manifest is not meant to be edited by hand)."))
     return manifest
+
+
+def _entries_problem(manifest: dict[str, Any]) -> str | None:
+    """What in a parsed manifest would load wrong, or None. A hand-edited (or foreign) manifest
+    with two leaves under one key lost one of them silently; a key "xy" was read as the path
+    x/y, an empty or clashing key was a bare ValueError, a file named "../other/x.npy" read
+    another data set's file."""
+    if not isinstance(manifest["count"], int) or isinstance(manifest["count"], bool):
+        return f"count {manifest['count']!r} is not a whole number."
+    keys = []
+    for e in manifest["leaves"]:
+        key, name = e["key"], e["file"]
+        if not isinstance(key, list) or not key or not all(isinstance(k, str) and k for k in key):
+            return f"leaf key {key!r} is not a list of non-empty strings (the leaf's path, e.g. [\"image\"])."
+        if not isinstance(name, str) or name != Path(name).name or name in (".", "..", MANIFEST):
+            return f"leaf {'/'.join(key)}: file {name!r} is not a file name inside the data set directory."
+        if not isinstance(e["crc32"], str):
+            return f"leaf {'/'.join(key)}: crc32 {e['crc32']!r} is not a checksum string."
+        keys.append(tuple(key))
+    for a in keys:
+        for b in keys:
+            if a is not b and b[: len(a)] == a:
+                return (f"leaf key {list(a)} is given twice" if a == b else
+                        f"leaf key {list(a)} is both a leaf and the parent of {list(b)}") + "."
+    files = [e["file"] for e in manifest["leaves"]]
+    if len(set(files)) != len(files):
+        return f"two leaves share one file ({sorted(f for f in set(files) if files.count(f) > 1)})."
+    return None
 
 
 def _open_leaf(directory: Path, entry: dict[str, Any], count: int, verify: bool) -> np.ndarray:
