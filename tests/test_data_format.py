@@ -243,3 +243,17 @@ def test_a_hand_edited_manifest_is_named_not_loaded_wrong(tmp_path, edit, words)
     for verify in (False, True):
         with pytest.raises(DatasetLayoutError, match=words):
             spmdkit.load_dataset(d, verify=verify)
+
+
+def test_other_byte_orders_are_stored_native_or_named(tmp_path):
+    # write_dataset stored a big-endian array as it was, and training from it (or from the array
+    # itself) failed with a TaskError blaming loss_fn: "dtype('>f4') is not a valid dtype for JAX".
+    big = {"x": np.arange(6, dtype=">f4"), "y": np.arange(6, dtype=">i8")}
+    data = spmdkit.load_dataset(spmdkit.write_dataset(tmp_path / "ds", big), verify=True)
+    assert data["x"].dtype == np.float32 and data["y"].dtype == np.int64 and data["x"].dtype.isnative
+    np.testing.assert_array_equal(data["x"], big["x"])
+    task = lambda d: spmdkit.Task(name="t", init=lambda k: {"w": np.zeros((), np.float32)},
+                                  loss_fn=lambda p, b, r: ((p["w"] * b["x"]).mean(), {}), train_data=d)
+    assert task(str(tmp_path / "ds")).num_train == 6
+    with pytest.raises(spmdkit.DataError, match=r"train_data\['x'\] has dtype >f4, whose byte order is not"):
+        task(big)

@@ -128,6 +128,9 @@ def _write_files(directory: Path, leaves: list, count: int) -> None:
     entries = []
     for key, x in leaves:
         name = _file_name(key, used)
+        x = np.ascontiguousarray(np.asarray(x))
+        if not x.dtype.isnative:  # JAX refuses other byte orders; the same values in this machine's are lossless
+            x = x.astype(x.dtype.newbyteorder("="))
         _save_replacing(directory / name, x)
         entries.append({"key": list(key), "file": name, "shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).str,
                         "bytes": (directory / name).stat().st_size, "crc32": crc32_file(directory / name)})
@@ -145,7 +148,7 @@ def _save_replacing(path: Path, x: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            np.save(f, np.ascontiguousarray(np.asarray(x)), allow_pickle=False)
+            np.save(f, x, allow_pickle=False)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -245,6 +245,11 @@ def check_examples(data: Any, name: str) -> int:
             raise DataError(
                 fix(f"{where} is a scalar; every leaf needs a leading example axis.", f"reshape {where}.")
             )
+        if not np.dtype(x.dtype).isnative:  # else a TaskError blamed loss_fn ("not a valid dtype for JAX")
+            raise DataError(fix(f"{where} has dtype {np.dtype(x.dtype).str}, whose byte order is not this machine's; "
+                                "JAX takes arrays in native byte order only.",
+                                "convert it with x.astype(x.dtype.newbyteorder('=')) (the same values); a data set "
+                                "directory: write it again with spmdkit.write_dataset, which stores native order."))
         sizes.append((where, x.shape[0]))
     first, n = sizes[0]
     for where, m in sizes[1:]:
