@@ -9,9 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer
-from spmdkit._config import OptimizerConfig, unused_optimizer_options
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import lm, task_defaults
@@ -19,6 +19,7 @@ from spmdkit._tasks._base import Task
 from spmdkit._train._steps import task_state
 
 _MODEL_KEYS = ("layers", "d_model", "heads", "seq_len", "precision", "remat")
+_PARAMS = ".params"  # where TrainState keeps the parameters, as the checkpoint names the place
 
 
 def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
@@ -34,7 +35,7 @@ def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
 
 
 def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -> tuple[lm.TransformerLM, Any, int]:
-    """``(model, params, step)`` of an lm checkpoint; sizes and optimizer from its saved options.
+    """``(model, params, step)`` of an lm checkpoint; the sizes from its saved options.
 
     ``model`` overrides the saved sizes (``layers=``, ``d_model=``...): a run started
     from Python has no saved options, so its sizes must be given here.
@@ -53,21 +54,16 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
     if unknown:
         raise ConfigError(fix(f"sample: {unknown} are not lm sizes.", f"pass only {list(_MODEL_KEYS)}."))
     cfg = lm.LMConfig(**{**{k: options[k] for k in _MODEL_KEYS if options.get(k) is not None}, **model})
-    values = {name: options[key] for key, name in (("optimizer", "name"), ("lr", "lr"), ("momentum", "momentum"),
-                                                   ("weight_decay", "weight_decay")) if key in options}
-    # A run from before unused optimizer options were refused recorded them; they never shaped its state.
-    for key in unused_optimizer_options(values.get("name", OptimizerConfig.name), values):
-        values.pop(key)
-    optimizer = OptimizerConfig(**values)
     model_def, init, loss_fn = lm.lm_functions(cfg)
     shell = Task(name="lm", init=init, loss_fn=loss_fn, train_data={"tokens": np.zeros((1, cfg.seq_len + 1), np.uint8)})
-    strategy = get_strategy("single")
-    make_state = task_state(shell, optimizer.build())
+    # Only the parameters are restored: sampling needs no optimizer state. The whole state was
+    # rebuilt with the saved (or default, AdamW) optimizer, so a run from Python, which saves no
+    # options, could not be sampled unless it had trained with AdamW ("resume with the optimizer").
+    make_state = task_state(shell, optax.sgd(0.0))
     key = jax.random.key(0)  # only the shapes of the state are taken from it
-    target = strategy.abstract(make_state, key, unbox=True)
-    ckpt.check_target(step, target)
-    state, _ = ckpt.restore(step, target)
-    return model_def, state.params, step
+    target = get_strategy("single").abstract(make_state, key, unbox=True).params
+    params, _ = ckpt.restore(step, target, part=_PARAMS)
+    return model_def, params, step
 
 
 def _prompt_bytes(prompt: str | bytes | bytearray) -> bytes:
