@@ -129,6 +129,10 @@ def test_sample_from_a_python_run_with_any_optimizer(task, tmp_path, optimizer):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(result.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert len(spmdkit.sample(tmp_path, "def ", length=3, **sizes)) == 3
+    # Sizes that do not fit were "the model being trained: resume with the same model size".
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)built to sample.*lm's defaults: the run saved no "
+                                                      r"options.*Fix: pass the sizes the run trained with"):
+        spmdkit.sample(tmp_path, "def ", length=3)
 
 
 def test_sample_takes_and_prints_bytes_that_are_not_utf8(tmp_path, capsysbinary):

@@ -62,8 +62,27 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
     make_state = task_state(shell, optax.sgd(0.0))
     key = jax.random.key(0)  # only the shapes of the state are taken from it
     target = get_strategy("single").abstract(make_state, key, unbox=True).params
+    _check_sizes(ckpt, step, target, cfg, given=model, saved=bool(meta.get("config")))
     params, _ = ckpt.restore(step, target, part=_PARAMS)
     return model_def, params, step
+
+
+def _check_sizes(ckpt: Checkpointer, step: int, target: Any, cfg: lm.LMConfig, given: dict[str, Any],
+                 saved: bool) -> None:
+    """The model built to sample has the checkpoint's parameter shapes; else an error that says which
+    sizes were used and where they came from. The checkpoint's own message spoke of "the model being
+    trained" and told to "resume with the same model size", which sample cannot act on."""
+    try:
+        ckpt.check_target(step, target, part=_PARAMS)
+    except CheckpointError as e:
+        diagnosis = str(e).split("\n  Fix:")[0].replace("the model being trained", "the model built to sample")
+        sizes = {k: getattr(cfg, k) for k in ("layers", "d_model", "heads", "seq_len")}
+        source = (f"you passed {given}" if given else "saved with the checkpoint" if saved else
+                  "lm's defaults: the run saved no options (it was started from Python)")
+        remedy = (f"drop {sorted(given)} to use the sizes saved with the checkpoint, or pass the ones the run trained with."
+                  if given and saved else "pass the sizes the run trained with: spmdkit.sample(dir, prompt, "
+                  "layers=..., d_model=..., heads=..., seq_len=...).")
+        raise CheckpointError(fix(f"{diagnosis}\n  sample built the model with {sizes} ({source}).", remedy)) from None
 
 
 def _prompt_bytes(prompt: str | bytes | bytearray) -> bytes:
