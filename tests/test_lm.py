@@ -94,7 +94,9 @@ def test_resume_is_bit_equal(task, fsdp_tp, tmp_path):
     # 123 as a prompt gave 123 zero bytes; a NaN temperature gave zero bytes out.
     for kwargs, words in [({"prompt": 123}, r"prompt=123 \(int\): text or bytes"),
                           ({"temperature": float("nan")}, r"temperature=nan: a finite number >= 0"),
-                          ({"length": "5"}, r"length='5': a whole number")]:
+                          ({"length": "5"}, r"length='5': a whole number"),
+                          ({"seed": 2**64}, r"seed=18446744073709551616: a whole number from -2\*\*63"),
+                          ({"seed": 1.5}, r"seed=1.5: a whole number")]:
         with pytest.raises(spmdkit.ConfigError, match=words):
             spmdkit.sample(tmp_path, **{"prompt": "def ", "length": 5, **kwargs}, **sizes)
 

@@ -119,6 +119,9 @@ def sample(
             or not math.isfinite(temperature) or temperature < 0):
         raise ConfigError(fix(f"temperature={temperature!r}: a finite number >= 0 (0: the most likely byte).",
                               "e.g. temperature=0.8 (--temperature 0.8)."))
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        # jax.random.key takes a signed 64-bit seed: a larger one was a bare OverflowError
+        raise ConfigError(fix(f"seed={seed!r}: a whole number from -2**63 to 2**63 - 1.", "e.g. seed=1 (--seed 1)."))
     if not isinstance(prompt, (str, bytes, bytearray)):
         raise ConfigError(fix(f"prompt={prompt!r:.40} ({type(prompt).__name__}): text or bytes.",
                               "e.g. prompt='def main(' (--prompt 'def main(')."))
