@@ -257,3 +257,14 @@ def test_other_byte_orders_are_stored_native_or_named(tmp_path):
     assert task(str(tmp_path / "ds")).num_train == 6
     with pytest.raises(spmdkit.DataError, match=r"train_data\['x'\] has dtype >f4, whose byte order is not"):
         task(big)
+
+
+def test_no_arrays_is_named_as_such(tmp_path, capsys):
+    # An empty dict (or an .npz without arrays) was "every array needs the same number of examples; got {}".
+    from spmdkit._cli import main
+
+    with pytest.raises(spmdkit.DataError, match=r"write_dataset: the data hold no arrays"):
+        spmdkit.write_dataset(tmp_path / "ds", {})
+    np.savez(tmp_path / "empty.npz")
+    assert main(["data", "write", str(tmp_path / "ds"), "--npz", str(tmp_path / "empty.npz")]) == 2
+    assert "hold no arrays" in capsys.readouterr().err

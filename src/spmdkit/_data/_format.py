@@ -87,6 +87,10 @@ def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, ov
     """
     directory = Path(directory)
     leaves = _leaves(arrays)
+    if not leaves:  # an empty dict (an .npz without arrays) was "needs the same number of examples; got {}"
+        raise DataError(fix(f"write_dataset: the data hold no arrays ({arrays!r:.60}).",
+                            "pass e.g. {'image': images, 'label': labels} (spmdkit data write --npz: an .npz "
+                            "written by numpy.savez(path, image=images, label=labels))."))
     counts = {"/".join(k): np.shape(x)[0] if np.ndim(x) else None for k, x in leaves}
     if None in counts.values() or len(set(counts.values())) != 1:
         raise DataError(fix(f"write_dataset: every array needs the same number of examples on axis 0; got {counts}.",
