@@ -268,3 +268,16 @@ def test_no_arrays_is_named_as_such(tmp_path, capsys):
     np.savez(tmp_path / "empty.npz")
     assert main(["data", "write", str(tmp_path / "ds"), "--npz", str(tmp_path / "empty.npz")]) == 2
     assert "hold no arrays" in capsys.readouterr().err
+
+
+def test_the_printed_train_command_quotes_a_path_with_spaces(tmp_path, capsys, monkeypatch):
+    # "--data my data/ds" was printed bare: pasted, it passed two arguments.
+    import shlex
+
+    from spmdkit._cli import main
+
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "a.npz", x=np.zeros((3, 2), np.float32))
+    assert main(["data", "write", "my data/dä ds", "--npz", "a.npz"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert shlex.split(printed.split("train with ")[1])[-2:] == ["--data", "my data/dä ds"]

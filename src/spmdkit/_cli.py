@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -630,11 +631,14 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
         if args.split is None and task.eval_data is not None:
             out = write_splits(args.out, task.train_data, task.eval_data, overwrite=args.overwrite)
             console.print(f"wrote {out / 'train'} ({task.num_train} examples) and {out / 'eval'} ({task.num_eval}): "
-                          f"train and evaluate with spmdkit train --task {args.task} --data {out}", highlight=False)
+                          f"train and evaluate with spmdkit train --task {args.task} --data {shlex.quote(str(out))}",
+                          highlight=False)
             return 0
         arrays = task.eval_data if args.split == "eval" else task.train_data
     out = write_dataset(args.out, arrays, overwrite=args.overwrite)
-    console.print(f"wrote {out}: train with spmdkit train --task {args.task or 'NAME'} --data {out}", highlight=False)
+    # quoted: the command is printed to be pasted, and a path with a space (or quote) split in two
+    console.print(f"wrote {out}: train with spmdkit train --task {args.task or 'NAME'} --data {shlex.quote(str(out))}",
+                  highlight=False)
     return 0
 
 
