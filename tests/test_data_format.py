@@ -281,3 +281,14 @@ def test_the_printed_train_command_quotes_a_path_with_spaces(tmp_path, capsys, m
     assert main(["data", "write", "my data/dä ds", "--npz", "a.npz"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert shlex.split(printed.split("train with ")[1])[-2:] == ["--data", "my data/dä ds"]
+
+
+@pytest.mark.parametrize("indices, words", [(np.array([True, False] * 5), r"dtype bool \(a boolean mask: pass "
+                                                                           r"np.flatnonzero\(mask\)\)"),
+                                            ([1.7, 2.2], r"dtype float64")])
+def test_rows_takes_example_numbers_only(tmp_path, indices, words):
+    # Cast to int64, a boolean mask read rows [1, 0, 1, 0, ...] and 1.7 read row 1, silently.
+    source = spmdkit.DatasetSource(spmdkit.write_dataset(tmp_path / "ds", ARRAYS))
+    with pytest.raises(IndexError, match=words):
+        source.rows(indices)
+    assert source.rows([])["label"].shape == (0,) and source.rows(np.array([3], np.uint8))["label"].tolist() == [3]

@@ -349,7 +349,12 @@ class DatasetSource:
             >>> spmdkit.DatasetSource(d).rows([4, 1, 2])["x"].tolist()
             [4.0, 1.0, 2.0]
         """
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        given = np.asarray(indices)
+        if given.size and given.dtype.kind not in "iu":
+            # Cast to int64, a boolean mask picked rows 1 and 0 (True, False) and 1.7 picked row 1, silently.
+            raise IndexError(f"DatasetSource.rows takes example numbers (integers); got dtype {given.dtype}"
+                             f"{' (a boolean mask: pass np.flatnonzero(mask))' if given.dtype == bool else ''}.")
+        idx = given.astype(np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= self._count):
             bad = int(idx[(idx < 0) | (idx >= self._count)][0])
             raise IndexError(f"example {bad} of {self.directory}: the data set holds {self._count} (0 to "
