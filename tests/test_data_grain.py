@@ -220,3 +220,18 @@ def test_a_short_last_batch_of_an_epoch_is_named_before_training_and_never_split
     odd = spmdkit.write_dataset(tmp_path / "odd", {"x": X[:37], "y": X[:37]})  # last batch: 5 rows
     with pytest.raises(spmdkit.ConfigError, match="batch 2 holds 5 rows .* do not split over 2 processes"):
         spmdkit.grain_batches(odd, 16, drop_remainder=False, process_index=1, process_count=2)[2]
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(batch_size="4"), r"batch_size='4' \(str\) is not a whole number"),
+    (dict(batch_size=True), r"batch_size=True \(bool\) is not a whole number"),
+    (dict(batch_size=4, seed=None), r"seed=None \(NoneType\) is not a whole number"),
+    (dict(batch_size=4, process_index=5, process_count=2), r"process_index=5 with process_count=2.*\n.*from 0 to 1"),
+])
+def test_grain_batches_names_arguments_that_are_not_whole_numbers(tmp_path, kw, words):
+    # A string batch size or a None seed was a bare TypeError from inside; True was a batch of 1; a
+    # process_index out of range was reported as a batch size that does not split.
+    d = spmdkit.write_dataset(tmp_path / "ds", {"x": np.arange(10.0)})
+    with pytest.raises(spmdkit.ConfigError, match=words):
+        spmdkit.grain_batches(d, **kw)
+    assert len(spmdkit.grain_batches(d, np.int64(4), seed=np.int32(1))) == 2

@@ -12,8 +12,11 @@ processes.
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any
+
+import numpy as np
 
 from spmdkit._errors import ConfigError, DataError, fix
 
@@ -48,10 +51,16 @@ def grain_batches(data: str | os.PathLike | Any, batch_size: int, *, seed: int =
 
     from spmdkit._data._format import DatasetSource
 
+    _check_whole("batch_size", batch_size, "e.g. batch_size=32 (--batch-size 32)")
+    _check_whole("seed", seed, "e.g. seed=0, the TrainConfig(seed=...) of the run")
+    batch_size, seed = int(batch_size), int(seed)
     source = data if isinstance(data, DatasetSource) else DatasetSource(data)
     p = jax.process_index() if process_index is None else int(process_index)
     count = jax.process_count() if process_count is None else int(process_count)
-    if batch_size <= 0 or batch_size % count or not 0 <= p < count:
+    if not 0 <= p < count:
+        raise ConfigError(fix(f"grain_batches: process_index={p} with process_count={count}.",
+                              f"pass a process_index from 0 to {count - 1} (or neither: JAX's are used)."))
+    if batch_size <= 0 or batch_size % count:
         raise ConfigError(fix(f"grain_batches: batch_size={batch_size} over {count} process(es) (this is process {p}): "
                               "each process reads batch_size / processes rows of every global batch.",
                               f"use a batch_size that is a positive multiple of {count} (--batch-size)."))
@@ -59,3 +68,11 @@ def grain_batches(data: str | os.PathLike | Any, batch_size: int, *, seed: int =
         raise ConfigError(fix(f"grain_batches: batch_size={batch_size} is larger than {source} ({len(source)} "
                               "examples), so no batch is whole.", f"use batch_size={len(source)} or less."))
     return DatasetBatches(source, batch_size, seed, drop_remainder, p, count)
+
+
+def _check_whole(name: str, value: Any, example: str) -> None:
+    """A whole number, not a bool: a string batch size or a None seed was a bare TypeError from
+    deep inside (or, for True, a batch of 1)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):  # np.int64 is fine
+        raise ConfigError(fix(f"grain_batches: {name}={value!r} ({type(value).__name__}) is not a whole number.",
+                              f"{example}."))
