@@ -292,3 +292,23 @@ def test_rows_takes_example_numbers_only(tmp_path, indices, words):
     with pytest.raises(IndexError, match=words):
         source.rows(indices)
     assert source.rows([])["label"].shape == (0,) and source.rows(np.array([3], np.uint8))["label"].tolist() == [3]
+
+
+def test_overwrite_replaces_a_data_set_never_a_directory_of_other_files(tmp_path):
+    # --overwrite replaced a user's own manifest.json and x.npy in a directory of other files, silently.
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "manifest.json").write_text('{"my": "config"}')
+    np.save(own / "x.npy", np.arange(5))
+    with pytest.raises(spmdkit.DataError, match=r"is not a data set \(its manifest.json is not an spmdkit"):
+        spmdkit.write_dataset(own, {"x": np.zeros(3)}, overwrite=True)
+    (own / "manifest.json").unlink()
+    (own / "notes.txt").write_text("important")
+    with pytest.raises(spmdkit.DataError, match=r"is not a data set \(it holds \['notes.txt'\]\)"):
+        spmdkit.write_dataset(own, {"x": np.zeros(3)}, overwrite=True)
+    assert np.load(own / "x.npy").tolist() == [0, 1, 2, 3, 4] and (own / "notes.txt").read_text() == "important"
+    # a data set, and an interrupted write of one (no manifest yet), are replaced
+    d = spmdkit.write_dataset(tmp_path / "ds", ARRAYS)
+    (d / "manifest.json").unlink()
+    assert spmdkit.load_dataset(spmdkit.write_dataset(d, {"x": np.zeros(3)}, overwrite=True))["x"].shape == (3,)
+    assert spmdkit.load_dataset(spmdkit.write_dataset(d, {"x": np.zeros(4)}, overwrite=True))["x"].shape == (4,)

@@ -109,11 +109,30 @@ def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, ov
             if not overwrite:
                 raise DataError(fix(f"{directory} exists and is not empty.",
                                     "choose a new directory, or pass overwrite=True (--overwrite) to replace it."))
+            if (foreign := _not_a_data_set(directory)) is not None:
+                raise DataError(fix(f"{directory} is not a data set ({foreign}); overwrite=True (--overwrite) "
+                                    "replaces a data set, not a directory of other files.",
+                                    "choose a new or empty directory for the data set."))
             (directory / MANIFEST).unlink(missing_ok=True)  # it is incomplete until the new manifest lands
         _write_files(directory, leaves, next(iter(counts.values())))
     except OSError as e:
         raise _cannot_write(directory, e) from None
     return directory
+
+
+def _not_a_data_set(directory: Path) -> str | None:
+    """Why overwriting ``directory`` would destroy what is not a data set, or None: it holds an
+    spmdkit manifest, or (an interrupted write) only ``.npy`` and temporary files. --overwrite
+    replaced a user's own manifest.json and x.npy in a directory of other files, silently."""
+    manifest = directory / MANIFEST
+    if manifest.is_file():
+        try:
+            ours = json.loads(manifest.read_text()).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        return None if ours else f"its {MANIFEST} is not an spmdkit data set manifest"
+    others = sorted(p.name for p in directory.iterdir() if not p.name.endswith((".npy", ".tmp")))
+    return f"it holds {others[:3]}{'...' if len(others) > 3 else ''}" if others else None
 
 
 def create_dir(directory: Path) -> None:
