@@ -312,3 +312,14 @@ def test_overwrite_replaces_a_data_set_never_a_directory_of_other_files(tmp_path
     (d / "manifest.json").unlink()
     assert spmdkit.load_dataset(spmdkit.write_dataset(d, {"x": np.zeros(3)}, overwrite=True))["x"].shape == (3,)
     assert spmdkit.load_dataset(spmdkit.write_dataset(d, {"x": np.zeros(4)}, overwrite=True))["x"].shape == (4,)
+
+
+def test_overwrite_removes_the_old_data_sets_files_it_no_longer_uses(tmp_path):
+    # The old leaves' files stayed behind, unlisted, and took their disk space.
+    d = spmdkit.write_dataset(tmp_path / "ds", ARRAYS)
+    spmdkit.write_dataset(d, {"x": np.zeros(3)}, overwrite=True)
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "x.npy"]
+    (d / "manifest.json").unlink()  # an interrupted write: its .npy files go too
+    np.save(d / "old.npy", np.zeros(2))
+    spmdkit.write_dataset(d, {"y": np.zeros(3)}, overwrite=True)
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "y.npy"]

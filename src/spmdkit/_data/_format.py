@@ -86,6 +86,7 @@ def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, ov
         (['x', 'y'], (6, 2), 5)
     """
     directory = Path(directory)
+    stale: set[str] = set()
     leaves = _leaves(arrays)
     if not leaves:  # an empty dict (an .npz without arrays) was "needs the same number of examples; got {}"
         raise DataError(fix(f"write_dataset: the data hold no arrays ({arrays!r:.60}).",
@@ -113,11 +114,26 @@ def write_dataset(directory: str | os.PathLike, arrays: Mapping[str, Any], *, ov
                 raise DataError(fix(f"{directory} is not a data set ({foreign}); overwrite=True (--overwrite) "
                                     "replaces a data set, not a directory of other files.",
                                     "choose a new or empty directory for the data set."))
+            stale = _old_files(directory)
             (directory / MANIFEST).unlink(missing_ok=True)  # it is incomplete until the new manifest lands
-        _write_files(directory, leaves, next(iter(counts.values())))
+        written = _write_files(directory, leaves, next(iter(counts.values())))
+        # The old data set's files that the new one does not use: they stayed, unlisted, and took
+        # their disk space (open readers keep theirs until they close them).
+        for name in stale - written:
+            (directory / name).unlink(missing_ok=True)
     except OSError as e:
         raise _cannot_write(directory, e) from None
     return directory
+
+
+def _old_files(directory: Path) -> set[str]:
+    """The files of the data set in ``directory`` (one that ``_not_a_data_set`` accepted): those its
+    manifest lists, or without one (an interrupted write) its ``.npy`` and temporary files."""
+    try:
+        return {str(e["file"]) for e in json.loads((directory / MANIFEST).read_text())["leaves"]
+                if str(e["file"]) == Path(str(e["file"])).name}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {p.name for p in directory.iterdir() if p.is_file() and p.name.endswith((".npy", ".tmp"))}
 
 
 def _not_a_data_set(directory: Path) -> str | None:
@@ -146,7 +162,7 @@ def create_dir(directory: Path) -> None:
         raise _cannot_write(directory, e) from None
 
 
-def _write_files(directory: Path, leaves: list, count: int) -> None:
+def _write_files(directory: Path, leaves: list, count: int) -> set[str]:
     used: set[str] = set()
     entries = []
     for key, x in leaves:
@@ -161,6 +177,7 @@ def _write_files(directory: Path, leaves: list, count: int) -> None:
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, directory / MANIFEST)
+    return used
 
 
 def _save_replacing(path: Path, x: Any) -> None:
