@@ -135,3 +135,20 @@ def test_ctrl_c_finishes_the_step_and_writes_what_it_has(tmp_path):
     assert summary["eval_accuracy"] is not None  # evaluated where it stopped
     assert (tmp_path / "params.npz").exists() and (tmp_path / "loss.png").exists()
     assert "interrupted after" in stdout
+
+
+def test_data_whose_examples_do_not_fit_the_model_options_is_named(tmp_path, capsys):
+    # --task lm --seq-len 16 on a data set of 65-byte windows failed in loss_fn with "incompatible
+    # shapes for broadcasting: (4, 64, 16), (1, 16, 16)", blamed on the loss.
+    import numpy as np
+
+    import spmdkit
+    from spmdkit._cli import main
+
+    spmdkit.write_dataset(tmp_path / "ds", {"tokens": np.zeros((40, 65), np.uint8)})
+    code = main(["train", "--task", "lm", "--data", str(tmp_path / "ds"), "--seq-len", "16", "--d-model", "16",
+                 "--heads", "2", "--layers", "1", "--text-bytes", "2000", "--steps", "1", "--no-progress",
+                 "--no-compile-cache", "--out", str(tmp_path / "run")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2
+    assert "each example of ['tokens'] has shape (65,); --task lm with" in err and "reads examples of shape (17,)" in err

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -144,6 +145,23 @@ def _check_task_reads(task: Task, train: Any, train_dir: Any, run: RunConfig) ->
             f"--data {train_dir} holds leaves {', '.join(got)}; --task {run.task} reads {', '.join(want)}.",
             f"write the data set with the task's leaves (spmdkit data write DIR --task {run.task}, or --npz with "
             f"arrays named {named}), or train the task this data set was written for (--task)."))
+    _check_example_shapes(task.train_data, train, train_dir, run)
+
+
+def _check_example_shapes(own: Any, train: Any, train_dir: Any, run: RunConfig) -> None:
+    """The data set's examples have the shapes the task, with this run's options, builds its model
+    for: --task lm --seq-len 16 on windows of 65 bytes failed in loss_fn with "incompatible shapes
+    for broadcasting (4, 64, 16), (1, 16, 16)", blamed on the loss."""
+    flat_own = dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(own)[0])
+    for path, x in jax.tree_util.tree_flatten_with_path(train)[0]:
+        key = jax.tree_util.keystr(path)
+        want, got = tuple(np.shape(flat_own[key])[1:]), tuple(np.shape(x)[1:])
+        if want != got:
+            given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in task_options(run).items()) or "its defaults"
+            raise DatasetLayoutError(fix(
+                f"--data {train_dir}: each example of {key} has shape {got}; --task {run.task} with {given} reads "
+                f"examples of shape {want}.",
+                "pass the model options the data set was written for, or write it again for these options."))
 
 
 def _check_eval(train: Any, held_out: Any, train_name: str, eval_name: str, run: RunConfig) -> None:
