@@ -196,3 +196,20 @@ def test_train_sharded_from_the_command_line(tmp_path):
 def test_task_option_for_the_wrong_task_is_an_error():
     out = run_cli("train", "--task", "digits", "--layers", "3", "--no-progress")
     assert out.returncode == 2 and "task 'digits' does not take option(s) ['layers']" in out.stderr
+
+
+def test_data_write_takes_lm_corpus_options(tmp_path, capsys):
+    # `data write --task lm` took no --text-dir or --seq-len: only the stdlib at --seq-len 64 could be written.
+    import spmdkit
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"f{i}.txt").write_text(f"text number {i} " * 30)
+    assert main(["data", "write", str(tmp_path / "ds"), "--task", "lm", "--text-dir", str(corpus), "--seq-len", "16",
+                 "--text-bytes", "5000"]) == 0
+    assert "--seq-len 16" in capsys.readouterr().out  # the printed train command reads the same windows
+    train = spmdkit.load_dataset(tmp_path / "ds" / "train")["tokens"]
+    assert train.shape[1] == 17 and bytes(train[0, :16]) == (corpus / "f1.txt").read_bytes()[:16]
+    assert main(["data", "write", str(tmp_path / "d2"), "--task", "digits", "--seq-len", "16"]) == 2
+    assert "does not take option(s) ['seq_len']" in capsys.readouterr().err

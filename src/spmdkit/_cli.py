@@ -264,6 +264,10 @@ def _add_data_parser(sub, common: argparse.ArgumentParser) -> None:
     w.add_argument("--split", choices=("train", "eval"), help="write only this split of --task, as a single data "
                    "set in DIR (default: both, as DIR/train and DIR/eval)")
     w.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
+    # lm's data are windows of its own corpus: without these only the stdlib at --seq-len 64 could be written
+    w.add_argument("--text-dir", metavar="DIR", help="--task lm: every file under DIR (default: the stdlib's *.py)")
+    w.add_argument("--seq-len", type=_positive_int, help="--task lm: bytes per example (64; train with the same)")
+    w.add_argument("--text-bytes", type=_positive_int, help="--task lm: training bytes read (1000000)")
     w.add_argument("--overwrite", action="store_true", help="replace an existing data set in DIR")
     c = verbs.add_parser("check", help="check a data set directory (sizes, shapes, dtypes; --verify: CRC-32)")
     c.add_argument("directory", metavar="DIR")
@@ -613,6 +617,7 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
                                f"write both splits again: spmdkit data write {args.directory} --task NAME --overwrite.")
         console.print(f"{args.directory}: intact{' (CRC-32 verified)' if args.verify else ''}", highlight=False)
         return 0
+    seq = f" --seq-len {args.seq_len}" if args.seq_len else ""  # the model must read windows of that length
     if args.npz:
         import numpy as np
 
@@ -627,17 +632,18 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
     else:
         from spmdkit._tasks import get_task
 
-        task = get_task(args.task, data_dir=args.data_dir)
+        lm_options = {k: getattr(args, k) for k in ("text_dir", "seq_len", "text_bytes")}
+        task = get_task(args.task, data_dir=args.data_dir, **lm_options)  # another task refuses them by name
         if args.split is None and task.eval_data is not None:
             out = write_splits(args.out, task.train_data, task.eval_data, overwrite=args.overwrite)
             console.print(f"wrote {out / 'train'} ({task.num_train} examples) and {out / 'eval'} ({task.num_eval}): "
-                          f"train and evaluate with spmdkit train --task {args.task} --data {shlex.quote(str(out))}",
+                          f"train and evaluate with spmdkit train --task {args.task} --data {shlex.quote(str(out))}{seq}",
                           highlight=False)
             return 0
         arrays = task.eval_data if args.split == "eval" else task.train_data
     out = write_dataset(args.out, arrays, overwrite=args.overwrite)
     # quoted: the command is printed to be pasted, and a path with a space (or quote) split in two
-    console.print(f"wrote {out}: train with spmdkit train --task {args.task or 'NAME'} --data {shlex.quote(str(out))}",
+    console.print(f"wrote {out}: train with spmdkit train --task {args.task or 'NAME'} --data {shlex.quote(str(out))}{seq}",
                   highlight=False)
     return 0
 
