@@ -240,6 +240,15 @@ def test_a_file_larger_than_memory_is_read_only_as_far_as_needed(tmp_path):
     assert train == (b"to train " * 20)[:100] and held == bytes(10)
 
 
+def test_a_held_out_text_too_short_names_its_files(tmp_path):
+    # "the held-out text has 3 bytes" did not say which files are held out (the first in sorted order).
+    (tmp_path / "a.txt").write_bytes(b"abc")
+    (tmp_path / "b.txt").write_bytes(b"to train " * 20)
+    with pytest.raises(spmdkit.DataError, match=r"held-out \(the files at sorted positions 0, 20, 40...: a.txt\) "
+                                                r"text has 3 bytes(?s:.*)or longer held-out files"):
+        lm.make(**{**SIZES, "text_bytes": 1000}, text_dir=str(tmp_path))
+
+
 def test_a_file_deleted_after_the_listing_is_named(tmp_path, monkeypatch):
     # A file removed between listing the corpus and reading it was a bare FileNotFoundError.
     for name in "abc":

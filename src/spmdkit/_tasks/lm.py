@@ -285,18 +285,32 @@ def windows(text: bytes, seq_len: int, name: str) -> np.ndarray:
     n = (len(text) - 1) // seq_len
     if n < 1:
         raise DataError(fix(f"lm: the {name} text has {len(text)} bytes, fewer than one window of seq_len+1 = "
-                            f"{seq_len + 1}.", "use a larger corpus or --text-bytes, or a smaller --seq-len."))
+                            f"{seq_len + 1}.", "use a larger corpus or --text-bytes, or a smaller --seq-len"
+                            f"{' (or longer held-out files)' if name.startswith('held-out') else ''}."))
     data = np.frombuffer(text, np.uint8)
     starts = np.arange(n) * seq_len
     return data[starts[:, None] + np.arange(seq_len + 1)[None, :]]
 
 
-def load_text(text_dir: str | Path | None = None, text_bytes: int = TEXT_BYTES) -> tuple[bytes, bytes]:
-    """``(train, held_out)`` bytes of the corpus with the fixed split described above."""
+def split_files(text_dir: str | Path | None = None) -> tuple[list[Path], list[Path]]:
+    """``(train, held_out)`` files of the corpus: sorted index ``i`` is held out when ``i % 20 == 0``."""
     files = text_files(text_dir)
     held = [p for i, p in enumerate(files) if i % HELD_OUT_EVERY == 0]
     train = [p for i, p in enumerate(files) if i % HELD_OUT_EVERY != 0]
+    return train, held
+
+
+def load_text(text_dir: str | Path | None = None, text_bytes: int = TEXT_BYTES) -> tuple[bytes, bytes]:
+    """``(train, held_out)`` bytes of the corpus with the fixed split described above."""
+    train, held = split_files(text_dir)
     return _read(train, text_bytes), _read(held, max(text_bytes // 10, 1))
+
+
+def _held_out_name(held: list[Path]) -> str:
+    """The held-out text named by its files: "the held-out text has 3 bytes" did not say that it is
+    the first file in sorted order (and every 20th), so a short first file read as a mystery."""
+    shown = ", ".join(p.name for p in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    return f"held-out (the files at sorted positions 0, {HELD_OUT_EVERY}, {2 * HELD_OUT_EVERY}...: {shown})"
 
 
 # ---------------------------------------------------------------- task
@@ -333,13 +347,14 @@ def make(
                    scan_unroll=scan_unroll)
     if isinstance(text_bytes, bool) or not isinstance(text_bytes, int) or text_bytes < 1:
         raise ConfigError(fix(f"lm: text_bytes={text_bytes!r} must be a whole number >= 1.", "e.g. --text-bytes 1000000."))
-    train, held_out = load_text(text_dir, text_bytes)
+    train_files, held_files = split_files(text_dir)
+    train, held_out = _read(train_files, text_bytes), _read(held_files, max(text_bytes // 10, 1))
     _, init, loss_fn = lm_functions(cfg)
     return Task(
         name="lm",
         init=init,
         loss_fn=loss_fn,
         train_data={"tokens": windows(train, seq_len, "training")},
-        eval_data={"tokens": windows(held_out, seq_len, "held-out")},
+        eval_data={"tokens": windows(held_out, seq_len, _held_out_name(held_files))},
         defaults=DEFAULTS,
     )
