@@ -323,3 +323,42 @@ def test_overwrite_removes_the_old_data_sets_files_it_no_longer_uses(tmp_path):
     np.save(d / "old.npy", np.zeros(2))
     spmdkit.write_dataset(d, {"y": np.zeros(3)}, overwrite=True)
     assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "y.npy"]
+
+
+def _as_a_user_without_root_powers() -> list[str]:
+    """A command prefix under which file modes apply (root reads everything: setpriv drops that)."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: file modes do not apply")
+    return ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+@pytest.mark.parametrize("lock", ["train", "train/manifest.json", "train/x.npy"])
+def test_a_data_set_this_user_may_not_read_is_named_with_the_fix(tmp_path, lock):
+    # A bare PermissionError (spmdkit data check, train --data), or "not valid JSON ... write the data
+    # set again" / "cannot be read as .npy ... write the data set again", which is no fix.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from spmdkit._data._splits import write_splits
+
+    write_splits(tmp_path / "ds", {"x": np.zeros((4, 2))}, {"x": np.zeros((2, 2))})
+    (tmp_path / "ds" / lock).chmod(0)
+    code = ("import sys, spmdkit\nfrom spmdkit._cli import main\n"
+            "sys.exit(main(['data', 'check', '--verify', sys.argv[1]]) * 10 + main(['data', 'check', sys.argv[2]]))")
+    src = str(Path(spmdkit.__file__).parents[1])
+    try:
+        done = subprocess.run([*_as_a_user_without_root_powers(), sys.executable, "-c", code, str(tmp_path / "ds"),
+                               str(tmp_path / "ds" / "train")], capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    finally:
+        (tmp_path / "ds" / lock).chmod(0o755)
+    err = " ".join(done.stderr.split())
+    assert done.returncode == 22, done.stderr[-2000:]
+    assert err.count("permission denied. Fix: make it readable for this user (chmod -R u+rX") == 2
+    assert "Traceback" not in err

@@ -6,7 +6,7 @@ from spmdkit._errors import DataError
 
 
 class DatasetFileError(DataError, FileNotFoundError):
-    """A file of an on-disk data set is missing (or the directory is not a data set)."""
+    """A file of an on-disk data set is missing or unreadable (or the directory is not a data set)."""
 
 
 class DatasetWriteError(DataError, OSError):

@@ -222,6 +222,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                                    "(add --overwrite over an interrupted write)."))
     try:
         manifest = json.loads(path.read_text())
+    except PermissionError:
+        raise
     except (OSError, ValueError) as e:
         raise DatasetLayoutError(fix(f"{path} is not valid JSON ({e}).", "write the data set again.")) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -289,6 +291,8 @@ def _open_leaf(directory: Path, entry: dict[str, Any], count: int, verify: bool)
                                       f"{entry['crc32']}: the file is damaged.", "restore it, or write the data set again."))
     try:
         x = np.load(path, mmap_mode="r", allow_pickle=False)
+    except PermissionError:
+        raise
     except (OSError, ValueError) as e:
         raise DatasetCorruptError(fix(f"{path} cannot be read as .npy ({e}).", "write the data set again.")) from None
     want_shape, want_dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
@@ -323,19 +327,33 @@ def load_dataset(directory: str | os.PathLike, *, verify: bool = False) -> dict[
           Fix: restore the file from an intact copy, or write the data set again.
     """
     directory = Path(directory)
-    manifest = read_manifest(directory)
-    out: dict[str, Any] = {}
-    for entry in manifest["leaves"]:
-        node = out
-        *parents, last = entry["key"]
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[last] = _open_leaf(directory, entry, int(manifest["count"]), verify)
+    try:
+        manifest = read_manifest(directory)
+        out: dict[str, Any] = {}
+        for entry in manifest["leaves"]:
+            node = out
+            *parents, last = entry["key"]
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[last] = _open_leaf(directory, entry, int(manifest["count"]), verify)
+    except PermissionError as e:
+        raise unreadable(directory, e) from None
     return out
 
 
+def unreadable(directory: Path, e: PermissionError) -> DatasetFileError:
+    """A data set this user may not read: a bare PermissionError, or (for the manifest and the .npy
+    files) "not valid JSON" / "cannot be read as .npy ... write the data set again", which is no fix."""
+    return DatasetFileError(fix(f"cannot read the data set {directory}: {e.filename or directory}: permission denied.",
+                                f"make it readable for this user (chmod -R u+rX {directory}, or ask its owner), "
+                                "or run as a user who may read it."))
+
+
 def is_dataset_dir(path: Any) -> bool:
-    return isinstance(path, (str, os.PathLike)) and (Path(path) / MANIFEST).exists()
+    try:
+        return isinstance(path, (str, os.PathLike)) and (Path(path) / MANIFEST).exists()
+    except PermissionError as e:
+        raise unreadable(Path(path), e) from None
 
 
 class DatasetSource:

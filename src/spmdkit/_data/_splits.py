@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from spmdkit._data._errors import DatasetFileError, DatasetLayoutError
-from spmdkit._data._format import MANIFEST, create_dir, read_manifest, write_dataset
+from spmdkit._data._format import MANIFEST, create_dir, read_manifest, unreadable, write_dataset
 from spmdkit._errors import DataError, fix
 
 TRAIN, EVAL = "train", "eval"
@@ -25,7 +25,10 @@ TRAIN, EVAL = "train", "eval"
 
 def is_split_dir(path: Any) -> bool:
     """True for a directory of splits (``DIR/train/manifest.json``)."""
-    return isinstance(path, (str, os.PathLike)) and (Path(path) / TRAIN / MANIFEST).exists()
+    try:
+        return isinstance(path, (str, os.PathLike)) and (Path(path) / TRAIN / MANIFEST).exists()
+    except PermissionError as e:  # a bare traceback from `spmdkit data check` and `train --data`
+        raise unreadable(Path(path), e) from None
 
 
 def write_splits(directory: str | os.PathLike, train: Any, eval_data: Any, *, overwrite: bool = False) -> Path:
@@ -62,7 +65,13 @@ def data_splits(data: str | os.PathLike, eval_data: str | os.PathLike | None = N
                 ) -> tuple[Path, Path | None]:
     """``(training split, eval split)`` of ``--data DIR`` (and ``--eval-data DIR2``); the eval
     split is None when DIR is a single data set and no ``--eval-data`` is given."""
-    d = Path(data)
+    try:
+        return _data_splits(Path(data), eval_data, task)
+    except PermissionError as e:
+        raise unreadable(Path(data), e) from None
+
+
+def _data_splits(d: Path, eval_data: str | os.PathLike | None, task: str) -> tuple[Path, Path | None]:
     flat, split = (d / MANIFEST).exists(), is_split_dir(d)
     if flat and split:
         raise DatasetLayoutError(fix(f"--data {d} holds both a data set ({d / MANIFEST}) and a training split "
