@@ -74,3 +74,17 @@ def test_nested_metrics_are_flattened_and_a_non_number_is_named():
     assert rows[0]["grad_norm/w"] == 2.0 and rows[0]["grad_norm/b"] == 3.0
     with pytest.raises(spmdkit.ConfigError, match=r"(?s)metric 'tag' is str 'abc', not a number.*Fix: leave 'tag'"):
         run_hooks([MetricsHook(rows.append)], StepInfo(1, 0, None, {"loss": 1.0, "tag": "abc"}))
+
+
+@pytest.mark.parametrize("step, metrics, words", [
+    (1, None, r"StepInfo.metrics is NoneType None; it must be a dict"),
+    (1, 0.5, r"StepInfo.metrics is float 0.5; it must be a dict"),
+    (1, (0.5, 0.9), r"StepInfo.metrics is tuple \(0.5, 0.9\)"),
+    (None, {"loss": 1.0}, r"StepInfo.step=None must be the steps done"),
+    (1.5, {"loss": 1.0}, r"StepInfo.step=1.5"),
+    (-1, {"loss": 1.0}, r"StepInfo.step=-1"),
+])
+def test_a_step_info_of_the_wrong_kind_is_named(step, metrics, words):
+    # A bare loss as metrics was AttributeError: 'float' object has no attribute 'get' in NaNGuard.
+    with pytest.raises(spmdkit.ConfigError, match=words):
+        run_hooks([spmdkit.NaNGuard(), MetricsHook([].append)], StepInfo(step, 0, None, metrics))

@@ -107,11 +107,25 @@ def run_hooks(hooks: Iterable[Any], info: StepInfo) -> None:
     if not isinstance(info, StepInfo):
         raise ConfigError(fix(f"run_hooks(..., info={info!r:.60}): needs a spmdkit.StepInfo.",
                               "pass spmdkit.StepInfo(step, epoch, state, metrics)."))
+    _check_info(info)
     for i, hook in enumerate(hooks):
         # A plain function of info is a hook that runs after every step.
         every = check_every(getattr(hook, "every", 1), f"run_hooks: hooks[{i}] is {type(hook).__name__}")
         if info.step % every == 0:
             hook(info)
+
+
+def _check_info(info: StepInfo) -> None:
+    """The step a whole number and the metrics a dict: a step's bare loss or an aux tuple as
+    ``metrics`` failed inside the first hook (AttributeError: no attribute 'get'), and a step of
+    None as a bare TypeError of ``%``."""
+    if isinstance(info.step, (bool, np.bool_)) or not isinstance(info.step, (int, np.integer)) or info.step < 0:
+        raise ConfigError(fix(f"run_hooks: StepInfo.step={info.step!r} must be the steps done, a whole number >= 0.",
+                              "pass StepInfo(i + 1, epoch, state, metrics) after the loop's i-th step."))
+    if not isinstance(info.metrics, Mapping):
+        raise ConfigError(fix(f"run_hooks: StepInfo.metrics is {type(info.metrics).__name__} "
+                              f"{reprlib.repr(info.metrics)}; it must be a dict of metric name -> value.",
+                              "pass the step's metrics as a dict, e.g. StepInfo(step, epoch, state, {'loss': loss})."))
 
 
 def check_every(every: Any, where: str) -> int:
