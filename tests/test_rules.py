@@ -174,3 +174,24 @@ def test_strategies_take_the_mesh_as_a_dict():
     assert dict(spmdkit.DataParallel(mesh={"data": -1}).mesh.shape) == {"data": jax.device_count()}
     with pytest.raises(spmdkit.MeshError, match=r"mesh=\['data'\] is not a jax.sharding.Mesh or a dict"):
         spmdkit.Sharded(["data"], "dp")
+
+
+def test_a_name_given_two_rules_maps_by_the_first_for_parameters_and_activations():
+    # AxisRules([("hidden", "model"), ("hidden", "data")]) laid parameters out by the last rule
+    # (hidden over data) while Flax's logical_axis_rules constrained activations by the first
+    # (hidden over model): two layouts of one name, silently.
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "hidden")),
+                           (8, 16))
+            return nn.with_logical_constraint(x @ w, ("batch", "hidden"))
+
+    pairs = [("batch", "data"), ("embed", None), ("hidden", "model"), ("hidden", "data")]
+    rules = AxisRules(pairs)
+    assert rules.mapping["hidden"] == "model" and rules.spec(("embed", "hidden")) == jax.sharding.PartitionSpec(None, "model")
+    for given in (rules, pairs):  # AxisRules or Flax's own pairs: the same layout
+        strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), given)
+        layout = strategy.plan(lambda rng: {"params": Layer().init(rng, jnp.ones((2, 8)))["params"]})
+        assert str(layout.leaves[0].spec) == "P(None, 'model')"
+        assert strategy.describe()["rules_table"]["hidden"] == "model"

@@ -130,7 +130,12 @@ class AxisRules:
 
     @property
     def mapping(self) -> dict[str, MeshAxes]:
-        return dict(self.table)
+        """Each name's first rule, the one Flax's ``logical_axis_rules`` applies to activations
+        (``dict(table)`` took the last: parameters laid out by one rule, activations by another)."""
+        first: dict[str, MeshAxes] = {}
+        for name, axes in self.table:
+            first.setdefault(name, axes)
+        return first
 
     def flax_rules(self) -> tuple[tuple[str, MeshAxes], ...]:
         """The table in the form ``nn.logical_axis_rules`` takes."""

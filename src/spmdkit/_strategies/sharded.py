@@ -212,7 +212,7 @@ class Sharded(Placement):
             "mesh": dict(self.mesh.shape),
             "device_count": self.mesh.size,
             "rules": self.rules.name,
-            "rules_table": {k: v for k, v in self.rules.table},
+            "rules_table": self.rules.mapping,  # each name's rule in effect (the first)
         }
 
     # ---- placement of the user's state and batches (see Placement) --------------
