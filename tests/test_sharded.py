@@ -269,3 +269,54 @@ def test_two_optimizers_on_annotated_parameter_groups_lay_out_and_train_like_one
     planned = spmdkit.plan(task_state(task, opt), task_train_step(task, opt),
                            {"x": jnp.ones((16, 32)), "y": jnp.ones((16, 32))}, rules=("dp+tp",), target="h100x8")
     assert planned["candidates"]
+
+
+@pytest.mark.parametrize("optimizer", [
+    optax.masked(optax.adam(1e-2), {"enc": True, "head": False}),
+    optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1, momentum=0.9)}, {"enc": "adam", "head": "sgd"}),
+], ids=["masked", "multi_transform"])
+def test_state_axes_shaped_like_the_params_lay_out_a_masked_optimizers_moments(optimizer):
+    # The moments of optax.masked / multi_transform hold a MaskedNode where a parameter is not the
+    # group's; they matched no state_axes part and stayed replicated, and the ReplicationWarning then
+    # listed "the largest replicated parameters: ." (none: the parameters were sharded).
+    def make_state(rng):
+        k1, k2 = jax.random.split(rng)
+        params = {"enc": jax.random.normal(k1, (16, 64)) * 0.1, "head": jax.random.normal(k2, (64, 8)) * 0.1}
+        return {"params": params, "opt": optimizer.init(params)}
+
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["enc"]) @ p["head"]) ** 2))(
+            state["params"])
+        updates, opt = optimizer.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+    axes = {"enc": ("embed", "hidden"), "head": ("hidden", "embed")}
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), {"batch": "data", "embed": None, "hidden": "model"},
+                               state_axes=axes)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spmdkit.ReplicationWarning)
+        layout = strategy.plan(make_state)
+    moments = {leaf.path: leaf.spec for leaf in layout.leaves if leaf.path.startswith("state['opt']") and leaf.shape}
+    assert moments and all(spec == (P(None, "model") if "['enc']" in path else P("model", None))
+                           for path, spec in moments.items()), moments
+    batch = {"x": np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32)}
+    state, one = strategy.init(make_state, jax.random.key(0)), spmdkit.Single().init(make_state, jax.random.key(0))
+    step, single_step = strategy.step(train_step), spmdkit.Single().step(train_step)
+    for _ in range(3):
+        state, _ = step(state, batch)
+        one, _ = single_step(one, batch)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(one)):
+        assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= TOLERANCE
+
+
+def test_the_replication_warning_names_the_arrays_when_every_parameter_is_sharded():
+    # It said "the largest replicated parameters: ." when only other leaves were replicated.
+    def make_state(rng):
+        return {"params": {"w": jnp.zeros((16, 64))}, "buffer": jnp.zeros((256, 64))}
+
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), {"batch": "data", "embed": None, "hidden": "model"},
+                               state_axes={"params": {"w": ("embed", "hidden")}, "buffer": (None, None)})
+    with pytest.warns(spmdkit.ReplicationWarning, match=r"the largest replicated arrays: state\['buffer'\] \(256, 64\)"):
+        strategy.plan(make_state)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 from flax.core import meta
 from flax import linen as nn
 from flax import nnx
@@ -140,10 +141,13 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
     fraction = layout.replicated_fraction()
     if wants_sharding and fraction > 0.5:
         largest = sorted((leaf for leaf in params if not any(leaf.spec)), key=lambda l: -l.bytes)[:5]
+        # Parameters all sharded, their optimizer state not: name those leaves ("parameters: ." said nothing).
+        what = "parameters" if largest else "arrays"
+        largest = largest or sorted((leaf for leaf in layout.leaves if not any(leaf.spec)), key=lambda l: -l.bytes)[:5]
         listing = ", ".join(f"{leaf.path} {leaf.shape} ({leaf.bytes / 2**20:.1f} MiB)" for leaf in largest)
         warnings.warn(
             f"{fraction:.0%} of the train state's memory is replicated on every device under rules "
-            f"{rules.name!r} on mesh {dict(mesh.shape)}; the largest replicated parameters: {listing}. "
+            f"{rules.name!r} on mesh {dict(mesh.shape)}; the largest replicated {what}: {listing}. "
             "Annotate them with logical names (nn.with_logical_partitioning) or map their names to a "
             "mesh axis.",
             ReplicationWarning,
@@ -345,6 +349,15 @@ def _at(tree: Any, path: tuple) -> Any:
     return tree
 
 
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _is_slot(x: Any) -> bool:
+    """A place of the params' structure: a leaf, a box, or a masked optimizer's MaskedNode."""
+    return _is_box(x) or _is_masked(x)
+
+
 def _shapes(tree: Any) -> list[tuple]:
     return [tuple(getattr(leaf, "shape", ())) for leaf in jax.tree.leaves(tree, is_leaf=_is_box)]
 
@@ -390,10 +403,16 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     def fits(part, x):
         if _is_box(x):
             return False
-        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
+        # A masked optimizer's (optax.masked, multi_transform) moments hold a MaskedNode where a
+        # parameter is not its own: a slot of the params' structure with nothing to name. Their
+        # moments were left replicated, as if state_axes did not reach them.
+        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_slot)
         _, want, names, shapes = part
-        return treedef == want and all(_is_box(leaf) or n is None or len(n) == len(leaf.shape)
-                                       for leaf, n in zip(leaves, names)) and (shapes is None or shapes == _shapes(x))
+        if treedef != want or all(_is_masked(leaf) for leaf in leaves):
+            return False
+        return all(_is_slot(leaf) or n is None or len(n) == len(leaf.shape) for leaf, n in zip(leaves, names)) \
+            and (shapes is None or all(_is_masked(leaf) or tuple(getattr(leaf, "shape", ())) == shape
+                                       for leaf, shape in zip(leaves, shapes)))
 
     whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: fits(parts[0], x)) if fits(parts[0], x)]
     if whole:  # the params: every part learns the shapes it names
@@ -415,8 +434,8 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     def box(x):
         names = match(x)
         matched.append(True)
-        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_box)
-        out = [leaf if _is_box(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for leaf, n in zip(leaves, names)]
+        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_slot)
+        out = [leaf if _is_slot(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for leaf, n in zip(leaves, names)]
         return jax.tree.unflatten(treedef, out)
 
     state = box(state) if match(state) is not None else jax.tree.map(
