@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -238,6 +239,31 @@ def test_a_file_larger_than_memory_is_read_only_as_far_as_needed(tmp_path):
     (tmp_path / "b.txt").write_bytes(b"to train " * 20)
     train, held = lm.load_text(tmp_path, text_bytes=100)
     assert train == (b"to train " * 20)[:100] and held == bytes(10)
+
+
+def test_a_folder_of_the_corpus_that_cannot_be_listed_is_named(tmp_path):
+    # rglob skipped it without a word: its files left the corpus and the held-out split shifted.
+    import shutil
+    import subprocess
+    import sys
+
+    for name in ("a.txt", "b.txt", "sub/c.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name * 50)
+    assert [p.name for p in lm.text_files(tmp_path)] == ["a.txt", "b.txt", "c.txt"]
+    prefix = []
+    if os.geteuid() == 0:  # root lists everything: setpriv drops that power
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: file modes do not apply")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+    code = "import sys\nfrom spmdkit._tasks import lm\nlm.text_files(sys.argv[1])"
+    (tmp_path / "sub").chmod(0)
+    try:
+        done = subprocess.run([*prefix, sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                              timeout=120, env={"PYTHONPATH": str(Path(spmdkit.__file__).parents[1]), "PATH": "/usr/bin:/bin"})
+    finally:
+        (tmp_path / "sub").chmod(0o755)
+    assert "DataError: lm: --text-dir" in done.stderr and f"cannot list {tmp_path / 'sub'} (Permission denied)" in done.stderr
 
 
 def test_a_held_out_text_too_short_names_its_files(tmp_path):

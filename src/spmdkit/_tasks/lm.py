@@ -19,6 +19,7 @@ stride of ``seq_len``, so each byte is a target once. Eval reports bits per byte
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,13 +252,30 @@ def text_files(text_dir: str | Path | None = None) -> list[Path]:
             raise DataError(fix(f"lm: --text-dir {str(text_dir)!r} is not a directory.",
                                 "pass a directory of text files, or leave --text-dir out to train on the "
                                 "standard library's sources."))
-        files = [p for p in root.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)]
+        files = _walk_files(root, text_dir)
         where = f"--text-dir {str(text_dir)!r}"
     files = sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
     if len(files) < 2:
         raise DataError(fix(f"lm: {where} holds {len(files)} file(s); the corpus needs at least 2 (file 0 is held out "
                             f"for eval, as is every {HELD_OUT_EVERY}th).", "put more (non-hidden) text files in it."))
     return files
+
+
+def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
+    """Every non-hidden file under ``root``. A directory that cannot be listed is an error: rglob
+    skipped it without a word, so its files were left out of the corpus (and the held-out split,
+    every 20th file, shifted), and an unlistable --text-dir itself "held 0 files"."""
+    def refuse(e: OSError) -> None:
+        raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: cannot list {e.filename} ({e.strerror or e}); its "
+                            "files would be left out of the corpus.",
+                            f"make it readable (chmod -R u+rX {e.filename}), or move it out of --text-dir (a name "
+                            "starting with '.' is skipped)."))
+
+    files = []
+    for folder, dirs, names in os.walk(root, onerror=refuse):  # symlinked folders are not entered (no loops)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(folder, n) for n in names if not n.startswith(".")]
+    return [p for p in files if p.is_file()]
 
 
 def _read(files: list[Path], limit: int) -> bytes:
