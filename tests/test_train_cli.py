@@ -152,3 +152,24 @@ def test_data_whose_examples_do_not_fit_the_model_options_is_named(tmp_path, cap
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2
     assert "each example of ['tokens'] has shape (65,); --task lm with" in err and "reads examples of shape (17,)" in err
+
+
+def test_labels_outside_the_classifiers_classes_are_named(tmp_path, capsys):
+    # Labels 0..49 for the 10-class CNN made the loss NaN at step 1, reported as a diverged run
+    # ("lower the learning rate, or check the data for NaN/inf").
+    import numpy as np
+
+    import spmdkit
+    from spmdkit._cli import main
+
+    rng = np.random.default_rng(0)
+    image = rng.random((40, 8, 8, 1)).astype(np.float32)
+    spmdkit.write_dataset(tmp_path / "ds", {"image": image, "label": np.arange(40) + 10})
+    spmdkit.write_dataset(tmp_path / "flat", {"image": image[..., 0], "label": np.arange(40) % 10})
+    flags = ["--task", "digits", "--steps", "1", "--batch-size", "8", "--no-progress", "--no-compile-cache"]
+    assert main(["train", *flags, "--data", str(tmp_path / "ds"), "--out", str(tmp_path / "r1")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "leaf ['label'] holds dtype int64, values 10 to 49; --task digits classifies into 10 classes" in err
+    assert main(["train", *flags, "--data", str(tmp_path / "flat"), "--out", str(tmp_path / "r2")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "reads examples of shape (8, 8, 1). Fix: write it again with examples of shape (8, 8, 1)." in err

@@ -96,6 +96,28 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
 def build_task(run: RunConfig) -> Task:
     """The task to train: its own data, or ``--data DIR`` (with its held-out split
     ``DIR/eval``, or ``--eval-data DIR2``, or else the task's own eval set)."""
+    task = _build_task(run)
+    classes = getattr(TASKS[run.task], "NUM_CLASSES", None)
+    if classes is not None and (run.data is not None or run.eval_data is not None):
+        for name, data in (("--data", task.train_data), ("--eval-data" if run.eval_data else "--data", task.eval_data)):
+            _check_labels(data, classes, name, run)
+    return task
+
+
+def _check_labels(data: Any, classes: int, flag: str, run: RunConfig) -> None:
+    """A classifier's labels are class ids its model has outputs for: labels 0..49 for the 10-class
+    CNN made the loss NaN at step 1, reported as a diverged run ("lower the learning rate")."""
+    if not isinstance(data, dict) or "label" not in data:
+        return
+    label = np.asarray(data["label"])  # one int per example: read whole even from a large data set
+    if label.size and (label.dtype.kind not in "iu" or label.min() < 0 or label.max() >= classes):
+        held = f"dtype {label.dtype}, values {label.min()} to {label.max()}"
+        raise DataError(fix(f"{flag} {getattr(run, flag[2:].replace('-', '_'))}: leaf ['label'] holds {held}; --task "
+                            f"{run.task} classifies into {classes} classes, ids 0 to {classes - 1} of an integer dtype.",
+                            f"write the labels as integers 0 to {classes - 1} (e.g. np.unique(y, return_inverse=True)[1])."))
+
+
+def _build_task(run: RunConfig) -> Task:
     options = task_options(run)
     if run.data is None and run.eval_data is None:
         return get_task(run.task, data_dir=run.data_dir, **options)
@@ -158,10 +180,10 @@ def _check_example_shapes(own: Any, train: Any, train_dir: Any, run: RunConfig) 
         want, got = tuple(np.shape(flat_own[key])[1:]), tuple(np.shape(x)[1:])
         if want != got:
             given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in task_options(run).items()) or "its defaults"
+            options = "pass the model options the data set was written for, or " if task_options(run) else ""
             raise DatasetLayoutError(fix(
                 f"--data {train_dir}: each example of {key} has shape {got}; --task {run.task} with {given} reads "
-                f"examples of shape {want}.",
-                "pass the model options the data set was written for, or write it again for these options."))
+                f"examples of shape {want}.", f"{options}write it again with examples of shape {want}."))
 
 
 def _check_eval(train: Any, held_out: Any, train_name: str, eval_name: str, run: RunConfig) -> None:

@@ -15,10 +15,13 @@ from spmdkit._types import Predictor
 from spmdkit._tasks._base import Task
 
 
+NUM_CLASSES = 10  # the CNN's outputs: a label outside 0..9 makes its loss NaN at the first step
+
+
 class CNN(nn.Module):
     """The Flax MNIST example's CNN (conv 32, conv 64, dense 256, dense 10)."""
 
-    num_classes: int = 10
+    num_classes: int = NUM_CLASSES
 
     @nn.compact
     def __call__(self, x):

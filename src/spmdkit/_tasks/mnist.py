@@ -18,7 +18,7 @@ import numpy as np
 
 from spmdkit._errors import DataError, fix
 from spmdkit._tasks._base import Task
-from spmdkit._tasks.digits import CNN, classification_task
+from spmdkit._tasks.digits import CNN, NUM_CLASSES, classification_task  # noqa: F401 (NUM_CLASSES: the CLI's label check)
 
 DEFAULTS = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "steps": 1000, "batch_size": 128}
 
