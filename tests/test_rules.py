@@ -195,3 +195,13 @@ def test_a_name_given_two_rules_maps_by_the_first_for_parameters_and_activations
         layout = strategy.plan(lambda rng: {"params": Layer().init(rng, jnp.ones((2, 8)))["params"]})
         assert str(layout.leaves[0].spec) == "P(None, 'model')"
         assert strategy.describe()["rules_table"]["hidden"] == "model"
+
+
+def test_presets_are_read_only_and_copy_into_a_table_of_ones_own():
+    # An edit of spmdkit.PRESETS["dp"] changed the preset for every later user in the process.
+    with pytest.raises(TypeError):
+        spmdkit.PRESETS["dp"]["hidden"] = "model"
+    with pytest.raises(TypeError):
+        spmdkit.PRESETS["mine"] = {"batch": "data"}
+    mine = AxisRules.from_mapping({**spmdkit.PRESETS["dp"], "hidden": "model"}, name="mine")
+    assert mine.mapping["hidden"] == "model" and AxisRules.preset("dp").mapping["hidden"] is None

@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec as P
@@ -228,7 +229,7 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, where: str, logical:
 _UNSHARDED_LM = {"length": None, "kv": None, "layers": None}
 _TP_LM = {"heads": "model", "mlp": "model", "vocab": "model"}
 _NO_TP_LM = {"heads": None, "mlp": None, "vocab": None}
-PRESETS: dict[str, dict[str, MeshAxes]] = {
+_PRESETS: dict[str, dict[str, MeshAxes]] = {
     "dp": {"batch": "data", "embed": None, "hidden": None, "layer": None, **_UNSHARDED_LM, **_NO_TP_LM},
     "fsdp": {"batch": "data", "embed": "data", "hidden": None, "layer": None, **_UNSHARDED_LM, **_NO_TP_LM},
     "tp": {"batch": None, "embed": None, "hidden": "model", "layer": None, **_UNSHARDED_LM, **_TP_LM},
@@ -239,6 +240,11 @@ PRESETS: dict[str, dict[str, MeshAxes]] = {
     "fsdp+sp": {"batch": "data", "embed": "data", "hidden": None, "layer": None, **_UNSHARDED_LM, **_NO_TP_LM,
                 "length": "model"},
 }
+
+# Read-only: a user's edit of a preset (PRESETS["dp"]["hidden"] = "model") changed it for every
+# later user of the preset in the process. Build a table from one instead: {**PRESETS["dp"], ...}.
+PRESETS: Mapping[str, Mapping[str, MeshAxes]] = MappingProxyType(
+    {name: MappingProxyType(table) for name, table in _PRESETS.items()})
 
 # The mesh each preset runs on when --mesh is not given (-1: the rest of the devices).
 DEFAULT_MESH: dict[str, dict[str, int]] = {
