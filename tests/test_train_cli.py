@@ -173,3 +173,28 @@ def test_labels_outside_the_classifiers_classes_are_named(tmp_path, capsys):
     assert main(["train", *flags, "--data", str(tmp_path / "flat"), "--out", str(tmp_path / "r2")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "reads examples of shape (8, 8, 1). Fix: write it again with examples of shape (8, 8, 1)." in err
+
+
+def test_a_relative_data_path_resumed_from_another_directory_is_pointed_out(tmp_path, monkeypatch, capsys):
+    # The checkpoint recorded --data as given: "ds" in another working directory is another data
+    # set, and the resume took it for the same one without a word.
+    import numpy as np
+
+    import spmdkit
+    from spmdkit._cli import main
+
+    rng = np.random.default_rng(0)
+    for where in ("a", "b"):
+        spmdkit.write_dataset(tmp_path / where / "ds", {"image": rng.random((40, 8, 8, 1)).astype(np.float32),
+                                                        "label": np.arange(40) % 10})
+    flags = ["--task", "digits", "--batch-size", "8", "--no-progress", "--no-compile-cache", "--data", "ds",
+             "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(["train", *flags, "--steps", "2", "--out", str(tmp_path / "r1")]) == 0
+    summary = json.loads((tmp_path / "r1" / "summary.json").read_text())
+    assert summary["config"]["data"] == str(tmp_path / "a" / "ds")  # recorded where it is
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path / "b")
+    assert main(["train", *flags, "--steps", "4", "--resume", "--out", str(tmp_path / "r2")]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"written with --data {tmp_path / 'a' / 'ds'}, this run has --data {tmp_path / 'b' / 'ds'}" in err, err

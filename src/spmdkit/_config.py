@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import reprlib
 import tomllib
 from dataclasses import dataclass, field
@@ -281,7 +282,15 @@ def moved_data(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, An
     >>> moved_data({"text_dir": "txt"}, {"text_dir": "txt3"})
     [('--text-dir', 'txt', 'txt3')]
     """
-    return [(_flag(k), saved.get(k), now.get(k)) for k in DATA_OPTIONS if saved.get(k) != now.get(k)]
+    return [(_flag(k), saved.get(k), now.get(k)) for k in DATA_OPTIONS if not _same_place(saved.get(k), now.get(k))]
+
+
+def _same_place(saved: Any, now: Any) -> bool:
+    # Paths are recorded absolute; a checkpoint written before that holds the path as given,
+    # taken here as relative to this run's working directory, as it was read before.
+    if saved == now:
+        return True
+    return isinstance(saved, str) and isinstance(now, str) and os.path.abspath(saved) == os.path.abspath(now)
 
 
 def _in_effect(options: dict[str, Any], key: str, default: Any) -> Any:

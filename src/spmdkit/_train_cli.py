@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spmdkit._config import (
+    DATA_OPTIONS,
     OptimizerConfig,
     RunConfig,
     build_run_config,
@@ -193,7 +194,13 @@ def _check_eval(train: Any, held_out: Any, train_name: str, eval_name: str, run:
 
 
 def _jsonable_options(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    """The options a checkpoint and summary.json record; data paths made absolute, so a resume
+    from another working directory with the same relative --data is seen to read other data."""
+    out = {k: v for k, v in options.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    for k in DATA_OPTIONS:
+        if isinstance(out.get(k), str) and out[k]:
+            out[k] = os.path.abspath(out[k])
+    return out
 
 
 def _print_summary(summary: dict[str, Any], out: Path, console: Console) -> None:
