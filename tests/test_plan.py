@@ -59,6 +59,44 @@ def test_a_misspelt_target_field_is_named_not_dropped(tmp_path):
             spmdkit.load_target(tmp_path / "t.json")
 
 
+def _h100(change):
+    target = json.loads((Path(spmdkit.__file__).parent / "targets" / "h100x8.json").read_text())
+    change(target)
+    return target
+
+
+@pytest.mark.parametrize("change, words", [
+    # Raw AttributeError / TypeError before: the field is named now.
+    (lambda t: t.update(collectives=[1]), r"collectives is \[1\], not an object"),
+    (lambda t: t.update(measurements=5), r"measurements is 5, not a list"),
+    # Pieces out of order, after the catch-all, or a misspelt key: sizes were priced by another
+    # piece's line without a word ("max_byte" made its piece the one for every size).
+    (lambda t: t["links"]["intra_host"].update(pieces=[{"max_bytes": 1e9, "alpha": 1e-6, "beta": 0},
+                                                       {"max_bytes": 1e3, "alpha": 1.0, "beta": 0}]),
+     r"(?s)pieces\[1\] \(max_bytes 1000\) comes after a piece that ends at max_bytes 1e\+09.*increasing max_bytes"),
+    (lambda t: t["links"]["intra_host"].update(pieces=[{"alpha": 1e-6, "beta": 0}, {"max_bytes": 1e3, "alpha": 1, "beta": 0}]),
+     r"pieces\[1\] \(max_bytes 1000\) comes after a piece that has no max_bytes"),
+    (lambda t: t["links"]["intra_host"].update(pieces=[{"max_byte": 1e3, "alpha": 1.0, "beta": 0}, {"alpha": 0, "beta": 0}]),
+     r"pieces\[0\]: 'max_byte' is not a field of a link \(did you mean 'max_bytes'\?\)"),
+    (lambda t: t["links"]["inter_host"].update(per_operands=True), r"'per_operands' is not a field of a link"),
+    # Finite but overflowing figures: the table printed inf and nan-inf step times and ranked by them.
+    (lambda t: t["links"]["intra_host"].update(alpha=1e308), r"(?s)'alpha' is 1e\+308, not a finite number in \[0, 1e\+30\]"),
+    (lambda t: t.update(memory_bandwidth=1e-300), r"'memory_bandwidth' is 1e-300, not a finite number in \[1e-30"),
+    # A "bf16" rate was never looked up: bf16 steps priced at the float32 rate.
+    (lambda t: t["peak_flops"].update(float33=1e12), r"peak_flops has the key 'float33', which is no dtype name"),
+    (lambda t: t["peak_flops"].update(bf16=1e15), r"peak_flops gives bfloat16 twice"),
+])
+def test_a_target_file_broken_by_hand_is_named(change, words):
+    with pytest.raises(TargetError, match=words):
+        from_json(_h100(change))
+
+
+def test_a_target_file_peak_flops_alias_is_the_dtype():
+    target = from_json(_h100(lambda t: t.update(peak_flops={"fp32": 67e12, "bf16": 989e12})))
+    assert target.peak_flops == {"float32": 67e12, "bfloat16": 989e12}
+    assert target.flops_for("bfloat16") == 989e12
+
+
 def test_bad_target_file_is_named(tmp_path):
     bad = tmp_path / "t.json"
     bad.write_text(json.dumps({"format": "spmdkit-target", "version": 1, "devices_per_host": 8,

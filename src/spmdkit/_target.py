@@ -274,11 +274,23 @@ def _finite(value: Any) -> bool:
     return finite_float(value) is not None
 
 
+# The magnitudes a figure may have. A finite 1e308 seconds per step, or a rate of 1e-300/s, still
+# overflows the sums and quotients of a step's price: the table printed "inf" and "nan-inf" and
+# ranked by them. Real figures (FLOP/s ~1e9..1e18, beta ~1e-13..1e-6 s/B) are far inside.
+_LARGEST = 1e30
+_SMALLEST_RATE = 1e-30
+
+
+def _in_range(value: float, positive: bool) -> bool:
+    return (value >= _SMALLEST_RATE if positive else value >= 0) and value <= _LARGEST
+
+
 def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
-    """A finite number, > 0 with ``positive`` (a rate, a size), else >= 0."""
+    """A finite number, > 0 with ``positive`` (a rate, a size), else >= 0; within the range that
+    keeps every price finite (:data:`_LARGEST`)."""
     value = data.get(key)
-    bound = "> 0" if positive else ">= 0"
-    if not _finite(value) or not (value > 0 if positive else value >= 0):
+    bound = f"in [{_SMALLEST_RATE:g}, {_LARGEST:g}]" if positive else f"in [0, {_LARGEST:g}]"
+    if not _finite(value) or not _in_range(float(value), positive):
         example = _EXAMPLES.get(key, "67e12 (FLOP/s)" if "peak_flops" in where else
                                 "1.0 (operation times)" if "collective_sync_ops" in where else "a value")
         raise TargetError(fix(f"{where}: {key!r} is {value!r}, not a finite number {bound}.",
@@ -286,25 +298,44 @@ def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
     return float(value)
 
 
-def _link(data: Any, where: str) -> Link:
-    if not isinstance(data, dict):
-        raise TargetError(fix(f"{where} is {data!r}, not an object.", 'write {"alpha": 5e-6, "beta": 2e-12}.'))
-    pieces = data.get("pieces") or []
+_LINK_FIELDS = ("alpha", "beta", "per_operand", "pieces")
+_PIECES_HOW = ('write pieces in increasing max_bytes, each size range once, the last one without max_bytes (the '
+               'rest): [{"max_bytes": 2097152, "alpha": ..., "beta": ...}, {"alpha": ..., "beta": ...}].')
+
+
+def _pieces(pieces: Any, where: str) -> tuple:
+    """``pieces``, checked to be ordered: :meth:`Link.at` takes the first piece whose
+    ``max_bytes`` holds the payload, so a piece after a larger one, or after the one without
+    ``max_bytes``, would never be used and sizes would be priced by another piece's line."""
     if not isinstance(pieces, list):
-        raise TargetError(fix(f"{where}.pieces is {pieces!r}, not a list.",
-                              'write [{"max_bytes": 2097152, "alpha": ..., "beta": ...}, {"alpha": ..., "beta": ...}].'))
-    parsed = []
+        raise TargetError(fix(f"{where}.pieces is {pieces!r}, not a list.", _PIECES_HOW))
+    parsed: list = []
     for i, p in enumerate(pieces):
         at = f"{where}.pieces[{i}]"
-        piece = _link(p, at)
-        parsed.append((None if p.get("max_bytes") is None else _number(p, "max_bytes", at), piece))
+        piece = _link(p, at, ("max_bytes",))
+        limit = None if p.get("max_bytes") is None else _number(p, "max_bytes", at)
+        if parsed and (parsed[-1][0] is None or (limit is not None and limit <= parsed[-1][0])):
+            before = "has no max_bytes" if parsed[-1][0] is None else f"ends at max_bytes {parsed[-1][0]:g}"
+            raise TargetError(fix(f"{at} (max_bytes {'none' if limit is None else f'{limit:g}'}) comes after a piece "
+                                  f"that {before}: sizes would be priced by the wrong piece, or it would never be used.",
+                                  _PIECES_HOW))
+        parsed.append((limit, piece))
+    return tuple(parsed)
+
+
+def _link(data: Any, where: str, extra: tuple[str, ...] = ()) -> Link:
+    if not isinstance(data, dict):
+        raise TargetError(fix(f"{where} is {data!r}, not an object.", 'write {"alpha": 5e-6, "beta": 2e-12}.'))
+    # A misspelt "max_byte" made its piece the one for every size, "per_operands" was dropped: name it.
+    _unknown(data, _LINK_FIELDS + extra, where, what="a link")
+    parsed = _pieces(data.get("pieces") or [], where)
     per_operand = data.get("per_operand", False)
     if not isinstance(per_operand, bool):
         raise TargetError(fix(f"{where}.per_operand is {per_operand!r}, not true or false.",
                               'write "per_operand": true (alpha paid per operand of a combined collective) or leave '
                               "it out."))
     return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False),
-                pieces=tuple(parsed), per_operand=per_operand)
+                pieces=parsed, per_operand=per_operand)
 
 
 def _sync(data: Any, where: str) -> dict[int, float]:
@@ -332,12 +363,13 @@ _FIELDS = ("format", "version", "name", "source", "devices_per_host", "peak_flop
 _NOTES = ("per_operand_ratio", "fit_quality", "compute_detail", "notes", "calibration_seconds")
 
 
-def _unknown(keys: Any, known: tuple[str, ...], where: str, shown: tuple[str, ...] | None = None) -> None:
+def _unknown(keys: Any, known: tuple[str, ...], where: str, shown: tuple[str, ...] | None = None,
+             what: str = "a target file") -> None:
     """A misspelt field would be dropped silently (a memory budget of None): name it."""
     for key in keys:
         if key not in known:
             near = difflib.get_close_matches(str(key), known, n=1)
-            raise TargetError(fix(f"{where}: {key!r} is not a field of a target file"
+            raise TargetError(fix(f"{where}: {key!r} is not a field of {what}"
                                   + (f" (did you mean {near[0]!r}?)." if near else "."),
                                   f"use {list(shown or known)}."))
 
@@ -351,23 +383,14 @@ def from_json(data: Any, where: str = "target") -> Target:
     if data.get("version") != VERSION:
         raise TargetError(fix(f"{where} has version {data.get('version')!r}; this spmdkit reads version {VERSION}.",
                               "write it again with this version's spmdkit calibrate."))
-    flops = data.get("peak_flops")
-    if not isinstance(flops, dict) or not flops:
-        raise TargetError(fix(f"{where}: peak_flops is {flops!r}.", 'write e.g. "peak_flops": {"float32": 67e12}.'))
-    peak = {str(k): _number(flops, k, f"{where} peak_flops") for k in flops}
+    peak = _peak(data.get("peak_flops"), where)
     links_in = data.get("links")
     if not isinstance(links_in, dict) or "intra_host" not in links_in:
         raise TargetError(fix(f"{where}: links is {links_in!r}, without an intra_host link.",
                               'write "links": {"intra_host": {"alpha": 5e-6, "beta": 2e-12}}.'))
     _unknown(links_in, LINKS, f"{where} links")
     links = {k: _link(v, f"{where} links.{k}") for k, v in links_in.items()}
-    collectives = {}
-    for kind, per_link in (data.get("collectives") or {}).items():
-        if kind not in KINDS or not isinstance(per_link, dict):
-            raise TargetError(fix(f"{where}: collectives.{kind} is not a known kind with links.",
-                                  f"use kinds {list(KINDS)}, each {{\"intra_host\": {{\"alpha\": ..., \"beta\": ...}}}}."))
-        _unknown(per_link, LINKS, f"{where} collectives.{kind}")
-        collectives[kind] = {k: _link(v, f"{where} collectives.{kind}.{k}") for k, v in per_link.items()}
+    collectives = _collectives(data.get("collectives"), where)
     dph = data.get("devices_per_host")
     if isinstance(dph, bool) or not isinstance(dph, int) or dph < 1:
         raise TargetError(fix(f"{where}: devices_per_host is {dph!r}.", 'write e.g. "devices_per_host": 8.'))
@@ -376,12 +399,75 @@ def from_json(data: Any, where: str = "target") -> Target:
         name=str(data.get("name", where)), source=str(data.get("source", "unknown")), devices_per_host=dph,
         peak_flops=peak, memory_bandwidth=_number(data, "memory_bandwidth", where),
         links=links, memory_per_device=None if memory is None else _number(data, "memory_per_device", where),
-        collectives=collectives, measurements=list(data.get("measurements") or []),
+        collectives=collectives, measurements=_measurements(data.get("measurements"), where),
         op_overhead=_number(data, "op_overhead", where, positive=False) if "op_overhead" in data else 0.0,
         collective_sync_ops=_sync(data.get("collective_sync_ops"), where),
         warnings=tuple(str(w) for w in data.get("warnings") or () if isinstance(data.get("warnings"), list)),
         cache_bandwidth=_curve(data.get("cache_bandwidth"), where),
     )
+
+
+# Short names users write for compute dtypes (the planner's ``dtype=`` takes them too).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
+                 "fp64": "float64", "f64": "float64"}
+
+
+def _dtype_name(key: Any) -> str | None:
+    """``key`` as a canonical dtype name (aliases resolved), or None if it names no dtype."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    name = DTYPE_ALIASES.get(str(key), str(key))
+    try:
+        return np.dtype(jnp.dtype(name)).name
+    except (TypeError, ValueError):
+        return None
+
+
+def _peak(flops: Any, where: str) -> dict[str, float]:
+    """``peak_flops`` keyed by canonical dtype names. The planner looks a rate up by the name
+    ``bfloat16``: a file's ``"bf16"`` key was never found and bf16 steps were priced at the float32
+    rate without a word (15x slower on h100x8); a key that is no dtype was never read either."""
+    how = 'write e.g. "peak_flops": {"float32": 67e12, "bfloat16": 989e12}.'
+    if not isinstance(flops, dict) or not flops:
+        raise TargetError(fix(f"{where}: peak_flops is {flops!r}.", how))
+    peak: dict[str, float] = {}
+    for key in flops:
+        name = _dtype_name(key)
+        if name is None:
+            raise TargetError(fix(f"{where}: peak_flops has the key {key!r}, which is no dtype name.",
+                                  f"use dtype names (float32, bfloat16, float16) or aliases {sorted(DTYPE_ALIASES)}; {how}"))
+        if name in peak:
+            raise TargetError(fix(f"{where}: peak_flops gives {name} twice (as {key!r} and another name).",
+                                  "keep one of them."))
+        peak[name] = _number(flops, key, f"{where} peak_flops")
+    return peak
+
+
+def _collectives(data: Any, where: str) -> dict[str, dict[str, Link]]:
+    """``collectives``: ``{kind: {link: {alpha, beta, ...}}}``; absent means every kind uses ``links``."""
+    how = f"use kinds {list(KINDS)}, each {{\"intra_host\": {{\"alpha\": ..., \"beta\": ...}}}}, or leave it out."
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise TargetError(fix(f"{where}: collectives is {data!r:.80}, not an object.", how))
+    out = {}
+    for kind, per_link in data.items():
+        if kind not in KINDS or not isinstance(per_link, dict):
+            raise TargetError(fix(f"{where}: collectives.{kind} is not a known kind with links.", how))
+        _unknown(per_link, LINKS, f"{where} collectives.{kind}")
+        out[kind] = {k: _link(v, f"{where} collectives.{kind}.{k}") for k, v in per_link.items()}
+    return out
+
+
+def _measurements(data: Any, where: str) -> list[Any]:
+    """``measurements`` (calibrate's points, kept for --check): a list, or absent."""
+    if data is None:
+        return []
+    if not isinstance(data, list):
+        raise TargetError(fix(f"{where}: measurements is {data!r:.80}, not a list.",
+                              "leave it as spmdkit calibrate wrote it, or remove the field."))
+    return list(data)
 
 
 def _curve(data: Any, where: str) -> tuple[tuple[float, float], ...]:
@@ -392,7 +478,7 @@ def _curve(data: Any, where: str) -> tuple[tuple[float, float], ...]:
     if not isinstance(data, list):
         raise TargetError(fix(f"{where}: cache_bandwidth is {data!r}.", how))
     for i, p in enumerate(data):
-        ok = isinstance(p, list) and len(p) == 2 and all(_finite(v) and v > 0 for v in p)
+        ok = isinstance(p, list) and len(p) == 2 and all(_finite(v) and _in_range(float(v), True) for v in p)
         if not ok:
             raise TargetError(fix(f"{where}: cache_bandwidth[{i}] is {p!r} (in {data!r}).", how))
     sizes = [float(b) for b, _ in data]

@@ -23,7 +23,7 @@ from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
 from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes, is_empty_box
-from spmdkit._target import Target, load_target
+from spmdkit._target import DTYPE_ALIASES, Target, load_target
 
 # A replicated parameter is flagged when it holds at least this share of the parameters.
 LARGE_SHARE = 0.05
@@ -278,9 +278,6 @@ def _raise_common_failure(results: list[dict[str, Any]]) -> None:
                             "is the cause below.")) from first
 
 
-# Short names users write for compute dtypes.
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
-                 "fp64": "float64", "f64": "float64"}
 
 
 def compute_dtype(dtype: Any, target: Target) -> str:
