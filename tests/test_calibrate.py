@@ -378,6 +378,23 @@ def test_check_compares_the_two_process_all_reduce_with_the_file(tmp_path, monke
         check(str(path))
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"collectives": [1]}, r"collectives is \[1\], not an object"),
+    ({"links": ["inter_host"]}, r"links is \['inter_host'\], not an object"),
+    ({"links": {"inter_host": {"alpha": 1e-4, "beta": 1e-9, "max_byte": 3}}}, r"'max_byte' is not a field of a link"),
+    ({"measurements": [{"kind": "all_reduce", "link": "inter_host"}]}, r"measurements\[0\] has bytes None"),
+    ({"measurements": 5}, r"measurements is 5, not a list"),
+])
+def test_check_names_a_broken_field_before_measuring(tmp_path, monkeypatch, change, words):
+    # A hand-edited file was a raw AttributeError / KeyError (before or after minutes of measuring).
+    path = tmp_path / "target.json"
+    path.write_text(json.dumps({"format": "spmdkit-target", "version": 1,
+                                "links": {"inter_host": {"alpha": 1e-4, "beta": 1e-9}}, **change}))
+    monkeypatch.setattr(_calibrate, "run_two_processes", lambda *a, **k: pytest.fail("measured a broken file"))
+    with pytest.raises(TargetError, match=words):
+        check(str(path))
+
+
 # ---- the one 2-process launch ------------------------------------------------------
 
 

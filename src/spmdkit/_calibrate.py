@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from spmdkit._errors import SpmdkitError, fix, unwritable
-from spmdkit._target import _link, measure_cache_curve, measure_op_overhead, steps_and_wire  # the cost model shared with the planner
+from spmdkit._target import (  # the cost model shared with the planner, and its readers of a file's fields
+    TargetError, _collectives, _finite, _link, _measurements, measure_cache_curve, measure_op_overhead, steps_and_wire)
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -316,7 +317,24 @@ def load_target_json(path: str) -> dict[str, Any]:
     if not isinstance(target, dict) or target.get("format") != FORMAT or target.get("version") != VERSION:
         raise CalibrationError(fix(f"{path} is not a {FORMAT} file of version {VERSION}.",
                                        "pass a file written by spmdkit calibrate --out FILE."))
+    _check_readable(target, f"target file {path!r}")
     return target
+
+
+def _check_readable(target: dict[str, Any], where: str) -> None:
+    """The fields --check reads, checked before minutes of measuring: a hand-edited
+    ``"collectives": []`` was a raw AttributeError, a measurement without ``bytes`` a KeyError."""
+    links = target.get("links", {})
+    if not isinstance(links, dict):
+        raise TargetError(fix(f"{where}: links is {links!r:.80}, not an object.",
+                              'write "links": {"inter_host": {"alpha": ..., "beta": ...}}.'))
+    for name, link in links.items():
+        _link(link, f"{where} links.{name}")
+    _collectives(target.get("collectives"), where)
+    for i, m in enumerate(_measurements(target.get("measurements"), where)):
+        if isinstance(m, dict) and m.get("link") == "inter_host" and not (_finite(m.get("bytes")) and m["bytes"] >= 1):
+            raise TargetError(fix(f"{where}: measurements[{i}] has bytes {m.get('bytes')!r}, not a size in bytes.",
+                                  "leave measurements as spmdkit calibrate wrote them, or remove the field."))
 
 
 # --- running the measurements --------------------------------------------------------
