@@ -1405,3 +1405,43 @@ def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
     for i in (0, 1):
         assert (f"[{i}] refused: plan(rules=...) differs between processes: process 0 gave ['dp'], process 1 gave "
                 "['fsdp']") in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+class _Quiet:
+    def print(self, *args, **kwargs):
+        pass
+
+
+def test_plan_json_and_png_are_written_whole_and_strict(tmp_path, monkeypatch):
+    # --json opened the file for writing first: an interrupted dump left half a file in place of
+    # the previous plan; a NaN or infinite figure was written as NaN / Infinity (not JSON).
+    from spmdkit import _plan
+    from spmdkit._plan_cli import _write
+
+    monkeypatch.setattr(_plan, "print_plan", lambda result, console: None)
+    out, png = tmp_path / "a plan.json", tmp_path / "a plan.png"
+    out.write_text('{"previous": "plan"}')
+    png.write_bytes(b"old image")
+
+    class Interrupt:
+        def __str__(self):
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the encoding
+
+    with pytest.raises(KeyboardInterrupt):
+        _write({"candidates": [{"x": list(range(500))}], "late": Interrupt()},
+               argparse.Namespace(json=str(out), png=None), _Quiet())
+    assert out.read_text() == '{"previous": "plan"}'
+
+    def half_png(result, path):
+        Path(path).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_plan, "save_png", half_png)
+    with pytest.raises(KeyboardInterrupt):
+        _write({"candidates": []}, argparse.Namespace(json=None, png=str(png)), _Quiet())
+    assert png.read_bytes() == b"old image"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a plan.json", "a plan.png"]  # no temporary left
+    _write({"candidates": [], "spearman": float("nan"), "step_s": [float("inf"), 1.5]},
+           argparse.Namespace(json=str(out), png=None), _Quiet())
+    assert json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in --json")) == {
+        "candidates": [], "spearman": None, "step_s": [None, 1.5]}

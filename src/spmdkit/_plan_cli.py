@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 
@@ -264,20 +265,63 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
 
 
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None: Python's json writes them as ``NaN`` /
+    ``Infinity``, which no strict JSON reader (jq, JavaScript, ``json.loads(parse_constant=...)``) takes.
+
+    >>> finite_json({"a": [1.0, float("nan")], "b": (float("inf"),)})
+    {'a': [1.0, None], 'b': [None]}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def write_whole(path: str, flag: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then renamed over it: an interrupted
+    or failed write (Ctrl-C, a full disk) leaves the previous file, or none, never half of one.
+    The temporary name keeps ``path``'s suffix (matplotlib picks the image format by it)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    stem, suffix = os.path.splitext(name)
+    tmp = os.path.join(folder, f".{stem}.{os.getpid()}.tmp{suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise PlanFileError(fix(f"{flag} {path!r} cannot be written: {e.strerror or e}.",
+                                "free disk space or pass another path.")) from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _dump(result: dict[str, Any], indent: int | None) -> Callable[[str], None]:
+    text = json.dumps(finite_json(result), indent=indent, default=str, allow_nan=False)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return write
+
+
 def _write(result: dict[str, Any], args: argparse.Namespace, console: Console) -> None:
     from spmdkit._plan import print_plan, save_png
 
     print_plan(result, console)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
+        write_whole(args.json, "--json", _dump(result, 2))
         console.print(f"wrote {args.json}", highlight=False)
     if args.png:
-        save_png(result, args.png)
+        write_whole(args.png, "--png", lambda tmp: save_png(result, tmp))
         console.print(f"wrote {args.png}", highlight=False)
     if os.environ.get(ENV_PLAN_RESULT):  # the command that started these processes reads it
-        with open(os.environ[ENV_PLAN_RESULT], "w") as fh:
-            json.dump(result, fh, default=str)
+        write_whole(os.environ[ENV_PLAN_RESULT], "the plan's result file", _dump(result, None))
 
 
 def _pump(stream: Any, sink: Any, keep: deque | None) -> None:
