@@ -1445,3 +1445,12 @@ def test_plan_json_and_png_are_written_whole_and_strict(tmp_path, monkeypatch):
            argparse.Namespace(json=str(out), png=None), _Quiet())
     assert json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in --json")) == {
         "candidates": [], "spearman": None, "step_s": [None, 1.5]}
+
+
+def test_plan_output_in_a_missing_directory_with_a_space_gives_a_command_that_makes_it(tmp_path):
+    # The fix said "mkdir -p /tmp/out dir": two directories, neither of them the one missing.
+    from spmdkit._plan_cli import PlanFileError, check_out
+
+    with pytest.raises(PlanFileError, match=r"mkdir -p '.*/out dir'\)") as err:
+        check_out(str(tmp_path / "out dir" / "p.json"), "--json")
+    assert "--json" in str(err.value)

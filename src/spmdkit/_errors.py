@@ -52,13 +52,15 @@ def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
         "--out '/tmp' is a directory."
     """
     import os
+    import shlex
     import tempfile
 
     if os.path.isdir(path):
         return f"{label} is a directory.", f"pass a file name, e.g. {example}."
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        return f"{label}: directory {parent} does not exist.", f"create it (mkdir -p {parent}) or pass another path."
+        # Quoted: "mkdir -p /tmp/out dir" would make two directories, neither of them this one.
+        return f"{label}: directory {parent} does not exist.", f"create it (mkdir -p {shlex.quote(parent)}) or pass another path."
     try:
         fd, probe = tempfile.mkstemp(dir=parent, prefix=".spmdkit-probe-")
         os.close(fd)
