@@ -205,3 +205,18 @@ def test_presets_are_read_only_and_copy_into_a_table_of_ones_own():
         spmdkit.PRESETS["mine"] = {"batch": "data"}
     mine = AxisRules.from_mapping({**spmdkit.PRESETS["dp"], "hidden": "model"}, name="mine")
     assert mine.mapping["hidden"] == "model" and AxisRules.preset("dp").mapping["hidden"] is None
+
+
+@pytest.mark.parametrize("spec, words", [
+    # Taken as written before: a mesh axis named "data=model" (candidates "[data=model=4]"), and
+    # "hidden=" replicated hidden without a word.
+    ("batch=data=model", r"(?s)'batch' to 'data=model', which is no mesh axis name.*Fix: write batch=model"),
+    ("batch=data,hidden=", r"(?s)'hidden' to '', which is no mesh axis name.*hidden=none to replicate"),
+    ("batch=dat a", r"'batch' to 'dat a', which is no mesh axis name"),
+    ("=data", r"(?s)'=data' is not logical=axis.*Fix: write hidden=data"),
+])
+def test_inline_rules_with_a_stray_equals_or_an_empty_axis_are_named(spec, words):
+    with pytest.raises(LayoutError, match=words):
+        AxisRules.load(spec)
+    assert AxisRules.load("batch=data,hidden=none,mlp=model-2").table == (
+        ("batch", "data"), ("hidden", None), ("mlp", "model-2"))

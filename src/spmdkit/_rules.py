@@ -44,6 +44,33 @@ def _norm(value: Any, where: str) -> MeshAxes:
     )
 
 
+def _inline_pair(part: str, spec: str) -> tuple[str, str]:
+    """One ``logical=axis`` of an inline table. An empty side, a second ``=`` or a space in the
+    axis was taken as written: ``hidden=`` replicated hidden without a word and
+    ``batch=data=model`` made a mesh axis named "data=model" (candidates ``[data=model=4]``)."""
+    k, eq, v = (x.strip() for x in part.partition("="))
+    if not eq or not k:
+        name, axis = k or "hidden", (v if eq and v else "model")  # "=data" lacks the logical name, not the axis
+        raise LayoutError(fix(f"--rules {spec!r}: {part.strip()!r} is not logical=axis; a bare name would silently "
+                              "mean nothing.", f"write {name}={axis} to shard it, or {name}=none to replicate it."))
+    if not v or not v.replace("-", "_").isidentifier():
+        raise LayoutError(fix(f"--rules {spec!r}: {part.strip()!r} maps {k!r} to {v!r}, which is no mesh axis name.",
+                              f"write {k}=model to shard it, or {k}=none to replicate it (pairs are separated by "
+                              "commas; a name over two axes needs a TOML file: name = [\"data\", \"fsdp\"])."))
+    return k, v
+
+
+def _inline_pairs(spec: str) -> dict[str, str]:
+    """``batch=data,hidden=model`` as a dict, each logical name once."""
+    pairs: dict[str, str] = {}
+    for part in spec.split(","):
+        k, v = _inline_pair(part, spec)
+        if k in pairs:
+            raise LayoutError(fix(f"--rules {spec!r}: {k!r} is given twice.", "give each logical name once."))
+        pairs[k] = v
+    return pairs
+
+
 @dataclass(frozen=True)
 class AxisRules:
     """An ordered table ``logical name -> mesh axis (or axes, or None)``.
@@ -110,18 +137,7 @@ class AxisRules:
                 raise LayoutError(fix(f"rules file {spec!r} is not valid TOML: {e}.", 'write lines like hidden = "model".')) from None
             rules = cls.from_mapping(data, name=path.name)
         elif "=" in spec:
-            pairs = {}
-            for part in spec.split(","):
-                k, eq, v = part.partition("=")
-                if not eq or not k.strip():
-                    raise LayoutError(fix(
-                        f"--rules {spec!r}: {part.strip()!r} is not logical=axis; a bare name would silently "
-                        "mean nothing.", f"write {part.strip() or 'hidden'}=model to shard it, or "
-                        f"{part.strip() or 'hidden'}=none to replicate it."))
-                if k.strip() in pairs:
-                    raise LayoutError(fix(f"--rules {spec!r}: {k.strip()!r} is given twice.", "give each logical name once."))
-                pairs[k.strip()] = v.strip()
-            rules = cls.from_mapping(pairs, name=spec)
+            rules = cls.from_mapping(_inline_pairs(spec), name=spec)
         else:
             raise LayoutError(
                 fix(f"--rules {spec!r} is neither a preset, a TOML file nor name=axis pairs.",
