@@ -220,3 +220,17 @@ def test_inline_rules_with_a_stray_equals_or_an_empty_axis_are_named(spec, words
         AxisRules.load(spec)
     assert AxisRules.load("batch=data,hidden=none,mlp=model-2").table == (
         ("batch", "data"), ("hidden", None), ("mlp", "model-2"))
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", r"(?s)rules file '.*r.toml' has no rules.*Fix: write one line per logical name"),
+    ("# nothing but a comment\n", r"has no rules"),
+    ('[rules]\nbatch = "data"\n', r"(?s)rules file '.*r.toml': \[rules\] is a section.*remove the \[rules\] line"),
+])
+def test_an_empty_or_sectioned_rules_file_is_named(tmp_path, text, words):
+    # Before: one candidate excluded for "4 devices cannot be split over axes []", or
+    # "rule 'rules': {...} is not a mesh axis" without the file's name.
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    with pytest.raises(LayoutError, match=words):
+        AxisRules.load(str(path))

@@ -44,6 +44,19 @@ def _norm(value: Any, where: str) -> MeshAxes:
     )
 
 
+def _check_rules_file(data: dict[str, Any], spec: str) -> None:
+    """A TOML rules file's top level is the table. An empty file made one candidate excluded for
+    "4 devices cannot be split over axes []"; a ``[rules]`` section was "rule 'rules': {...} is
+    not a mesh axis", naming neither the file nor the section."""
+    how = 'write one line per logical name at the top level of the file: batch = "data", hidden = "model".'
+    if not data:
+        raise LayoutError(fix(f"rules file {spec!r} has no rules.", how))
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise LayoutError(fix(f"rules file {spec!r}: [{key}] is a section; the rules are read from the top level "
+                                  "only.", f"remove the [{key}] line: {how}"))
+
+
 def _inline_pair(part: str, spec: str) -> tuple[str, str]:
     """One ``logical=axis`` of an inline table. An empty side, a second ``=`` or a space in the
     axis was taken as written: ``hidden=`` replicated hidden without a word and
@@ -135,6 +148,7 @@ class AxisRules:
                 data = tomllib.loads(path.read_text())
             except tomllib.TOMLDecodeError as e:
                 raise LayoutError(fix(f"rules file {spec!r} is not valid TOML: {e}.", 'write lines like hidden = "model".')) from None
+            _check_rules_file(data, spec)
             rules = cls.from_mapping(data, name=path.name)
         elif "=" in spec:
             rules = cls.from_mapping(_inline_pairs(spec), name=spec)
