@@ -1076,6 +1076,23 @@ def test_plan_names_a_callback_of_the_wrong_shape(kwargs, error, words):
         spmdkit.plan(make_state, None if "step_for" in kwargs else step, batch, rules="dp", target="h100x8", **kwargs)
 
 
+@pytest.mark.parametrize("broken, error, words", [
+    (lambda: (_ for _ in ()).throw(ValueError("no full remat here")), "PlanStepError",
+     r"(?s)step_for\('full', 1\) raised ValueError: no full remat here.*leave that one out of remat="),
+    (lambda: None, "SignatureError", r"step_for\('full', 1\) returned NoneType, not a train step"),
+])
+def test_plan_checks_every_step_for_variant_before_compiling(broken, error, words):
+    # A step_for that raised for one remat escaped as the bare ValueError, and either failure came
+    # only when that candidate's turn came, after the others had compiled.
+    make_state, step, batch = _tiny()
+    compiled = []
+    with pytest.raises(getattr(spmdkit._plan._search, error, None) or getattr(spmdkit, error), match=words) as err:
+        spmdkit.plan(make_state, None, batch, rules="dp", target="h100x8", remat=("none", "full"),
+                     step_for=lambda remat, accum: broken() if remat == "full" else step, progress=compiled.append)
+    assert compiled == []
+    assert isinstance(err.value, spmdkit.SpmdkitError)
+
+
 def test_plan_takes_activations_as_bytes_or_named_parts():
     make_state, step, batch = _tiny()
     bare = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]["memory"]["analytic"]

@@ -228,8 +228,25 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     return row
 
 
+def _steps(step_for: Callable, candidates: list[Candidate]) -> dict[tuple[str, int], Callable]:
+    """Every ``step_for(remat, accum)`` the candidates need, built before any compiles: one that
+    raised or returned no step surfaced only when its candidates came up, minutes of compiling
+    in, and a raise escaped as the user's bare error without the call that made it."""
+    steps: dict[tuple[str, int], Callable] = {}
+    for cand in candidates:
+        if (cand.remat, cand.accum) not in steps:
+            steps[cand.remat, cand.accum] = _step_of(step_for, cand)
+    return steps
+
+
 def _step_of(step_for: Callable, cand: Candidate) -> Callable:
-    step = step_for(cand.remat, cand.accum)
+    try:
+        step = step_for(cand.remat, cand.accum)
+    except Exception as e:
+        raise PlanStepError(fix(f"step_for({cand.remat!r}, {cand.accum!r}) raised {type(e).__name__}: "
+                                f"{(str(e).strip().splitlines() or [''])[0][:300]}",
+                                "make step_for build a step for every remat policy and accumulation count listed, or "
+                                "leave that one out of remat= / accum=; its traceback is the cause below.")) from e
     if not callable(step):
         raise SignatureError(fix(f"step_for({cand.remat!r}, {cand.accum!r}) returned {type(step).__name__}, "
                                  "not a train step.",
@@ -276,8 +293,6 @@ def _raise_common_failure(results: list[dict[str, Any]]) -> None:
                             f"{(str(first).strip().splitlines() or [''])[0][:500]}",
                             "run train_step(make_state(rng), batch) once without spmdkit to debug it; its traceback "
                             "is the cause below.")) from first
-
-
 
 
 def compute_dtype(dtype: Any, target: Target) -> str:
@@ -335,10 +350,11 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     leaves = logical_leaves(make_state, rng, state_axes)
     results = [{"label": c.label, "mesh": dict(c.mesh), "rules": c.rules, "remat": c.remat, "accum": c.accum,
                 "status": "pruned", "reason": why} for c, why in early]
+    steps = _steps(step_for, candidates) if step_for else {}
     for i, cand in enumerate(candidates):
         if progress:
             progress(f"[{i + 1}/{len(candidates)}] {cand.label}")
-        step = _step_of(step_for, cand) if step_for else train_step
+        step = steps[cand.remat, cand.accum] if step_for else train_step
         results.append(evaluate(cand, make_state, step, abstract_batch, target, budget, devices_per_host, dtype,
                                 rng, leaves, activations, state_axes))
     _raise_common_failure(results)
