@@ -1471,3 +1471,37 @@ def test_plan_output_in_a_missing_directory_with_a_space_gives_a_command_that_ma
     with pytest.raises(PlanFileError, match=r"mkdir -p '.*/out dir'\)") as err:
         check_out(str(tmp_path / "out dir" / "p.json"), "--json")
     assert "--json" in str(err.value)
+
+
+def test_ctrl_c_while_measuring_keeps_the_priced_plan_and_the_whole_rounds(monkeypatch):
+    # Ctrl-C during --measure was a raw KeyboardInterrupt traceback: the compiled and priced plan
+    # and every round measured so far were lost (no table, no --json).
+    from spmdkit._plan._report import MeasureInterrupted, measure
+
+    rows = [{"label": f"c{i}", "rank": i + 1, "status": "ok", "step_s": 1e-3 * (i + 1), "step_s_overlapped": 1e-3,
+             "step_s_serial": 2e-3, "memory": {"analytic": {"total": 10}, "per_device": 10}} for i in range(3)]
+    calls = []
+
+    def prepare(row):
+        def run(steps):
+            calls.append(row["label"])
+            if len(calls) == 3 * 4 + 2:  # in the 5th round
+                raise KeyboardInterrupt
+            return [float(row["rank"])] * steps
+        return run, 10, "compiled"
+
+    with pytest.raises(KeyboardInterrupt) as err:  # a script still stops
+        measure({"candidates": rows}, "all", prepare, steps=2, rounds=10)
+    stop = err.value
+    assert isinstance(stop, MeasureInterrupted) and stop.done == 4
+    assert stop.measured["interrupted"] == {"rounds_done": 4, "rounds_asked": 10} and stop.measured["rounds"] == 4
+    assert [len(m["measured_rounds_s"]) for m in stop.measured["runs"]] == [4, 4, 4]  # the part round left out
+    assert stop.measured["measured_fastest"] == "c0"
+
+    make_state, step, batch = _tiny()
+    from spmdkit import _plan
+
+    monkeypatch.setattr(_plan, "_measure", lambda *a, **k: (_ for _ in ()).throw(MeasureInterrupted(None, 0, 3)))
+    with pytest.raises(MeasureInterrupted) as err:
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1)
+    assert err.value.plan["candidates"][0]["status"] == "ok" and "measured" not in err.value.plan

@@ -229,6 +229,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     import jax
 
     from spmdkit._plan import plan
+    from spmdkit._plan._report import MeasureInterrupted
     from spmdkit._tasks import task_defaults
 
     if running > 1 and args.processes not in (None, running):
@@ -254,11 +255,23 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError(fix(f"--batch-size {batch_size}: the task's training set has only {rows} examples.",
                               "give a smaller --batch-size (or, for lm, more --text-bytes)."))
     batch = jax.tree.map(lambda x: x[:batch_size], task.train_data)
-    result = plan(make_state, None, batch, memory_per_device=args.memory_per_device, target=args.target,
-                  rules=args.rules, remat=tuple(remat), accum=args.grad_accum, step_for=step_for,
-                  processes=args.processes, dtype=dtype, activations=activations, measure=args.measure,
-                  measure_steps=args.measure_steps, measure_rounds=args.measure_rounds,
-                  progress=(lambda s: console.print(f"compiling {s}", highlight=False, markup=False)) if lead else None)
+    try:
+        result = plan(make_state, None, batch, memory_per_device=args.memory_per_device, target=args.target,
+                      rules=args.rules, remat=tuple(remat), accum=args.grad_accum, step_for=step_for,
+                      processes=args.processes, dtype=dtype, activations=activations, measure=args.measure,
+                      measure_steps=args.measure_steps, measure_rounds=args.measure_rounds,
+                      progress=(lambda s: console.print(f"compiling {s}", highlight=False, markup=False)) if lead else None)
+    except MeasureInterrupted as stop:
+        # Ctrl-C while measuring lost the compiled and priced plan to a traceback: show and write
+        # what there is (the ranking, the whole rounds measured), then exit as interrupted.
+        if stop.plan is None:
+            raise
+        stop.plan["task"] = args.task
+        if lead:
+            _write(stop.plan, args, console)
+            console.print(f"interrupted: {stop}" + ("" if stop.measured else " (nothing measured: the ranking above "
+                          "is the prediction alone)"), highlight=False)
+        return 130  # the shell's code for a SIGINT
     result["task"] = args.task
     if lead:
         _write(result, args, console)

@@ -19,7 +19,8 @@ import numpy as np
 
 from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, fix
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
-from spmdkit._plan._report import explain, measure as _measure, pareto, print_plan, save_png, spearman, time_steps
+from spmdkit._plan._report import (MeasureInterrupted, explain, measure as _measure, pareto, print_plan, save_png,
+                                   spearman, time_steps)
 from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same,
                                       check_same_arguments, from_process_0, links_note, slowest)
 from spmdkit._plan._search import plan as _plan
@@ -204,8 +205,14 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     result["why"] = explain(result)
     result = from_process_0(result)  # several processes: all measure process 0's ranking, in its order
     if measure:
-        result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng, state_axes),
-                                      measure_steps, rounds=measure_rounds)
+        try:
+            result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng,
+                                                                     state_axes), measure_steps, rounds=measure_rounds)
+        except MeasureInterrupted as stop:  # Ctrl-C: the priced plan and the whole rounds travel with it
+            if stop.measured is not None:
+                result["measured"] = {**stop.measured, "processes": jax.process_count()}
+            stop.plan = result
+            raise
         result["measured"]["processes"] = jax.process_count()
     check_same(result)  # several processes: every one returns the same plan
     return result

@@ -240,15 +240,44 @@ def measure(plan: dict[str, Any], k: int | str,
     ``measured_relative_rounds``): a paired comparison, so a slow minute of the machine, which falls on one round,
     does not reorder candidates."""
     rows = [r for r in plan["candidates"] if r["status"] == "ok"][:None if k == "all" else k]
-    prepared = [prepare(r) for r in rows]
+    try:
+        prepared = [prepare(r) for r in rows]
+    except KeyboardInterrupt:
+        raise MeasureInterrupted(None, 0, rounds) from None
     times: list[list[float]] = [[] for _ in rows]
     per_round: list[list[float]] = [[] for _ in rows]
     order = list(range(len(rows)))
-    for r in range(rounds):
-        for i in order[r % len(order):] + order[: r % len(order)] if order else []:
-            t = prepared[i][0](steps)
-            times[i].extend(t)
-            per_round[i].append(statistics.median(t))
+    done = 0
+    try:
+        for r in range(rounds):
+            for i in order[r % len(order):] + order[: r % len(order)] if order else []:
+                t = prepared[i][0](steps)
+                times[i].extend(t)
+                per_round[i].append(statistics.median(t))
+            done = r + 1
+    except KeyboardInterrupt:
+        # Ctrl-C: the whole rounds so far are a paired comparison of their own (a part round is not).
+        raise MeasureInterrupted(_summary(rows, prepared, times, [pr[:done] for pr in per_round], done) if done else None,
+                                 done, rounds) from None
+    return _summary(rows, prepared, times, per_round, rounds)
+
+
+class MeasureInterrupted(KeyboardInterrupt):
+    """Ctrl-C while ``plan`` measured: still a KeyboardInterrupt (a script stops), carrying what
+    was measured in whole rounds (``measured``, or None before the first), and, from
+    :func:`spmdkit.plan`, the priced plan (``plan``), so the command can print and write them."""
+
+    def __init__(self, measured: dict[str, Any] | None, done: int, rounds: int):
+        super().__init__(f"measurement interrupted after {done} of {rounds} round(s)")
+        self.measured, self.done, self.rounds = measured, done, rounds
+        self.plan: dict[str, Any] | None = None
+        if measured is not None:
+            measured["interrupted"] = {"rounds_done": done, "rounds_asked": rounds}
+
+
+def _summary(rows: list[dict[str, Any]], prepared: list, times: list[list[float]], per_round: list[list[float]],
+             rounds: int) -> dict[str, Any]:
+    """The ``measured`` dict from each candidate's step times and round medians."""
     relative = _relative_rounds(per_round)
     out = []
     for r, (_, memory, source), t, pr, rel in zip(rows, prepared, times, per_round, relative):
@@ -347,6 +376,10 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                       "n/a" if m.get("measured_relative") is None else f"{m['measured_relative']:.3f}",
                       readable_bytes(m["predicted_memory"]), "n/a" if m["measured_memory"] is None else readable_bytes(m["measured_memory"]))
     console.print(table)
+    if measured.get("interrupted"):
+        cut = measured["interrupted"]
+        console.print(f"interrupted (Ctrl-C): measured in {cut['rounds_done']} of {cut['rounds_asked']} round(s); "
+                      "the figures above are those rounds'", highlight=False)
     sources = sorted({m["measured_memory_source"] for m in measured["runs"]})
     if sources:
         console.print(f"measured memory: {', '.join(sources)}", highlight=False)
