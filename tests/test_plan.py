@@ -1505,3 +1505,23 @@ def test_ctrl_c_while_measuring_keeps_the_priced_plan_and_the_whole_rounds(monke
     with pytest.raises(MeasureInterrupted) as err:
         spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1)
     assert err.value.plan["candidates"][0]["status"] == "ok" and "measured" not in err.value.plan
+
+
+def test_measure_says_what_it_did_not_run(capsys):
+    # With every candidate over budget --measure printed an empty table and "measured fastest: None
+    # (planner's rank None)"; --measure 5 with one ranked candidate measured it without a word.
+    from rich.console import Console
+
+    from spmdkit._plan._report import measure, print_measured
+
+    over = [{"label": "dp", "status": "over_budget"}]
+    none = measure({"candidates": over}, 2, lambda row: pytest.fail("ran an unranked candidate"), steps=1, rounds=3)
+    assert none["runs"] == [] and none["rounds"] == 0 and none["asked"] == 2
+    print_measured(none, Console(width=200))
+    out = capsys.readouterr().out
+    assert "nothing measured: --measure runs ranked candidates only" in out and "None" not in out
+    row = {"label": "dp", "rank": 1, "status": "ok", "step_s": 1e-3, "step_s_overlapped": 1e-3, "step_s_serial": 1e-3,
+           "memory": {"analytic": {"total": 10}, "per_device": 10}}
+    one = measure({"candidates": [row]}, 5, lambda r: ((lambda steps: [1e-3] * steps), 10, "compiled"), steps=1, rounds=2)
+    print_measured(one, Console(width=200))
+    assert "measured 1 of the 5 asked: only 1 candidate(s) are ranked" in capsys.readouterr().out

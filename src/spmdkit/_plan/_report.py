@@ -259,7 +259,7 @@ def measure(plan: dict[str, Any], k: int | str,
         # Ctrl-C: the whole rounds so far are a paired comparison of their own (a part round is not).
         raise MeasureInterrupted(_summary(rows, prepared, times, [pr[:done] for pr in per_round], done) if done else None,
                                  done, rounds) from None
-    return _summary(rows, prepared, times, per_round, rounds)
+    return {**_summary(rows, prepared, times, per_round, rounds if rows else 0), "asked": k}
 
 
 class MeasureInterrupted(KeyboardInterrupt):
@@ -363,7 +363,24 @@ def ties(runs: list[dict[str, Any]]) -> list[list[str]]:
             if i < j and iqr[i] is not None and iqr[j] is not None and iqr[i][0] <= iqr[j][1] and iqr[j][0] <= iqr[i][1]]
 
 
+def _measured_note(measured: dict[str, Any]) -> str | None:
+    """What ``--measure K`` did not run: K beyond the ranked candidates was silent, and with none
+    ranked (all over budget or excluded) an empty table said "measured fastest: None"."""
+    asked, ran = measured.get("asked"), len(measured["runs"])
+    if ran == 0:
+        return ("nothing measured: --measure runs ranked candidates only, and none is ranked (each was excluded or "
+                "over the memory budget; see above)")
+    if isinstance(asked, int) and asked > ran:
+        return f"measured {ran} of the {asked} asked: only {ran} candidate(s) are ranked"
+    return None
+
+
 def print_measured(measured: dict[str, Any], console: Console) -> None:
+    note = _measured_note(measured)
+    if note:
+        console.print(note, highlight=False)
+    if not measured["runs"]:
+        return
     procs = measured.get("processes", 1)
     table = Table(title="predicted vs measured (" + (f"{procs} processes, each step as long as the slowest process "
                         "took; " if procs > 1 else "") + "simulated devices: they share this machine's cores)")
