@@ -1525,3 +1525,14 @@ def test_measure_says_what_it_did_not_run(capsys):
     one = measure({"candidates": [row]}, 5, lambda r: ((lambda steps: [1e-3] * steps), 10, "compiled"), steps=1, rounds=2)
     print_measured(one, Console(width=200))
     assert "measured 1 of the 5 asked: only 1 candidate(s) are ranked" in capsys.readouterr().out
+
+
+def test_a_target_with_fewer_devices_per_host_and_no_inter_host_link_is_named_before_compiling():
+    # Found at the first collective, after compiling, with the fix "plan for fewer processes" for a
+    # run of one process: the target (calibrated on 2 devices) holds fewer devices per host.
+    make_state, step, batch = _tiny()
+    small = Target("calibrated", "example", 2, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-9)})
+    compiled = []
+    with pytest.raises(TargetError, match=r"(?s)8 devices span 4 hosts of 2.*devices_per_host to 8.*--devices 8"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target=small, progress=compiled.append)
+    assert compiled == []

@@ -23,7 +23,7 @@ from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
 from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes, is_empty_box
-from spmdkit._target import DTYPE_ALIASES, Target, load_target
+from spmdkit._target import DTYPE_ALIASES, Target, TargetError, load_target
 
 # A replicated parameter is flagged when it holds at least this share of the parameters.
 LARGE_SHARE = 0.05
@@ -295,6 +295,24 @@ def _raise_common_failure(results: list[dict[str, Any]]) -> None:
                             "is the cause below.")) from first
 
 
+def _check_hosts(target: Target, n: int, devices_per_host: int, processes: int) -> None:
+    """Devices on more than one host need the target's inter_host link. Found at the first
+    collective, after compiling, it said "plan for fewer processes" to a run of one process whose
+    target (a file calibrated on 2 devices) holds fewer devices per host than it plans for."""
+    if devices_per_host >= n or "inter_host" in target.links or any(
+            "inter_host" in per for per in target.collectives.values()):
+        return
+    if processes > 1:
+        how = f"plan for one process (leave --processes {processes} out)"
+    else:
+        how = (f"raise its devices_per_host to {n} if one host holds them (a file from spmdkit calibrate: run it with "
+               f"--devices {n}), or plan for at most {target.devices_per_host} devices")
+    raise TargetError(fix(f"target {target.name!r} has no inter_host link, but {n} devices span "
+                          f"{-(-n // devices_per_host)} hosts of {devices_per_host} (its devices_per_host is "
+                          f"{target.devices_per_host}).",
+                          f'add "inter_host": {{"alpha": ..., "beta": ...}} to its "links", or {how}.'))
+
+
 def compute_dtype(dtype: Any, target: Target) -> str:
     """``dtype`` as the name the target's ``peak_flops`` uses: an alias resolved, and an error for
     a name that is no dtype (it would be priced at the float32 peak without a word)."""
@@ -343,6 +361,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     target = load_target(target, n) if not isinstance(target, Target) else target
     dtype = compute_dtype(dtype, target)
     devices_per_host = n // processes if processes > 1 else min(target.devices_per_host, n) or n
+    _check_hosts(target, n, devices_per_host, processes)
     budget = memory_per_device if memory_per_device is not None else target.memory_per_device
     abstract_batch = _abstract(batch)
     rows_in_batch = jax.tree.leaves(abstract_batch)[0].shape[0]
