@@ -1536,3 +1536,14 @@ def test_a_target_with_fewer_devices_per_host_and_no_inter_host_link_is_named_be
     with pytest.raises(TargetError, match=r"(?s)8 devices span 4 hosts of 2.*devices_per_host to 8.*--devices 8"):
         spmdkit.plan(make_state, step, batch, rules="dp", target=small, progress=compiled.append)
     assert compiled == []
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"remat": ("none", "none")}, r"(?s)remat=\('none', 'none'\)\) \(--remat-options\) lists 'none' twice.*--remat-options none\)"),
+    ({"accum": (1, 2, 1)}, r"(?s)accum=\(1, 2, 1\)\) \(--grad-accum\) lists 1 twice.*accum=\(1, 2\) \(--grad-accum 1,2\)"),
+])
+def test_a_remat_or_accum_listed_twice_is_named(kwargs, words):
+    # The same candidate compiled twice and was ranked twice (dp [data=2] at ranks 1 to 4).
+    make_state, step, batch = _tiny()
+    with pytest.raises(ConfigError, match=words):
+        spmdkit.plan(make_state, None, batch, rules="dp", target="h100x8", step_for=lambda r, a: step, **kwargs)

@@ -74,7 +74,8 @@ def _whole(name: str, value: Any, least: int, hint: str) -> None:
         raise ConfigError(fix(f"plan({name}={value!r}): need a whole number >= {least}.", hint))
 
 
-def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps: Any, measure_rounds: Any) -> None:
+def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps: Any, measure_rounds: Any,
+                remat: tuple = ()) -> None:
     """The numbers ``plan`` takes, checked before anything is traced or compiled."""
     if memory_per_device is not None and (
             isinstance(memory_per_device, bool) or not isinstance(memory_per_device, (int, float, np.number))
@@ -89,6 +90,18 @@ def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps:
     _whole("measure_rounds", measure_rounds, 1, "pass e.g. measure_rounds=14 (rounds the candidates take turns in).")
     for a in tuple(accum):
         _whole("accum", a, 1, f"pass accumulation counts >= 1, e.g. accum=(1, 2) (got {tuple(accum)!r}).")
+    _once("remat", remat, "--remat-options")
+    _once("accum", accum, "--grad-accum")
+
+
+def _once(name: str, values: tuple, flag: str) -> None:
+    """A value listed twice compiled the same candidate twice and ranked both (dp [data=2] at
+    ranks 1 to 4 for --remat-options none,none --grad-accum 1,1); rules listed twice are an error too."""
+    twice = [v for i, v in enumerate(values) if v in values[:i]]
+    if twice:
+        raise ConfigError(fix(f"plan({name}={tuple(values)!r}) ({flag}) lists {twice[0]!r} twice.",
+                              f"list each once, e.g. {name}={tuple(dict.fromkeys(values))!r} "
+                              f"({flag} {','.join(str(v) for v in dict.fromkeys(values))})."))
 
 
 # What plan calls each callback with, and a callback of that shape.
@@ -186,7 +199,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     # A lone value is one entry (a string would otherwise be iterated by character).
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
     accum = (accum,) if isinstance(accum, (int, np.integer)) else tuple(accum)
-    _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds)
+    _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds, remat)
     _check_inputs(make_state, train_step, batch, target, step_for=step_for, progress=progress, activations=activations)
     rules = rules_names(rules)
     processes = check_processes(processes, measure)
