@@ -453,3 +453,12 @@ def test_calibration_marks_inter_host_per_operand_as_measured_and_plan_reads_it(
     alpha = target.link("all_reduce", "inter_host").at(4096).alpha
     steps, _ = steps_and_wire("all_reduce", 2, 4096)  # ring steps, each paying alpha
     assert five - one == pytest.approx(4 * steps * alpha if per_operand else 0.0, rel=1e-6, abs=1e-15)
+
+
+def test_check_of_a_datasheet_target_says_there_is_no_calibration(monkeypatch):
+    # It measured for minutes, then judged gloo on loopback against the H100 file's InfiniBand figures.
+    from spmdkit._target import example_targets
+
+    monkeypatch.setattr(_calibrate, "run_two_processes", lambda *a, **k: pytest.fail("measured a datasheet file"))
+    with pytest.raises(CalibrationError, match=r"(?s)holds no inter_host measurements.*Fix: calibrate first"):
+        check(str(example_targets()["h100x8"]))

@@ -321,6 +321,17 @@ def load_target_json(path: str) -> dict[str, Any]:
     return target
 
 
+def _check_calibrated(target: dict[str, Any], path: str) -> None:
+    """--check compares this machine with a calibration of it. A datasheet file (h100x8) has none:
+    it measured for minutes, then judged gloo on loopback against NVLink's figures."""
+    if not any(isinstance(m, dict) and m.get("link") == "inter_host" for m in target.get("measurements") or []):
+        raise CalibrationError(fix(f"{path} holds no inter_host measurements: it was not written by spmdkit calibrate "
+                                   "--processes 2 on this machine (a datasheet target, or --processes 1), so there is "
+                                   "no calibration to check.",
+                                   "calibrate first: spmdkit calibrate --out target.json, then spmdkit calibrate "
+                                   "--check target.json."))
+
+
 def _check_readable(target: dict[str, Any], where: str) -> None:
     """The fields --check reads, checked before minutes of measuring: a hand-edited
     ``"collectives": []`` was a raw AttributeError, a measurement without ``bytes`` a KeyError."""
@@ -656,6 +667,7 @@ def check(path: str, *, sizes: Sequence[int] | None = None, rounds: int | None =
     """
     target = load_target_json(path)
     coeffs = coefficients(target, "all_reduce", "inter_host")
+    _check_calibrated(target, path)
     sizes, kinds, rounds, reps = replay(target, sizes, rounds, quick)
     _, target_s = _defaults(quick, rounds)
     points, warnings = run_two_processes(sizes, kinds, rounds, target_s, timeout or (600.0 if quick else 1800.0),
