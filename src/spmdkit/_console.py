@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
@@ -71,3 +73,20 @@ def _in_units(n: float, units: tuple[tuple[str, float], ...], smallest: str) -> 
 def _figures(x: float) -> str:
     """Three significant figures, but 1000-1023 of a unit whole (``:.3g`` writes 1.02e+03)."""
     return f"{x:.3g}" if abs(x) < 999.5 else f"{x:.0f}"
+
+
+def finite_or_null(x: Any) -> Any:
+    """NaN and +-inf as JSON's null, in dicts, lists and tuples too. Python writes them as NaN
+    and Infinity, which are not JSON: JavaScript's JSON.parse refused such a metrics line, and
+    jq read Infinity as 1.8e308.
+
+    >>> finite_or_null({"a": [1.0, float("nan")], "b": (float("inf"),)})
+    {'a': [1.0, None], 'b': [None]}
+    """
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_or_null(v) for v in x]
+    return x

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any, Callable
 from rich.console import Console
 
 from spmdkit._config import TASK_FLAGS, check_task_flags
+from spmdkit._console import finite_or_null
 from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable
 
 # Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
@@ -278,22 +278,6 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
 
 
-def finite_json(value: Any) -> Any:
-    """``value`` with every NaN or infinite float as None: Python's json writes them as ``NaN`` /
-    ``Infinity``, which no strict JSON reader (jq, JavaScript, ``json.loads(parse_constant=...)``) takes.
-
-    >>> finite_json({"a": [1.0, float("nan")], "b": (float("inf"),)})
-    {'a': [1.0, None], 'b': [None]}
-    """
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    return value
-
-
 def write_whole(path: str, flag: str, write: Callable[[str], None]) -> None:
     """``write(tmp)`` into a temporary file beside ``path``, then renamed over it: an interrupted
     or failed write (Ctrl-C, a full disk) leaves the previous file, or none, never half of one.
@@ -313,7 +297,7 @@ def write_whole(path: str, flag: str, write: Callable[[str], None]) -> None:
 
 
 def _dump(result: dict[str, Any], indent: int | None) -> Callable[[str], None]:
-    text = json.dumps(finite_json(result), indent=indent, default=str, allow_nan=False)
+    text = json.dumps(finite_or_null(result), indent=indent, default=str, allow_nan=False)
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as fh:

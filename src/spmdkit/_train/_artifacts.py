@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdkit._checkpoint import is_prng_key, keys_as_data
+from spmdkit._console import finite_or_null
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
 from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
 from spmdkit._train._hooks import ROW_FIELDS
@@ -107,19 +108,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise _cannot_write(path, e) from None
-
-
-def finite_or_null(x: Any) -> Any:
-    """NaN and +-inf as JSON's null, in dicts and lists too. Python writes them as NaN and
-    Infinity, which are not JSON: JavaScript's JSON.parse refused such a metrics line, and jq
-    read Infinity as 1.8e308."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: finite_or_null(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [finite_or_null(v) for v in x]
-    return x
 
 
 def _jsonable(x: Any) -> Any:
