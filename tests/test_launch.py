@@ -481,3 +481,17 @@ def test_an_ensemble_over_two_processes_spreads_its_members_over_both(tmp_path):
                "--out", str(tmp_path / "odd")], timeout=240)
     assert odd.returncode == 2, odd.stderr[-3000:]
     assert "Ensemble(members=3) over 2 processes: the members must be spread evenly" in odd.stderr + odd.stdout
+
+
+def test_output_that_is_not_utf8_is_passed_on_and_does_not_hang_the_launch():
+    # The pump decoded strictly: a Latin-1 byte killed its thread, the child then blocked on a
+    # full pipe and the launch hung with all later output lost.
+    code = ("import sys\n"
+            "sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush()\n"
+            "for i in range(5000): print('line', i, 'x' * 40)\n"
+            "print('DONE')\n")
+    out = run([*CLI, "launch", "-n", "1", "--", sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[0] caf\ufffd" in out.stdout and "[0] DONE" in out.stdout
+    assert "Traceback" not in out.stderr
+

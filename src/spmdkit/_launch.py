@@ -296,6 +296,9 @@ class _Group:
             try:
                 proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, bufsize=1, start_new_session=True,
+                                        # A byte that is not UTF-8 (a Latin-1 file name) must not
+                                        # stop the pump: the child would block on a full pipe.
+                                        encoding="utf-8", errors="replace",
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             except OSError as e:
                 self.stop(0.0)
