@@ -495,3 +495,18 @@ def test_output_that_is_not_utf8_is_passed_on_and_does_not_hang_the_launch():
     assert "[0] caf\ufffd" in out.stdout and "[0] DONE" in out.stdout
     assert "Traceback" not in out.stderr
 
+
+def test_a_reader_that_goes_away_does_not_hang_the_launch():
+    # `spmdkit launch ... | head`: a pump whose write failed stopped reading the child's pipe.
+    code = "for i in range(20000): print('line', i, 'x' * 40)"
+    proc = subprocess.Popen([*CLI, "launch", "-n", "1", "--", sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
+    try:
+        proc.stdout.readline()
+        proc.stdout.close()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0

@@ -246,15 +246,30 @@ def _pump(stream, prefix: str, sink, seen: dict[str, None], port_taken: threadin
     # A runtime error's marks can fall on two lines (a wrapped status, a traceback's note):
     # match over the last few lines, not one.
     recent: collections.deque[str] = collections.deque(maxlen=4)
+    writable = True
     for line in iter(stream.readline, ""):
-        sink.write(f"{prefix}{line}")
-        sink.flush()
+        if writable:
+            writable = _forward(sink, f"{prefix}{line}")
         recent.append(line.rstrip("\n"))
         hint = known_failure(" ".join(recent))
         if hint is not None:
             seen.setdefault(hint)  # one call: two pumps finding it at once keep one entry
         if PORT_TAKEN in line:
             port_taken.set()
+
+
+def _forward(sink, text: str) -> bool:
+    """Write ``text`` to ``sink``; False once the sink is gone (``spmdkit launch ... | head``).
+
+    The pump must keep reading the child's pipe even then: a pump that stopped would leave
+    the child blocked on a full pipe, and the launch would hang.
+    """
+    try:
+        sink.write(text)
+        sink.flush()
+        return True
+    except (OSError, ValueError):  # BrokenPipeError; a closed file
+        return False
 
 
 def _die_with_parent() -> None:
