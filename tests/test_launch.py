@@ -510,3 +510,14 @@ def test_a_reader_that_goes_away_does_not_hang_the_launch():
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
+
+
+def test_a_last_line_without_a_newline_keeps_its_own_line():
+    # "[1] last-1[0] first-0": the next process's line was glued to an unfinished one.
+    code = ("import os, sys, time\n"
+            "i = os.environ['SPMDKIT_PROCESS_ID']\n"
+            "time.sleep(0.2 if i == '1' else 1.0)\n"
+            "sys.stdout.write(f'first-{i}\\nlast-{i}'); sys.stdout.flush()\n")
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["[1] first-1", "[1] last-1", "[0] first-0", "[0] last-0"]

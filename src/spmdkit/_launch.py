@@ -249,7 +249,9 @@ def _pump(stream, prefix: str, sink, seen: dict[str, None], port_taken: threadin
     writable = True
     for line in iter(stream.readline, ""):
         if writable:
-            writable = _forward(sink, f"{prefix}{line}")
+            # A last line with no newline would have the next process's prefixed line glued to it.
+            end = "" if line.endswith("\n") else "\n"
+            writable = _forward(sink, f"{prefix}{line}{end}")
         recent.append(line.rstrip("\n"))
         hint = known_failure(" ".join(recent))
         if hint is not None:
