@@ -521,3 +521,12 @@ def test_a_last_line_without_a_newline_keeps_its_own_line():
     out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["[1] first-1", "[1] last-1", "[0] first-0", "[0] last-0"]
+
+
+def test_stdin_goes_to_process_0_alone():
+    # Shared, the processes split the launcher's stdin by chance.
+    code = "import os, sys; print(os.environ['SPMDKIT_PROCESS_ID'], repr(sys.stdin.read()))"
+    out = subprocess.run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], input="hello\n",
+                         capture_output=True, text=True, timeout=60, env=env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(out.stdout.splitlines()) == ["[0] 0 'hello\\n'", "[1] 1 ''"]

@@ -311,7 +311,11 @@ class _Group:
             if restart:
                 env[ENV_RESUME] = "1"
             try:
-                proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                # The launcher's stdin goes to process 0 alone: shared, the processes split it
+                # between them by chance (one read it all, the other got nothing).
+                stdin = None if i == 0 else subprocess.DEVNULL
+                proc = subprocess.Popen(list(command), env=env, stdin=stdin, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE,
                                         text=True, bufsize=1, start_new_session=True,
                                         # A byte that is not UTF-8 (a Latin-1 file name) must not
                                         # stop the pump: the child would block on a full pipe.
