@@ -213,3 +213,12 @@ def test_data_write_takes_lm_corpus_options(tmp_path, capsys):
     assert train.shape[1] == 17 and bytes(train[0, :16]) == (corpus / "f1.txt").read_bytes()[:16]
     assert main(["data", "write", str(tmp_path / "d2"), "--task", "digits", "--seq-len", "16"]) == 2
     assert "does not take option(s) ['seq_len']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("platform", ["cuda", "bogus"])
+def test_jax_platforms_naming_a_missing_platform_is_a_clean_error(platform):
+    # cuda on a CPU-only machine: a raw traceback ending in jax's bare AssertionError, exit 1.
+    out = run_cli("devices", env={"JAX_PLATFORMS": platform}, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert f"JAX_PLATFORMS={platform!r}" in out.stderr and "JAX_PLATFORMS=cpu" in out.stderr

@@ -87,3 +87,16 @@ def test_device_table():
 def test_suggestions(n, data_only, model_parallel):
     assert spmdkit.suggest_mesh(n) == data_only
     assert model_parallel_suggestion(n) == model_parallel
+
+
+def test_a_backend_that_cannot_start_is_named_by_jax_platforms(monkeypatch):
+    from spmdkit._devices import backend_failure
+    from spmdkit._errors import DeviceSetupError
+
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    err = backend_failure(RuntimeError("Unable to initialize backend 'tpu': no libtpu.so "
+                                       "(set JAX_PLATFORMS='' to automatically choose an available backend)"))
+    assert isinstance(err, DeviceSetupError)
+    assert "JAX_PLATFORMS='tpu'" in str(err) and "no libtpu.so" in str(err) and "JAX_PLATFORMS=cpu" in str(err)
+    # Another failure is not blamed on the variable.
+    assert backend_failure(RuntimeError("a bug of the user's")) is None

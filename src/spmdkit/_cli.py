@@ -24,6 +24,7 @@ from spmdkit._console import short_warnings, stderr_console
 from spmdkit._devices import (
     ENV_HOST_DEVICES,
     MAX_HOST_DEVICES,
+    backend_failure,
     check_host_device_count,
     device_table,
     host_devices_from_env,
@@ -681,6 +682,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
         end_soon(code)  # in a group, peers may wait for this process in a collective
         return code
+    except (RuntimeError, AssertionError) as e:  # after SpmdkitError: some of ours are RuntimeErrors
+        err = backend_failure(e)  # JAX_PLATFORMS names a platform this machine lacks
+        if err is None:
+            raise
+        stderr_console().print(Text("error: ", style="bold red") + Text(str(err)))
+        return 2
 
 
 if __name__ == "__main__":

@@ -120,3 +120,25 @@ def model_parallel_suggestion(n_devices: int) -> dict[str, int] | None:
             best = k
             break
     return None if best is None else suggest_mesh(n_devices, model=best)
+
+
+def backend_failure(exc: BaseException) -> DeviceSetupError | None:
+    """The error to show for JAX failing to start the backend ``JAX_PLATFORMS`` names, else None.
+
+    JAX_PLATFORMS=cuda on a machine without CUDA ends in a bare ``AssertionError`` inside
+    jax (0.12), other unavailable platforms in a ``RuntimeError``; either came out as a raw
+    traceback that did not say the variable was the cause.
+    """
+    import traceback
+
+    platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+    frames = traceback.extract_tb(exc.__traceback__)
+    in_bridge = bool(frames) and frames[-1].filename.replace("\\", "/").endswith("jax/_src/xla_bridge.py")
+    if not platforms or not (in_bridge or "Unable to initialize backend" in str(exc)):
+        return None
+    detail = str(exc).split(" (set JAX_PLATFORMS")[0].strip() or f"{type(exc).__name__} in JAX's backend setup"
+    return DeviceSetupError(fix(
+        f"JAX_PLATFORMS={platforms!r}: JAX cannot start that platform on this machine ({detail}).",
+        "unset JAX_PLATFORMS (JAX then picks what is there), or set JAX_PLATFORMS=cpu; "
+        "a GPU or TPU platform needs its jax plugin installed (pip install 'jax[cuda12]' or 'jax[tpu]').",
+    ))
