@@ -529,3 +529,13 @@ def test_a_step_deleted_while_listed_is_gone_not_damaged(tmp_path):
     assert list(names.find_all(tmp_path)) == [] and names.unreadable == {}  # no spmdkit_7/ any more
     (tmp_path / "spmdkit_7").mkdir()
     assert list(names.find_all(tmp_path)) == [] and 7 in names.unreadable  # still there: damaged
+
+
+def test_a_dtype_mismatch_from_jax_enable_x64_names_the_variable():
+    # A float64 checkpoint (JAX_ENABLE_X64=1) resumed without it named the leaf but not the cause.
+    from spmdkit._checkpoint import x64_hint
+
+    assert "set JAX_ENABLE_X64=1" in x64_hint("float64", "float32")
+    assert "set JAX_ENABLE_X64=1" in x64_hint("int64", "int32")
+    assert "unset JAX_ENABLE_X64" in x64_hint("float32", "float64")
+    assert x64_hint("bfloat16", "float32") == ""

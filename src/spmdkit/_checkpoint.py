@@ -427,6 +427,22 @@ class _ReadableSteps:
             yield metadata
 
 
+def x64_hint(saved: str, target: str) -> str:
+    """Why a 64-bit leaf meets its 32-bit twin: JAX_ENABLE_X64 differs between the two runs.
+
+    >>> x64_hint("float64", "float32")
+    ' The checkpoint was written with 64-bit types on (JAX_ENABLE_X64=1) and this run has them off: set JAX_ENABLE_X64=1 to resume it.'
+    """
+    twins = {("float64", "float32"), ("int64", "int32"), ("uint64", "uint32"), ("complex128", "complex64")}
+    if (saved, target) in twins:
+        return (" The checkpoint was written with 64-bit types on (JAX_ENABLE_X64=1) and this run has them off: "
+                "set JAX_ENABLE_X64=1 to resume it.")
+    if (target, saved) in twins:
+        return (" The checkpoint was written with 64-bit types off and this run has them on (JAX_ENABLE_X64): "
+                "unset JAX_ENABLE_X64 to resume it.")
+    return ""
+
+
 def _members_hint(saved: tuple, shape: tuple, members: int | None) -> str:
     """Why a leaf's shape differs when the difference is an ensemble's member axis."""
     if saved[1:] == shape:
@@ -806,7 +822,7 @@ class Checkpointer:
                 # Orbax would cast silently: a float32 step counter, bfloat16 weights rounded.
                 raise CheckpointError(
                     fix(f"checkpoint step {step}: leaf state{at}{path} is {saved[path][1]} in the checkpoint but "
-                        f"{dtype} in the target.",
+                        f"{dtype} in the target.{x64_hint(str(saved[path][1]), str(dtype))}",
                         f"restore into a target of the saved dtypes ({saved[path][1]} here) and cast after: "
                         "jax.tree.map(lambda x: x.astype(...), state).")
                 )
