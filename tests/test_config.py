@@ -225,3 +225,13 @@ def test_another_tasks_model_flag_is_named_as_a_flag(task, key, value, flag, tak
         build_run_config(resolve_options({"task": task, key: value}))
     assert str(e.value).startswith(f"task {task!r} does not take option(s) [{key!r}] ({flag}).")
     assert f"Fix: drop them; --task {task} takes {takes}." in str(e.value)
+
+
+def test_a_config_file_with_a_utf8_byte_order_mark_is_read(tmp_path):
+    # Notepad's BOM made tomllib fail with "Invalid statement (at line 1, column 1)", no cause named.
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbftask = \"linreg\"\nsteps = 3\n")
+    assert load_toml(str(path)) == {"task": "linreg", "steps": 3}
+    (tmp_path / "latin1.toml").write_bytes(b"out = \"caf\xe9\"\n")
+    with pytest.raises(spmdkit.ConfigError, match="not UTF-8"):
+        load_toml(str(tmp_path / "latin1.toml"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import os
@@ -348,7 +349,10 @@ def load_toml(path: str) -> dict[str, Any]:
     """Read a flat TOML config whose keys mirror the flags (``batch-size = 32``)."""
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+            data = fh.read()
+        # Windows editors (Notepad) start a UTF-8 file with a byte order mark, which tomllib
+        # refuses as an "Invalid statement (at line 1, column 1)" that names no cause.
+        raw = tomllib.loads(data.removeprefix(codecs.BOM_UTF8).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(fix(f"config file {path!r} does not exist.", "check the path.")) from None
     except IsADirectoryError:
