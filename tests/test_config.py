@@ -235,3 +235,13 @@ def test_a_config_file_with_a_utf8_byte_order_mark_is_read(tmp_path):
     (tmp_path / "latin1.toml").write_bytes(b"out = \"caf\xe9\"\n")
     with pytest.raises(spmdkit.ConfigError, match="not UTF-8"):
         load_toml(str(tmp_path / "latin1.toml"))
+
+
+def test_relative_paths_in_a_config_file_are_read_from_the_working_directory(tmp_path, monkeypatch):
+    # README says so; a config in another directory must not move its relative paths.
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "run.toml"
+    path.write_text('out = "runs/a"\ncheckpoint-dir = "ck"\n')
+    monkeypatch.chdir(tmp_path)
+    run = build_run_config(load_toml(str(path)))
+    assert run.out == "runs/a" and str(run.checkpoint.directory) == "ck"
