@@ -122,3 +122,22 @@ def test_a_directory_others_can_write_to_is_refused_and_an_empty_name_is_an_erro
     assert jax.config.jax_compilation_cache_dir is None
     asked = _train(tmp_path, "--compile-cache", "")
     assert asked.returncode == 2 and "working directory" in asked.stderr, asked.stderr
+
+
+def test_jax_cache_entry_warnings_become_one_line_naming_the_directory(capsys):
+    # A damaged or full cache gave one raw JAX UserWarning per program, on every start, naming
+    # neither the directory nor the cure.
+    import warnings
+
+    from spmdkit._cache import cache_warning
+    from spmdkit._console import short_warnings
+
+    msg = "Error reading persistent compilation cache entry for 'jit_run': error: Error -3 while decompressing data"
+    said = cache_warning(msg, "/c")
+    assert "'/c'" in said and "Error -3" in said and "delete '/c'" in said and "--no-compile-cache" in said
+    assert cache_warning("some other warning", "/c") is None
+    with short_warnings():
+        for _ in range(3):
+            warnings.warn_explicit(msg, UserWarning, "/x/jax/_src/compiler.py", 826)
+    err = capsys.readouterr().err
+    assert err.count("warning: compile cache") == 1 and "compiler.py" not in err

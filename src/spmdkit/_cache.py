@@ -127,3 +127,23 @@ def disable_compile_cache() -> None:
 
     compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", None)
+
+
+def cache_warning(message: str, directory: str | None) -> str | None:
+    """spmdkit's warning for JAX's "Error reading/writing persistent compilation cache entry", else None.
+
+    JAX names the program, not the directory, and warns once per program on every start
+    (a damaged entry stays on disk; a full disk leaves empty ones): the user learns neither
+    where the cache is nor that deleting it is the cure. The run's results are unchanged:
+    JAX compiles afresh whatever it cannot read.
+    """
+    if "persistent compilation cache entry" not in message:
+        return None
+    where = repr(directory) if directory else "the compile cache directory"
+    cause = message.split(": ", 1)[1] if ": " in message else message
+    return fix(
+        f"compile cache {where}: {cause} (JAX compiles afresh, results are unchanged; further "
+        "such warnings of this run are not shown).",
+        f"delete {where} (it holds nothing that is not compiled again) or free space there, pass another "
+        "--compile-cache DIR, or run with --no-compile-cache (env: SPMDKIT_COMPILE_CACHE=off).",
+    )

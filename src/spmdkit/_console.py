@@ -33,8 +33,15 @@ def short_warnings() -> Iterator[None]:
     source line is what one searches for.
     """
     default = warnings.showwarning
+    cache_said = []
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 (warnings' hook)
+        cache = _compile_cache_warning(str(message))
+        if cache is not None:  # JAX's, once per program and start: one line of ours instead
+            if not cache_said:
+                cache_said.append(True)
+                stderr_console().print(Text("warning: ", style="bold yellow") + Text(cache))
+            return None
         if not os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
             return default(message, category, filename, lineno, file, line)
         stderr_console().print(Text("warning: ", style="bold yellow") + Text(str(message)))
@@ -42,6 +49,16 @@ def short_warnings() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.showwarning = show
         yield
+
+
+def _compile_cache_warning(message: str) -> str | None:
+    if "persistent compilation cache entry" not in message:
+        return None  # no JAX import for every other warning
+    import jax
+
+    from spmdkit._cache import cache_warning
+
+    return cache_warning(message, jax.config.jax_compilation_cache_dir)
 
 
 def readable_bytes(n: float) -> str:
