@@ -530,3 +530,13 @@ def test_stdin_goes_to_process_0_alone():
                          capture_output=True, text=True, timeout=60, env=env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(out.stdout.splitlines()) == ["[0] 0 'hello\\n'", "[1] 1 ''"]
+
+
+def test_a_launch_whose_restarts_all_fail_says_it_gave_up():
+    out = run([*CLI, "launch", "-n", "1", "--max-restarts", "1", "--", sys.executable, "-c",
+               "import sys; sys.exit(1)"], timeout=60)
+    assert out.returncode == 1
+    assert "restart 1/1" in out.stderr and "giving up: all 1 restart(s) of --max-restarts 1 failed too" in out.stderr
+    bad = run([*CLI, "launch", "-n", "1", "--max-restarts", "3", "--", sys.executable, "-c",
+               "import sys; sys.exit(2)"], timeout=60)
+    assert bad.returncode == 2 and "not restarted: exit code 2 is bad input" in bad.stderr

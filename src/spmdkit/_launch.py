@@ -430,6 +430,12 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             for hint in group.hints:  # complete: stop() has waited for the output pumps
                 sys.stderr.write(f"spmdkit launch: {hint}\n")
             if attempt >= max_restarts or code == 2:
+                if max_restarts and code != 2:  # else the last line reads like any first failure
+                    sys.stderr.write(f"spmdkit launch: giving up: all {max_restarts} restart(s) of --max-restarts "
+                                     f"{max_restarts} failed too\n")
+                elif max_restarts:
+                    sys.stderr.write("spmdkit launch: not restarted: exit code 2 is bad input, which a restart "
+                                     "would meet again\n")
                 # A child killed by signal N exits as a shell reports it: 128 + N (137 for SIGKILL).
                 return code if code > 0 else 128 - code
             attempt += 1
