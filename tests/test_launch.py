@@ -540,3 +540,44 @@ def test_a_launch_whose_restarts_all_fail_says_it_gave_up():
     bad = run([*CLI, "launch", "-n", "1", "--max-restarts", "3", "--", sys.executable, "-c",
                "import sys; sys.exit(2)"], timeout=60)
     assert bad.returncode == 2 and "not restarted: exit code 2 is bad input" in bad.stderr
+
+
+def test_what_a_process_started_dies_with_a_killed_launcher(tmp_path):
+    # PR_SET_PDEATHSIG reaches the launcher's children only: a `sleep` a child started lived on
+    # as an orphan after `kill -9` of the launcher.
+    import signal
+
+    pids = tmp_path / "pids"
+    code = ("import os, subprocess, time, pathlib\n"
+            "p = subprocess.Popen(['sleep', '300'])\n"
+            f"pathlib.Path({str(pids)!r} + os.environ['SPMDKIT_PROCESS_ID']).write_text(str(p.pid))\n"
+            "time.sleep(300)\n")
+    proc = subprocess.Popen([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+    grandchildren = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not all((tmp_path / f"pids{i}").exists() for i in (0, 1)):
+            time.sleep(0.1)
+        time.sleep(0.3)  # the file is written; let its writer close it
+        grandchildren = [int((tmp_path / f"pids{i}").read_text()) for i in (0, 1)]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 20
+        while time.time() < deadline and any(_alive(p) for p in grandchildren):
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in grandchildren)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in grandchildren:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (not yet reaped by init) counts as dead
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -283,6 +283,35 @@ def _die_with_parent() -> None:
         pass  # not Linux: the process group and the forwarded signals still end the children
 
 
+# Run by a helper process: at EOF on stdin without "done" (the launcher died, kill -9 included)
+# it kills the process groups named in argv. PR_SET_PDEATHSIG reaches the launcher's children
+# only: what they started themselves lived on as orphans after a kill -9 of the launcher.
+_REAPER = ("import os, signal, sys\n"
+           "if sys.stdin.read() != 'done':\n"
+           "    for g in sys.argv[1:]:\n"
+           "        try: os.killpg(int(g), signal.SIGKILL)\n"
+           "        except OSError: pass\n")
+
+
+def _start_reaper(groups: list[int]) -> subprocess.Popen | None:
+    try:  # its own session: a signal to the launcher's group must not end it first
+        return subprocess.Popen([sys.executable, "-c", _REAPER, *map(str, groups)], stdin=subprocess.PIPE,
+                                text=True, start_new_session=True, stdout=subprocess.DEVNULL)
+    except OSError:
+        return None  # the children still die with the launcher; only what they started may not
+
+
+def _end_reaper(reaper: subprocess.Popen | None) -> None:
+    if reaper is None or reaper.poll() is not None:
+        return
+    try:
+        reaper.stdin.write("done")
+        reaper.stdin.close()
+        reaper.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        reaper.kill()
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -297,6 +326,7 @@ class _Group:
         self.port = port = free_port()
         self.port_taken = threading.Event()  # process 0 found the port taken (see PORT_TAKEN)
         self.procs: list[subprocess.Popen] = []
+        self.reaper: subprocess.Popen | None = None
         self.pumps: list[threading.Thread] = []
         self.hints: dict[str, None] = {}  # known_failure of what the processes printed, in order
         # When each process exited: of processes seen failed together, the first is the cause
@@ -334,6 +364,7 @@ class _Group:
                 t.start()
                 self.pumps.append(t)
             threading.Thread(target=self._note_exit, args=(i, proc), daemon=True).start()
+        self.reaper = _start_reaper([p.pid for p in self.procs])
 
     def _note_exit(self, index: int, proc: subprocess.Popen) -> None:
         proc.wait()  # sets proc.returncode before the time is noted
@@ -369,6 +400,7 @@ class _Group:
             p.wait()
         for t in self.pumps:
             t.join(timeout=5)
+        _end_reaper(self.reaper)
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0,
