@@ -55,6 +55,9 @@ def test_devices_table_in_process(capsys):
 
 def test_host_devices_after_start_is_a_clean_error(capsys):
     # This test process already runs 8 devices: asking for 4 must say how to fix it.
+    import jax
+
+    assert len(jax.devices()) == 8  # JAX started here, not by whichever test ran before (run alone, none did)
     assert main(["--host-devices", "4", "devices"]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "--host-devices 4" in err
