@@ -403,3 +403,20 @@ def test_non_finite_metrics_are_written_as_json_null(tmp_path):
 
     art.plot_history(rows + [{"split": "eval", "step": 3, "loss": None}], tmp_path / "again.png", "t")
     assert (tmp_path / "again.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_int64_labels_as_numpy_gives_them_start_a_run_without_jax_s_truncation_warning():
+    # np.arange labels are int64: the abstract checks before training named int64 and JAX
+    # warned "int64 ... will be truncated to dtype int32" at every start.
+    import warnings
+
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+    y = np.arange(40) % 2
+    loss = lambda p, b, r: (optax.softmax_cross_entropy_with_integer_labels(b["x"] @ p["w"], b["y"]).mean(), {})
+    task = spmdkit.Task(name="t", init=lambda k: {"w": jax.random.normal(k, (4, 2))}, loss_fn=loss,
+                        train_data={"x": x, "y": y}, eval_data={"x": x, "y": y})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
+                             progress=False, log=lambda m: None)
+    assert result.summary["steps"] == 2

@@ -16,6 +16,7 @@ from spmdkit._plan._hlo import analyse
 from spmdkit._rules import LayoutError
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._tasks._base import Task
+from spmdkit._tree import abstract_rows
 
 
 def _analysis(obj: Any) -> Any:
@@ -35,7 +36,7 @@ def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransf
     params = [leaf for leaf in layout.leaves if leaf.path.startswith("state.params")]
     others = [leaf for leaf in layout.leaves if not leaf.path.startswith("state.params")]
     # The batch asked for, not rounded up: an uneven one is compiled as fit runs it, whole on every device.
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_size, *x.shape[1:]), x.dtype), task.train_data)
+    batch = jax.tree.map(lambda x: abstract_rows(x, batch_size), task.train_data)
     step = strategy.step(task_train_step(task, optimizer))
     compiled = step.lower(layout.abstract, batch).compile()
     mem = _analysis(compiled.memory_analysis())

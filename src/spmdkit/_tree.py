@@ -22,6 +22,18 @@ def bad_dtype(x: Any) -> Any:
     return None if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number) else dtype
 
 
+def abstract_rows(x: Any, rows: int | None = None) -> jax.ShapeDtypeStruct:
+    """``x``'s abstract value (with ``rows`` examples if given) in the dtype JAX holds it as:
+    without x64, NumPy's default int64 labels become int32 as they do on the device. Naming
+    int64 made JAX warn "int64 ... will be truncated to dtype int32" at every start of a run.
+
+    >>> abstract_rows(np.zeros((10, 3), np.int64), 4)
+    ShapeDtypeStruct(shape=(4, 3), dtype=int32)
+    """
+    shape = tuple(np.shape(x)) if rows is None else (rows, *np.shape(x)[1:])
+    return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(x.dtype))
+
+
 def keystr(root: str, path: KeyPath) -> str:
     """``args`` + ``(SequenceKey(1), DictKey('w'))`` -> ``args[1]['w']``."""
     return root + jax.tree_util.keystr(path)

@@ -30,6 +30,7 @@ import numpy as np
 from spmdkit._data._errors import BatchError, DataExhaustedError
 from spmdkit._errors import ConfigError, DataError, fix
 from spmdkit._process import gather_json
+from spmdkit._tree import abstract_rows
 
 ShardingFor = Callable[[bool], Any]  # even -> where a global batch goes (the strategy's choice)
 
@@ -96,7 +97,7 @@ class ArrayFeed:
 
     def example(self) -> Any:
         n = min(self.batch_size, self.num_examples)
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), self.data)
+        return jax.tree.map(lambda x: abstract_rows(x, n), self.data)
 
     def indices(self, k: int, stream: int | None = None) -> tuple[int, np.ndarray]:
         """``(epoch, example indices)`` of global batch ``k``: a function of seed and epoch only."""
@@ -227,7 +228,7 @@ class PipelineFeed:
             first = self._read_first()
             self._pending = [] if self.indexable else [first]  # not lost: trained on first
         _, spec = self._first
-        shapes = [jax.ShapeDtypeStruct((self.batch_size, *s[1:]), d) for _, s, d in spec]
+        shapes = [jax.ShapeDtypeStruct((self.batch_size, *s[1:]), jax.dtypes.canonicalize_dtype(d)) for _, s, d in spec]
         return jax.tree.unflatten(self._first[0], shapes)
 
     def _read_first(self) -> Any:

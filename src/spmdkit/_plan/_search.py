@@ -24,13 +24,14 @@ from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
 from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes, is_empty_box
 from spmdkit._target import DTYPE_ALIASES, Target, TargetError, load_target
+from spmdkit._tree import abstract_rows
 
 # A replicated parameter is flagged when it holds at least this share of the parameters.
 LARGE_SHARE = 0.05
 
 
 def _abstract(batch: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    return jax.tree.map(abstract_rows, batch)
 
 
 class StateLeafError(SpmdkitError, TypeError):

@@ -19,6 +19,7 @@ from spmdkit._data import is_pipeline
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._tasks._base import Task
 from spmdkit._train._hooks import ROW_FIELDS
+from spmdkit._tree import abstract_rows
 
 
 class TaskError(SpmdkitError, TypeError):
@@ -90,7 +91,7 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
     params = _abstract_params(task)
     if example is None:  # ``example``: the abstract first batch (a pipeline's, read by the loop)
         n = min(batch_size, task.num_train)
-        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), task.train_data)
+        example = jax.tree.map(lambda x: abstract_rows(x, n), task.train_data)
     batch, n = example, jax.tree.leaves(example)[0].shape[0]
     try:
         if task.stateful:
@@ -156,7 +157,7 @@ def _check_predictor(task: Task, params: Any, batch_size: int) -> None:
     if task.predictor is None or task.eval_data is None or is_pipeline(task.eval_data):
         return
     n = min(batch_size, task.num_eval)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), task.eval_data)
+    batch = jax.tree.map(lambda x: abstract_rows(x, n), task.eval_data)
     try:
         scores = jax.eval_shape(lambda p, b: task.predictor.score(task.predictor.predict(p, b), b), params, batch)
     except Exception as e:
@@ -184,7 +185,7 @@ def _check_eval(task: Task, params: Any, batch_size: int) -> None:
     if task.eval_data is None or is_pipeline(task.eval_data):
         return
     n = min(batch_size, task.num_eval)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), task.eval_data)
+    batch = jax.tree.map(lambda x: abstract_rows(x, n), task.eval_data)
     model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0)) if task.stateful else None
     try:
         _, aux = jax.eval_shape(lambda p, s, b, k: task.eval_loss(p, s, b, k), params, model_state, batch,
