@@ -87,19 +87,8 @@ class ShardedBatch(NamedTuple):
     mask: np.ndarray
 
 
-def shard(batch: Any, n_devices: int | None = None, *, pad: bool = True) -> ShardedBatch:
-    """Reshape every leaf of a host batch from ``[B, ...]`` to ``[n, ceil(B/n), ...]``.
-
-    When ``B`` is not divisible by ``n`` the batch is padded with zeros at the end
-    and the returned mask marks the real rows; with ``pad=False`` that is an error.
-
-    Example:
-        >>> import numpy as np, spmdkit
-        >>> data, mask = spmdkit.shard(np.arange(10.0), n_devices=4)
-        >>> data.shape, int(mask.sum())
-        ((4, 3), 10)
-    """
-    n = _device_count(n_devices)
+def _leading_size(batch: Any) -> int:
+    """The examples of every leaf of ``batch`` (axis 0), alike for all; else a BatchSizeError naming the leaf."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise BatchSizeError(
@@ -129,6 +118,23 @@ def shard(batch: Any, n_devices: int | None = None, *, pad: bool = True) -> Shar
             )
     if size == 0:
         raise BatchSizeError(fix("the batch has 0 examples.", "pass at least one example."))
+    return size
+
+
+def shard(batch: Any, n_devices: int | None = None, *, pad: bool = True) -> ShardedBatch:
+    """Reshape every leaf of a host batch from ``[B, ...]`` to ``[n, ceil(B/n), ...]``.
+
+    When ``B`` is not divisible by ``n`` the batch is padded with zeros at the end
+    and the returned mask marks the real rows; with ``pad=False`` that is an error.
+
+    Example:
+        >>> import numpy as np, spmdkit
+        >>> data, mask = spmdkit.shard(np.arange(10.0), n_devices=4)
+        >>> data.shape, int(mask.sum())
+        ((4, 3), 10)
+    """
+    n = _device_count(n_devices)
+    size = _leading_size(batch)
     per = -(-size // n)
     padding = per * n - size
     if padding and not pad:
