@@ -403,6 +403,36 @@ class _Group:
         _end_reaper(self.reaper)
 
 
+def _end_forwarded(group: _Group, sig: int, grace_s: float) -> int:
+    """A signal forwarded to every process: wait for them (SIGTERM is a preemption notice to
+    spmdkit train, which saves), then end the rest; the exit code a shell gives for ``sig``."""
+    group.signal(sig)
+    deadline = time.time() + max(grace_s, 60.0 if sig == signal.SIGTERM else grace_s)
+    while time.time() < deadline and any(p.poll() is None for p in group.procs):
+        time.sleep(0.1)
+    group.stop(grace_s)
+    return 128 + sig
+
+
+def _report_failure(group: _Group, processes: int, index: int, code: int, attempt: int,
+                    max_restarts: int) -> int | None:
+    """Say which process failed and how; the launch's exit code when it gives up, None to restart."""
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
+    for hint in group.hints:  # complete: stop() has waited for the output pumps
+        sys.stderr.write(f"spmdkit launch: {hint}\n")
+    if attempt < max_restarts and code != 2:
+        return None
+    if max_restarts and code != 2:  # else the last line reads like any first failure
+        sys.stderr.write(f"spmdkit launch: giving up: all {max_restarts} restart(s) of --max-restarts "
+                         f"{max_restarts} failed too\n")
+    elif max_restarts:
+        sys.stderr.write("spmdkit launch: not restarted: exit code 2 is bad input, which a restart "
+                         "would meet again\n")
+    # A child killed by signal N exits as a shell reports it: 128 + N (137 for SIGKILL).
+    return code if code > 0 else 128 - code
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0,
            max_restarts: int = 0, backoff_s: float = 1.0) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
@@ -439,13 +469,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             group = _Group(command, processes, devices_per_process, restart=attempt > 0)
             failed = group.wait(stop)
             if failed == (-1, 0):
-                # Forwarded: the children may save (SIGTERM is a preemption notice to spmdkit train).
-                group.signal(received[0])
-                deadline = time.time() + max(grace_s, 60.0 if received[0] == signal.SIGTERM else grace_s)
-                while time.time() < deadline and any(p.poll() is None for p in group.procs):
-                    time.sleep(0.1)
-                group.stop(grace_s)
-                return 128 + received[0]
+                return _end_forwarded(group, received[0], grace_s)
             if failed is None:
                 group.stop(0.0)
                 return 0
@@ -457,19 +481,9 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
                                  f"before process 0 could serve on it; starting the {processes} processes again on "
                                  "another port\n")
                 continue
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
-            for hint in group.hints:  # complete: stop() has waited for the output pumps
-                sys.stderr.write(f"spmdkit launch: {hint}\n")
-            if attempt >= max_restarts or code == 2:
-                if max_restarts and code != 2:  # else the last line reads like any first failure
-                    sys.stderr.write(f"spmdkit launch: giving up: all {max_restarts} restart(s) of --max-restarts "
-                                     f"{max_restarts} failed too\n")
-                elif max_restarts:
-                    sys.stderr.write("spmdkit launch: not restarted: exit code 2 is bad input, which a restart "
-                                     "would meet again\n")
-                # A child killed by signal N exits as a shell reports it: 128 + N (137 for SIGKILL).
-                return code if code > 0 else 128 - code
+            final = _report_failure(group, processes, index, code, attempt, max_restarts)
+            if final is not None:
+                return final
             attempt += 1
             wait = min(backoff_s * 2 ** (attempt - 1), 30.0)
             sys.stderr.write(f"spmdkit launch: restart {attempt}/{max_restarts} of all {processes} processes in "
