@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from spmdkit._atomic import replace_text
 from spmdkit._errors import SpmdkitError, fix, unwritable
 from spmdkit._target import (  # the cost model shared with the planner, and its readers of a file's fields
     TargetError, _collectives, _finite, _link, _measurements, measure_cache_curve, measure_op_overhead, steps_and_wire)
@@ -292,14 +293,9 @@ def check_out(out: str | os.PathLike | None) -> str | None:
 
 
 def write_target(path: str, target: dict[str, Any]) -> None:
-    """Write the JSON file whole or not at all (a temporary file renamed into place)."""
-    parent = os.path.dirname(os.path.abspath(path))
+    """Write the JSON file whole or not at all (:func:`replace_whole`)."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".spmdkit-calibrate-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(target, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
+        replace_text(path, json.dumps(target, indent=2) + "\n")
     except OSError as e:
         raise CalibrationFileError(fix(f"cannot write the target file {path}: {e.strerror or e}.",
                                        "free disk space or pass another --out.")) from None

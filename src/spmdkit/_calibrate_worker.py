@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
 
     import spmdkit
+    from spmdkit._atomic import replace_text
     from spmdkit._launch import initialize_distributed
 
     spmdkit.use_host_devices(1)  # before any JAX work: one device per process
@@ -44,11 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     for p in points:
         p["per_operand_ratio"] = ratio
     if jax.process_index() == 0:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"measurements": points, "warnings": warnings, "processes": jax.process_count(),
-                       "devices": jax.device_count()}, fh)
-        os.replace(tmp, a.out)
+        replace_text(a.out, json.dumps({"measurements": points, "warnings": warnings,
+                                        "processes": jax.process_count(), "devices": jax.device_count()}))
 
 
 if __name__ == "__main__":

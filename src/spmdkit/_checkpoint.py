@@ -35,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from spmdkit import _checkpoint_read as _read
+from spmdkit._atomic import is_temporary, replace_text
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
@@ -225,20 +226,6 @@ def _crc32s(paths: list[Path]) -> list[str]:
         return [crc32_file(p) for p in paths]
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="spmdkit-crc") as pool:
         return list(pool.map(crc32_file, paths))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Temp file, fsync, rename: a reader sees the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_manifest(root: Path, step: int) -> tuple[dict[str, Any] | None, str | None]:
@@ -609,7 +596,7 @@ class Checkpointer:
                 self.log(f"checkpoints: leaving {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} spmdkit "
                          f"did not write alone in {self.directory}: {', '.join(foreign[:5])}")
             if owner is None or not resume or owner.get("run_id") != run_id:
-                write_atomic(owner_path, json.dumps(
+                replace_text(owner_path, json.dumps(
                     {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "format": 1}))
         except OSError as e:
             self._release()
@@ -623,7 +610,7 @@ class Checkpointer:
 
     def _is_ours(self, name: str) -> bool:
         return (name in (MANIFESTS, OWNER_FILE, LOCK_FILE, OUT_LOCK) or parse_step(name) is not None
-                or name.startswith((f"{STEP_PREFIX}_", _ASIDE, f".{OWNER_FILE}.")))
+                or name.startswith((f"{STEP_PREFIX}_", _ASIDE, f".{OWNER_FILE}.")) or is_temporary(name))
 
     def _lock(self, run_id: str) -> None:
         self._lockfile.take(run_id, lambda other: CheckpointError(refusal(
@@ -713,7 +700,7 @@ class Checkpointer:
         crcs = _crc32s([step_dir / name for name in sizes])
         files = {name: {"bytes": size, "crc32": crc} for (name, size), crc in zip(sizes.items(), crcs)}
         (self.directory / MANIFESTS).mkdir(exist_ok=True)
-        write_atomic(self.directory / MANIFESTS / f"{step}.json",
+        replace_text(self.directory / MANIFESTS / f"{step}.json",
                      json.dumps({"run_id": self.run_id, "step": step, "files": files}))
 
     def _retain(self) -> None:

@@ -12,10 +12,12 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
 
+from spmdkit._atomic import replace_whole
 from spmdkit._config import TASK_FLAGS, check_task_flags
 from spmdkit._console import finite_or_null
 from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable
@@ -279,32 +281,17 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def write_whole(path: str, flag: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, then renamed over it: an interrupted
-    or failed write (Ctrl-C, a full disk) leaves the previous file, or none, never half of one.
-    The temporary name keeps ``path``'s suffix (matplotlib picks the image format by it)."""
-    folder, name = os.path.split(os.path.abspath(path))
-    stem, suffix = os.path.splitext(name)
-    tmp = os.path.join(folder, f".{stem}.{os.getpid()}.tmp{suffix}")
+    """``write(tmp)``, then renamed over ``path`` (:func:`replace_whole`); a failure names ``flag``."""
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        replace_whole(path, write)
     except OSError as e:
         raise PlanFileError(fix(f"{flag} {path!r} cannot be written: {e.strerror or e}.",
                                 "free disk space or pass another path.")) from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _dump(result: dict[str, Any], indent: int | None) -> Callable[[str], None]:
     text = json.dumps(finite_or_null(result), indent=indent, default=str, allow_nan=False)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-    return write
+    return lambda tmp: Path(tmp).write_text(text)
 
 
 def _write(result: dict[str, Any], args: argparse.Namespace, console: Console) -> None:

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import threading
-import time
 from typing import Any, NoReturn
 
 import numpy as np

@@ -26,7 +26,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from spmdkit._bench._timing import case_row, machine, measure, ratio, target

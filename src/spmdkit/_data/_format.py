@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from spmdkit._atomic import is_temporary, replace_text, replace_whole
 from spmdkit._data._errors import DatasetCorruptError, DatasetFileError, DatasetLayoutError, DatasetWriteError
 from spmdkit._crc import crc32_file
 from spmdkit._errors import DataError, fix
@@ -133,7 +134,13 @@ def _old_files(directory: Path) -> set[str]:
         return {str(e["file"]) for e in json.loads((directory / MANIFEST).read_text())["leaves"]
                 if str(e["file"]) == Path(str(e["file"])).name}
     except (OSError, ValueError, KeyError, TypeError):
-        return {p.name for p in directory.iterdir() if p.is_file() and p.name.endswith((".npy", ".tmp"))}
+        return {p.name for p in directory.iterdir() if p.is_file() and _ours_unlisted(p.name)}
+
+
+def _ours_unlisted(name: str) -> bool:
+    """A file an interrupted write may have left: an array, or a temporary file (also the
+    ``.tmp`` names of earlier spmdkit versions)."""
+    return name.endswith((".npy", ".tmp")) or is_temporary(name)
 
 
 def _not_a_data_set(directory: Path) -> str | None:
@@ -147,7 +154,7 @@ def _not_a_data_set(directory: Path) -> str | None:
         except (OSError, ValueError, AttributeError):
             ours = False
         return None if ours else f"its {MANIFEST} is not an spmdkit data set manifest"
-    others = sorted(p.name for p in directory.iterdir() if not p.name.endswith((".npy", ".tmp")))
+    others = sorted(p.name for p in directory.iterdir() if not _ours_unlisted(p.name))
     return f"it holds {others[:3]}{'...' if len(others) > 3 else ''}" if others else None
 
 
@@ -174,9 +181,7 @@ def _write_files(directory: Path, leaves: list, count: int) -> set[str]:
         entries.append({"key": list(key), "file": name, "shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).str,
                         "bytes": (directory / name).stat().st_size, "crc32": crc32_file(directory / name)})
     manifest = {"format": FORMAT, "version": VERSION, "count": count, "leaves": entries}
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, directory / MANIFEST)
+    replace_text(directory / MANIFEST, json.dumps(manifest, indent=1))
     return used
 
 
@@ -185,13 +190,10 @@ def _save_replacing(path: Path, x: Any) -> None:
     may hold the old file memory-mapped: saving in place truncated it under the map, and the
     reader silently read the new rows, then died with SIGBUS past the new end. A rename leaves
     the old file's data to its readers until they close it."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             np.save(f, x, allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_whole(path, write)
 
 
 def _cannot_write(directory: Path, e: OSError) -> DataError:

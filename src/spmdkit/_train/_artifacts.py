@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdkit._atomic import replace_text, replace_whole
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._console import finite_or_null
 from spmdkit._errors import ConfigError, DataError, SpmdkitError, fix
@@ -101,12 +102,10 @@ class MetricsWriter:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write atomically: a reader never sees half a summary."""
     path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    text = json.dumps(finite_or_null(data), indent=2, default=_jsonable, allow_nan=False) + "\n"
     try:
-        tmp.write_text(json.dumps(finite_or_null(data), indent=2, default=_jsonable, allow_nan=False) + "\n")
-        os.replace(tmp, path)
+        replace_text(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise _cannot_write(path, e) from None
 
 
@@ -161,13 +160,17 @@ def save_params(path: str | os.PathLike, params: Any) -> None:
     """Save parameters as ``.npz``, one array per leaf keyed by its pytree path (atomically).
     bfloat16 and float8 leaves keep their dtype through :func:`load_params`."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.npz")
+    arrays = _npz_arrays(params)
     try:
-        np.savez(tmp, **_npz_arrays(params))
-        os.replace(tmp, path)
+        # np.savez appends ".npz" to a name without it: a path of another suffix is written through a handle
+        replace_whole(path, lambda tmp: _savez(tmp, arrays))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise _cannot_write(path, e) from None
+
+
+def _savez(path: str, arrays: dict[str, np.ndarray]) -> None:
+    with open(path, "wb") as fh:
+        np.savez(fh, **arrays)
 
 
 def load_params(path: str | os.PathLike, like: Any = None) -> Any:
