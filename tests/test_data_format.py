@@ -362,3 +362,15 @@ def test_a_data_set_this_user_may_not_read_is_named_with_the_fix(tmp_path, lock)
     assert done.returncode == 22, done.stderr[-2000:]
     assert err.count("permission denied. Fix: make it readable for this user (chmod -R u+rX") == 2
     assert "Traceback" not in err
+
+
+def test_keys_that_differ_only_in_case_get_files_that_differ_in_more(tmp_path):
+    """On macOS's and Windows' default disks "X.npy" and "x.npy" are one file: the second
+    array overwrote the first, and both keys silently read the same rows."""
+    arrays = {"X": np.zeros(4, np.float32), "x": np.ones(4, np.float32)}
+    d = spmdkit.write_dataset(tmp_path / "ds", arrays)
+    files = [e["file"] for e in json.loads((d / "manifest.json").read_text())["leaves"]]
+    assert len({f.lower() for f in files}) == 2, files
+    data = spmdkit.load_dataset(d, verify=True)
+    np.testing.assert_array_equal(data["X"], arrays["X"])
+    np.testing.assert_array_equal(data["x"], arrays["x"])

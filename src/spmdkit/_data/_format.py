@@ -68,7 +68,8 @@ def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ..
 def _file_name(key: tuple[str, ...], used: set[str]) -> str:
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", "__".join(key)) or "leaf"
     name, i = f"{stem}.npy", 1
-    while name in used:
+    taken = {u.lower() for u in used}  # "X.npy" and "x.npy" are one file on macOS's and Windows' disks
+    while name.lower() in taken:
         name, i = f"{stem}_{i}.npy", i + 1
     used.add(name)
     return name
