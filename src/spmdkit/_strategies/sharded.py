@@ -394,64 +394,77 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     """
     if axes is None:
         return state
-    parts = []
-    for path, sub in _subtrees(axes):
-        treedef = jax.tree.structure(sub, is_leaf=_is_names)
-        if treedef.num_leaves:
-            parts.append([path, treedef, jax.tree.leaves(sub, is_leaf=_is_names), None])
-
-    def fits(part, x):
-        if _is_box(x):
-            return False
-        # A masked optimizer's (optax.masked, multi_transform) moments hold a MaskedNode where a
-        # parameter is not its own: a slot of the params' structure with nothing to name. Their
-        # moments were left replicated, as if state_axes did not reach them.
-        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_slot)
-        _, want, names, shapes = part
-        if treedef != want or all(_is_masked(leaf) for leaf in leaves):
-            return False
-        return all(_is_slot(leaf) or n is None or len(n) == len(leaf.shape) for leaf, n in zip(leaves, names)) \
-            and (shapes is None or all(_is_masked(leaf) or tuple(getattr(leaf, "shape", ())) == shape
-                                       for leaf, shape in zip(leaves, shapes)))
-
-    whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: fits(parts[0], x)) if fits(parts[0], x)]
+    parts = _axes_parts(axes)
+    whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: _fits(parts[0], x)) if _fits(parts[0], x)]
     if whole:  # the params: every part learns the shapes it names
         for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
             part[3] = _shapes(_at(whole[0], part[0]))
-
-    def match(x):
-        found = [part for part in parts if fits(part, x)]
-        if len(found) > 1 and found[0][0] != () and len({tuple(map(str, p[2])) for p in found}) > 1:
-            raise LayoutError(
-                fix(f"state_axes parts {[jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p[0])) for p in found]} "
-                    f"both fit a part of the state with shapes {_shapes(x)}; spmdkit will not guess which.",
-                    "give state_axes the structure of the whole state (names for every copy of the params).")
-            )
-        return found[0][2] if found else None
-
     matched = []
 
     def box(x):
-        names = match(x)
+        names = _match(parts, x)
         matched.append(True)
         leaves, treedef = jax.tree.flatten(x, is_leaf=_is_slot)
         out = [leaf if _is_slot(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for leaf, n in zip(leaves, names)]
         return jax.tree.unflatten(treedef, out)
 
-    state = box(state) if match(state) is not None else jax.tree.map(
-        lambda x: box(x) if match(x) is not None else x, state, is_leaf=lambda x: match(x) is not None)
+    def named(x):
+        return _match(parts, x) is not None
+
+    state = box(state) if named(state) else jax.tree.map(lambda x: box(x) if named(x) else x, state, is_leaf=named)
     if not matched:
         _check_ranks(state, parts)
-        lists = _none_lists(axes)
-        raise LayoutError(
-            fix(f"state_axes (structure {jax.tree.structure(axes, is_leaf=_is_names)}) matches neither the state "
-                f"nor any part of it (state structure {jax.tree.structure(state, is_leaf=_is_box)}).",
-                "give state_axes the structure of the state, or of its params (a tuple of logical "
-                "names per array, None to replicate)."
-                + (f" state_axes{lists[0]} is a list of only None, read as a list of parts: write the "
-                   "names of one array as a tuple, e.g. (None, None)." if lists else ""))
-        )
+        raise _unmatched(state, axes)
     return state
+
+
+def _axes_parts(axes: Any) -> list[list]:
+    """``[path, structure, names, shapes (None until learned)]`` of ``axes`` and of every part of it."""
+    parts = []
+    for path, sub in _subtrees(axes):
+        treedef = jax.tree.structure(sub, is_leaf=_is_names)
+        if treedef.num_leaves:
+            parts.append([path, treedef, jax.tree.leaves(sub, is_leaf=_is_names), None])
+    return parts
+
+
+def _fits(part: list, x: Any) -> bool:
+    if _is_box(x):
+        return False
+    # A masked optimizer's (optax.masked, multi_transform) moments hold a MaskedNode where a
+    # parameter is not its own: a slot of the params' structure with nothing to name. Their
+    # moments were left replicated, as if state_axes did not reach them.
+    leaves, treedef = jax.tree.flatten(x, is_leaf=_is_slot)
+    _, want, names, shapes = part
+    if treedef != want or all(_is_masked(leaf) for leaf in leaves):
+        return False
+    return all(_is_slot(leaf) or n is None or len(n) == len(leaf.shape) for leaf, n in zip(leaves, names)) \
+        and (shapes is None or all(_is_masked(leaf) or tuple(getattr(leaf, "shape", ())) == shape
+                                   for leaf, shape in zip(leaves, shapes)))
+
+
+def _match(parts: list[list], x: Any) -> Any:
+    """The names of the one part that fits ``x``, None if none does; two that fit with different names: an error."""
+    found = [part for part in parts if _fits(part, x)]
+    if len(found) > 1 and found[0][0] != () and len({tuple(map(str, p[2])) for p in found}) > 1:
+        raise LayoutError(
+            fix(f"state_axes parts {[jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p[0])) for p in found]} "
+                f"both fit a part of the state with shapes {_shapes(x)}; spmdkit will not guess which.",
+                "give state_axes the structure of the whole state (names for every copy of the params).")
+        )
+    return found[0][2] if found else None
+
+
+def _unmatched(state: Any, axes: Any) -> LayoutError:
+    lists = _none_lists(axes)
+    return LayoutError(
+        fix(f"state_axes (structure {jax.tree.structure(axes, is_leaf=_is_names)}) matches neither the state "
+            f"nor any part of it (state structure {jax.tree.structure(state, is_leaf=_is_box)}).",
+            "give state_axes the structure of the state, or of its params (a tuple of logical "
+            "names per array, None to replicate)."
+            + (f" state_axes{lists[0]} is a list of only None, read as a list of parts: write the "
+               "names of one array as a tuple, e.g. (None, None)." if lists else ""))
+    )
 
 
 def _none_lists(axes: Any, path: str = "") -> list[str]:
