@@ -320,3 +320,66 @@ def test_the_replication_warning_names_the_arrays_when_every_parameter_is_sharde
                                state_axes={"params": {"w": ("embed", "hidden")}, "buffer": (None, None)})
     with pytest.warns(spmdkit.ReplicationWarning, match=r"the largest replicated arrays: state\['buffer'\] \(256, 64\)"):
         strategy.plan(make_state)
+
+
+class _ConstrainedMLP(nn.Module):
+    """Parameters named by the rules; the hidden activation constrained by ``names``."""
+
+    names: tuple
+    own_rules: tuple | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "hidden")), (4, 8))
+        h = nn.with_logical_constraint(x @ w, self.names, rules=self.own_rules)
+        return h.sum(-1)
+
+
+def _constrained_step(model):
+    def make_state(rng):
+        return {"params": model.init(rng, jnp.ones((2, 4)))["params"]}
+
+    def step(state, batch):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2))(
+            state["params"])
+        return {"params": jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], g)}, loss
+
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros(8)}
+    return make_state, step, batch
+
+
+RULES = {"batch": "data", "embed": None, "hidden": "model"}
+
+
+def test_an_activation_constraint_with_a_name_no_rule_maps_is_an_error():
+    """Flax maps a logical name without a rule to None: the activation was silently
+    replicated along it, where the rules vocabulary promises an error."""
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    make_state, step, batch = _constrained_step(_ConstrainedMLP(("batch", "seq")))
+    strategy = spmdkit.Sharded(mesh, RULES)
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)'seq'.*do not map.*\(\"seq\", None\)"):
+        strategy.init(make_state, jax.random.key(0))  # model.init traces the constraint
+    same_params, _, _ = _constrained_step(_ConstrainedMLP(("batch", "hidden")))
+    state = strategy.init(same_params, jax.random.key(0))
+    with pytest.raises(spmdkit.LayoutError, match="'seq'"):
+        strategy.step(step)(state, batch)  # the step's own trace: the same error
+
+    # opted in: replicated, and the same result as one device
+    loose = spmdkit.Sharded(mesh, RULES, replicate_unknown=True)
+    _, loss = loose.step(step)(loose.init(make_state, jax.random.key(0)), batch)
+    single = spmdkit.Single()
+    _, want = single.step(step)(single.init(make_state, jax.random.key(0)), batch)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(want), rtol=1e-6)
+
+
+def test_mapped_names_and_a_users_own_rules_argument_are_not_checked_by_spmdkit():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    for model in (_ConstrainedMLP(("batch", "hidden")),  # both mapped
+                  _ConstrainedMLP(("batch", "seq"), own_rules=(("batch", "data"),))):  # the user's own rules
+        make_state, step, batch = _constrained_step(model)
+        strategy = spmdkit.Sharded(mesh, RULES)
+        _, loss = strategy.step(step)(strategy.init(make_state, jax.random.key(0)), batch)
+        assert np.isfinite(float(loss))
+    # outside spmdkit's traces Flax behaves as it always did
+    with nn.logical_axis_rules(tuple(RULES.items())):
+        jax.jit(lambda x: nn.with_logical_constraint(x, ("batch", "seq")))(jnp.ones((8, 4)))

@@ -203,6 +203,16 @@ class AxisRules:
             )
         return table[logical]
 
+    def check_constraint(self, names: Any) -> None:
+        """Every logical name of an activation constraint (``nn.with_logical_constraint(x,
+        names)``) is mapped: Flax puts ``None`` (replicated) where no rule names one.
+
+            >>> AxisRules.from_mapping({"batch": "data"}).check_constraint(("batch", None))
+        """
+        for name in names:
+            if isinstance(name, str):
+                self.mesh_axes(name, f"an activation constraint nn.with_logical_constraint(x, {tuple(names)!r})")
+
     def spec(self, logical: tuple[str | None, ...], where: str = "array") -> P:
         """The mesh PartitionSpec of an array with these logical dimension names."""
         return P(*(None if name is None else self.mesh_axes(name, where) for name in logical))

@@ -10,6 +10,8 @@ return while tracing, and gives the model a mesh to constrain its activations ag
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import re
 from collections.abc import Callable, Mapping
@@ -26,7 +28,7 @@ from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, Signa
                              StepOutputError, TreeMismatchError, fix)
 from spmdkit._mesh import make_mesh
 from spmdkit._strategies._agree import check_same_batch, check_same_key
-from spmdkit._rules import LayoutError
+from spmdkit._rules import AxisRules, LayoutError
 from spmdkit._tree import bad_dtype
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
 
@@ -130,23 +132,28 @@ def with_size1_axes(mesh: Mesh, extra_axes: tuple[str, ...]) -> Mesh:
 
 class TraceContext:
     """What the user's function is traced under: the mesh (so ``with_sharding_constraint``
-    resolves), Flax logical rules (``nn.with_logical_constraint``) and NNX's eager
-    sharding off (spmdkit places variables itself, from their metadata).
+    resolves), the logical axis rules (``nn.with_logical_constraint``; a name they do not map
+    is a ``LayoutError``, see :func:`_check_constraints`) and NNX's eager sharding off
+    (spmdkit places variables itself, from their metadata).
 
     ``extra_axes`` are size-1 mesh axes a model constrains over that the strategy's mesh
     lacks (``P('data', 'model')`` on a data-parallel mesh): sharding over a size-1 axis
     is replication, so the model runs unchanged.
     """
 
-    def __init__(self, mesh: Mesh, rules: Any = None, extra_axes: tuple[str, ...] = ()):
+    def __init__(self, mesh: Mesh, rules: AxisRules | None = None, extra_axes: tuple[str, ...] = (),
+                 check: bool = True):
         self._abstract = with_size1_axes(mesh, extra_axes).abstract_mesh
         self._rules = rules
+        self._check = check
         self._entered: list[list[Any]] = []  # re-entrant: each trace enters fresh contexts
 
     def __enter__(self):
         contexts = [jax.sharding.use_abstract_mesh(self._abstract), nnx.use_eager_sharding(False)]
         if self._rules is not None:
-            contexts.append(nn.logical_axis_rules(self._rules))
+            contexts.append(nn.logical_axis_rules(self._rules.flax_rules()))
+            if self._check:
+                contexts.append(_checking(self._rules))
         for c in contexts:
             c.__enter__()
         self._entered.append(contexts)
@@ -154,6 +161,60 @@ class TraceContext:
     def __exit__(self, *exc):
         for c in reversed(self._entered.pop()):
             c.__exit__(*exc)
+
+
+# The rules of the trace under way, whose activation constraints are checked.
+_CHECKED_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar("spmdkit_rules", default=None)
+# Inside a parameter's unboxing: its names are spmdkit's to check, with the parameter's path.
+_UNBOXING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmdkit_unboxing", default=False)
+
+
+@contextlib.contextmanager
+def _checking(rules: AxisRules):
+    _check_constraints()
+    token = _CHECKED_RULES.set(rules)
+    try:
+        yield
+    finally:
+        _CHECKED_RULES.reset(token)
+
+
+def _check_constraints() -> None:
+    """Make Flax's mapping of logical names to mesh axes check them against spmdkit's rules.
+
+    Flax maps a name that no rule lists to ``None``: ``nn.with_logical_constraint(x, ("batch",
+    "length"))`` under rules without ``length`` silently replicated that dimension of the
+    activation. Installed once, in Flax's private ``_logical_to_mesh_axes`` that every
+    logical constraint goes through; it checks only inside spmdkit's traces, only the rules
+    spmdkit set (a user's own ``rules=`` argument is theirs) and not while Flax unboxes a
+    parameter (spmdkit's layout names an unmapped parameter by its path). A Flax without
+    these functions runs unchecked.
+    """
+    from flax.linen import spmd
+
+    original = getattr(spmd, "_logical_to_mesh_axes", None)
+    boxed = getattr(spmd, "LogicallyPartitioned", None)
+    if original is None or boxed is None or getattr(original, "_spmdkit_checked", False):
+        return
+    unbox = boxed.unbox
+
+    def checked(array_dim_names, rules=None):
+        ours = _CHECKED_RULES.get()
+        if (ours is not None and array_dim_names is not None and not _UNBOXING.get()
+                and (rules is None or rules == ours.flax_rules())):
+            ours.check_constraint(array_dim_names)
+        return original(array_dim_names, rules)
+
+    def unbox_parameter(self, *args, **kwargs):
+        token = _UNBOXING.set(True)
+        try:
+            return unbox(self, *args, **kwargs)
+        finally:
+            _UNBOXING.reset(token)
+
+    checked._spmdkit_checked = True  # type: ignore[attr-defined]
+    boxed.unbox = unbox_parameter
+    spmd._logical_to_mesh_axes = checked
 
 
 def missing_axis(error: Exception) -> str | None:
@@ -228,7 +289,7 @@ class Placement:
       split over ``batch_shards``;
     - ``_lift(fn, kind)``: the user's function over the whole state (ensembles map
       it over members); ``kind`` is ``"step"`` or ``"apply"``;
-    - ``_rules()``: Flax logical rules for tracing, or None.
+    - ``_rules()``: the logical axis rules (``AxisRules``) the user's functions are traced under, or None.
     """
 
     mesh: Mesh
@@ -312,8 +373,8 @@ class Placement:
                     "or build it with strategy.init (a checkpoint restores onto any layout)."))
 
     # ---- shared machinery -------------------------------------------------------
-    def _context(self) -> TraceContext:
-        return TraceContext(self.mesh, self._rules(), getattr(self, "_extra_axes", ()))
+    def _context(self, check: bool = True) -> TraceContext:
+        return TraceContext(self.mesh, self._rules(), getattr(self, "_extra_axes", ()), check)
 
     def _traced(self, run: Callable[[], Any]) -> Any:
         """Run (and so trace) a compiled call; if a sharding constraint names a mesh axis
@@ -332,7 +393,9 @@ class Placement:
         """Shapes of the state, Flax/NNX layout metadata kept; nothing is allocated."""
 
         def run():
-            with self._context():
+            # Activations are not checked here: the layout that follows names an unmapped
+            # parameter by its path, and the step's trace checks the activations.
+            with self._context(check=False):
                 return jax.eval_shape(make, rng)
 
         return self._traced(run)

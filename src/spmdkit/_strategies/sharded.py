@@ -237,7 +237,7 @@ class Sharded(Placement):
         return layout
 
     def _rules(self) -> Any:
-        return self.rules.flax_rules()
+        return self.rules
 
     def _state_shardings(self, state: Any) -> Any:
         known = self._known.get(jax.tree.structure(state))
