@@ -380,6 +380,17 @@ def test_mapped_names_and_a_users_own_rules_argument_are_not_checked_by_spmdkit(
         strategy = spmdkit.Sharded(mesh, RULES)
         _, loss = strategy.step(step)(strategy.init(make_state, jax.random.key(0)), batch)
         assert np.isfinite(float(loss))
+    # the user's own rules context inside their step: theirs to map
+    make_state, step, batch = _constrained_step(_ConstrainedMLP(("batch", "seq")))
+    strategy = spmdkit.Sharded(mesh, RULES)
+    same_params, _, _ = _constrained_step(_ConstrainedMLP(("batch", "hidden")))
+
+    def own_context_step(state, batch):
+        with nn.logical_axis_rules((("batch", "data"), ("seq", None))):
+            return step(state, batch)
+
+    _, loss = strategy.step(own_context_step)(strategy.init(same_params, jax.random.key(0)), batch)
+    assert np.isfinite(float(loss))
     # outside spmdkit's traces Flax behaves as it always did
     with nn.logical_axis_rules(tuple(RULES.items())):
         jax.jit(lambda x: nn.with_logical_constraint(x, ("batch", "seq")))(jnp.ones((8, 4)))

@@ -186,7 +186,7 @@ def _check_constraints() -> None:
     "length"))`` under rules without ``length`` silently replicated that dimension of the
     activation. Installed once, in Flax's private ``_logical_to_mesh_axes`` that every
     logical constraint goes through; it checks only inside spmdkit's traces, only the rules
-    spmdkit set (a user's own ``rules=`` argument is theirs) and not while Flax unboxes a
+    spmdkit set (a user's own ``rules=`` argument or ``nn.logical_axis_rules`` context is theirs) and not while Flax unboxes a
     parameter (spmdkit's layout names an unmapped parameter by its path). A Flax without
     these functions runs unchecked.
     """
@@ -200,9 +200,12 @@ def _check_constraints() -> None:
 
     def checked(array_dim_names, rules=None):
         ours = _CHECKED_RULES.get()
-        if (ours is not None and array_dim_names is not None and not _UNBOXING.get()
-                and (rules is None or rules == ours.flax_rules())):
-            ours.check_constraint(array_dim_names)
+        if ours is not None and array_dim_names is not None and not _UNBOXING.get():
+            # the rules in force: a rules= argument, else the innermost nn.logical_axis_rules,
+            # which may be the user's own context inside their step
+            in_force = spmd.get_logical_axis_rules() if rules is None else rules
+            if tuple(map(tuple, in_force)) == tuple(map(tuple, ours.flax_rules())):
+                ours.check_constraint(array_dim_names)
         return original(array_dim_names, rules)
 
     def unbox_parameter(self, *args, **kwargs):
