@@ -407,3 +407,60 @@ def test_bench_compare_best_of_different_case_sets_is_not_comparable():
     # The same case set with another winner is still a comparison of the same thing.
     other = run(["default", "hand"], "default", 1.5)  # flags differ too: they are not cases
     assert compare(plain, other)[0]["agree"] is False
+
+
+def _fake_suite(ran: list):
+    """A suite of one row that runs in no time, for the bench command's own behaviour."""
+    def run(quick):
+        ran.append(quick)
+        machine = {"devices": 8, "backend": "cpu", "cpu_count": 2, "jax": jax.__version__, "date": "today",
+                   "processor": "x", "python": "3"}
+        return {"suite": "pmap", "machine": machine, "columns": ["case", "ms"], "rows": [{"case": "a", "ms": 1.0}],
+                "targets": []}
+    return run
+
+
+@pytest.mark.parametrize("flags, where", [
+    (["--suite", "pmap", "--json"], "afile/out.json"),  # a file where its directory belongs
+    (["--suite", "pmap", "--markdown"], "."),  # a directory where the file belongs
+    (["--all", "--json"], "afile"),  # --all's directory is a file
+])
+def test_bench_refuses_an_unwritable_output_before_running_a_suite(tmp_path, monkeypatch, capsys, flags, where):
+    from spmdkit import _bench
+    from spmdkit._cli import main
+
+    (tmp_path / "afile").write_text("")
+    ran = []
+    monkeypatch.setattr(_bench, "SUITES", {"pmap": _fake_suite(ran)})
+    path = str(tmp_path / where)
+    assert main(["bench", *flags, path, "--quick"]) == 5
+    err = capsys.readouterr().err
+    assert ran == []  # found before minutes of benchmarking, not after
+    assert f"error: {flags[-1]} {path}: cannot " in err and "Traceback" not in err
+    assert any(reason in err for reason in ("Not a directory", "Is a directory", "File exists")), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_report_that_cannot_be_written_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from spmdkit import _bench
+    from spmdkit._cli import main
+
+    monkeypatch.setattr(_bench, "SUITES", {"pmap": _fake_suite([])})
+    out = tmp_path / "out.json"
+    assert main(["bench", "--suite", "pmap", "--quick", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["suite"] == "pmap"
+    out.write_text('{"previous": true}')
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    # The disk fills up after the check that the place is writable: the write fails, as one on a full
+    # disk does, and must leave the previous report whole (an open(path, "w") had already emptied it).
+    monkeypatch.setattr(os, "fsync", disk_full)
+    assert main(["bench", "--suite", "pmap", "--quick", "--json", str(out)]) == 5
+    err = capsys.readouterr().err
+    assert f"error: --json {out}: cannot write it: No space left on device" in err and "Traceback" not in err
+    assert json.loads(out.read_text()) == {"previous": True}
+    assert sorted(os.listdir(tmp_path)) == ["out.json"]  # no temporary file left beside it

@@ -452,17 +452,70 @@ def _compare_bench(dirs: list[str], console: Console) -> int:
     return 0 if judged and all(r["agree"] for r in judged) else 1
 
 
-def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    import os
+class BenchFileError(SpmdkitError, OSError):
+    """``bench --json``/``--markdown`` cannot be written: a file where a directory belongs, no
+    permission, a full disk."""
 
-    from spmdkit._bench import SUITES
-    from spmdkit._bench.report import print_report, to_markdown
+    exit_code = 5  # the CLI's code for an I/O failure (README, exit codes)
 
-    if args.compare:
-        return _compare_bench(args.compare, console)
+
+def _bench_outputs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """``(flag, path, extension)`` of each report file asked for (with --all: a directory)."""
+    asked = (("--json", args.json, "json"), ("--markdown", args.markdown, "md"))
+    return [(flag, path, ext) for flag, path, ext in asked if path]
+
+
+def _bench_file_error(flag: str, given: str, what: str, e: OSError, is_dir: bool) -> BenchFileError:
+    if is_dir:
+        remedy = f"pass a directory you can write to (made if missing), e.g. {flag} bench-out"
+    else:
+        remedy = f"pass a file in a directory you can write to, e.g. {flag} bench.{'json' if flag == '--json' else 'md'}"
+    # One line, as the bench's other errors: the OS's reason is the diagnosis.
+    return BenchFileError(f"{flag} {shlex.quote(given)}: cannot {what}: {e.strerror or e}. Fix: {remedy}")
+
+
+def _check_bench_outputs(args: argparse.Namespace) -> None:
+    """Make each --all directory and write a probe where each report goes, before any suite runs:
+    a bad path used to be found only after minutes of benchmarking, and their figures were lost."""
+    import errno
+    import tempfile
+
+    for flag, path, _ in _bench_outputs(args):
+        what = "make it a directory" if args.all else "write it"
+        try:
+            if args.all:
+                os.makedirs(path, exist_ok=True)
+                what = "write in it"
+            elif os.path.isdir(path):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            fd, probe = tempfile.mkstemp(dir=path if args.all else os.path.dirname(os.path.abspath(path)),
+                                         prefix=".spmdkit-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise _bench_file_error(flag, path, what, e, args.all) from None
+
+
+def _write_bench_outputs(name: str, report: dict, args: argparse.Namespace, console: Console) -> None:
+    from spmdkit._atomic import replace_text
+    from spmdkit._bench.report import to_markdown
+
+    render = {"json": lambda r: json.dumps(r, indent=2), "md": to_markdown}
+    for flag, given, ext in _bench_outputs(args):
+        path = os.path.join(given, f"{name}.{ext}") if args.all else given
+        try:
+            # Whole or not at all: a full disk or Ctrl-C mid-write leaves the previous report.
+            replace_text(path, render[ext](report))
+        except OSError as e:
+            raise _bench_file_error(flag, given, f"write {path}" if args.all else "write it", e, args.all) from None
+        console.print(f"wrote {path}")
+
+
+def _check_bench_options(args: argparse.Namespace, console: Console) -> bool:
+    """Whether --levers and --torch-python fit the suite (else says why)."""
     if args.levers and args.suite not in (None, "multiprocess"):
         console.print("[red]error:[/] --levers is an option of --suite multiprocess (or --all)")
-        return 2
+        return False
     if args.levers:
         from spmdkit._bench.multiprocess_suite import check_levers
 
@@ -470,18 +523,30 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             check_levers(args.levers)
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
-            return 2
+            return False
     if args.torch_python:
         from spmdkit._bench.multiprocess_suite import torch_interpreter
 
         if args.suite not in (None, "multiprocess"):
             console.print("[red]error:[/] --torch-python is an option of --suite multiprocess (or --all)")
-            return 2
+            return False
         try:
             torch_interpreter(args.torch_python)
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
-            return 2
+            return False
+    return True
+
+
+def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from spmdkit._bench import SUITES
+    from spmdkit._bench.report import print_report
+
+    if args.compare:
+        return _compare_bench(args.compare, console)
+    if not _check_bench_options(args, console):
+        return 2
+    _check_bench_outputs(args)
     names = sorted(SUITES) if args.all else [args.suite]
     failed = []
     for name in names:
@@ -494,16 +559,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
             failed.append(name)
             continue
         print_report(report, console)
-        outputs = ((args.json, "json", lambda r: json.dumps(r, indent=2)), (args.markdown, "md", to_markdown))
-        for path, ext, render in outputs:
-            if not path:
-                continue
-            if args.all:
-                os.makedirs(path, exist_ok=True)
-                path = os.path.join(path, f"{name}.{ext}")
-            with open(path, "w") as fh:
-                fh.write(render(report))
-            console.print(f"wrote {path}")
+        _write_bench_outputs(name, report, args, console)
     if failed:
         console.print(f"[red]failed suites: {', '.join(failed)}[/]")
     return 1 if failed else 0
