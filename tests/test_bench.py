@@ -464,3 +464,25 @@ def test_bench_report_that_cannot_be_written_keeps_the_previous_one(tmp_path, mo
     assert f"error: --json {out}: cannot write it: No space left on device" in err and "Traceback" not in err
     assert json.loads(out.read_text()) == {"previous": True}
     assert sorted(os.listdir(tmp_path)) == ["out.json"]  # no temporary file left beside it
+
+
+@pytest.mark.parametrize("text, what", [
+    ('{"suite": "data", "targ', "not JSON, damaged or cut short"),  # a write cut short
+    ("", "not JSON, damaged or cut short"),
+    ("[]", "not a spmdkit bench report (a JSON list without a \"suite\" name)"),
+    ('{"a": 1}', "not a spmdkit bench report (an object without a \"suite\" name)"),
+    ('{"suite": "data", "targets": [{"name": "x"}]}', "not a spmdkit bench report (its \"targets\" are not a list"),
+    ('{"suite": "data", "targets": [], "rows": 3}', "not a spmdkit bench report (its \"rows\" are not a list"),
+])
+def test_bench_compare_names_a_damaged_or_foreign_report(tmp_path, capsys, text, what):
+    from spmdkit._cli import main
+
+    good, other = tmp_path / "good", tmp_path / "other"
+    for d in (good, other):
+        d.mkdir()
+        (d / "data.json").write_text(json.dumps({"suite": "data", "targets": [{"name": "r", "value": 1.0}]}))
+    (other / "data.json").write_text(text)
+    assert main(["bench", "--compare", str(good), str(other)]) == 2
+    out = capsys.readouterr()
+    assert f"error: --compare: {other / 'data.json'}: {what}" in out.out, out
+    assert len(out.out.strip().splitlines()) == 1 and "Traceback" not in out.err

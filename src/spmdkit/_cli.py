@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -423,6 +424,32 @@ def _run_suite(name: str, args: argparse.Namespace) -> dict:
     return fn(**{k: v for k, v in options.items() if k in accepted and (k == "quick" or v is not None)})
 
 
+def _read_bench_report(path: str) -> tuple[dict, str | None]:
+    """A SUITE.json of ``spmdkit bench --json``, or what is wrong with the file: unreadable, not
+    JSON (cut short, damaged), or JSON of another kind (no suite name, targets without values)."""
+    try:
+        with open(path, "rb") as fh:
+            report = json.loads(fh.read())
+    except OSError as e:
+        return {}, f"cannot read it ({e.strerror or e})"
+    except json.JSONDecodeError as e:
+        return {}, f"not JSON, damaged or cut short ({e.msg}: line {e.lineno} column {e.colno})"
+    except ValueError as e:  # not UTF-8 text
+        return {}, f"not JSON ({e})"
+    if not isinstance(report, dict) or not isinstance(report.get("suite"), str):
+        kind = "an object" if isinstance(report, dict) else f"a JSON {type(report).__name__}"
+        return {}, f"not a spmdkit bench report ({kind} without a \"suite\" name)"
+    targets, rows = report.get("targets", []), report.get("rows", [])
+    numbers = (int, float)
+    if not isinstance(targets, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("value"), numbers)
+            and not isinstance(t.get("value"), bool) for t in targets):
+        return {}, "not a spmdkit bench report (its \"targets\" are not a list of {\"name\", \"value\"})"
+    if not isinstance(rows, list) or not all(isinstance(r, (dict, list)) for r in rows):
+        return {}, "not a spmdkit bench report (its \"rows\" are not a list of rows)"
+    return report, None
+
+
 def _compare_bench(dirs: list[str], console: Console) -> int:
     """Exit 0 when two runs agree on every comparable target they share, 1 when one differs, 2 on bad input."""
     import glob
@@ -432,11 +459,22 @@ def _compare_bench(dirs: list[str], console: Console) -> int:
 
     runs = []
     for d in dirs:
-        files = sorted(glob.glob(os.path.join(d, "*.json")))
+        files = sorted(glob.glob(os.path.join(glob.escape(d), "*.json")))
         if not files:
-            console.print(f"[red]error:[/] no SUITE.json files in {d!r}: write them with spmdkit bench --all --json {d}")
+            console.print(f"[red]error:[/] no SUITE.json files in {escape(repr(d))}: write them with spmdkit bench "
+                          f"--all --json {escape(shlex.quote(d))}")
             return 2
-        runs.append({os.path.basename(f)[:-5]: json.load(open(f)) for f in files})
+        run = {}
+        for f in files:
+            report, problem = _read_bench_report(f)
+            if problem:
+                # One line, not a traceback from deep in the comparison: which file, and what is wrong with it.
+                console.print(Text("error: ", style="red") + Text(f"--compare: {f}: {problem}; write it again with "
+                                                                   f"spmdkit bench --all --json {shlex.quote(d)}"),
+                              soft_wrap=True)
+                return 2
+            run[os.path.basename(f)[:-5]] = report
+        runs.append(run)
     rows = compare(*runs)
     table = Table(title=f"targets of {dirs[0]} vs {dirs[1]} (agree: within {AGREEMENT:.0%})")
     for col in ("suite", "target", "first", "second", "diff", "agree"):
