@@ -84,6 +84,23 @@ def test_a_failing_process_gives_its_exit_code():
     assert "process 1 exited with code 3; stopped the other 1" in out.stderr
 
 
+@pytest.mark.parametrize("before, after, named, fix", [
+    # Before launch they set up no JAX in the launcher and reached no launched process, without a word.
+    (["--host-devices", "8"], [], "--host-devices 8", "--host-devices-per-process 4"),
+    (["--compile-cache", "/tmp/cc"], [], "--compile-cache /tmp/cc", "SPMDKIT_COMPILE_CACHE=/tmp/cc"),
+    (["--no-compile-cache"], [], "--no-compile-cache", "SPMDKIT_COMPILE_CACHE=off"),
+    # After launch, --host-devices 8 was taken as --host-devices-per-process 8: 16 devices, not 8.
+    ([], ["--host-devices", "8"], "--host-devices 8", "--host-devices-per-process 4"),
+])
+def test_device_and_cache_flags_given_to_the_launcher_are_an_error_naming_their_place(before, after, named, fix):
+    code = "import os; print('ran with', os.environ.get('SPMDKIT_HOST_DEVICES'))"
+    out = run([*CLI, *before, "launch", "-n", "2", *after, "--", sys.executable, "-c", code], timeout=90)
+    assert out.returncode == 2, out.stdout + out.stderr[-2000:]
+    assert "ran with" not in out.stdout
+    assert f"error: {named} is not an option of spmdkit launch" in out.stderr and fix in out.stderr
+    assert "put it after -- on the launched command" in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("sig", [9, 15])
 def test_a_process_killed_by_a_signal_gives_128_plus_its_number(sig):
     # It gave 1: a script could not tell an OOM kill (9) or a stop (15) from a Python error.

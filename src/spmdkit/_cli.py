@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="when a process fails, restart all from the last good checkpoint up to N times (0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
+    _add_refused_launch_options(p)
     p = sub.add_parser("sample", parents=[common], help="generate text with a --task lm checkpoint")
     p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the --checkpoint-dir of a --task lm run")
     p.add_argument("--prompt", default="", help="text to continue (default: a newline)")
@@ -162,6 +163,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-python", metavar="PATH", help="multiprocess: run the PyTorch cases with this Python "
                    "(an env with torch; default $SPMDKIT_TORCH_PYTHON, else this Python if it has torch)")
     return parser
+
+
+def _add_refused_launch_options(p: argparse.ArgumentParser) -> None:
+    """The device and cache flags, hidden, on launch: given to the launcher, they reached no launched
+    process without a word (and ``launch --host-devices N`` was taken as ``--host-devices-per-process
+    N``, N devices each, not in all); parsed here, ``_refuse_launch_options`` names the right place."""
+    p.add_argument("--host-devices", type=_host_device_count, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--compile-cache", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--no-compile-cache", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _refuse_launch_options(args: argparse.Namespace) -> None:
+    """``spmdkit --host-devices N launch ...`` and the cache flags set up no JAX in the launcher, and the
+    launched command line is the user's own: an error that says where each flag takes effect."""
+    from spmdkit._errors import ConfigError, fix
+
+    p, n = args.processes, getattr(args, "host_devices", None)
+    if n is not None:
+        each = f"for {n} devices in all, {n // p} in each process" if n % p == 0 else "for D devices in each process"
+        per = f"{n // p}" if n % p == 0 else "D"
+        raise ConfigError(fix(f"--host-devices {n} is not an option of spmdkit launch: the launched processes "
+                              "would not see it.",
+                              f"{each}: spmdkit launch -n {p} --host-devices-per-process {per} -- ...; or put it "
+                              f"after -- on the launched command, for {n} in each process: spmdkit launch -n {p} -- "
+                              f"spmdkit train --host-devices {n}."))
+    cache, off = getattr(args, "compile_cache", None), getattr(args, "no_compile_cache", None)
+    if cache is not None or off:
+        flag = f"--compile-cache {shlex.quote(cache)}" if cache is not None else "--no-compile-cache"
+        env = f"{ENV_COMPILE_CACHE}={shlex.quote(cache) if cache is not None else 'off'}"
+        raise ConfigError(fix(f"{flag} is not an option of spmdkit launch: the launched processes would not see it.",
+                              f"put it after -- on the launched command (spmdkit launch -n {p} -- spmdkit train "
+                              f"{flag}), or set {env} in the environment, which every process inherits."))
 
 
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
@@ -353,6 +386,8 @@ def _host_devices(args: argparse.Namespace) -> int | None:
 
 
 def _setup_devices(args: argparse.Namespace) -> None:
+    if args.command == "launch":
+        _refuse_launch_options(args)
     n = _host_devices(args)
     if args.command == "launch":
         return  # the launcher runs no JAX itself; its children set up their own devices
