@@ -101,6 +101,23 @@ def test_device_count_from_flag_and_env(args, env, expected):
     assert json.loads(out.stdout)["device_count"] == expected
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["train", "--help"]])
+def test_host_devices_help_states_every_default_in_the_order_they_apply(argv, capsys):
+    from spmdkit._cli import _DEFAULT_DEVICES
+
+    # It said "$SPMDKIT_HOST_DEVICES, else what JAX finds": bench, demo, inspect and calibrate run 8.
+    with pytest.raises(SystemExit):
+        main(argv)
+    squeeze = lambda t: "".join(t.split())  # noqa: E731 (argparse wraps lines, also at a hyphen)
+    text = squeeze(capsys.readouterr().out)
+    text = text[text.index("--host-devicesNsimulate"):]
+    assert squeeze("Default: train's host-devices in --config, plan's --devices, else $SPMDKIT_HOST_DEVICES, "
+                   "else 8 for") in text
+    assert squeeze("else what JAX finds (1 device on a machine without GPU or TPU)") in text
+    defaults = text[text.index("else8for"):text.index("elsewhatJAXfinds")]
+    assert set(_DEFAULT_DEVICES.values()) == {8} and all(c in defaults for c in _DEFAULT_DEVICES)
+
+
 def test_bad_env_value_is_a_clean_error():
     out = run_cli("devices", env={"SPMDKIT_HOST_DEVICES": "many"})
     assert out.returncode == 2

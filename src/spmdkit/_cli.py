@@ -61,6 +61,18 @@ def _host_device_count(text: str) -> int:
     return value
 
 
+def _host_devices_help() -> str:
+    """--host-devices' defaults in the order ``_host_devices`` tries them (it said only the environment,
+    else what JAX finds: bench, demo, inspect and calibrate run on 8 unless told otherwise)."""
+    by_count: dict[int, list[str]] = {}
+    for command, n in sorted(_DEFAULT_DEVICES.items()):
+        by_count.setdefault(n, []).append(command)
+    fixed = ", ".join(f"{n} for {', '.join(commands)}" for n, commands in sorted(by_count.items()))
+    return (f"simulate N CPU devices (not for launch: see its --host-devices-per-process). Default: train's "
+            f"host-devices in --config, plan's --devices, else ${ENV_HOST_DEVICES}, else {fixed}, else what JAX "
+            "finds (1 device on a machine without GPU or TPU)")
+
+
 def _device_options(default: object) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -68,7 +80,7 @@ def _device_options(default: object) -> argparse.ArgumentParser:
         type=_host_device_count,
         metavar="N",
         default=default,
-        help=f"simulate N CPU devices (default: ${ENV_HOST_DEVICES}, else what JAX finds)",
+        help=_host_devices_help(),
     )
     common.add_argument(
         "--compile-cache",
