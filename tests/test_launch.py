@@ -101,6 +101,21 @@ def test_device_and_cache_flags_given_to_the_launcher_are_an_error_naming_their_
     assert "put it after -- on the launched command" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_negative_max_restarts_is_refused_by_name():
+    # It was taken as 0 without a word (and launch(max_restarts=-1), on a failure, said "all -1 restart(s)
+    # failed too").
+    # In a process of its own with a hard timeout: without the check, both would start processes.
+    code = "print('ran')"
+    out = run([*CLI, "launch", "-n", "2", "--max-restarts", "-1", "--", sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 2 and "ran" not in out.stdout
+    assert "argument --max-restarts: expected a whole number >= 0, got -1: pass --max-restarts 0" in out.stderr
+    api = f"from spmdkit._launch import launch; launch([{sys.executable!r}, '-c', {code!r}], 1, max_restarts=-1)"
+    out = run([sys.executable, "-c", api], timeout=60)
+    assert "ran" not in out.stdout
+    assert "DeviceSetupError: max_restarts=-1: restarts cannot be fewer than none." in out.stderr
+    assert "--max-restarts N" in out.stderr
+
+
 @pytest.mark.parametrize("sig", [9, 15])
 def test_a_process_killed_by_a_signal_gives_128_plus_its_number(sig):
     # It gave 1: a script could not tell an OOM kill (9) or a stop (15) from a Python error.

@@ -52,6 +52,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _restart_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        # -1 used to be taken as 0 without a word: a user asking for "no limit" got no restarts.
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}: pass --max-restarts 0 for no "
+                                         "restarts, or --max-restarts N to restart up to N times")
+    return value
+
+
 def _host_device_count(text: str) -> int:
     value = _positive_int(text)
     if value > MAX_HOST_DEVICES:
@@ -140,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
     p.add_argument("--host-devices-per-process", type=_host_device_count, metavar="D", help="simulated CPU devices each")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    p.add_argument("--max-restarts", type=_restart_count, default=0, metavar="N",
                    help="when a process fails, restart all from the last good checkpoint up to N times (0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
     _add_refused_launch_options(p)
@@ -731,7 +743,7 @@ def _cmd_launch(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._launch import launch
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    return launch(cmd, args.processes, args.host_devices_per_process, max_restarts=max(args.max_restarts, 0))
+    return launch(cmd, args.processes, args.host_devices_per_process, max_restarts=args.max_restarts)
 
 
 def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:

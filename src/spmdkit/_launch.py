@@ -433,6 +433,16 @@ def _report_failure(group: _Group, processes: int, index: int, code: int, attemp
     return code if code > 0 else 128 - code
 
 
+def _check_launch(command: Sequence[str], processes: int, max_restarts: int) -> None:
+    if processes < 1:
+        raise DeviceSetupError(fix(f"-n {processes}: need at least one process.", "pass -n 2."))
+    if max_restarts < 0:
+        raise DeviceSetupError(fix(f"max_restarts={max_restarts}: restarts cannot be fewer than none.",
+                                   "pass 0 for no restarts, or N to restart up to N times (--max-restarts N)."))
+    if not command:
+        raise DeviceSetupError(fix("no command to launch.", "write it after --, e.g. spmdkit launch -n 2 -- spmdkit train"))
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0,
            max_restarts: int = 0, backoff_s: float = 1.0) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
@@ -446,10 +456,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     SIGTERM/SIGINT to the launcher go to every process; the launcher
     then exits with 143/130 once they have ended.
     """
-    if processes < 1:
-        raise DeviceSetupError(fix(f"-n {processes}: need at least one process.", "pass -n 2."))
-    if not command:
-        raise DeviceSetupError(fix("no command to launch.", "write it after --, e.g. spmdkit launch -n 2 -- spmdkit train"))
+    _check_launch(command, processes, max_restarts)
     stop = threading.Event()
     received: list[int] = []
 
