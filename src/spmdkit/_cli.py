@@ -143,19 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     from spmdkit._calibrate_cli import add_calibrate_parser
 
     add_calibrate_parser(sub)
-    p = sub.add_parser(
-        "launch",
-        help="run a command in P local processes joined by jax.distributed",
-        description="Starts P copies of COMMAND with a coordinator on 127.0.0.1 and a free port; "
-        "output lines are prefixed with the process index; if one process fails, the others are "
-        "stopped (SIGKILL after a grace period) and launch exits with its code (128 + N if signal N killed it).",
-    )
-    p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
-    p.add_argument("--host-devices-per-process", type=_host_device_count, metavar="D", help="simulated CPU devices each")
-    p.add_argument("--max-restarts", type=_restart_count, default=0, metavar="N",
-                   help="when a process fails, restart all from the last good checkpoint up to N times (0)")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
-    _add_refused_launch_options(p)
+    _add_launch_parser(sub)
     p = sub.add_parser("sample", parents=[common], help="generate text with a --task lm checkpoint")
     p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the --checkpoint-dir of a --task lm run")
     p.add_argument("--prompt", default="", help="text to continue (default: a newline)")
@@ -169,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(exit {EXIT_DAMAGED} if a step is damaged or incomplete)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    _add_bench_parser(sub, common)
+    return parser
+
+
+def _add_bench_parser(sub, common: argparse.ArgumentParser) -> None:
     from spmdkit._bench import SUITES
 
     p = sub.add_parser("bench", parents=[common], help="run a benchmark suite (8 devices by default)")
@@ -186,7 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
                    f"({', '.join(LEVERS)}; see BENCHMARKS.md)")
     p.add_argument("--torch-python", metavar="PATH", help="multiprocess: run the PyTorch cases with this Python "
                    "(an env with torch; default $SPMDKIT_TORCH_PYTHON, else this Python if it has torch)")
-    return parser
+
+
+def _add_launch_parser(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a command in P local processes joined by jax.distributed",
+        description="Starts P copies of COMMAND with a coordinator on 127.0.0.1 and a free port; "
+        "output lines are prefixed with the process index; if one process fails, the others are "
+        "stopped (SIGKILL after a grace period) and launch exits with its code (128 + N if signal N killed it).",
+    )
+    p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
+    p.add_argument("--host-devices-per-process", type=_host_device_count, metavar="D", help="simulated CPU devices each")
+    p.add_argument("--max-restarts", type=_restart_count, default=0, metavar="N",
+                   help="when a process fails, restart all from the last good checkpoint up to N times (0)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command, after --")
+    _add_refused_launch_options(p)
 
 
 def _add_refused_launch_options(p: argparse.ArgumentParser) -> None:
