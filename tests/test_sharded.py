@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import flax.linen as nn
+from flax.linen.spmd import RulesFallback
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -327,11 +328,12 @@ class _ConstrainedMLP(nn.Module):
 
     names: tuple
     own_rules: tuple | None = None
+    fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED
 
     @nn.compact
     def __call__(self, x):
         w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "hidden")), (4, 8))
-        h = nn.with_logical_constraint(x @ w, self.names, rules=self.own_rules)
+        h = nn.with_logical_constraint(x @ w, self.names, rules=self.own_rules, fallback=self.fallback)
         return h.sum(-1)
 
 
@@ -394,3 +396,38 @@ def test_mapped_names_and_a_users_own_rules_argument_are_not_checked_by_spmdkit(
     # outside spmdkit's traces Flax behaves as it always did
     with nn.logical_axis_rules(tuple(RULES.items())):
         jax.jit(lambda x: nn.with_logical_constraint(x, ("batch", "seq")))(jnp.ones((8, 4)))
+
+
+def test_a_constraint_whose_fallback_is_no_constraint_is_left_unconstrained():
+    """``fallback=NO_CONSTRAINT`` asks Flax to drop a constraint with an unmapped name: the
+    check refused it as an unmapped name all the same."""
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    make_state, step, batch = _constrained_step(_ConstrainedMLP(("batch", "seq"), fallback=RulesFallback.NO_CONSTRAINT))
+    strategy = spmdkit.Sharded(mesh, RULES)
+    state = strategy.init(make_state, jax.random.key(0))
+    text = strategy.step(step).lower(state, batch).as_text()
+    assert "tensor<8x8xf32>" not in "".join(line for line in text.splitlines() if "sharding_constraint" in line)
+    _, loss = strategy.step(step)(state, batch)
+    assert np.isfinite(float(loss))
+    # RAISE_ERROR asked for an error, and gets one (Flax's, from the state's shape trace)
+    make_state, _, _ = _constrained_step(_ConstrainedMLP(("batch", "seq"), fallback=RulesFallback.RAISE_ERROR))
+    with pytest.raises(ValueError, match="seq"):
+        strategy.init(make_state, jax.random.key(0))
+
+
+def test_a_flax_without_the_fallback_function_is_not_patched():
+    """Without ``_with_sharding_constraint_one_fallback`` a NO_CONSTRAINT call cannot be told
+    apart: the check is not installed rather than refusing valid programs."""
+    import types
+
+    from flax.linen import spmd
+
+    from spmdkit._strategies._compile import _install_checks
+
+    def original(names, rules=None):
+        return names
+
+    fake = types.SimpleNamespace(_logical_to_mesh_axes=original, RulesFallback=spmd.RulesFallback,
+                                 LogicallyPartitioned=type("Boxed", (), {"unbox": lambda self: self}))
+    assert not _install_checks(fake)
+    assert fake._logical_to_mesh_axes is original

@@ -133,7 +133,7 @@ def with_size1_axes(mesh: Mesh, extra_axes: tuple[str, ...]) -> Mesh:
 class TraceContext:
     """What the user's function is traced under: the mesh (so ``with_sharding_constraint``
     resolves), the logical axis rules (``nn.with_logical_constraint``; a name they do not map
-    is a ``LayoutError``, see :func:`_check_constraints`) and NNX's eager sharding off
+    is a ``LayoutError``, see :func:`_install_checks`) and NNX's eager sharding off
     (spmdkit places variables itself, from their metadata).
 
     ``extra_axes`` are size-1 mesh axes a model constrains over that the strategy's mesh
@@ -167,6 +167,8 @@ class TraceContext:
 _CHECKED_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar("spmdkit_rules", default=None)
 # Inside a parameter's unboxing: its names are spmdkit's to check, with the parameter's path.
 _UNBOXING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmdkit_unboxing", default=False)
+# Inside a constraint whose user asked that unmapped names constrain nothing (fallback=NO_CONSTRAINT).
+_UNCONSTRAINED_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("spmdkit_no_constraint", default=False)
 
 
 @contextlib.contextmanager
@@ -179,28 +181,50 @@ def _checking(rules: AxisRules):
         _CHECKED_RULES.reset(token)
 
 
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar[bool]):
+    token = var.set(True)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def _check_constraints() -> None:
-    """Make Flax's mapping of logical names to mesh axes check them against spmdkit's rules.
+    """Make Flax's mapping of logical names to mesh axes check them against spmdkit's rules
+    (see :func:`_install_checks`)."""
+    from flax.linen import spmd
+
+    _install_checks(spmd)
+
+
+def _install_checks(spmd: Any) -> bool:
+    """Patch Flax's ``spmd`` module so that its logical constraints are checked; False if it
+    lacks a function the check needs (that Flax then runs unchecked) or is patched already.
 
     Flax maps a name that no rule lists to ``None``: ``nn.with_logical_constraint(x, ("batch",
     "length"))`` under rules without ``length`` silently replicated that dimension of the
-    activation. Installed once, in Flax's private ``_logical_to_mesh_axes`` that every
+    activation. The check sits in Flax's private ``_logical_to_mesh_axes`` that every
     logical constraint goes through; it checks only inside spmdkit's traces, only the rules
-    spmdkit set (a user's own ``rules=`` argument or ``nn.logical_axis_rules`` context is theirs) and not while Flax unboxes a
-    parameter (spmdkit's layout names an unmapped parameter by its path). A Flax without
-    these functions runs unchecked.
+    spmdkit set (a user's own ``rules=`` argument or ``nn.logical_axis_rules`` context is theirs),
+    not while Flax unboxes a parameter (spmdkit's layout names an unmapped parameter by its
+    path), and not under ``fallback=RulesFallback.NO_CONSTRAINT``, whose user asked that an
+    unmapped name constrain nothing (Flax's ``_with_sharding_constraint_one_fallback`` is the
+    one place that knows the fallback: without it such a call could not be told apart, and
+    refusing it would break a valid program, so nothing is checked).
     """
-    from flax.linen import spmd
-
     original = getattr(spmd, "_logical_to_mesh_axes", None)
+    one_fallback = getattr(spmd, "_with_sharding_constraint_one_fallback", None)
+    fallbacks = getattr(spmd, "RulesFallback", None)
     boxed = getattr(spmd, "LogicallyPartitioned", None)
-    if original is None or boxed is None or getattr(original, "_spmdkit_checked", False):
-        return
+    if (original is None or one_fallback is None or boxed is None or getattr(fallbacks, "NO_CONSTRAINT", None) is None
+            or getattr(original, "_spmdkit_checked", False)):
+        return False
     unbox = boxed.unbox
 
     def checked(array_dim_names, rules=None):
         ours = _CHECKED_RULES.get()
-        if ours is not None and array_dim_names is not None and not _UNBOXING.get():
+        if ours is not None and array_dim_names is not None and not _UNBOXING.get() and not _UNCONSTRAINED_OK.get():
             # the rules in force: a rules= argument, else the innermost nn.logical_axis_rules,
             # which may be the user's own context inside their step
             in_force = spmd.get_logical_axis_rules() if rules is None else rules
@@ -208,16 +232,22 @@ def _check_constraints() -> None:
                 ours.check_constraint(array_dim_names)
         return original(array_dim_names, rules)
 
+    def constrained_one(*args, **kwargs):
+        fallback = kwargs.get("fallback", args[2] if len(args) > 2 else None)
+        if fallback != fallbacks.NO_CONSTRAINT:
+            return one_fallback(*args, **kwargs)
+        with _setting(_UNCONSTRAINED_OK):
+            return one_fallback(*args, **kwargs)
+
     def unbox_parameter(self, *args, **kwargs):
-        token = _UNBOXING.set(True)
-        try:
+        with _setting(_UNBOXING):
             return unbox(self, *args, **kwargs)
-        finally:
-            _UNBOXING.reset(token)
 
     checked._spmdkit_checked = True  # type: ignore[attr-defined]
     boxed.unbox = unbox_parameter
+    spmd._with_sharding_constraint_one_fallback = constrained_one
     spmd._logical_to_mesh_axes = checked
+    return True
 
 
 def missing_axis(error: Exception) -> str | None:
