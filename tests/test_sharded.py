@@ -431,3 +431,33 @@ def test_a_flax_without_the_fallback_function_is_not_patched():
                                  LogicallyPartitioned=type("Boxed", (), {"unbox": lambda self: self}))
     assert not _install_checks(fake)
     assert fake._logical_to_mesh_axes is original
+
+
+class _MeshConstrainedMLP(nn.Module):
+    """The hidden activation constrained by ``jax.lax.with_sharding_constraint(h, spec)``."""
+
+    spec: P
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "hidden")), (4, 8))
+        return jax.lax.with_sharding_constraint(x @ w, self.spec).sum(-1)
+
+
+def test_a_logical_name_in_jax_with_sharding_constraint_is_an_error():
+    """jax.lax.with_sharding_constraint takes mesh axes: a logical name there was taken as a
+    mesh axis the mesh lacks, added as a size-1 axis, and the dimension silently replicated."""
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    strategy = spmdkit.Sharded(mesh, RULES)
+    same_params, step, batch = _constrained_step(_ConstrainedMLP(("batch", "hidden")))
+    state = strategy.init(same_params, jax.random.key(0))
+    make_state, step, batch = _constrained_step(_MeshConstrainedMLP(P("batch", None)))
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)with_sharding_constraint\(x, P\('batch', None\)\) names 'batch', "
+                       r"a logical name.*mesh axis 'data'.*\{'data': 2, 'model': 4\}.*"
+                       r"nn.with_logical_constraint\(x, \('batch', None\)\), or write 'data' in place of 'batch'"):
+        strategy.step(step)(state, batch)
+    assert getattr(strategy, "_extra_axes", ()) == ()
+    # a mesh axis name the mesh lacks, that no rule names, is still a size-1 axis: replicated
+    make_state, step, batch = _constrained_step(_MeshConstrainedMLP(P("data", "fsdp")))
+    _, loss = strategy.step(step)(strategy.init(make_state, jax.random.key(0)), batch)
+    assert np.isfinite(float(loss)) and strategy._extra_axes == ("fsdp",)

@@ -33,7 +33,7 @@ from spmdkit._tree import bad_dtype
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
 
 # How JAX reports a constraint naming a mesh axis the context mesh lacks (0.10 and 0.12).
-_MISSING_AXIS = re.compile(r"Resource axis: (\w+) of .* is not found in mesh")
+_MISSING_AXIS = re.compile(r"Resource axis: (\w+) of (.*) is not found in mesh")
 
 
 def auto_mesh(mesh: Any, argument: str = "mesh") -> Mesh:
@@ -256,6 +256,25 @@ def missing_axis(error: Exception) -> str | None:
     return None if found is None else found.group(1)
 
 
+def logical_name_as_mesh_axis(error: Exception, axis: str, rules: AxisRules, mesh: Mesh) -> LayoutError:
+    """The error for ``jax.lax.with_sharding_constraint(x, P('batch', None))`` written with a
+    logical name: taken as a missing mesh axis, it became a size-1 axis, so the dimension
+    was silently replicated where the rules shard it."""
+    found = _MISSING_AXIS.search(str(error))
+    spec = found.group(2) if found else f"P({axis!r}, ...)"
+    names = re.sub(r"^(P|PartitionSpec)(?=\()", "", spec)
+    names = names if "," in names else names[:-1] + ",)"
+    axes = rules.mapping[axis]
+    target = "None (replicated)" if axes is None else f"mesh axis {axes!r}" if isinstance(axes, str) else f"mesh axes {axes!r}"
+    return LayoutError(fix(
+        f"a sharding constraint jax.lax.with_sharding_constraint(x, {spec}) names {axis!r}, a logical name "
+        f"of rules {rules.name!r} (which map it to {target}), not an axis of the mesh {dict(mesh.shape)}: "
+        f"with_sharding_constraint takes mesh axis names, and {axis!r} would have been a size-1 axis, "
+        "leaving that dimension replicated.",
+        f"constrain by logical names with nn.with_logical_constraint(x, {names}), or write {axes!r} in place "
+        f"of {axis!r} (what the rules map it to)."))
+
+
 def _arrays_only(make_state: MakeState) -> MakeState:
     """``make_state`` whose state is checked while tracing: a string or an object in it made
     jax fail with a message of its own (no path under an ensemble's vmap)."""
@@ -411,7 +430,8 @@ class Placement:
 
     def _traced(self, run: Callable[[], Any]) -> Any:
         """Run (and so trace) a compiled call; if a sharding constraint names a mesh axis
-        the mesh lacks, add it as a size-1 axis and trace again (see TraceContext)."""
+        the mesh lacks, add it as a size-1 axis and trace again (see TraceContext), unless
+        the name is one of the rules' logical names (a LayoutError)."""
         while True:
             try:
                 return run()
@@ -420,6 +440,9 @@ class Placement:
                 extra = getattr(self, "_extra_axes", ())
                 if axis is None or axis in extra or axis in self.mesh.axis_names:
                     raise
+                rules = self._rules()
+                if rules is not None and axis in rules.mapping:
+                    raise logical_name_as_mesh_axis(e, axis, rules, self.mesh) from None
                 self._extra_axes = extra + (axis,)
 
     def _abstract_boxed(self, make: Callable[[jax.Array], State], rng: jax.Array) -> State:
