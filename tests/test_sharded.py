@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 from flax.linen.spmd import RulesFallback
 import jax
@@ -329,12 +331,13 @@ class _ConstrainedMLP(nn.Module):
     names: tuple
     own_rules: tuple | None = None
     fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED
+    then: Any = None  # applied to the constrained activation
 
     @nn.compact
     def __call__(self, x):
         w = self.param("w", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "hidden")), (4, 8))
         h = nn.with_logical_constraint(x @ w, self.names, rules=self.own_rules, fallback=self.fallback)
-        return h.sum(-1)
+        return (h if self.then is None else self.then(h)).sum(-1)
 
 
 def _constrained_step(model):
@@ -461,3 +464,26 @@ def test_a_logical_name_in_jax_with_sharding_constraint_is_an_error():
     make_state, step, batch = _constrained_step(_MeshConstrainedMLP(P("data", "fsdp")))
     _, loss = strategy.step(step)(strategy.init(make_state, jax.random.key(0)), batch)
     assert np.isfinite(float(loss)) and strategy._extra_axes == ("fsdp",)
+
+
+def test_a_users_inner_jit_is_traced_again_under_other_rules():
+    """JAX caches an inner jax.jit by its trace context, which knew the mesh but not the
+    rules: a second strategy with other rules reused the first one's trace (its constraints,
+    and no check of its own)."""
+
+    @jax.jit
+    def constrain(h):
+        return nn.with_logical_constraint(h, ("batch", "mlp"))
+
+    def hidden_constraints(rules):
+        make_state, step, batch = _constrained_step(_ConstrainedMLP(("batch", "hidden"), then=constrain))
+        strategy = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), rules)
+        text = strategy.step(step).lower(strategy.init(make_state, jax.random.key(0)), batch).as_text()
+        return [line.split("<@mesh, ")[1].split(">")[0] for line in text.splitlines()
+                if "sharding_constraint" in line and "tensor<8x8xf32>" in line]
+
+    assert set(hidden_constraints({**RULES, "mlp": "model"})) == {'[{"data"}, {"model"}]'}
+    # the model's own constraint (hidden -> model), and the inner function's (mlp -> None)
+    assert set(hidden_constraints({**RULES, "mlp": None})) == {'[{"data"}, {"model"}]', '[{"data"}, {}]'}
+    with pytest.raises(spmdkit.LayoutError, match="'mlp'"):
+        hidden_constraints(RULES)

@@ -130,6 +130,15 @@ def with_size1_axes(mesh: Mesh, extra_axes: tuple[str, ...]) -> Mesh:
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+# A user's own jax.jit inside their step is cached by JAX's trace context, which knows the
+# mesh but not Flax's rules nor spmdkit's check: reused under another strategy's rules, the
+# trace made under the first rules was replayed (their constraints, their check or none).
+# Its value, the rules and whether they are checked, is part of every jit cache key.
+# Both supported JAX versions (0.10.2, 0.12) have make_user_context; a JAX without it keeps
+# that reuse (the constraints of whichever rules traced the inner function first).
+_RULES_IN_CACHE_KEY = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+
+
 class TraceContext:
     """What the user's function is traced under: the mesh (so ``with_sharding_constraint``
     resolves), the logical axis rules (``nn.with_logical_constraint``; a name they do not map
@@ -150,6 +159,8 @@ class TraceContext:
 
     def __enter__(self):
         contexts = [jax.sharding.use_abstract_mesh(self._abstract), nnx.use_eager_sharding(False)]
+        if self._rules is not None and _RULES_IN_CACHE_KEY is not None:
+            contexts.append(_RULES_IN_CACHE_KEY((self._rules, self._check)))
         if self._rules is not None:
             contexts.append(nn.logical_axis_rules(self._rules.flax_rules()))
             if self._check:
