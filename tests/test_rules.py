@@ -71,6 +71,18 @@ def test_error_logical_name_without_rule():
     assert "(they map ['batch', 'embed'])" in msg and "--replicate-unknown" in msg
 
 
+def test_mesh_axis_names_in_a_constraint_are_named_as_mesh_axes():
+    """('data', 'model') in a logical constraint: said "a logical axis no rule maps", and
+    suggested a rule ("data", "model") mapping a mesh axis to a mesh axis."""
+    rules = AxisRules.from_mapping({"batch": "data", "embed": ("data", "model")})
+    with pytest.raises(LayoutError, match=r"(?s)names mesh axes \['model', 'x'\] of the mesh \{'data': 2, 'model': 4, 'x': 1\}"
+                       r".*'model' \(size 4\): 'embed'; 'x' \(size 1\): no logical name maps to it"
+                       r".*nn.with_logical_constraint\(x, \('embed', None, <a logical name for 'x'>, 'batch'\)\), after "
+                       r"adding a rule.*jax.lax.with_sharding_constraint\(x, P\('model', None, 'x', 'data'\)\)"):
+        rules.check_constraint(("model", None, "x", "batch"), {"data": 2, "model": 4, "x": 1})
+    rules.check_constraint(("batch", "embed"), {"data": 2, "model": 4})  # logical names: fine
+
+
 def test_replicate_unknown_opt_in():
     rules = AxisRules.load("batch=data,embed=none", replicate_unknown=True)
     layout = plan(Annotated(names=("embed", "heads")), rules, spmdkit.make_mesh(data=8))

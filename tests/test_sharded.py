@@ -487,3 +487,14 @@ def test_a_users_inner_jit_is_traced_again_under_other_rules():
     assert set(hidden_constraints({**RULES, "mlp": None})) == {'[{"data"}, {"model"}]', '[{"data"}, {}]'}
     with pytest.raises(spmdkit.LayoutError, match="'mlp'"):
         hidden_constraints(RULES)
+
+
+def test_mesh_axes_written_as_logical_names_are_named_with_the_logical_names_for_them():
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    strategy = spmdkit.Sharded(mesh, RULES)
+    same_params, _, _ = _constrained_step(_ConstrainedMLP(("batch", "hidden")))
+    _, step, batch = _constrained_step(_ConstrainedMLP(("data", "model")))
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)nn.with_logical_constraint\(x, \('data', 'model'\)\) names mesh axes "
+                       r"\['data', 'model'\].*'data' \(size 2\): 'batch'; 'model' \(size 4\): 'hidden'"
+                       r".*Fix: write the logical names: nn.with_logical_constraint\(x, \('batch', 'hidden'\)\)"):
+        strategy.step(step)(strategy.init(same_params, jax.random.key(0)), batch)

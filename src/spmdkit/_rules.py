@@ -203,15 +203,44 @@ class AxisRules:
             )
         return table[logical]
 
-    def check_constraint(self, names: Any) -> None:
+    def check_constraint(self, names: Any, mesh_shape: Mapping[str, int] | None = None) -> None:
         """Every logical name of an activation constraint (``nn.with_logical_constraint(x,
         names)``) is mapped: Flax puts ``None`` (replicated) where no rule names one.
+        ``mesh_shape``: the mesh's axis sizes, to name a mesh axis written in place of a logical name.
 
             >>> AxisRules.from_mapping({"batch": "data"}).check_constraint(("batch", None))
         """
+        where = f"an activation constraint nn.with_logical_constraint(x, {tuple(names)!r})"
         for name in names:
-            if isinstance(name, str):
-                self.mesh_axes(name, f"an activation constraint nn.with_logical_constraint(x, {tuple(names)!r})")
+            if not isinstance(name, str) or name in self.mapping or self.replicate_unknown:
+                continue
+            if mesh_shape is not None and name in mesh_shape:
+                raise self._mesh_axes_as_logical(tuple(names), mesh_shape, where)
+            self.mesh_axes(name, where)
+
+    def _logical_names_of(self, axis: str) -> list[str]:
+        """The logical names the rules map to mesh axis ``axis``: to it alone first, then with others."""
+        alone = [name for name, axes in self.mapping.items() if axes == axis]
+        return alone + [name for name, axes in self.mapping.items() if axes != axis and axis in _as_tuple(axes)]
+
+    def _mesh_axes_as_logical(self, names: tuple, mesh_shape: Mapping[str, int], where: str) -> LayoutError:
+        """``nn.with_logical_constraint(x, ('data', 'model'))``: mesh axes where logical names belong."""
+        axes = [n for n in names if isinstance(n, str) and n in mesh_shape and n not in self.mapping]
+        found = {axis: self._logical_names_of(axis) for axis in axes}
+        listed = "; ".join(f"{axis!r} (size {mesh_shape[axis]}): " + (", ".join(map(repr, logical)) if logical else
+                                                                        "no logical name maps to it")
+                           for axis, logical in found.items())
+        rewritten = ", ".join(repr(found[n][0]) if n in found and found[n] else f"<a logical name for {n!r}>"
+                              if n in found else repr(n) for n in names)
+        unmapped = [axis for axis, logical in found.items() if not logical]
+        direct = tuple(self.mapping[n] if isinstance(n, str) and n in self.mapping else n for n in names)
+        return LayoutError(fix(
+            f"{where} names mesh axes {axes} of the mesh {dict(mesh_shape)} where logical names belong: rules "
+            f"{self.name!r} map logical names to mesh axes, and map none of {axes}. The logical names the "
+            f"rules map to them: {listed}.",
+            f"write the logical names: nn.with_logical_constraint(x, ({rewritten}{',' if len(names) == 1 else ''}))"
+            + (f", after adding a rule that maps a logical name to {unmapped}" if unmapped else "")
+            + f"; or, to name mesh axes directly, jax.lax.with_sharding_constraint(x, P{direct!r})."))
 
     def spec(self, logical: tuple[str | None, ...], where: str = "array") -> P:
         """The mesh PartitionSpec of an array with these logical dimension names."""

@@ -153,6 +153,7 @@ class TraceContext:
     def __init__(self, mesh: Mesh, rules: AxisRules | None = None, extra_axes: tuple[str, ...] = (),
                  check: bool = True):
         self._abstract = with_size1_axes(mesh, extra_axes).abstract_mesh
+        self._mesh_shape = dict(mesh.shape)
         self._rules = rules
         self._check = check
         self._entered: list[list[Any]] = []  # re-entrant: each trace enters fresh contexts
@@ -164,7 +165,7 @@ class TraceContext:
         if self._rules is not None:
             contexts.append(nn.logical_axis_rules(self._rules.flax_rules()))
             if self._check:
-                contexts.append(_checking(self._rules))
+                contexts.append(_checking(self._rules, self._mesh_shape))
         for c in contexts:
             c.__enter__()
         self._entered.append(contexts)
@@ -174,8 +175,10 @@ class TraceContext:
             c.__exit__(*exc)
 
 
-# The rules of the trace under way, whose activation constraints are checked.
-_CHECKED_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar("spmdkit_rules", default=None)
+# The rules of the trace under way, whose activation constraints are checked, and its mesh's
+# axis sizes (a mesh axis name written where a logical name belongs is named as such).
+_CHECKED_RULES: contextvars.ContextVar[tuple[AxisRules, dict[str, int]] | None] = contextvars.ContextVar(
+    "spmdkit_rules", default=None)
 # Inside a parameter's unboxing: its names are spmdkit's to check, with the parameter's path.
 _UNBOXING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmdkit_unboxing", default=False)
 # Inside a constraint whose user asked that unmapped names constrain nothing (fallback=NO_CONSTRAINT).
@@ -183,9 +186,9 @@ _UNCONSTRAINED_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("spmdki
 
 
 @contextlib.contextmanager
-def _checking(rules: AxisRules):
+def _checking(rules: AxisRules, mesh_shape: dict[str, int]):
     _check_constraints()
-    token = _CHECKED_RULES.set(rules)
+    token = _CHECKED_RULES.set((rules, mesh_shape))
     try:
         yield
     finally:
@@ -234,13 +237,14 @@ def _install_checks(spmd: Any) -> bool:
     unbox = boxed.unbox
 
     def checked(array_dim_names, rules=None):
-        ours = _CHECKED_RULES.get()
-        if ours is not None and array_dim_names is not None and not _UNBOXING.get() and not _UNCONSTRAINED_OK.get():
+        checking = _CHECKED_RULES.get()
+        if checking is not None and array_dim_names is not None and not _UNBOXING.get() and not _UNCONSTRAINED_OK.get():
+            ours, mesh_shape = checking
             # the rules in force: a rules= argument, else the innermost nn.logical_axis_rules,
             # which may be the user's own context inside their step
             in_force = spmd.get_logical_axis_rules() if rules is None else rules
             if tuple(map(tuple, in_force)) == tuple(map(tuple, ours.flax_rules())):
-                ours.check_constraint(array_dim_names)
+                ours.check_constraint(array_dim_names, mesh_shape)
         return original(array_dim_names, rules)
 
     def constrained_one(*args, **kwargs):
