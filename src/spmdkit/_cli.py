@@ -843,12 +843,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
         end_soon(code)  # in a group, peers may wait for this process in a collective
         return code
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's own act, not a bug: one line, not a traceback, and the shell's code.
+        return _interrupted()
     except (RuntimeError, AssertionError) as e:  # after SpmdkitError: some of ours are RuntimeErrors
         err = backend_failure(e)  # JAX_PLATFORMS names a platform this machine lacks
         if err is None:
             raise
         stderr_console().print(Text("error: ", style="bold red") + Text(str(err)))
         return 2
+
+
+def _interrupted() -> int:
+    """Ctrl-C: one line on stderr and exit code 130 (the shell's for SIGINT), through end_soon: in a
+    process group, JAX's exit would otherwise wait for peers still waiting for this one."""
+    try:
+        sys.stderr.write("spmdkit: interrupted\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr gone (a closed pipe): the exit code still says it
+        pass
+    return end_soon(130, "Ctrl-C")
 
 
 if __name__ == "__main__":
