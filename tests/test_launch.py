@@ -613,3 +613,37 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_ctrl_c_kills_and_names_a_process_still_running_5_s_later(tmp_path):
+    # After SIGINT the launcher waited 5 s, then sent SIGTERM (which JAX catches) and waited 5 s
+    # more before SIGKILL, naming no process it had to kill.
+    import signal
+
+    code = ("import os, pathlib, signal, time\n"
+            "i = os.environ['SPMDKIT_PROCESS_ID']\n"
+            "if i == '1':\n"
+            "    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stuck, as in a collective a peer left\n"
+            "    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as JAX catches it\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'up' + i).touch()\n"
+            "time.sleep(120)\n")
+    # pytest started as `cmd &` from a script has SIGINT ignored, which a child inherits: not for this one
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not all((tmp_path / f"up{i}").exists() for i in (0, 1)):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "spmdkit launch: process 1 was still running 5 s after SIGINT; killed it (SIGKILL)" in stderr, stderr[-2000:]
+    assert "process 0 was still running" not in stderr

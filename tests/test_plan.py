@@ -1012,6 +1012,53 @@ def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path)
     assert not left, f"processes left running in {tmp_path}: {left}"
 
 
+def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp_path):
+    """Ctrl-C to the command's process group (as a terminal sends it) while the processes measure:
+    the command killed the launcher at once, and its processes with it: no ranking, no rounds,
+    only a traceback. Now process 0 prints what it has and the command exits 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
+               "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
+               "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
+               "--no-compile-cache", "--json", str(out)]
+    # pytest started as `cmd &` from a script has SIGINT ignored, which a child inherits: not for this one
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        lines = []
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            if line.startswith("measuring every candidate(s): 100000 round(s)"):
+                break
+        time.sleep(5)  # into the measurement (its candidates compiling, or rounds)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stdout = "".join(lines) + stdout
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "interrupted: measurement interrupted after" in " ".join(stdout.split()), stdout[-2000:]
+    assert "winner:" in stdout  # the ranking
+    plan = json.loads(out.read_text())
+    assert plan["candidates"][0]["status"] == "ok"
+    if "measured" in plan:  # whole rounds were measured before the Ctrl-C
+        assert plan["measured"]["interrupted"]["rounds_done"] >= 1 and plan["measured"]["processes"] == 2
+
+
 def _cwd(pid: str) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/cwd")

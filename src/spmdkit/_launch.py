@@ -41,6 +41,10 @@ ENV_RESUME = "SPMDKIT_RESUME"  # set on a restart: spmdkit train then resumes fr
 ENV_LAUNCHER_PID = "SPMDKIT_LAUNCHER_PID"
 
 
+# After a forwarded SIGINT, or a failure: seconds the processes get to end before SIGKILL (JAX catches SIGTERM).
+STOP_GRACE_S = 5.0
+
+
 # In process 0's error when the coordinator's port is taken: the launcher, which picked the port,
 # then starts the group again on another (the port was free when picked; another program took it).
 PORT_TAKEN = "already listens on port"
@@ -388,6 +392,16 @@ class _Group:
             if p.poll() is None:
                 _signal_group(p, sig)
 
+    def running(self) -> list[int]:
+        """The indices of the processes that have not exited."""
+        return [i for i, p in enumerate(self.procs) if p.poll() is None]
+
+    def wait_ended(self, seconds: float) -> None:
+        """Until every process has exited, or ``seconds`` have passed."""
+        deadline = time.time() + seconds
+        while time.time() < deadline and self.running():
+            time.sleep(0.1)
+
     def stop(self, grace_s: float) -> None:
         """SIGTERM to every group, SIGKILL after ``grace_s`` (JAX may catch SIGTERM)."""
         self.signal(signal.SIGTERM)
@@ -404,13 +418,26 @@ class _Group:
 
 
 def _end_forwarded(group: _Group, sig: int, grace_s: float) -> int:
-    """A signal forwarded to every process: wait for them (SIGTERM is a preemption notice to
-    spmdkit train, which saves), then end the rest; the exit code a shell gives for ``sig``."""
+    """A signal forwarded to every process: wait for them, then SIGKILL the rest, each named;
+    the exit code a shell gives for ``sig``.
+
+    SIGTERM is a preemption notice (spmdkit train saves a checkpoint): 60 s, then SIGTERM again
+    and ``grace_s`` more. SIGINT (Ctrl-C): ``grace_s``, in which a process reports what it has
+    (``spmdkit plan --measure`` prints its rounds so far); one still running then is stuck (in a
+    collective a peer left), and a second SIGTERM would not reach it either: JAX catches it.
+    """
     group.signal(sig)
-    deadline = time.time() + max(grace_s, 60.0 if sig == signal.SIGTERM else grace_s)
-    while time.time() < deadline and any(p.poll() is None for p in group.procs):
-        time.sleep(0.1)
-    group.stop(grace_s)
+    waited = grace_s
+    if sig == signal.SIGTERM:
+        group.wait_ended(max(grace_s, 60.0))
+        group.signal(signal.SIGTERM)
+        waited += max(grace_s, 60.0)
+    group.wait_ended(grace_s)
+    for i in group.running():
+        sys.stderr.write(f"spmdkit launch: process {i} was still running {waited:g} s after "
+                         f"{signal.Signals(sig).name}; killed it (SIGKILL)\n")
+    sys.stderr.flush()
+    group.stop(0.0)
     return 128 + sig
 
 
@@ -443,7 +470,7 @@ def _check_launch(command: Sequence[str], processes: int, max_restarts: int) -> 
         raise DeviceSetupError(fix("no command to launch.", "write it after --, e.g. spmdkit launch -n 2 -- spmdkit train"))
 
 
-def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = 5.0,
+def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = STOP_GRACE_S,
            max_restarts: int = 0, backoff_s: float = 1.0) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
     signal N killed it, as a shell says), else 0.

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from spmdkit._atomic import replace_whole
 from spmdkit._config import TASK_FLAGS, check_task_flags
 from spmdkit._console import finite_or_null
 from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable
+from spmdkit._process import end_soon
 
 # Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
 ENV_PLAN_RESULT = "SPMDKIT_PLAN_RESULT"
@@ -262,7 +264,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                       rules=args.rules, remat=tuple(remat), accum=args.grad_accum, step_for=step_for,
                       processes=args.processes, dtype=dtype, activations=activations, measure=args.measure,
                       measure_steps=args.measure_steps, measure_rounds=args.measure_rounds,
-                      progress=(lambda s: console.print(f"compiling {s}", highlight=False, markup=False)) if lead else None)
+                      progress=_progress(console) if lead else None)
     except MeasureInterrupted as stop:
         # Ctrl-C while measuring lost the compiled and priced plan to a traceback: show and write
         # what there is (the ranking, the whole rounds measured), then exit as interrupted.
@@ -273,11 +275,17 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
             _write(stop.plan, args, console)
             console.print(f"interrupted: {stop}" + ("" if stop.measured else " (nothing measured: the ranking above "
                           "is the prediction alone)"), highlight=False)
-        return 130  # the shell's code for a SIGINT
+        # In a group, JAX's exit may wait for a peer: leave within end_soon's grace (nothing alone).
+        return end_soon(130, "Ctrl-C")  # the shell's code for a SIGINT
     result["task"] = args.task
     if lead:
         _write(result, args, console)
     return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
+
+
+def _progress(console: Console) -> Callable[[str], None]:
+    """The planner's progress lines: "[i/n] label" as each candidate compiles, then what it measures."""
+    return lambda s: console.print(f"compiling {s}" if s.startswith("[") else s, highlight=False, markup=False)
 
 
 def write_whole(path: str, flag: str, write: Callable[[str], None]) -> None:
@@ -348,7 +356,7 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
         for t in pumps:
             t.start()
         try:
-            proc.wait(timeout=args.measure_timeout)
+            interrupted = _wait_launcher(proc, args)
         except subprocess.TimeoutExpired:
             raise PlanRunError(fix(f"the {args.processes} processes measuring the plan did not finish in "
                                    f"{args.measure_timeout} s; killed.",
@@ -360,12 +368,43 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
                 proc.wait()
             for t in pumps:
                 t.join(timeout=10)
+        if interrupted:  # which processes the launcher had to kill, in its own words
+            sys.stderr.writelines(line for line in errors if line.startswith("spmdkit launch: "))
+        result = None
         if os.path.exists(done):
             with open(done) as fh:
                 result = json.load(fh)
-            return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
+    if interrupted or proc.returncode == 130:
+        if result is None:  # process 0 printed nothing: main() says "interrupted", exit code 130
+            raise KeyboardInterrupt
+        return 130
+    if result is not None:
+        return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
     _raise_failure(proc.returncode, list(errors), args.processes)
     return proc.returncode  # not reached
+
+
+def _wait_launcher(proc: subprocess.Popen, args: argparse.Namespace) -> bool:
+    """Wait for the launcher, up to ``--measure-timeout``; True after a Ctrl-C.
+
+    Ctrl-C: SIGINT to the launcher (again, when the terminal sent one to the whole group), which
+    forwards it to the processes (they do not share this terminal's process group), gives them
+    5 s to stop, process 0 printing the rounds measured so far, then kills and names the rest.
+    A second Ctrl-C stops at once (the caller kills the launcher).
+    """
+    try:
+        proc.wait(timeout=args.measure_timeout)
+        return False
+    except KeyboardInterrupt:
+        pass
+    from spmdkit._launch import STOP_GRACE_S
+
+    proc.send_signal(signal.SIGINT)
+    try:  # the launcher's grace, then its SIGKILL and the last output read: well within this bound
+        proc.wait(timeout=STOP_GRACE_S + 30)
+    except subprocess.TimeoutExpired:
+        pass  # the caller kills the launcher, and its processes with it
+    return True
 
 
 def _raise_failure(code: int, lines: list[str], processes: int) -> None:

@@ -21,7 +21,7 @@ from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, fix
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
 from spmdkit._plan._report import (MeasureInterrupted, explain, measure as _measure, pareto, print_plan, save_png,
                                    spearman, time_steps)
-from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same,
+from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, interrupts_agreed,
                                       check_same_arguments, from_process_0, links_note, slowest)
 from spmdkit._plan._search import plan as _plan
 from spmdkit._strategies._agree import batch_signature
@@ -218,9 +218,14 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     result["why"] = explain(result)
     result = from_process_0(result)  # several processes: all measure process 0's ranking, in its order
     if measure:
+        if progress:  # minutes may pass before the table: say what runs and how to stop it
+            progress(f"measuring {'every' if measure == 'all' else f'the {measure} best'} candidate(s): "
+                     f"{measure_rounds} round(s) of {measure_steps} step(s) each (Ctrl-C stops and shows the rounds "
+                     "done)")
         try:
-            result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng,
-                                                                     state_axes), measure_steps, rounds=measure_rounds)
+            with interrupts_agreed():  # several processes stop at the same point, so process 0 can report
+                result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng,
+                                                                         state_axes), measure_steps, rounds=measure_rounds)
         except MeasureInterrupted as stop:  # Ctrl-C: the priced plan and the whole rounds travel with it
             if stop.measured is not None:
                 result["measured"] = {**stop.measured, "processes": jax.process_count()}

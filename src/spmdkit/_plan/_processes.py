@@ -11,7 +11,11 @@ with it: each step's time is the largest over the processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -119,14 +123,49 @@ def check_same(value: Any) -> None:
                                "report it with the command; meanwhile plan with --processes 1."))
 
 
+# Ctrl-C noted while several processes measure (see interrupts_agreed); acted on in slowest().
+_INTERRUPT: list[int] = []
+
+
+@contextlib.contextmanager
+def interrupts_agreed() -> Iterator[None]:
+    """While several processes measure: a first SIGINT is noted, and every process raises
+    ``KeyboardInterrupt`` at the same point, the next :func:`slowest` (which every process calls).
+
+    Raised where the signal fell, one process left between two collectives while the others
+    waited for it in the next one until they were killed, process 0 often among them: nothing
+    measured was printed. A second SIGINT raises at once. In a lone process (nothing to agree),
+    outside the main thread, or with SIGINT ignored, nothing changes.
+    """
+    if (jax.process_count() == 1 or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) == signal.SIG_IGN):
+        yield
+        return
+
+    def note(signum, frame):
+        if _INTERRUPT:
+            raise KeyboardInterrupt
+        _INTERRUPT.append(signum)
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _INTERRUPT.clear()
+
+
 def slowest(times: list[float], memory: Any) -> tuple[list[float], Any]:
     """Each step's time as the largest over the processes (a step is done when all are), and
-    the largest memory figure; every process must call it. Unchanged in a lone process."""
+    the largest memory figure; every process must call it. Unchanged in a lone process.
+    Raises ``KeyboardInterrupt`` in every process when any noted a Ctrl-C (:func:`interrupts_agreed`)."""
     if jax.process_count() == 1:
         return times, memory
-    every = gather_json([list(map(float, times)), memory])
-    steps = [max(t[i] for t, _ in every) for i in range(len(times))]
-    figures = [m for _, m in every if m is not None]
+    every = gather_json([list(map(float, times)), memory, bool(_INTERRUPT)])
+    if any(asked for _, _, asked in every):
+        raise KeyboardInterrupt
+    steps = [max(t[i] for t, _, _ in every) for i in range(len(times))]
+    figures = [m for _, m, _ in every if m is not None]
     return steps, (max(figures) if figures else None)
 
 
@@ -291,4 +330,4 @@ def with_process_links(target: Any) -> Any:
 
 
 __all__ = ["PER_OPERAND_RATIO", "PlanRunError", "agreed_target", "check_device_order", "check_processes", "check_same", "from_process_0",
-           "links_note", "measure_process_links", "slowest", "with_process_links"]
+           "interrupts_agreed", "links_note", "measure_process_links", "slowest", "with_process_links"]
