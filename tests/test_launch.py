@@ -647,3 +647,50 @@ def test_ctrl_c_kills_and_names_a_process_still_running_5_s_later(tmp_path):
     assert proc.returncode == 130, stderr[-2000:]
     assert "spmdkit launch: process 1 was still running 5 s after SIGINT; killed it (SIGKILL)" in stderr, stderr[-2000:]
     assert "process 0 was still running" not in stderr
+
+
+def test_sigterm_waits_then_sigterm_again_then_sigkill_and_a_second_sigterm_changes_nothing(tmp_path):
+    # The wait after SIGTERM (a preemption notice) was a bare 60 in _end_forwarded, the rest of the
+    # timing undocumented. Short waits here through launch()'s parameters (60 s and 5 s by default).
+    import signal
+
+    terms = tmp_path / "terms"
+    child = ("import os, pathlib, signal, time\n"
+             f"log = pathlib.Path({str(terms)!r})\n"
+             "def note(*_):\n"
+             "    with log.open('a') as fh: fh.write(f'{time.time()}\\n')\n"
+             "signal.signal(signal.SIGTERM, note)  # as JAX catches it: never ends by itself\n"
+             "log.touch()\n"
+             "while True: time.sleep(0.05)\n")
+    launcher = ("import sys\nfrom spmdkit._launch import launch\n"
+                f"sys.exit(launch([sys.executable, '-c', {child!r}], 1, grace_s=1.0, sigterm_wait_s=4.0))\n")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(), start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not terms.exists():
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        while time.time() < deadline and not terms.read_text():
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # a second one, during the wait
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, stderr[-2000:]
+    got = [float(t) for t in terms.read_text().split()]
+    # Forwarded once, then once more after the wait: the second SIGTERM to the launcher was
+    # neither forwarded nor cut the wait short (a lower bound: the wait is 4 s, 1 s of slack).
+    assert len(got) == 2 and got[1] - got[0] >= 3.0, got
+    assert "spmdkit launch: process 0 was still running 5 s after SIGTERM; killed it (SIGKILL)" in stderr, stderr
+    assert "Traceback" not in stderr
+
+
+def test_launch_help_states_the_signal_timing():
+    out = run([*CLI, "launch", "--help"], timeout=60)
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0
+    assert "get 60 s to end, then SIGTERM again and SIGKILL 5 s later (65 s in all); launch exits 143" in text, text
+    assert "SIGKILL 5 s later; launch exits 130" in text and "neither shortens nor repeats" in text

@@ -182,12 +182,20 @@ def _add_bench_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def _add_launch_parser(sub) -> None:
+    from spmdkit._launch import SIGTERM_WAIT_S, STOP_GRACE_S
+
     p = sub.add_parser(
         "launch",
         help="run a command in P local processes joined by jax.distributed",
         description="Starts P copies of COMMAND with a coordinator on 127.0.0.1 and a free port; "
         "output lines are prefixed with the process index; if one process fails, the others are "
-        "stopped (SIGKILL after a grace period) and launch exits with its code (128 + N if signal N killed it).",
+        f"stopped (SIGTERM, SIGKILL {STOP_GRACE_S:g} s later) and launch exits with its code (128 + N if signal N "
+        "killed it).",
+        epilog=f"Signals: SIGTERM to launch (a preemption notice: spmdkit train saves a checkpoint) is forwarded "
+        f"to every process, which get {SIGTERM_WAIT_S:g} s to end, then SIGTERM again and SIGKILL {STOP_GRACE_S:g} s "
+        f"later ({SIGTERM_WAIT_S + STOP_GRACE_S:g} s in all); launch exits 143. SIGINT (Ctrl-C) is forwarded too, "
+        f"SIGKILL {STOP_GRACE_S:g} s later; launch exits 130. Each process killed is named. A second signal to "
+        "launch meanwhile neither shortens nor repeats this.",
     )
     p.add_argument("-n", "--processes", type=_positive_int, required=True, help="number of processes")
     p.add_argument("--host-devices-per-process", type=_host_device_count, metavar="D", help="simulated CPU devices each")

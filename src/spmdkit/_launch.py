@@ -41,7 +41,11 @@ ENV_RESUME = "SPMDKIT_RESUME"  # set on a restart: spmdkit train then resumes fr
 ENV_LAUNCHER_PID = "SPMDKIT_LAUNCHER_PID"
 
 
-# After a forwarded SIGINT, or a failure: seconds the processes get to end before SIGKILL (JAX catches SIGTERM).
+# Seconds the processes get after a SIGTERM the launcher forwarded (a preemption notice: spmdkit
+# train saves a checkpoint, which can take long), before the launcher sends SIGTERM again.
+SIGTERM_WAIT_S = 60.0
+# Seconds the processes get to end before SIGKILL: after that second SIGTERM, after a forwarded
+# SIGINT, and when one process failed. SIGTERM alone may not end them: JAX catches it.
 STOP_GRACE_S = 5.0
 
 
@@ -417,21 +421,23 @@ class _Group:
         _end_reaper(self.reaper)
 
 
-def _end_forwarded(group: _Group, sig: int, grace_s: float) -> int:
+def _end_forwarded(group: _Group, sig: int, grace_s: float, sigterm_wait_s: float) -> int:
     """A signal forwarded to every process: wait for them, then SIGKILL the rest, each named;
     the exit code a shell gives for ``sig``.
 
-    SIGTERM is a preemption notice (spmdkit train saves a checkpoint): 60 s, then SIGTERM again
-    and ``grace_s`` more. SIGINT (Ctrl-C): ``grace_s``, in which a process reports what it has
-    (``spmdkit plan --measure`` prints its rounds so far); one still running then is stuck (in a
-    collective a peer left), and a second SIGTERM would not reach it either: JAX catches it.
+    SIGTERM is a preemption notice (spmdkit train saves a checkpoint): ``sigterm_wait_s``, then
+    SIGTERM again and ``grace_s`` more. SIGINT (Ctrl-C): ``grace_s``, in which a process reports
+    what it has (``spmdkit plan --measure`` prints its rounds so far); one still running then is
+    stuck (in a collective a peer left), and a SIGTERM would not reach it either: JAX catches it.
+    Further signals to the launcher meanwhile only land in ``forward`` (noted, nothing else):
+    they neither shorten these waits nor are forwarded again.
     """
     group.signal(sig)
     waited = grace_s
     if sig == signal.SIGTERM:
-        group.wait_ended(max(grace_s, 60.0))
+        group.wait_ended(sigterm_wait_s)
         group.signal(signal.SIGTERM)
-        waited += max(grace_s, 60.0)
+        waited += sigterm_wait_s
     group.wait_ended(grace_s)
     for i in group.running():
         sys.stderr.write(f"spmdkit launch: process {i} was still running {waited:g} s after "
@@ -471,7 +477,7 @@ def _check_launch(command: Sequence[str], processes: int, max_restarts: int) -> 
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = STOP_GRACE_S,
-           max_restarts: int = 0, backoff_s: float = 1.0) -> int:
+           max_restarts: int = 0, backoff_s: float = 1.0, sigterm_wait_s: float = SIGTERM_WAIT_S) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
     signal N killed it, as a shell says), else 0.
 
@@ -480,14 +486,18 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     checkpoint (``SPMDKIT_RESUME=1`` makes ``spmdkit train --checkpoint-dir D`` resume). Exit code 2 (bad
     input) is never retried, except when process 0 found the port picked for it taken by another
     program: then the group starts again on another port (up to 3 times, besides ``max_restarts``).
-    SIGTERM/SIGINT to the launcher go to every process; the launcher
-    then exits with 143/130 once they have ended.
+    SIGTERM/SIGINT to the launcher go to every process; the launcher then exits with 143/130
+    once they have ended. After SIGTERM they get ``sigterm_wait_s`` (60 s: a preemption notice,
+    spmdkit train saves a checkpoint), then SIGTERM again and SIGKILL ``grace_s`` (5 s) later;
+    after SIGINT, SIGKILL ``grace_s`` later. Each process killed is named on stderr. A second
+    signal to the launcher meanwhile changes nothing.
     """
     _check_launch(command, processes, max_restarts)
     stop = threading.Event()
     received: list[int] = []
 
     def forward(signum, frame):
+        # Only noted: the main thread forwards the first (_end_forwarded); a later one changes nothing.
         received.append(signum)
         stop.set()
 
@@ -503,7 +513,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             group = _Group(command, processes, devices_per_process, restart=attempt > 0)
             failed = group.wait(stop)
             if failed == (-1, 0):
-                return _end_forwarded(group, received[0], grace_s)
+                return _end_forwarded(group, received[0], grace_s, sigterm_wait_s)
             if failed is None:
                 group.stop(0.0)
                 return 0
