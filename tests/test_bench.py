@@ -388,6 +388,8 @@ def test_bench_compare_two_runs_target_by_target(tmp_path, capsys):
     assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "three")]) == 1
     assert "NO" in capsys.readouterr().out
     assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "missing")]) == 2
+    out = capsys.readouterr()  # an error is for stderr: stdout holds only the table
+    assert "error: no SUITE.json files in" in out.err and out.out == "", out
 
 
 def test_bench_compare_best_of_different_case_sets_is_not_comparable():
@@ -484,5 +486,5 @@ def test_bench_compare_names_a_damaged_or_foreign_report(tmp_path, capsys, text,
     (other / "data.json").write_text(text)
     assert main(["bench", "--compare", str(good), str(other)]) == 2
     out = capsys.readouterr()
-    assert f"error: --compare: {other / 'data.json'}: {what}" in out.out, out
-    assert len(out.out.strip().splitlines()) == 1 and "Traceback" not in out.err
+    assert f"error: --compare: {other / 'data.json'}: {what}" in out.err, out
+    assert len(out.err.strip().splitlines()) == 1 and out.out == "" and "Traceback" not in out.err

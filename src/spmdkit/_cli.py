@@ -536,17 +536,17 @@ def _compare_bench(dirs: list[str], console: Console) -> int:
     for d in dirs:
         files = sorted(glob.glob(os.path.join(glob.escape(d), "*.json")))
         if not files:
-            console.print(f"[red]error:[/] no SUITE.json files in {escape(repr(d))}: write them with spmdkit bench "
-                          f"--all --json {escape(shlex.quote(d))}")
+            stderr_console().print(f"[red]error:[/] no SUITE.json files in {escape(repr(d))}: write them with "
+                                   f"spmdkit bench --all --json {escape(shlex.quote(d))}")
             return 2
         run = {}
         for f in files:
             report, problem = _read_bench_report(f)
             if problem:
                 # One line, not a traceback from deep in the comparison: which file, and what is wrong with it.
-                console.print(Text("error: ", style="red") + Text(f"--compare: {f}: {problem}; write it again with "
-                                                                   f"spmdkit bench --all --json {shlex.quote(d)}"),
-                              soft_wrap=True)
+                # On stderr, as every other error: a script reading the table from stdout does not get it.
+                stderr_console().print(Text("error: ", style="red") + Text(
+                    f"--compare: {f}: {problem}; write it again with spmdkit bench --all --json {shlex.quote(d)}"))
                 return 2
             run[os.path.basename(f)[:-5]] = report
         runs.append(run)
