@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,3 +43,32 @@ def bench_all_quick(tmp_path_factory) -> BenchRun:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return BenchRun(out / "json", out / "md", subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+
+
+@contextlib.contextmanager
+def _own_group(command: Sequence[str], *, sigint: bool = False, **popen: object) -> Iterator[subprocess.Popen]:
+    """``command`` in a session (process group) of its own, output piped as text; SIGKILL to the
+    whole group on the way out when it still runs (what it started dies with it).
+
+    ``sigint=True``: started with SIGINT at its default, for a test that sends Ctrl-C: pytest
+    started as ``cmd &`` from a script has SIGINT ignored, which a child inherits.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if sigint else None
+    try:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, **popen)
+    finally:
+        if sigint:
+            signal.signal(signal.SIGINT, previous)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def own_group():
+    """``with own_group(command, sigint=False, **popen) as proc``: see :func:`_own_group`."""
+    return _own_group

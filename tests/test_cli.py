@@ -244,28 +244,17 @@ def test_jax_platforms_naming_a_missing_platform_is_a_clean_error(platform):
     assert f"JAX_PLATFORMS={platform!r}" in out.stderr and "JAX_PLATFORMS=cpu" in out.stderr
 
 
-def test_ctrl_c_during_a_command_is_one_line_and_exit_code_130():
+def test_ctrl_c_during_a_command_is_one_line_and_exit_code_130(own_group):
     # Ctrl-C while plan compiled ended in a KeyboardInterrupt traceback (and the process killed
     # by SIGINT, not exit code 130).
     import signal
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
-    # pytest started as `cmd &` from a script has SIGINT ignored, which a child inherits: not for this one
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "spmdkit", "plan", "--task", "lm", "--devices", "8",
-                                 "--target", "h100x8", "--no-compile-cache"], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    try:
+    with own_group([sys.executable, "-m", "spmdkit", "plan", "--task", "lm", "--devices", "8", "--target", "h100x8",
+                    "--no-compile-cache"], sigint=True, env=env) as proc:
         first = proc.stdout.readline()  # "compiling [1/10] ...": inside the command, with 9 more to go
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert first.startswith("compiling"), first + err[-2000:]
     assert proc.returncode == 130, err[-3000:]
     assert "spmdkit: interrupted" in err.splitlines() and "Traceback" not in err, err[-3000:]

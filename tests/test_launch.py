@@ -615,7 +615,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_ctrl_c_kills_and_names_a_process_still_running_5_s_later(tmp_path):
+def test_ctrl_c_kills_and_names_a_process_still_running_5_s_later(tmp_path, own_group):
     # After SIGINT the launcher waited 5 s, then sent SIGTERM (which JAX catches) and waited 5 s
     # more before SIGKILL, naming no process it had to kill.
     import signal
@@ -627,29 +627,18 @@ def test_ctrl_c_kills_and_names_a_process_still_running_5_s_later(tmp_path):
             "    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as JAX catches it\n"
             f"pathlib.Path({str(tmp_path)!r}, 'up' + i).touch()\n"
             "time.sleep(120)\n")
-    # pytest started as `cmd &` from a script has SIGINT ignored, which a child inherits: not for this one
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    try:
+    with own_group([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], sigint=True, env=env()) as proc:
         deadline = time.time() + 60
         while time.time() < deadline and not all((tmp_path / f"up{i}").exists() for i in (0, 1)):
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert proc.returncode == 130, stderr[-2000:]
     assert "spmdkit launch: process 1 was still running 5 s after SIGINT; killed it (SIGKILL)" in stderr, stderr[-2000:]
     assert "process 0 was still running" not in stderr
 
 
-def test_sigterm_waits_then_sigterm_again_then_sigkill_and_a_second_sigterm_changes_nothing(tmp_path):
+def test_sigterm_waits_then_sigterm_again_then_sigkill_and_a_second_sigterm_changes_nothing(tmp_path, own_group):
     # The wait after SIGTERM (a preemption notice) was a bare 60 in _end_forwarded, the rest of the
     # timing undocumented. Short waits here through launch()'s parameters (60 s and 5 s by default).
     import signal
@@ -664,9 +653,7 @@ def test_sigterm_waits_then_sigterm_again_then_sigkill_and_a_second_sigterm_chan
              "while True: time.sleep(0.05)\n")
     launcher = ("import sys\nfrom spmdkit._launch import launch\n"
                 f"sys.exit(launch([sys.executable, '-c', {child!r}], 1, grace_s=1.0, sigterm_wait_s=4.0))\n")
-    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env(), start_new_session=True)
-    try:
+    with own_group([sys.executable, "-c", launcher], env=env()) as proc:
         deadline = time.time() + 60
         while time.time() < deadline and not terms.exists():
             time.sleep(0.1)
@@ -675,10 +662,6 @@ def test_sigterm_waits_then_sigterm_again_then_sigkill_and_a_second_sigterm_chan
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)  # a second one, during the wait
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert proc.returncode == 143, stderr[-2000:]
     got = [float(t) for t in terms.read_text().split()]
     # Forwarded once, then once more after the wait: the second SIGTERM to the launcher was

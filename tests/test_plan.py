@@ -1012,12 +1012,11 @@ def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path)
     assert not left, f"processes left running in {tmp_path}: {left}"
 
 
-def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp_path):
+def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp_path, own_group):
     """Ctrl-C to the command's process group (as a terminal sends it) while the processes measure:
     the command killed the launcher at once, and its processes with it: no ranking, no rounds,
     only a traceback. Now process 0 prints what it has and the command exits 130."""
     import signal
-    import subprocess
     import sys
     import time
 
@@ -1028,14 +1027,7 @@ def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp
                "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
                "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
                "--no-compile-cache", "--json", str(out)]
-    # pytest started as `cmd &` from a script has SIGINT ignored, which a child inherits: not for this one
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    try:
+    with own_group(command, sigint=True, env=env) as proc:
         lines = []
         for line in iter(proc.stdout.readline, ""):
             lines.append(line)
@@ -1044,10 +1036,6 @@ def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp
         time.sleep(5)  # into the measurement (its candidates compiling, or rounds)
         os.killpg(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     stdout = "".join(lines) + stdout
     assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]

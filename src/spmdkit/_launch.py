@@ -409,9 +409,7 @@ class _Group:
     def stop(self, grace_s: float) -> None:
         """SIGTERM to every group, SIGKILL after ``grace_s`` (JAX may catch SIGTERM)."""
         self.signal(signal.SIGTERM)
-        deadline = time.time() + grace_s
-        while time.time() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(0.1)
+        self.wait_ended(grace_s)
         for p in self.procs:
             _signal_group(p, signal.SIGKILL)  # also what a child left behind in its group
         for p in self.procs:

@@ -230,8 +230,13 @@ class AxisRules:
         listed = "; ".join(f"{axis!r} (size {mesh_shape[axis]}): " + (", ".join(map(repr, logical)) if logical else
                                                                         "no logical name maps to it")
                            for axis, logical in found.items())
-        rewritten = ", ".join(repr(found[n][0]) if n in found and found[n] else f"<a logical name for {n!r}>"
-                              if n in found else repr(n) for n in names)
+
+        def as_logical(n: Any) -> str:  # n rewritten as a logical name, where the rules have one for it
+            if n not in found:
+                return repr(n)
+            return repr(found[n][0]) if found[n] else f"<a logical name for {n!r}>"
+
+        rewritten = ", ".join(map(as_logical, names))
         unmapped = [axis for axis, logical in found.items() if not logical]
         direct = tuple(self.mapping[n] if isinstance(n, str) and n in self.mapping else n for n in names)
         return LayoutError(fix(

@@ -160,12 +160,13 @@ class TraceContext:
 
     def __enter__(self):
         contexts = [jax.sharding.use_abstract_mesh(self._abstract), nnx.use_eager_sharding(False)]
-        if self._rules is not None and _RULES_IN_CACHE_KEY is not None:
-            contexts.append(_RULES_IN_CACHE_KEY((self._rules, self._check)))
         if self._rules is not None:
+            if _RULES_IN_CACHE_KEY is not None:
+                contexts.append(_RULES_IN_CACHE_KEY((self._rules, self._check)))
             contexts.append(nn.logical_axis_rules(self._rules.flax_rules()))
             if self._check:
-                contexts.append(_checking(self._rules, self._mesh_shape))
+                _check_constraints()
+                contexts.append(_setting(_CHECKED_RULES, (self._rules, self._mesh_shape)))
         for c in contexts:
             c.__enter__()
         self._entered.append(contexts)
@@ -186,18 +187,8 @@ _UNCONSTRAINED_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("spmdki
 
 
 @contextlib.contextmanager
-def _checking(rules: AxisRules, mesh_shape: dict[str, int]):
-    _check_constraints()
-    token = _CHECKED_RULES.set((rules, mesh_shape))
-    try:
-        yield
-    finally:
-        _CHECKED_RULES.reset(token)
-
-
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar[bool]):
-    token = var.set(True)
+def _setting(var: contextvars.ContextVar, value: Any = True):
+    token = var.set(value)
     try:
         yield
     finally:
