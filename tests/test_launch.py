@@ -82,6 +82,39 @@ def test_a_failing_process_gives_its_exit_code():
     out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
     assert out.returncode == 3 and time.time() - t0 < 30
     assert "process 1 exited with code 3; stopped the other 1" in out.stderr
+    assert "still running" not in out.stderr  # process 0 ended at the SIGTERM: nothing to kill
+
+
+def test_a_process_that_outlives_the_sigterm_after_a_failure_is_killed_and_named(tmp_path, own_group):
+    # It was SIGKILLed without a word: "stopped the other 1" read as if every process had ended by itself.
+    child = ("import os, pathlib, signal, sys, time\n"
+             "if os.environ['SPMDKIT_PROCESS_ID'] == '1':\n"
+             f"    while not pathlib.Path({str(tmp_path)!r}, 'up').exists(): time.sleep(0.05)\n"
+             "    sys.exit(3)\n"
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as JAX catches it, stuck in a collective\n"
+             f"pathlib.Path({str(tmp_path)!r}, 'up').touch()\n"
+             "time.sleep(120)\n")
+    launcher = ("import sys\nfrom spmdkit._launch import launch\n"
+                f"sys.exit(launch([sys.executable, '-c', {child!r}], 2, grace_s=1.0))\n")
+    t0 = time.time()
+    with own_group([sys.executable, "-c", launcher], env=env()) as proc:
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and time.time() - t0 < 40, stderr[-2000:]
+    assert "spmdkit launch: process 1 exited with code 3; stopped the other 1" in stderr
+    assert ("spmdkit launch: process 0 was still running 1 s after SIGTERM (sent when process 1 failed); "
+            "killed it (SIGKILL)") in stderr, stderr[-2000:]
+
+
+@pytest.mark.parametrize("name, value", [("grace_s", -1.0), ("sigterm_wait_s", float("nan")),
+                                         ("backoff_s", float("inf")), ("grace_s", "5")])
+def test_a_wait_that_is_not_a_finite_number_of_seconds_is_refused_by_name(name, value):
+    # A negative wait was taken as none, a NaN one never ended, a string failed deep in a comparison.
+    from spmdkit import DeviceSetupError
+    from spmdkit._launch import launch
+
+    with pytest.raises(DeviceSetupError, match=rf"(?s){name}={value!r}: a wait in seconds must be a finite "
+                                                      rf"number >= 0\..*pass e\.g\. {name}="):
+        launch([sys.executable, "-c", "pass"], 1, **{name: value})
 
 
 @pytest.mark.parametrize("before, after, named, fix", [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import math
 import os
 import signal
 import socket
@@ -406,10 +407,12 @@ class _Group:
         while time.time() < deadline and self.running():
             time.sleep(0.1)
 
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM to every group, SIGKILL after ``grace_s`` (JAX may catch SIGTERM)."""
+    def stop(self, grace_s: float) -> list[int]:
+        """SIGTERM to every group, SIGKILL after ``grace_s`` (JAX may catch SIGTERM); the
+        indices of the processes still running then, which the SIGKILL ended."""
         self.signal(signal.SIGTERM)
         self.wait_ended(grace_s)
+        killed = self.running()
         for p in self.procs:
             _signal_group(p, signal.SIGKILL)  # also what a child left behind in its group
         for p in self.procs:
@@ -417,6 +420,7 @@ class _Group:
         for t in self.pumps:
             t.join(timeout=5)
         _end_reaper(self.reaper)
+        return killed
 
 
 def _end_forwarded(group: _Group, sig: int, grace_s: float, sigterm_wait_s: float) -> int:
@@ -446,10 +450,14 @@ def _end_forwarded(group: _Group, sig: int, grace_s: float, sigterm_wait_s: floa
 
 
 def _report_failure(group: _Group, processes: int, index: int, code: int, attempt: int,
-                    max_restarts: int) -> int | None:
-    """Say which process failed and how; the launch's exit code when it gives up, None to restart."""
+                    max_restarts: int, killed: Sequence[int] = (), grace_s: float = STOP_GRACE_S) -> int | None:
+    """Say which process failed and how, and which of the others had to be killed (one stuck in
+    a collective with the failed one); the launch's exit code when it gives up, None to restart."""
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
+    for i in killed:
+        sys.stderr.write(f"spmdkit launch: process {i} was still running {grace_s:g} s after SIGTERM "
+                         f"(sent when process {index} failed); killed it (SIGKILL)\n")
     for hint in group.hints:  # complete: stop() has waited for the output pumps
         sys.stderr.write(f"spmdkit launch: {hint}\n")
     if attempt < max_restarts and code != 2:
@@ -464,7 +472,14 @@ def _report_failure(group: _Group, processes: int, index: int, code: int, attemp
     return code if code > 0 else 128 - code
 
 
-def _check_launch(command: Sequence[str], processes: int, max_restarts: int) -> None:
+_WAITS = {"grace_s": STOP_GRACE_S, "backoff_s": 1.0, "sigterm_wait_s": SIGTERM_WAIT_S}  # launch()'s defaults
+
+
+def _check_launch(command: Sequence[str], processes: int, max_restarts: int, **seconds: float) -> None:
+    for name, value in seconds.items():  # a NaN wait never ended; a negative one was taken as none
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise DeviceSetupError(fix(f"{name}={value!r}: a wait in seconds must be a finite number >= 0.",
+                                       f"pass e.g. {name}={_WAITS[name]!r} (the default), or 0 for no wait."))
     if processes < 1:
         raise DeviceSetupError(fix(f"-n {processes}: need at least one process.", "pass -n 2."))
     if max_restarts < 0:
@@ -490,7 +505,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     after SIGINT, SIGKILL ``grace_s`` later. Each process killed is named on stderr. A second
     signal to the launcher meanwhile changes nothing.
     """
-    _check_launch(command, processes, max_restarts)
+    _check_launch(command, processes, max_restarts, grace_s=grace_s, backoff_s=backoff_s,
+                  sigterm_wait_s=sigterm_wait_s)
     stop = threading.Event()
     received: list[int] = []
 
@@ -515,7 +531,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             if failed is None:
                 group.stop(0.0)
                 return 0
-            group.stop(grace_s)
+            killed = group.stop(grace_s)
             index, code = failed
             if index == 0 and code == 2 and group.port_taken.is_set() and port_retries < _PORT_RETRIES:
                 port_retries += 1  # not a restart of the user's job: nothing of it ran
@@ -523,7 +539,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
                                  f"before process 0 could serve on it; starting the {processes} processes again on "
                                  "another port\n")
                 continue
-            final = _report_failure(group, processes, index, code, attempt, max_restarts)
+            final = _report_failure(group, processes, index, code, attempt, max_restarts, killed, grace_s)
             if final is not None:
                 return final
             attempt += 1
