@@ -83,6 +83,30 @@ def test_mesh_axis_names_in_a_constraint_are_named_as_mesh_axes():
     rules.check_constraint(("batch", "embed"), {"data": 2, "model": 4})  # logical names: fine
 
 
+def test_mesh_axis_names_on_a_parameter_are_named_as_mesh_axes():
+    """A parameter annotated with mesh axes: said "has logical axis 'model', which rules do not map"
+    (and, under replicate_unknown, was replicated without a word)."""
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    for replicate in (False, True):
+        rules = AxisRules.load("batch=data,embed=none,hidden=model", replicate_unknown=replicate)
+        with pytest.raises(LayoutError, match=r"(?s)state.params\['w'\] names mesh axes \['model'\] of the mesh "
+                           r"\{'data': 2, 'model': 4\}.*'model' \(size 4\): 'hidden'"
+                           + (r".*replicate_unknown replicates logical names that no rule maps, not a mesh axis's"
+                              if replicate else "")
+                           + r".*nn.with_logical_partitioning\(init_fn, \('embed', 'hidden'\)\).*"
+                           r"nn.with_partitioning\(init_fn, P\(None, 'model'\)\)"):
+            plan(Annotated(names=("embed", "model")), rules, mesh)
+    with pytest.raises(LayoutError, match="has logical axis 'heads', which rules 'batch=data,embed=none' do not map"):
+        plan(Annotated(names=("embed", "heads")), AxisRules.load("batch=data,embed=none"), mesh)  # still this error
+
+
+def test_mesh_axis_names_in_a_constraint_are_an_error_under_replicate_unknown_too():
+    rules = AxisRules.from_mapping({"batch": "data"}, replicate_unknown=True)
+    with pytest.raises(LayoutError, match=r"(?s)names mesh axes \['model'\].*replicate_unknown replicates"):
+        rules.check_constraint(("batch", "model"), {"data": 2, "model": 4})
+    rules.check_constraint(("batch", "heads"), {"data": 2, "model": 4})  # an unknown logical name: replicated
+
+
 def test_replicate_unknown_opt_in():
     rules = AxisRules.load("batch=data,embed=none", replicate_unknown=True)
     layout = plan(Annotated(names=("embed", "heads")), rules, spmdkit.make_mesh(data=8))

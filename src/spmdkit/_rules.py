@@ -206,25 +206,33 @@ class AxisRules:
     def check_constraint(self, names: Any, mesh_shape: Mapping[str, int] | None = None) -> None:
         """Every logical name of an activation constraint (``nn.with_logical_constraint(x,
         names)``) is mapped: Flax puts ``None`` (replicated) where no rule names one.
-        ``mesh_shape``: the mesh's axis sizes, to name a mesh axis written in place of a logical name.
+        ``mesh_shape``: the mesh's axis sizes, to name a mesh axis written in place of a logical
+        name (an error also under ``replicate_unknown``: it meant a sharding, not a replica).
 
             >>> AxisRules.from_mapping({"batch": "data"}).check_constraint(("batch", None))
         """
         where = f"an activation constraint nn.with_logical_constraint(x, {tuple(names)!r})"
+        self._check_names(tuple(names), mesh_shape, where, _CONSTRAINT)
+
+    def _check_names(self, names: tuple, mesh_shape: Mapping[str, int] | None, where: str,
+                     calls: tuple[str, str]) -> None:
         for name in names:
-            if not isinstance(name, str) or name in self.mapping or self.replicate_unknown:
+            if not isinstance(name, str) or name in self.mapping:
                 continue
             if mesh_shape is not None and name in mesh_shape:
-                raise self._mesh_axes_as_logical(tuple(names), mesh_shape, where)
-            self.mesh_axes(name, where)
+                raise self._mesh_axes_as_logical(names, mesh_shape, where, calls)
+            if not self.replicate_unknown:
+                self.mesh_axes(name, where)
 
     def _logical_names_of(self, axis: str) -> list[str]:
         """The logical names the rules map to mesh axis ``axis``: to it alone first, then with others."""
         alone = [name for name, axes in self.mapping.items() if axes == axis]
         return alone + [name for name, axes in self.mapping.items() if axes != axis and axis in _as_tuple(axes)]
 
-    def _mesh_axes_as_logical(self, names: tuple, mesh_shape: Mapping[str, int], where: str) -> LayoutError:
-        """``nn.with_logical_constraint(x, ('data', 'model'))``: mesh axes where logical names belong."""
+    def _mesh_axes_as_logical(self, names: tuple, mesh_shape: Mapping[str, int], where: str,
+                              calls: tuple[str, str]) -> LayoutError:
+        """``nn.with_logical_constraint(x, ('data', 'model'))``: mesh axes where logical names belong.
+        ``calls``: how to write the names as logical names, and as mesh axes (``{}``: the names)."""
         axes = [n for n in names if isinstance(n, str) and n in mesh_shape and n not in self.mapping]
         found = {axis: self._logical_names_of(axis) for axis in axes}
         listed = "; ".join(f"{axis!r} (size {mesh_shape[axis]}): " + (", ".join(map(repr, logical)) if logical else
@@ -236,20 +244,31 @@ class AxisRules:
                 return repr(n)
             return repr(found[n][0]) if found[n] else f"<a logical name for {n!r}>"
 
-        rewritten = ", ".join(map(as_logical, names))
+        rewritten = ", ".join(map(as_logical, names)) + ("," if len(names) == 1 else "")
         unmapped = [axis for axis, logical in found.items() if not logical]
         direct = tuple(self.mapping[n] if isinstance(n, str) and n in self.mapping else n for n in names)
+        logical_call, mesh_call = calls
         return LayoutError(fix(
             f"{where} names mesh axes {axes} of the mesh {dict(mesh_shape)} where logical names belong: rules "
             f"{self.name!r} map logical names to mesh axes, and map none of {axes}. The logical names the "
-            f"rules map to them: {listed}.",
-            f"write the logical names: nn.with_logical_constraint(x, ({rewritten}{',' if len(names) == 1 else ''}))"
+            f"rules map to them: {listed}."
+            + (" replicate_unknown replicates logical names that no rule maps, not a mesh axis's name: that "
+               "meant a sharding." if self.replicate_unknown else ""),
+            f"write the logical names: {logical_call.format(f'({rewritten})')}"
             + (f", after adding a rule that maps a logical name to {unmapped}" if unmapped else "")
-            + f"; or, to name mesh axes directly, jax.lax.with_sharding_constraint(x, P{direct!r})."))
+            + f"; or, to name mesh axes directly, {mesh_call.format(f'P{direct!r}')}."))
 
-    def spec(self, logical: tuple[str | None, ...], where: str = "array") -> P:
-        """The mesh PartitionSpec of an array with these logical dimension names."""
+    def spec(self, logical: tuple[str | None, ...], where: str = "array",
+             mesh_shape: Mapping[str, int] | None = None) -> P:
+        """The mesh PartitionSpec of an array with these logical dimension names (``mesh_shape``:
+        the mesh's axis sizes, to name a mesh axis written in place of a logical name)."""
+        self._check_names(tuple(logical), mesh_shape, where, _PARAMETER)
         return P(*(None if name is None else self.mesh_axes(name, where) for name in logical))
+
+
+# How to write a constraint's or a parameter's names as logical names, and as mesh axes.
+_CONSTRAINT = ("nn.with_logical_constraint(x, {})", "jax.lax.with_sharding_constraint(x, {})")
+_PARAMETER = ("nn.with_logical_partitioning(init_fn, {})", "nn.with_partitioning(init_fn, {})")
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

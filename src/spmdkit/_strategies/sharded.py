@@ -99,7 +99,7 @@ def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "sta
         logical = None
         if isinstance(leaf, nn.LogicallyPartitioned):
             logical = tuple(leaf.names)
-            spec = rules.spec(logical, where)
+            spec = rules.spec(logical, where, dict(mesh.shape))
         elif isinstance(leaf, nn.Partitioned):
             spec = P(*leaf.names)  # with_partitioning names mesh axes directly
         elif isinstance(leaf, nnx.Variable):
