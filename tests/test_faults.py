@@ -275,6 +275,18 @@ def test_checkpoints_verify_counts_an_incomplete_step_as_one_a_restore_refuses(t
     assert cli_main(["checkpoints", str(ck), "--json"]) == 0  # listing alone never fails
 
 
+def test_checkpoints_verify_lists_an_interrupted_saves_temporary_directory_without_failing(tmp_path, capsys):
+    # It exited 6 as if a step were damaged: a script checking the directory after a crash mid-save
+    # saw a failure though every step was intact (nothing restores a temporary directory).
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    (ck / "spmdkit_30.orbax-checkpoint-tmp-1234").mkdir()
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[30]["status"].startswith("incomplete (an interrupted save") and rows[30]["temporary"]
+    assert rows[10]["status"] == rows[20]["status"] == "complete, verified"
+
+
 # ---- never a non-finite state; params and summary agree ------------------------------
 
 @pytest.mark.parametrize("end", ["mid-run", "at-the-last-step"])

@@ -1033,7 +1033,9 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
         files = _files(entry)
         row: dict[str, Any] = {"step": step, "bytes": sum(files.values()), "files": len(files)}
         if _TMP_MARK in entry.name:
+            # Never a step: nothing restores it, so --verify does not count it against the directory.
             row["status"] = "incomplete (an interrupted save; removed on the next start)"
+            row["temporary"] = True
             rows.append(row)
             continue
         manifest, bad = read_manifest(root, step)

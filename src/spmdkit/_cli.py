@@ -717,8 +717,10 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._checkpoint import describe_directory
 
     rows = describe_directory(args.directory, verify=args.verify)
-    # An incomplete step (its save cut short before the manifest) is one a restore refuses too.
-    damaged = args.verify and any(r["status"].startswith(("damaged", "incomplete")) for r in rows)
+    # An incomplete step (its save cut short before the manifest) is one a restore refuses too; an
+    # interrupted save's temporary directory is no step at all (nothing restores it).
+    damaged = args.verify and any(r["status"].startswith(("damaged", "incomplete")) and not r.get("temporary")
+                                  for r in rows)
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_DAMAGED if damaged else 0
