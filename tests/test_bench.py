@@ -426,6 +426,7 @@ def _fake_suite(ran: list):
     (["--suite", "pmap", "--json"], "afile/out.json"),  # a file where its directory belongs
     (["--suite", "pmap", "--markdown"], "."),  # a directory where the file belongs
     (["--all", "--json"], "afile"),  # --all's directory is a file
+    (["--suite", "pmap", "--json"], "missing/out.json"),  # its directory does not exist
 ])
 def test_bench_refuses_an_unwritable_output_before_running_a_suite(tmp_path, monkeypatch, capsys, flags, where):
     from spmdkit import _bench
@@ -435,12 +436,32 @@ def test_bench_refuses_an_unwritable_output_before_running_a_suite(tmp_path, mon
     ran = []
     monkeypatch.setattr(_bench, "SUITES", {"pmap": _fake_suite(ran)})
     path = str(tmp_path / where)
-    assert main(["bench", *flags, path, "--quick"]) == 5
+    assert main(["bench", *flags, path, "--quick"]) == 2  # a wrong path is bad input (it was 5, an I/O failure)
     err = capsys.readouterr().err
     assert ran == []  # found before minutes of benchmarking, not after
     assert f"error: {flags[-1]} {path}: cannot " in err and "Traceback" not in err
-    assert any(reason in err for reason in ("Not a directory", "Is a directory", "File exists")), err
+    assert any(reason in err for reason in ("Not a directory", "Is a directory", "File exists",
+                                            "No such file or directory")), err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_output_that_the_disk_refuses_is_an_io_failure(tmp_path, monkeypatch, capsys):
+    import errno
+    import tempfile
+
+    from spmdkit import _bench
+    from spmdkit._cli import main
+
+    ran = []
+    monkeypatch.setattr(_bench, "SUITES", {"pmap": _fake_suite(ran)})
+
+    def refused(*args, **kwargs):  # as a read-only mount or a directory without write permission
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    assert main(["bench", "--suite", "pmap", "--quick", "--json", str(tmp_path / "out.json")]) == 5
+    err = capsys.readouterr().err
+    assert ran == [] and "cannot write it: Read-only file system" in err, err
 
 
 def test_bench_report_that_cannot_be_written_keeps_the_previous_one(tmp_path, monkeypatch, capsys):

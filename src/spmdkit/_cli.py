@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import shlex
@@ -566,10 +567,14 @@ def _compare_bench(dirs: list[str], console: Console) -> int:
 
 
 class BenchFileError(SpmdkitError, OSError):
-    """``bench --json``/``--markdown`` cannot be written: a file where a directory belongs, no
-    permission, a full disk."""
+    """``bench --json``/``--markdown`` cannot be written: a file where a directory belongs, a
+    missing directory (exit code 2, bad input), no permission, a full disk (5, an I/O failure)."""
 
     exit_code = 5  # the CLI's code for an I/O failure (README, exit codes)
+
+
+# A path that cannot be one (a file where a directory belongs, a directory missing): bad input.
+_WRONG_PATH = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENOENT)
 
 
 def _bench_outputs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -584,13 +589,15 @@ def _bench_file_error(flag: str, given: str, what: str, e: OSError, is_dir: bool
     else:
         remedy = f"pass a file in a directory you can write to, e.g. {flag} bench.{'json' if flag == '--json' else 'md'}"
     # One line, as the bench's other errors: the OS's reason is the diagnosis.
-    return BenchFileError(f"{flag} {shlex.quote(given)}: cannot {what}: {e.strerror or e}. Fix: {remedy}")
+    error = BenchFileError(f"{flag} {shlex.quote(given)}: cannot {what}: {e.strerror or e}. Fix: {remedy}")
+    if e.errno in _WRONG_PATH:
+        error.exit_code = 2
+    return error
 
 
 def _check_bench_outputs(args: argparse.Namespace) -> None:
     """Make each --all directory and write a probe where each report goes, before any suite runs:
     a bad path used to be found only after minutes of benchmarking, and their figures were lost."""
-    import errno
     import tempfile
 
     for flag, path, _ in _bench_outputs(args):
