@@ -84,11 +84,8 @@ def _sources(train: dict, directory: str, batch_size: int, strategy: Any) -> dic
 ROUNDS = 15
 
 
-def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
-    rounds = rounds or (3 if quick else ROUNDS)
-    strategy = DataParallel()
-    batch_size = (64 if quick else 256) // strategy.batch_shards * strategy.batch_shards
-    train, _ = digits.load()
+def _train_step(strategy: Any) -> tuple[Any, Any]:
+    """The suite's model: ``make_state`` and the strategy's compiled step of an MLP on digits."""
     model, opt = _MLP(), optax.sgd(0.05, momentum=0.9)
 
     def make_state(rng):
@@ -104,7 +101,12 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
         updates, o = opt.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": o}, loss
 
-    step = strategy.step(train_step)
+    return make_state, strategy.step(train_step)
+
+
+def _measure_sources(train: Any, batch_size: int, strategy: Any, rounds: int) -> dict[str, dict[str, Any]]:
+    """Steps fed by each source, then each source alone, over the same data set on disk."""
+    make_state, step = _train_step(strategy)
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         directory = str(write_dataset(f"{tmp}/digits", train))
@@ -129,6 +131,15 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
                 for it in sources.values():
                     if isinstance(it, Prefetch):
                         it.close()
+    return runs
+
+
+def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
+    rounds = rounds or (3 if quick else ROUNDS)
+    strategy = DataParallel()
+    batch_size = (64 if quick else 256) // strategy.batch_shards * strategy.batch_shards
+    train, _ = digits.load()
+    runs = _measure_sources(train, batch_size, strategy, rounds)
     rows = []
     for label, record in runs.items():
         for name in record["cases"]:
