@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import SingleDeviceSharding
 
 import spmdkit
 from spmdkit._checkpoint import parse_step, step_name
@@ -487,6 +488,25 @@ def test_a_python_value_in_a_saved_state_is_named(tmp_path, leaf, fix_text):
         ckpt.save(1, {"w": jnp.ones(3), "step": leaf}, {})
     assert fix_text in str(e.value)
     assert not (tmp_path / "ck").exists() or ckpt.steps() == []
+
+
+@pytest.mark.parametrize("state, first, second", [
+    ({"a.b": jnp.ones(3), "a": {"b": jnp.zeros(3)}}, "['a']['b']", "['a.b']"),
+    ({"x": [jnp.ones(2)], "x.0": jnp.zeros(2)}, "['x'][0]", "['x.0']"),
+])
+def test_two_leaves_stored_under_one_name_are_refused_not_mixed(tmp_path, state, first, second):
+    # Orbax stores both in one directory (state/a.b): one overwrote the other and the restore
+    # gave the same values for both leaves, silently.
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    with pytest.raises(spmdkit.CheckpointError, match="would be stored in the same file") as e:
+        ckpt.save(1, state, {})
+    assert f"state{first}" in str(e.value) and f"state{second}" in str(e.value) and "rename the key" in str(e.value)
+    assert ckpt.steps() == []
+    ckpt.save(1, {"a.b": jnp.ones(3), "c": {"b": jnp.zeros(3)}}, {})  # a '.' alone is fine
+    ckpt.close()
+    got, _ = ckpt.restore(1, {"a.b": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=SingleDeviceSharding(jax.devices()[0])),
+                             "c": {"b": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=SingleDeviceSharding(jax.devices()[0]))}})
+    assert np.array_equal(got["a.b"], np.ones(3)) and np.array_equal(got["c"]["b"], np.zeros(3))
 
 
 def test_opening_a_directory_a_live_run_changes_is_taken_again(tmp_path, monkeypatch):

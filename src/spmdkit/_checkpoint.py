@@ -311,6 +311,21 @@ def _check_array_leaves(state: Any, step: int) -> None:
                 f"{as_array}keep it in save()'s meta dict."))
 
 
+def _check_stored_names(state: Any, step: int) -> None:
+    """Every leaf its own directory: Orbax stores a leaf under its keys joined by ``.``, so
+    ``{"a.b": x, "a": {"b": y}}`` wrote both into ``state/a.b`` and either came back for both."""
+    seen: dict[str, str] = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = ".".join(str(_read._key_name(k)) for k in path)
+        here = jax.tree_util.keystr(path)
+        if name in seen:
+            raise CheckpointError(fix(
+                f"save({step}, state): state{seen[name]} and state{here} would be stored in the same file "
+                f"(Orbax names a leaf by its keys joined with '.': {name!r}), and one would overwrite the other.",
+                "rename the key that contains a '.' (e.g. 'a.b' -> 'a_b') so that no two leaves join to one name."))
+        seen[name] = here
+
+
 _WATCHING: list[bool] = []
 
 
@@ -660,6 +675,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(fix(f"save(step={step!r}): a step is a whole number >= 0.", "pass the step count, e.g. save(100, state, {})."))
         _check_array_leaves(state, step)
+        _check_stored_names(state, step)
         t0 = time.perf_counter()
         self.claim()
         self._finish_pending()
