@@ -490,6 +490,15 @@ def test_a_python_value_in_a_saved_state_is_named(tmp_path, leaf, fix_text):
     assert not (tmp_path / "ck").exists() or ckpt.steps() == []
 
 
+def test_an_empty_leaf_is_named_before_the_save_not_taken_for_a_full_disk(tmp_path):
+    # Orbax refused it in its save thread: a CheckpointSaveError (exit 5) saying "free disk space".
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    with pytest.raises(spmdkit.CheckpointError, match=r"save\(1, state\): state\['buf'\]\['x'\] has shape \(0, 3\)") as e:
+        ckpt.save(1, {"w": jnp.ones(3), "buf": {"x": jnp.zeros((0, 3))}}, {})
+    assert not isinstance(e.value, spmdkit.CheckpointSaveError) and "leave it out of the saved state" in str(e.value)
+    assert "disk" not in str(e.value) and ckpt.steps() == []
+
+
 @pytest.mark.parametrize("state, first, second", [
     ({"a.b": jnp.ones(3), "a": {"b": jnp.zeros(3)}}, "['a']['b']", "['a.b']"),
     ({"x": [jnp.ones(2)], "x.0": jnp.zeros(2)}, "['x'][0]", "['x.0']"),

@@ -299,8 +299,8 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
 
 
 def _check_array_leaves(state: Any, step: int) -> None:
-    """Every leaf an array: a bare Python number has no dtype to store or to check a restore
-    target against (it raised an AttributeError naming no leaf)."""
+    """Every leaf an array with elements: a bare Python number has no dtype to store or to check a
+    restore target against (it raised an AttributeError naming no leaf); Orbax refuses an empty one."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
             dtype = {bool: "jnp.bool_", int: "jnp.int32", float: "jnp.float32"}.get(type(leaf))
@@ -309,6 +309,13 @@ def _check_array_leaves(state: Any, step: int) -> None:
                 f"save({step}, state): state{jax.tree_util.keystr(path)} is a Python {type(leaf).__name__} "
                 f"({reprlib.repr(leaf)}), not an array: a checkpoint stores arrays of a known dtype.",
                 f"{as_array}keep it in save()'s meta dict."))
+        if 0 in tuple(leaf.shape):
+            # Orbax refuses it in its background thread, which read as a failed disk ("free disk space").
+            raise CheckpointError(fix(
+                f"save({step}, state): state{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}, no elements: "
+                "Orbax cannot store an empty array.",
+                "leave it out of the saved state (rebuild it after a restore; its shape can go in save()'s meta "
+                "dict), or give it at least one element."))
 
 
 def _check_stored_names(state: Any, step: int) -> None:
