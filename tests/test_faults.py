@@ -370,6 +370,31 @@ def test_a_full_disk_ends_the_run_with_an_error_and_keeps_the_last_good_step(tmp
     assert int(r.restore(10, target())[0].step) == 10
 
 
+def test_a_full_disk_under_checkpoints_and_out_reports_the_failed_save(tmp_path, small_fs, monkeypatch):
+    # Both on one disk: writing --out's params.npz failed too, and that error (naming --out, not the
+    # checkpoint step that failed nor the steps intact) was the one raised.
+    disk = small_fs or tmp_path
+    ck, out = disk / "ck", disk / "out"
+    fit(ck, steps=10, every=5)
+    import orbax.checkpoint as ocp
+
+    from spmdkit._train import _artifacts
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def out_full(path, *a, **k):
+        raise _artifacts.ArtifactError(f"cannot write {path}: No space left on device (errno 28).")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+    monkeypatch.setattr(_artifacts, "save_params", out_full)
+    messages: list[str] = []
+    with pytest.raises(CheckpointSaveError, match=r"saving checkpoint step 15 .*Earlier steps are intact: \[5, 10\]"):
+        fit(ck, steps=30, every=5, resume=True, out=out, log=messages.append)
+    assert any(m.startswith(f"linreg: cannot write {out / 'params.npz'}: No space left on device") and
+               "the run had already failed" in m for m in messages), messages
+
+
 def test_a_read_only_directory_is_an_error_within_seconds(tmp_path, small_fs, monkeypatch):
     ck = (small_fs or tmp_path) / "ck"
     fit(ck, steps=10, every=5)

@@ -600,6 +600,18 @@ class _Run:
             self.status = getattr(error, "status", "interrupted")
         return error is None or self.status != "completed"
 
+    def _write_out(self, params: Any, state: Any, summary: dict[str, Any]) -> None:
+        """``--out``'s files. When the run has already failed (a checkpoint save on a full disk,
+        which is often --out's disk too), a failure to write them is said in one line and the
+        run's own error is the one raised: it names the steps that are intact."""
+        saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
+        try:
+            _write_artifacts(self.out, saved, summary, self.history, self.task)
+        except OSError as e:
+            if self.failure is None:
+                raise
+            self.log(f"{self.task.name}: {str(e).splitlines()[0].rstrip('.')} (the run had already failed; its error follows)")
+
     def finish(self, step: Callable[..., Any], batches: Iterator[Any]) -> FitResult:
         """Confirm the last state, evaluate an interrupted run, save the last state, write the
         summary and artifacts."""
@@ -624,8 +636,7 @@ class _Run:
             return FitResult(state, params, kept, self.history)
         summary = self._summary(params)
         if self.out is not None and self.primary:
-            saved = params if state.model_state is None else {"params": params, "model_state": to_host(state.model_state)}
-            _write_artifacts(self.out, saved, summary, self.history, self.task)
+            self._write_out(params, state, summary)
         release_host_memory()  # the run's temporaries are free: a sweep of fits keeps no run's peak
         if self.failure is not None:
             raise self.failure
