@@ -242,6 +242,46 @@ def test_a_reader_whose_steps_the_writer_deletes_reads_the_newer_ones(tmp_path, 
     assert not any("damaged" in m for m in messages), messages
 
 
+@pytest.mark.parametrize("when", ["listing its files", "after its checks"])
+def test_a_step_deleted_in_the_middle_of_a_read_is_gone_not_a_raw_error(tmp_path, monkeypatch, when):
+    # A sidecar reading a live run with --keep 1: the writer renamed the step away while the reader
+    # listed its files (a raw FileNotFoundError) or after its checks (TypeError: 'NoneType' object is
+    # not subscriptable, the manifest gone); both escaped restore_latest.
+    from spmdkit import _checkpoint
+
+    ck = tmp_path / "ck"
+    fit(ck, steps=30, keep=3)
+
+    def writer_deletes(step):
+        os.replace(ck / step_name(step), ck / f"{step_name(step)}.orbax-checkpoint-tmp-deleting")
+        (ck / "manifests" / f"{step}.json").unlink()
+
+    if when == "listing its files":
+        files = _checkpoint._files
+
+        def listing(step_dir):
+            if step_dir.name == step_name(30):
+                writer_deletes(30)
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(step_dir / "state"))
+            return files(step_dir)
+
+        monkeypatch.setattr(_checkpoint, "_files", listing)
+    else:
+        impls = _checkpoint._check_key_impls
+
+        def checked(step, *a):  # restore's last look before it reads the manifest
+            if step == 30:
+                writer_deletes(30)
+            return impls(step, *a)
+
+        monkeypatch.setattr(_checkpoint, "_check_key_impls", checked)
+    messages: list[str] = []
+    state, meta = reader(ck, messages.append).restore_latest(target())
+    assert meta["step"] == 20 and int(state.step) == 20
+    assert any("step 30 was deleted while being read" in m for m in messages), messages
+    assert not any("damaged" in m for m in messages), messages
+
+
 def test_a_reader_says_a_step_without_its_manifest_may_be_in_flight(tmp_path):
     ck = tmp_path / "ck"
     fit(ck, steps=20)

@@ -879,7 +879,10 @@ class Checkpointer:
         item = target
         for key in reversed(keys):
             item = {key: item}
-        files = read_manifest(self.directory, step)[0]["files"]
+        manifest, bad = read_manifest(self.directory, step)
+        if manifest is None:  # deleted since problems() read it (a writer's retention), or damaged meanwhile
+            raise self._damaged(step, [bad or f"its manifest {MANIFESTS}/{step}.json is gone"])
+        files = manifest["files"]
         leaves = _read.plan(self.directory / step_name(step), item, files)
         if leaves is not None:
             state, meta = self._read_verified(step, item, leaves, files)
@@ -976,7 +979,12 @@ class Checkpointer:
         damaged: list[int] = []
         gone: list[int] = []
         for step in reversed(steps):
-            problem = self._why_not(step, target, members)
+            try:
+                problem = self._why_not(step, target, members)
+            except (CheckpointError, OSError):
+                if (self.directory / step_name(step)).exists():
+                    raise  # a target that does not fit, or a file the step still holds: not a deletion
+                problem = "deleted"  # its files vanished as they were listed (said below)
             if problem is None:
                 try:
                     return self.restore(step, target), damaged, gone
