@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -405,6 +406,52 @@ def test_orbax_file_system_errors_log_their_line_without_a_traceback():
         assert quiet.filter(r) and r.exc_info is None and str(error) in r.getMessage()
     other = record(KeyError("a bug"))
     assert quiet.filter(other) and other.exc_info is not None  # not a file-system cause: kept whole
+
+
+def test_a_file_size_limit_is_named_as_such_and_logs_no_tracebacks(tmp_path):
+    # ulimit -f (or FAT32's 4 GiB): TensorStore's EFBIG was not taken for a file-system cause, so a
+    # failed save printed ~400 lines of tracebacks (Orbax's threads, asyncio's unretrieved chunk
+    # writes) and its error said "free disk space or make the directory writable".
+    import logging
+
+    from spmdkit._checkpoint import _os_cause, _quiet_orbax, _save_fix
+
+    error = ValueError('OUT_OF_RANGE: Error writing local file "ck/spmdkit_2/state/w/0": Failed to write 90112 '
+                       "bytes to file 7: File too large [os_error_code='27']")
+    cause = _os_cause(error)
+    assert cause.startswith("File too large (ValueError: OUT_OF_RANGE")
+    assert "ulimit -f" in _save_fix(cause) and "free disk space" not in _save_fix(cause)
+    assert "free disk space" in _save_fix(_os_cause(OSError(errno.ENOSPC, "No space left on device")))
+    _quiet_orbax()
+    for name in ("absl", "asyncio"):
+        try:
+            raise error
+        except ValueError:
+            r = logging.LogRecord(name, logging.ERROR, __file__, 1, "Task exception was never retrieved\nfuture: "
+                                  "<Task coro=<write_fragment() at orbax/checkpoint/serialization.py:188>", None,
+                                  sys.exc_info())
+            mine = logging.LogRecord(name, logging.ERROR, __file__, 1, "Task exception was never retrieved", None,
+                                     sys.exc_info())
+        assert logging.getLogger(name).filter(r) and r.exc_info is None and "File too large" in r.getMessage()
+        assert logging.getLogger(name).filter(mine) and (mine.exc_info is None) == (name == "absl")  # asyncio: not Orbax's
+    # TensorStore's writes that end after the failed save closed Orbax's loop: unraisable, dropped.
+    import asyncio
+    import types
+
+    from spmdkit._checkpoint import _closed_loop_callbacks_dropped
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        closed = e
+    passed: list = []
+    hook = _closed_loop_callbacks_dropped(passed.append)
+    others = [RuntimeError("Event loop is closed"), KeyError("other")]  # not raised by a closed loop: kept
+    for error in (closed, *others):
+        hook(types.SimpleNamespace(exc_value=error, exc_traceback=error.__traceback__, object=None))
+    assert [u.exc_value for u in passed] == others
 
 
 def test_an_older_step_is_deleted_in_the_background_and_gone_once_closed(tmp_path):

@@ -21,8 +21,10 @@ import os
 import re
 import reprlib
 import shutil
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -370,28 +372,31 @@ def _no_hang_at_exit(code: int = 5) -> None:
 def _os_cause(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     for code, name in ((errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system"),
-                       (errno.EACCES, "Permission denied")):
+                       (errno.EACCES, "Permission denied"), (errno.EFBIG, "File too large")):
         if getattr(e, "errno", None) == code or name in str(e):
             return f"{name} ({text[:300]})"
     return text[:400]
 
 
 # How a full, read-only or forbidden file system shows in Orbax's and TensorStore's errors.
-_FS_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT)
+_FS_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG)
 _FS_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "PERMISSION_DENIED",
-             "RESOURCE_EXHAUSTED")
+             "RESOURCE_EXHAUSTED", "File too large")
 
 
 class _QuietOcdbtMerge(logging.Filter):
     """Drops Orbax's one warning that every save without OCDBT logs (nothing to merge), and
     the tracebacks (not the lines) of Orbax's background-save errors caused by the file
-    system (full, read-only, no permission): spmdkit reports those itself, naming the
-    directory, the cause and the fix."""
+    system (full, read-only, no permission, a file size limit): spmdkit reports those itself,
+    naming the directory, the cause and the fix. Also on asyncio's logger, where each of a
+    failed save's other chunk writes logs "Task exception was never retrieved"."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "Skipping merge of OCDBT checkpoints" in str(record.msg):
             return False
         error = record.exc_info[1] if record.exc_info else None
+        if record.name == "asyncio" and "orbax" not in str(record.msg):
+            return True  # a task of the user's own: left as it is
         if error is not None and (getattr(error, "errno", None) in _FS_ERRNOS or any(m in str(error) for m in _FS_TEXTS)):
             record.msg = f"{record.msg} ({type(error).__name__}: {error})"
             record.exc_info, record.exc_text = None, None
@@ -399,9 +404,27 @@ class _QuietOcdbtMerge(logging.Filter):
 
 
 def _quiet_orbax() -> None:
-    absl_logger = logging.getLogger("absl")
-    if not any(isinstance(f, _QuietOcdbtMerge) for f in absl_logger.filters):
-        absl_logger.addFilter(_QuietOcdbtMerge())
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietOcdbtMerge) for f in logger.filters):
+            logger.addFilter(_QuietOcdbtMerge())
+    if not getattr(sys.unraisablehook, "_spmdkit", False):
+        sys.unraisablehook = _closed_loop_callbacks_dropped(sys.unraisablehook)
+
+
+def _closed_loop_callbacks_dropped(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``sys.unraisablehook`` without the tracebacks of TensorStore writes that finish after a
+    failed save closed Orbax's event loop (``RuntimeError: Event loop is closed`` from
+    ``call_soon_threadsafe``, six lines each): noise after the save's own error."""
+    def hook(unraisable: Any) -> None:
+        error, tb = unraisable.exc_value, unraisable.exc_traceback
+        last = traceback.extract_tb(tb)[-2:] if tb is not None else []
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                and any(f.name == "call_soon_threadsafe" for f in last)):
+            previous(unraisable)
+
+    hook._spmdkit = True  # type: ignore[attr-defined]
+    return hook
 
 
 class _ReadableSteps:
@@ -1102,6 +1125,10 @@ def _save_fix(cause: str) -> str:
     failed) is not a disk problem."""
     if any(word in cause.lower() for word in _PEER_GONE):
         return ("another process of the job stopped during the save (its connection closed): see its error; "
+                "then resume with --resume.")
+    if "File too large" in cause:
+        return ("a file of the step is larger than a limit allows: the process's (ulimit -f) or the file "
+                "system's (FAT32: 4 GiB); raise the limit or pass a --checkpoint-dir on another file system, "
                 "then resume with --resume.")
     return ("free disk space or make the directory writable, then resume with --resume "
             "(or pass another --checkpoint-dir).")
