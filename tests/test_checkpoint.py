@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -535,6 +536,29 @@ def test_a_python_value_in_a_saved_state_is_named(tmp_path, leaf, fix_text):
         ckpt.save(1, {"w": jnp.ones(3), "step": leaf}, {})
     assert fix_text in str(e.value)
     assert not (tmp_path / "ck").exists() or ckpt.steps() == []
+
+
+def test_a_step_not_after_the_newest_is_refused_so_a_rewind_is_never_resumed_past(tmp_path):
+    # A run rewound to step 10 saved 15 beside 20 and 30: keep=3 deleted step 10, then 15, and a
+    # resume took the abandoned step 30, silently. Saving step 20 again was a CheckpointSaveError
+    # (exit 5) saying "free disk space", with "Earlier steps are intact: none".
+    config = spmdkit.CheckpointConfig(str(tmp_path / "ck"), keep=3)
+    ckpt = spmdkit.Checkpointer(config, log=lambda m: None)
+    for step in (10, 20, 30):
+        ckpt.save(step, {"w": jnp.full(3, float(step))}, {})
+    ckpt.close()
+    resumed = spmdkit.Checkpointer(dataclasses.replace(config, resume=True), log=lambda m: None).claim()
+    target = {"w": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=SingleDeviceSharding(jax.devices()[0]))}
+    state, _ = resumed.restore(10, target)
+    with pytest.raises(spmdkit.CheckpointError, match=r"save\(15, state\): .* holds step\(s\) \[20, 30\], not "
+                                                      r"older than step 15: a resume would take step 30") as e:
+        resumed.save(15, state, {})
+    assert not isinstance(e.value, spmdkit.CheckpointSaveError) and "move spmdkit_20, spmdkit_30" in str(e.value)
+    with pytest.raises(spmdkit.CheckpointError, match=r"save\(30, state\): step 30 is already saved"):
+        resumed.save(30, state, {})
+    resumed.save(31, state, {})
+    resumed.close()
+    assert resumed.steps() == [20, 30, 31] and float(resumed.restore_latest(target)[0]["w"][0]) == 10.0
 
 
 def test_an_empty_leaf_is_named_before_the_save_not_taken_for_a_full_disk(tmp_path):

@@ -709,6 +709,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.claim()
         self._finish_pending()
+        self._check_newest(step)
         meta = {**meta, "step": step, "run_id": self.run_id, "leaves": leaf_table(state), "key_impls": key_impls(state)}
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(keys_as_data(state)),
@@ -717,6 +718,22 @@ class Checkpointer:
             raise self._save_error(step, e) from None
         self._pending = step
         self.blocked.append(time.perf_counter() - t0)
+
+    def _check_newest(self, step: int) -> None:
+        """A save is the directory's newest step. Orbax refused an existing one as if the disk had
+        failed; an older one (a run rewound to step 10 saving 15 beside 20 and 30) was kept below
+        the abandoned steps, and --keep deleted it first, so a resume took the abandoned step 30."""
+        newer = [s for s in self.steps() if s >= step]
+        if not newer:
+            return
+        what = (f"step {step} is already saved in {self.directory}" if newer == [step] else
+                f"{self.directory} holds step(s) {newer}, not older than step {step}: a resume would take step "
+                f"{newer[-1]}, not this one (and retention deletes the oldest steps first)")
+        raise CheckpointError(fix(
+            f"save({step}, state): {what}. Checkpoint steps are never overwritten.",
+            f"save under a step after {newer[-1]}, or, to continue from an earlier step (a rewind), first move "
+            f"{', '.join(step_name(s) for s in newer)} (and manifests/<step>.json) out of the directory, or use "
+            "another checkpoint directory."))
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
         _no_hang_at_exit(CheckpointSaveError.exit_code)
