@@ -258,6 +258,22 @@ def test_model_mismatch_names_the_leaf(tmp_path):
             resume=True, opt=opt)
 
 
+def test_a_model_mismatch_names_the_options_that_differ(tmp_path):
+    # --no-scan on resume: the error named a leaf the checkpoint lacks and said "resume with the model
+    # (task and options) the checkpoint was written with", not which option that was.
+    def run(info, **kw):
+        return spmdkit.fit(mlp.make(layers=2, depth=32, embed=16, num_train=128, **kw), spmdkit.DataParallel(),
+                           optax.sgd(0.05), spmdkit.TrainConfig(steps=10, batch_size=64), progress=False,
+                           checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=5, resume=True),
+                           run_info={"task": "mlp", "layers": 2, "steps": 10, **info}, log=lambda m: None)
+
+    run({"steps": 5})
+    with pytest.raises(spmdkit.CheckpointError, match=r"has no leaf state.params\['DotReluDot_0'\]\['W1'\] .*Options "
+                                                      r"that differ from the checkpoint's run: --no-scan: not given -> "
+                                                      r"given\.\n  Fix: resume with the model"):
+        run({"scan": False}, scan=False)
+
+
 def test_resume_with_another_batch_size_is_refused(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
     with pytest.raises(spmdkit.ConfigError, match="written with batch_size=64, this run has batch_size=32"):

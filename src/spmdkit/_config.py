@@ -317,6 +317,26 @@ def changed_options(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[st
     return out
 
 
+# Options that decide the state's leaves and shapes: a checkpoint that does not fit names one.
+SHAPE_OPTIONS = ("task", "strategy", "members", "layers", "depth", "embed", "scan", "d_model", "heads", "seq_len",
+                 "optimizer", "momentum")
+
+
+def changed_shape_options(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Every state-shaping option that differs, as ``flag: checkpoint's -> this run's``.
+
+    >>> changed_shape_options({"task": "mlp"}, {"task": "mlp", "scan": False, "layers": 3})
+    ['--layers: not given -> 3', '--no-scan: not given -> given']
+    """
+    def shown(key: str, value: Any) -> str:
+        if key in _NEGATED_FLAGS and value is not None:
+            value = None if value else "given"  # scan=False is the flag --no-scan given
+        return "not given" if value is None else str(value)
+
+    return [f"{_flag(k)}: {shown(k, saved.get(k))} -> {shown(k, now.get(k))}"
+            for k in SHAPE_OPTIONS if shown(k, saved.get(k)) != shown(k, now.get(k))]
+
+
 def _normalise(key: str) -> str:
     return key.strip().replace("-", "_")
 

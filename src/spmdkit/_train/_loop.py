@@ -26,7 +26,7 @@ import optax
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError
-from spmdkit._config import TrainConfig, changed_options, moved_data
+from spmdkit._config import TrainConfig, changed_options, changed_shape_options, moved_data
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
@@ -288,6 +288,23 @@ def _check_same_task(ckpt: Checkpointer, task: str) -> None:
         return
 
 
+def _with_changed_options(error: CheckpointError, ckpt: Checkpointer, run_info: dict[str, Any] | None) -> CheckpointError:
+    """A checkpoint whose leaves do not fit, with the options that made them differ: the leaf
+    alone ("has no leaf state.params['DotReluDot_0']['W1']") did not say that --no-scan did it."""
+    text = str(error)
+    if not run_info or "leaf state" not in text.split("\n")[0] or not ckpt.steps():
+        return error
+    try:
+        saved = ckpt.meta(ckpt.steps()[-1]).get("config") or {}
+    except CheckpointError:
+        return error
+    changed = changed_shape_options(saved, run_info) if saved else []
+    if not changed:
+        return error
+    head, sep, rest = text.partition("\n  Fix: ")
+    return type(error)(f"{head} Options that differ from the checkpoint's run: {', '.join(changed)}.{sep}{rest}")
+
+
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
            ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
            run_info: dict[str, Any] | None = None, total: int | None = None,
@@ -297,7 +314,10 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
     if ckpt is not None and checkpoint.resume:
         _check_same_task(ckpt, task.name)
         target = strategy.abstract(make_state, key, unbox=True)
-        restored = ckpt.restore_latest(target, members=getattr(strategy, "members", None))
+        try:
+            restored = ckpt.restore_latest(target, members=getattr(strategy, "members", None))
+        except CheckpointError as e:
+            raise _with_changed_options(e, ckpt, run_info) from None
         if restored is not None:
             state, meta = restored
             _check_resumable(meta, config, task.name, run_info, total)
