@@ -282,6 +282,21 @@ def test_resume_with_another_batch_size_is_refused(task, tmp_path):
                     log=lambda m: None)
 
 
+def test_resume_with_another_grad_accum_is_refused_from_python_too(tmp_path):
+    # The checkpoint records grad_accum and spmdkit train refuses --grad-accum 1 -> 2, but fit()
+    # from Python continued with the other accumulation, silently.
+    def run(steps, accum):
+        return spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optax.sgd(0.01),
+                           spmdkit.TrainConfig(steps=steps, batch_size=32, grad_accum=accum), progress=False,
+                           checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=5, resume=True),
+                           log=lambda m: None)
+
+    run(5, 2)
+    with pytest.raises(spmdkit.ConfigError, match="written with grad_accum=2, this run has grad_accum=1"):
+        run(10, 1)
+    assert run(10, 2).summary["steps"] == 10
+
+
 def test_divergence_leaves_the_last_good_checkpoint(tmp_path):
     with pytest.raises(spmdkit.NonFiniteLossError) as e:
         spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optax.sgd(40.0), spmdkit.TrainConfig(steps=100, batch_size=128),

@@ -124,7 +124,7 @@ def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_i
             + "; resuming would not continue the same run.",
             f"resume with {flag} {then}, or start a new run with {flag} {now} in another --checkpoint-dir."))
     for name, now in (("task", task), ("seed", config.seed), ("batch_size", config.batch_size),
-                      ("drop_remainder", config.drop_remainder)):
+                      ("drop_remainder", config.drop_remainder), ("grad_accum", config.grad_accum)):
         then = meta.get(name)
         if then is not None and then != now:
             raise ConfigError(
