@@ -297,6 +297,20 @@ def test_resume_with_another_grad_accum_is_refused_from_python_too(tmp_path):
     assert run(10, 2).summary["steps"] == 10
 
 
+def test_resume_with_another_bagging_is_refused_from_python_too(tmp_path):
+    # Ensemble(K, bagging=True) -> False: another data order per member, continued silently.
+    def run(steps, bagging):
+        return spmdkit.fit(linreg.make(), spmdkit.Ensemble(2, bagging=bagging), optax.sgd(0.01),
+                           spmdkit.TrainConfig(steps=steps, batch_size=32), progress=False,
+                           checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=5, resume=True),
+                           log=lambda m: None)
+
+    run(5, True)
+    with pytest.raises(spmdkit.ConfigError, match="written with bagging=True, this run has bagging=False"):
+        run(10, False)
+    assert run(10, True).summary["steps"] == 10
+
+
 def test_divergence_leaves_the_last_good_checkpoint(tmp_path):
     with pytest.raises(spmdkit.NonFiniteLossError) as e:
         spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optax.sgd(40.0), spmdkit.TrainConfig(steps=100, batch_size=128),

@@ -103,7 +103,7 @@ class _StopRequest:
 
 
 def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_info: dict[str, Any] | None = None,
-                     total: int | None = None) -> None:
+                     total: int | None = None, bagging: bool | None = None) -> None:
     """A resumed run must see the same data order and hyperparameters, or it is not the same run."""
     if total is not None and int(meta["step"]) > total:
         raise ConfigError(fix(
@@ -124,9 +124,10 @@ def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_i
             + "; resuming would not continue the same run.",
             f"resume with {flag} {then}, or start a new run with {flag} {now} in another --checkpoint-dir."))
     for name, now in (("task", task), ("seed", config.seed), ("batch_size", config.batch_size),
-                      ("drop_remainder", config.drop_remainder), ("grad_accum", config.grad_accum)):
-        then = meta.get(name)
-        if then is not None and then != now:
+                      ("drop_remainder", config.drop_remainder), ("grad_accum", config.grad_accum),
+                      ("bagging", bagging)):
+        then = (meta.get("strategy") or {}).get(name) if name == "bagging" else meta.get(name)
+        if then is not None and now is not None and then != now:  # bagging None: not an ensemble
             raise ConfigError(
                 fix(
                     f"the checkpoint at step {meta.get('step')} was written with {name}={then!r}, this run has "
@@ -320,7 +321,7 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
             raise _with_changed_options(e, ckpt, run_info) from None
         if restored is not None:
             state, meta = restored
-            _check_resumable(meta, config, task.name, run_info, total)
+            _check_resumable(meta, config, task.name, run_info, total, getattr(strategy, "bagging", None))
             if feed is not None and int(meta["step"]):  # the data position saved with that state (older: none)
                 feed.resume(meta.get("data"))
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
