@@ -28,6 +28,7 @@ import pytest
 
 import spmdkit
 from spmdkit._checkpoint import CheckpointSaveError, parse_step, step_name
+from spmdkit._checkpoint_read import is_chunk_file
 from spmdkit._cli import main as cli_main
 from spmdkit._tasks import linreg
 from spmdkit._train._validate import TaskError, validate_task
@@ -168,14 +169,17 @@ def largest_file(ck, step) -> Path:
     return max((p for p in (ck / step_name(step)).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
-@pytest.mark.parametrize("damage", ["bytes", "truncate", "delete", "manifest-garbage", "manifest-empty",
+@pytest.mark.parametrize("damage", ["bytes", "chunk-bytes", "truncate", "delete", "manifest-garbage", "manifest-empty",
                                     "manifest-cut", "metadata", "orbax-metadata", "no-manifest"])
 def test_any_damage_falls_back_to_the_newest_intact_step(tmp_path, damage):
     ck = tmp_path / "ck"
     fit(ck, steps=20)
     manifest = ck / "manifests" / "20.json"
     victim = largest_file(ck, 20)
-    if damage == "bytes":  # same size, changed content: only a checksum sees it
+    if damage == "chunk-bytes":  # an array's bytes: found as the restore reads them
+        victim = next(p for p in sorted((ck / step_name(20)).rglob("*"))
+                      if p.is_file() and is_chunk_file(str(p.relative_to(ck / step_name(20)))))
+    if damage in ("bytes", "chunk-bytes"):  # same size, changed content: only a checksum sees it
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
@@ -199,6 +203,7 @@ def test_any_damage_falls_back_to_the_newest_intact_step(tmp_path, damage):
     state, meta = reader(ck, messages.append).restore_latest(target())
     assert meta["step"] == 10 and int(state.step) == 10
     assert any("step 20" in m and "falling back" in m for m in messages), messages
+    assert not any("checkpoint step 20" in m for m in messages), messages  # the step named once per line
     # A reader moves nothing: to it a step without its manifest may be a save still in flight.
     assert any("restored step 10" in m and "[20] left in place" in m for m in messages), messages
     assert (ck / step_name(20)).exists()

@@ -201,8 +201,10 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
 
 def _without_step(message: str, step: int) -> str:
     """An error's first line without its leading ``checkpoint step N:``, for a log line that names the step."""
-    head = f"checkpoint step {step}: "
-    return message[len(head):] if message.startswith(head) else message
+    for head in (f"checkpoint step {step}: ", f"checkpoint step {step} is damaged: "):
+        if message.startswith(head):
+            return message[len(head):]
+    return message
 
 
 def step_name(step: int) -> str:
