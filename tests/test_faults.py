@@ -296,6 +296,28 @@ def test_a_reader_says_a_step_without_its_manifest_may_be_in_flight(tmp_path):
     assert any("step 20 is not complete yet, or damaged (it has no manifest" in m for m in messages), messages
 
 
+def test_checkpoints_beside_a_live_run_skip_steps_that_go_while_listed(tmp_path, capsys, monkeypatch):
+    # spmdkit checkpoints --verify beside a run saving every step with --keep 1: a step deleted (or a
+    # save's temporary directory committed) between the listing and the reading of its files was a
+    # FileNotFoundError traceback, exit 1.
+    from spmdkit import _checkpoint
+
+    ck = tmp_path / "ck"
+    fit(ck, steps=30, keep=3)
+    (ck / f"{step_name(40)}.orbax-checkpoint-tmp").mkdir()
+    files = _checkpoint._files
+
+    def writer_meanwhile(step_dir):
+        if step_dir.name in (step_name(10), f"{step_name(40)}.orbax-checkpoint-tmp"):
+            shutil.rmtree(step_dir)  # retention; a save committing renames its temporary directory away
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(step_dir / "state"))
+        return files(step_dir)
+
+    monkeypatch.setattr(_checkpoint, "_files", writer_meanwhile)
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [20, 30]
+
+
 def test_checkpoints_verify_finds_changed_bytes(tmp_path, capsys):
     ck = tmp_path / "ck"
     fit(ck, steps=20)

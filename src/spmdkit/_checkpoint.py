@@ -1088,7 +1088,9 @@ class Checkpointer:
 def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[str, Any]]:
     """Rows for ``spmdkit checkpoints DIR``: every step spmdkit wrote, complete or not, with its config.
 
-    With ``verify`` every file's checksum is compared with the step's manifest.
+    With ``verify`` every file's checksum is compared with the step's manifest. A step that a
+    run writing the directory renames or deletes while it is read (its save committing, its
+    retention) is left out, as it would be had it been listed a moment later.
     """
     root = Path(directory)
     if not root.exists():
@@ -1102,38 +1104,49 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
         step_text = entry.name[len(STEP_PREFIX) + 1:].split(".")[0]
         if not step_text.isdigit():
             continue
-        step = int(step_text)
-        files = _files(entry)
-        row: dict[str, Any] = {"step": step, "bytes": sum(files.values()), "files": len(files)}
-        if _TMP_MARK in entry.name:
-            # Never a step: nothing restores it, so --verify does not count it against the directory.
-            row["status"] = "incomplete (an interrupted save; removed on the next start)"
-            row["temporary"] = True
-            rows.append(row)
-            continue
-        manifest, bad = read_manifest(root, step)
-        row["run_id"] = (manifest or {}).get("run_id")
-        if bad:
-            row["status"] = f"damaged ({bad})"
-        elif manifest is None:
-            row["status"] = "incomplete (no manifest: the save was cut short before its files were checksummed; " \
-                            "a resume skips it)"
-        else:
-            problems = verify_step(root, step, manifest) if verify else [
-                f"file {n}" for n, w in manifest["files"].items() if files.get(n) != w["bytes"]]
-            row["status"] = (f"damaged ({len(problems)} file(s), e.g. {problems[0]})" if problems
-                             else "complete, verified" if verify else "complete, sizes match")
         try:
-            meta = json.loads((entry / "meta" / "metadata").read_text())
-            row["task"] = meta.get("task")
-            row["strategy"] = (meta.get("strategy") or {}).get("strategy")
-            row["mesh"] = (meta.get("strategy") or {}).get("mesh")
-            row["config"] = meta.get("config")
-            row["written"] = meta.get("written")
-        except (OSError, ValueError, AttributeError):
-            row["status"] += ", meta unreadable"
-        rows.append(row)
+            rows.append(_step_row(root, entry, int(step_text), verify))
+        except FileNotFoundError:
+            if entry.exists() and _TMP_MARK not in entry.name:
+                raise  # a file missing from a step that stays: not a race (verify_step names such files)
     return rows
+
+
+def _step_row(root: Path, entry: Path, step: int, verify: bool) -> dict[str, Any]:
+    files = _files(entry)
+    row: dict[str, Any] = {"step": step, "bytes": sum(files.values()), "files": len(files)}
+    if _TMP_MARK in entry.name:
+        # Never a step: nothing restores it, so --verify does not count it against the directory.
+        row["status"] = "incomplete (an interrupted save; removed on the next start)"
+        row["temporary"] = True
+        return row
+    manifest, bad = read_manifest(root, step)
+    row["run_id"] = (manifest or {}).get("run_id")
+    if bad:
+        row["status"] = f"damaged ({bad})"
+    elif manifest is None:
+        live = ", or a run writing here (spmdkit.lock) is checksumming it now" if (root / LOCK_FILE).exists() else ""
+        row["status"] = f"incomplete (no manifest: the save was cut short before its files were checksummed{live}; " \
+                        "a resume skips it)"
+    else:
+        problems = verify_step(root, step, manifest) if verify else [
+            f"file {n}" for n, w in manifest["files"].items() if files.get(n) != w["bytes"]]
+        row["status"] = (f"damaged ({len(problems)} file(s), e.g. {problems[0]})" if problems
+                         else "complete, verified" if verify else "complete, sizes match")
+    try:
+        meta = json.loads((entry / "meta" / "metadata").read_text())
+        row["task"] = meta.get("task")
+        row["strategy"] = (meta.get("strategy") or {}).get("strategy")
+        row["mesh"] = (meta.get("strategy") or {}).get("mesh")
+        row["config"] = meta.get("config")
+        row["written"] = meta.get("written")
+    except FileNotFoundError:
+        if not entry.exists():
+            raise  # the step went while it was read
+        row["status"] += ", meta unreadable"
+    except (OSError, ValueError, AttributeError):
+        row["status"] += ", meta unreadable"
+    return row
 
 
 _PEER_GONE = ("closed by peer", "connection reset", "gloo", "socket closed", "unavailable:")
