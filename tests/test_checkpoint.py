@@ -180,6 +180,21 @@ def test_a_state_holding_typed_prng_keys_saves_and_restores(tmp_path, strategy):
     assert jax.random.key_impl(back["rbg"]) == jax.random.key_impl(state["rbg"])
 
 
+def test_a_key_saved_as_raw_data_comes_back_as_a_key_of_the_targets_implementation(tmp_path):
+    # Saved as uint32 data (a legacy PRNGKey, key_data), restored into a typed rbg key: it was wrapped
+    # as threefry whatever the target said, a raw TypeError ("expected key_data.shape to end with (2,)").
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    rbg, threefry = jax.random.key_data(jax.random.key(5, impl="rbg")), jax.random.PRNGKey(7)
+    ckpt.save(1, {"rbg": rbg, "threefry": threefry}, {})
+    ckpt.close()
+    sd = SingleDeviceSharding(jax.devices()[0])
+    like = {"rbg": jax.random.key(0, impl="rbg"), "threefry": jax.random.key(0)}
+    got, _ = ckpt.restore(1, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sd) for k, v in like.items()})
+    assert jax.random.key_impl(got["rbg"]) == jax.random.key_impl(like["rbg"])
+    assert np.array_equal(jax.random.key_data(got["rbg"]), rbg)
+    assert np.array_equal(jax.random.key_data(got["threefry"]), threefry)
+
+
 def test_data_parallel_checkpoint_resumes_sharded(tmp_path):
     task = mlp.make(layers=2, depth=64, embed=32, num_train=256, num_eval=32)
     opt = optax.adam(1e-3)

@@ -142,7 +142,8 @@ def _keys_again(restored: Any, target: Any, impls: dict[str, str], prefix: str) 
     def one(path: Any, x: Any, like: Any) -> Any:
         if not is_prng_key(like):
             return x
-        return jax.random.wrap_key_data(x, impl=impls.get(prefix + jax.tree_util.keystr(path), "threefry2x32"))
+        # A key saved as raw data (a jax.random.PRNGKey, key_data) becomes a key of the target's implementation.
+        return jax.random.wrap_key_data(x, impl=impls.get(prefix + jax.tree_util.keystr(path), _impl_name(like)))
 
     return jax.tree_util.tree_map_with_path(one, restored, target)
 
