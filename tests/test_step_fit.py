@@ -217,3 +217,7 @@ def test_users_own_loop_with_only_the_checkpoint_hook_resumes_exactly(tmp_path):
     resumed, start = run(6, tmp_path / "ck", resume=True)
     assert start == 3 and int(resumed["step"]) == 6
     np.testing.assert_array_equal(np.asarray(resumed["w"]), np.asarray(straight["w"]))
+    # Run again once finished: nothing to train, and close() does not save step 6 over itself
+    # (that was a CheckpointSaveError, "free disk space", exit 5).
+    again, start = run(6, tmp_path / "ck", resume=True)
+    assert start == 6 and np.array_equal(np.asarray(again["w"]), np.asarray(straight["w"]))

@@ -266,7 +266,10 @@ class CheckpointHook(Hook):
         self.saved_at = info.step
 
     def close(self, info: StepInfo | None, status: str) -> None:
-        if info is not None and status != "diverged" and info.step != self.saved_at and info.step > 0:
+        # A step the directory holds already is the one this run resumed from (a rerun of a finished
+        # loop trains nothing): saving it again was refused as an overwrite.
+        if info is not None and status != "diverged" and info.step != self.saved_at and info.step > 0 \
+                and info.step not in self.checkpointer.steps():
             self.checkpointer.save(info.step, info.state, self.meta(info))
             self.saved_at = info.step
         self.checkpointer.close()
