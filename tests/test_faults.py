@@ -342,6 +342,40 @@ def test_checkpoints_verify_counts_an_incomplete_step_as_one_a_restore_refuses(t
     assert cli_main(["checkpoints", str(ck), "--json"]) == 0  # listing alone never fails
 
 
+def test_checkpoints_verify_beside_a_live_run_does_not_count_the_step_it_is_saving(tmp_path, capsys):
+    # A sidecar running --verify while a run saved exited 6 at every save: the newest step has no
+    # manifest until the run has checksummed its files. Only that step of a run holding the lock
+    # now is spared; the lock is another process's (a real flock), as a run's is.
+    from spmdkit._lockfile import held_now
+
+    ck = tmp_path / "ck"
+    fit(ck, steps=30, keep=3)
+    (ck / "manifests" / "30.json").unlink()  # the newest step, as in the middle of its save
+    lock = ck / "spmdkit.lock"
+    lock.write_text("")
+    assert held_now(lock) is False
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert held_now(lock) is True
+        assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 0
+        rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+        assert rows[30]["status"].startswith("being saved (the run holding spmdkit.lock") and rows[30]["in_flight"]
+        (ck / "manifests" / "20.json").unlink()  # not the step being saved: incomplete, as without a run
+        assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 6
+        rows = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+        assert rows[20].startswith("incomplete (no manifest") and rows[30].startswith("being saved")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert held_now(lock) is False  # the lock went with its process: the same step now counts
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 6
+    rows = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    assert rows[30].startswith("incomplete (no manifest")
+
+
 def test_checkpoints_verify_lists_an_interrupted_saves_temporary_directory_without_failing(tmp_path, capsys):
     # It exited 6 as if a step were damaged: a script checking the directory after a crash mid-save
     # saw a failure though every step was intact (nothing restores a temporary directory).

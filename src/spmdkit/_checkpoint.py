@@ -40,7 +40,7 @@ from spmdkit import _checkpoint_read as _read
 from spmdkit._atomic import is_temporary, replace_text
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
-from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
+from spmdkit._lockfile import OUT_LOCK, DirLock, held_now, refusal
 from spmdkit._process import exit_now, gather_json
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -1099,21 +1099,29 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
     if not root.is_dir():
         raise CheckpointError(fix(f"{root} is not a directory.", "pass the --checkpoint-dir of a run."))
     rows = []
+    entries = []
     for entry in sorted(root.iterdir(), key=lambda p: (len(p.name), p.name)):
-        if not entry.is_dir() or not entry.name.startswith(f"{STEP_PREFIX}_"):
-            continue
         step_text = entry.name[len(STEP_PREFIX) + 1:].split(".")[0]
-        if not step_text.isdigit():
-            continue
+        if entry.is_dir() and entry.name.startswith(f"{STEP_PREFIX}_") and step_text.isdigit():
+            entries.append((entry, int(step_text)))
+    # The newest step of a run writing here now may lack its manifest only because the run is
+    # checksumming it: that is no damage (a sidecar checking the directory must not fail on it).
+    writing = held_now(root / LOCK_FILE)
+    newest = max((step for entry, step in entries if _TMP_MARK not in entry.name), default=None)
+    for entry, step in entries:
         try:
-            rows.append(_step_row(root, entry, int(step_text), verify))
+            rows.append(_step_row(root, entry, step, verify, in_flight=bool(writing) and step == newest,
+                                  maybe_live=writing is None and (root / LOCK_FILE).exists()))
         except FileNotFoundError:
             if entry.exists() and _TMP_MARK not in entry.name:
                 raise  # a file missing from a step that stays: not a race (verify_step names such files)
     return rows
 
 
-def _step_row(root: Path, entry: Path, step: int, verify: bool) -> dict[str, Any]:
+def _step_row(root: Path, entry: Path, step: int, verify: bool, in_flight: bool = False,
+              maybe_live: bool = False) -> dict[str, Any]:
+    """One row of :func:`describe_directory`. ``in_flight``: the newest step while a run holds the
+    directory's lock; ``maybe_live``: a lock file whose holder the system cannot tell."""
     files = _files(entry)
     row: dict[str, Any] = {"step": step, "bytes": sum(files.values()), "files": len(files)}
     if _TMP_MARK in entry.name:
@@ -1125,8 +1133,12 @@ def _step_row(root: Path, entry: Path, step: int, verify: bool) -> dict[str, Any
     row["run_id"] = (manifest or {}).get("run_id")
     if bad:
         row["status"] = f"damaged ({bad})"
+    elif manifest is None and in_flight:
+        row["status"] = ("being saved (the run holding spmdkit.lock is checksumming it; its manifest comes "
+                         "next)")
+        row["in_flight"] = True
     elif manifest is None:
-        live = ", or a run writing here (spmdkit.lock) is checksumming it now" if (root / LOCK_FILE).exists() else ""
+        live = ", or a run writing here (spmdkit.lock) is checksumming it now" if maybe_live else ""
         row["status"] = f"incomplete (no manifest: the save was cut short before its files were checksummed{live}; " \
                         "a resume skips it)"
     else:

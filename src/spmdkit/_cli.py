@@ -727,7 +727,7 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     # An incomplete step (its save cut short before the manifest) is one a restore refuses too; an
     # interrupted save's temporary directory is no step at all (nothing restores it).
     damaged = args.verify and any(r["status"].startswith(("damaged", "incomplete")) and not r.get("temporary")
-                                  for r in rows)
+                                  for r in rows)  # a step being saved now ("being saved") is neither
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_DAMAGED if damaged else 0

@@ -107,6 +107,27 @@ def _record(raw: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else {}
 
 
+def held_now(path: Path) -> bool | None:
+    """Whether a process on this machine holds the lock at ``path`` now; None where the system
+    does not say (no ``/proc/locks``: not Linux).
+
+    Read from the kernel's list of locks, not by trying the lock: a probe, however short, would
+    refuse a run that starts at that moment. A holder on another host of a network file system
+    is not listed here (False).
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    # Lines as "1: FLOCK  ADVISORY  WRITE 5009 fe:00:2150854 0 EOF": device in hex, inode.
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any("FLOCK" in line.split() and want in line.split() for line in text.splitlines())
+
+
 def refusal(other: dict[str, Any], path: Path, writing: str, harm: str, instead: str) -> str:
     """The message of a refused lock: who holds it, what two writers would do, the way out.
 
