@@ -221,6 +221,22 @@ def test_a_resumed_run_sets_a_damaged_step_aside_and_a_reader_does_not(tmp_path)
     assert [p.name.rsplit("-", 1)[0] for p in ck.glob("damaged-*")] == [f"damaged-{step_name(20)}"]
 
 
+def test_checkpoints_lists_a_step_set_aside_without_counting_it(tmp_path, capsys):
+    # spmdkit checkpoints did not list it: a user missing step 20 was not told where it went.
+    ck = tmp_path / "ck"
+    fit(ck, steps=20)
+    (ck / "manifests" / "20.json").unlink()
+    fit(ck, steps=30, resume=True)
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], bool(r.get("set_aside"))) for r in rows][-2:] == [(20, True), (30, False)]
+    aside = next(ck.glob("damaged-*")).name
+    assert rows[-2]["status"] == (f"set aside as damaged by a resume ({aside}: kept to inspect, never restored; "
+                                 "delete it when done)") and rows[-2]["bytes"] > 0
+    assert cli_main(["checkpoints", str(ck)]) == 0
+    assert "set aside" in capsys.readouterr().out
+
+
 def test_a_reader_whose_steps_the_writer_deletes_reads_the_newer_ones(tmp_path, monkeypatch):
     # A sidecar polling a live run: the writer's retention deleted every step the reader had
     # listed, and saved a newer one meanwhile. The reader called them all damaged and gave up.

@@ -1115,6 +1115,25 @@ def describe_directory(directory: str | Path, verify: bool = True) -> list[dict[
         except FileNotFoundError:
             if entry.exists() and _TMP_MARK not in entry.name:
                 raise  # a file missing from a step that stays: not a race (verify_step names such files)
+    rows.extend(_set_aside_rows(root))
+    return sorted(rows, key=lambda r: (r["step"], bool(r.get("set_aside"))))
+
+
+def _set_aside_rows(root: Path) -> list[dict[str, Any]]:
+    """Steps a resume set aside as damaged (``damaged-spmdkit_<step>-<time>``): listed, so a user
+    who misses a step finds where it went; never counted (nothing restores them)."""
+    rows = []
+    for entry in root.iterdir():
+        step_text = entry.name[len(_ASIDE) + len(STEP_PREFIX) + 1:].split("-")[0]
+        if not (entry.is_dir() and entry.name.startswith(f"{_ASIDE}{STEP_PREFIX}_") and step_text.isdigit()):
+            continue
+        try:
+            files = _files(entry)
+        except FileNotFoundError:
+            continue  # removed while listed
+        rows.append({"step": int(step_text), "bytes": sum(files.values()), "files": len(files), "set_aside": True,
+                     "status": f"set aside as damaged by a resume ({entry.name}: kept to inspect, never restored; "
+                               "delete it when done)"})
     return rows
 
 
