@@ -289,6 +289,22 @@ def test_a_model_mismatch_names_the_options_that_differ(tmp_path):
         run({"scan": False}, scan=False)
 
 
+def test_a_data_mismatch_names_the_options_that_differ(tmp_path):
+    # --text-bytes 200000 -> 300000 on resume: "the checkpoint was written training from arrays with 6249
+    # examples; this run trains from arrays with 9374", without the option that made them differ.
+    def run(num_train, info):
+        return spmdkit.fit(mlp.make(layers=2, depth=32, embed=16, num_train=num_train), spmdkit.DataParallel(),
+                           optax.sgd(0.05), spmdkit.TrainConfig(steps=10, batch_size=64), progress=False,
+                           checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=5, resume=True),
+                           run_info={"task": "mlp", "steps": 10, **info}, log=lambda m: None)
+
+    run(128, {"steps": 5, "text_bytes": 200000})
+    with pytest.raises(spmdkit.ConfigError, match=r"with 128 examples; this run trains from arrays with 192: the data "
+                                                  r"order would differ\. Options that differ from the checkpoint's "
+                                                  r"run: --text-bytes: 200000 -> 300000\.\n  Fix: resume with the same"):
+        run(192, {"text_bytes": 300000})
+
+
 def test_resume_with_another_batch_size_is_refused(task, tmp_path):
     fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
     with pytest.raises(spmdkit.ConfigError, match="written with batch_size=64, this run has batch_size=32"):

@@ -322,8 +322,14 @@ SHAPE_OPTIONS = ("task", "strategy", "members", "layers", "depth", "embed", "sca
                  "optimizer", "momentum")
 
 
-def changed_shape_options(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Every state-shaping option that differs, as ``flag: checkpoint's -> this run's``.
+# The options that choose the training examples: a resume with others reads another data order.
+EXAMPLE_OPTIONS = (*DATA_OPTIONS, "text_bytes", "seq_len")
+
+
+def changed_shape_options(saved: dict[str, Any], now: dict[str, Any],
+                          keys: tuple[str, ...] = SHAPE_OPTIONS) -> list[str]:
+    """Every option of ``keys`` (the state-shaping ones unless told) that differs, as
+    ``flag: checkpoint's -> this run's``.
 
     >>> changed_shape_options({"task": "mlp"}, {"task": "mlp", "scan": False, "layers": 3})
     ['--layers: not given -> 3', '--no-scan: not given -> given']
@@ -334,7 +340,7 @@ def changed_shape_options(saved: dict[str, Any], now: dict[str, Any]) -> list[st
         return "not given" if value is None else str(value)
 
     return [f"{_flag(k)}: {shown(k, saved.get(k))} -> {shown(k, now.get(k))}"
-            for k in SHAPE_OPTIONS if shown(k, saved.get(k)) != shown(k, now.get(k))]
+            for k in keys if shown(k, saved.get(k)) != shown(k, now.get(k))]
 
 
 def _normalise(key: str) -> str:

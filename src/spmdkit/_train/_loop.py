@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -26,7 +26,7 @@ import optax
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError
-from spmdkit._config import TrainConfig, changed_options, changed_shape_options, moved_data
+from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed_options, changed_shape_options, moved_data
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
@@ -289,6 +289,9 @@ def _check_same_task(ckpt: Checkpointer, task: str) -> None:
         return
 
 
+E = TypeVar("E", bound=Exception)
+
+
 def _with_changed_options(error: CheckpointError, ckpt: Checkpointer, run_info: dict[str, Any] | None) -> CheckpointError:
     """A checkpoint whose leaves do not fit, with the options that made them differ: the leaf
     alone ("has no leaf state.params['DotReluDot_0']['W1']") did not say that --no-scan did it."""
@@ -299,10 +302,16 @@ def _with_changed_options(error: CheckpointError, ckpt: Checkpointer, run_info: 
         saved = ckpt.meta(ckpt.steps()[-1]).get("config") or {}
     except CheckpointError:
         return error
-    changed = changed_shape_options(saved, run_info) if saved else []
+    return _with_options(error, saved, run_info, SHAPE_OPTIONS)
+
+
+def _with_options(error: E, saved: dict[str, Any] | None, run_info: dict[str, Any] | None,
+                  keys: tuple[str, ...]) -> E:
+    """``error`` with the options of ``keys`` that differ between the checkpoint's run and this one."""
+    changed = changed_shape_options(saved, run_info, keys) if saved and run_info else []
     if not changed:
         return error
-    head, sep, rest = text.partition("\n  Fix: ")
+    head, sep, rest = str(error).partition("\n  Fix: ")
     return type(error)(f"{head} Options that differ from the checkpoint's run: {', '.join(changed)}.{sep}{rest}")
 
 
@@ -323,7 +332,10 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
             state, meta = restored
             _check_resumable(meta, config, task.name, run_info, total, getattr(strategy, "bagging", None))
             if feed is not None and int(meta["step"]):  # the data position saved with that state (older: none)
-                feed.resume(meta.get("data"))
+                try:
+                    feed.resume(meta.get("data"))
+                except ConfigError as e:
+                    raise _with_options(e, meta.get("config"), run_info, EXAMPLE_OPTIONS) from None
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
