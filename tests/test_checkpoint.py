@@ -121,6 +121,27 @@ def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_p
         ckpt.restore(2, halved)
 
 
+def test_a_part_under_a_list_index_is_named_as_such(tmp_path):
+    # Two networks in a list: a target of one of them was "has no leaf state['w'] (the run being resumed
+    # has it)", and part="['nets'][1]" was "not a place of the saved state ... (none does)".
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    state = {"nets": [{"w": jnp.ones((4, 3))}, {"w": jnp.zeros((4, 3))}], "step": jnp.int32(1)}
+    ckpt.save(1, state, {})
+    ckpt.close()  # the save committed
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    for part in (None, "['nets'][1]"):
+        with pytest.raises(spmdkit.CheckpointError, match=r"(?s)the target's leaves are found in the saved state at "
+                                                          r"\"\['nets'\]\[0\]\" and \"\['nets'\]\[1\]\", under a list "
+                                                          r"or tuple index.*restore the whole state"):
+            ckpt.restore(1, target["nets"][1], part=part)
+    whole, _ = ckpt.restore(1, target)  # the way out the error gives
+    np.testing.assert_array_equal(np.asarray(whole["nets"][1]["w"]), np.zeros((4, 3)))
+    with pytest.raises(spmdkit.CheckpointError, match=r"has no leaf state\['v'\] \(the target has it\)"):
+        ckpt.restore(1, {"v": target["step"]})
+    ckpt.close()
+
+
 def test_a_part_that_fits_two_places_of_the_state_is_named_never_guessed(tmp_path):
     # A DQN's online and target networks, or parameters and their EMA: a bare subtree has no position.
     def make_state(rng):

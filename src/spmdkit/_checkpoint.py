@@ -153,21 +153,43 @@ _READ_PASSES = 3  # listings of a directory whose writer deletes steps under a r
 _KEY = re.compile(r"\.(\w+)|\['([^'\\]*)'\]")
 
 
-def parts_of(saved: dict[str, list], want: dict[str, list]) -> list[str]:
-    """Every place where a saved state holds exactly the leaves ``want`` names, when ``want`` is
-    a part of it: path prefixes (``[".params"]`` for the parameters alone); [] for the whole."""
-    if not want or set(want) == set(saved):
-        return []
+def _places(saved: dict[str, list], want: dict[str, list]) -> list[str]:
+    """Every path prefix under which a saved state holds exactly the leaves ``want`` names."""
     first = next(iter(want))
     found = []
     for path in saved:
         if not path.endswith(first):
             continue
         prefix = path[: len(path) - len(first)]
-        under = {p for p in saved if p.startswith(prefix)}
-        if under == {prefix + w for w in want} and "".join(m.group(0) for m in _KEY.finditer(prefix)) == prefix:
+        if {p for p in saved if p.startswith(prefix)} == {prefix + w for w in want}:
             found.append(prefix)
     return found
+
+
+def _by_keys(prefix: str) -> bool:
+    """A prefix of dict keys and attributes alone (``['params']``, ``.ema``), not list indices."""
+    return "".join(m.group(0) for m in _KEY.finditer(prefix)) == prefix
+
+
+def parts_of(saved: dict[str, list], want: dict[str, list]) -> list[str]:
+    """Every place where a saved state holds exactly the leaves ``want`` names, when ``want`` is
+    a part of it: path prefixes (``[".params"]`` for the parameters alone); [] for the whole."""
+    if not want or set(want) == set(saved):
+        return []
+    return [prefix for prefix in _places(saved, want) if _by_keys(prefix)]
+
+
+def _indexed_part(step: int, saved: dict[str, list], want: dict[str, list]) -> CheckpointError | None:
+    """The error for a target that is a part of the state under a list or tuple index, which a
+    restore cannot take alone (it was "has no leaf" or "none does"); None if it is not one."""
+    places = [p for p in _places(saved, want) if not _by_keys(p)] if want and set(want) != set(saved) else []
+    if not places:
+        return None
+    return CheckpointError(fix(
+        f"checkpoint step {step}: the target's leaves are found in the saved state at {' and '.join(map(repr, places))}, "
+        "under a list or tuple index; a restore takes a part under dict keys or attributes only.",
+        "restore the whole state (a target of all of it, e.g. strategy.abstract(make_state)) and take that part "
+        "from it, or keep such parts in a dict keyed by name."))
 
 
 def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str | None = None) -> tuple[str, list[str]] | None:
@@ -179,6 +201,10 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
     shapes and dtypes match too decide; if several remain, ``part`` must name one, never a guess.
     """
     found = parts_of(saved, want)
+    if not found or (part is not None and part not in found):
+        indexed = _indexed_part(step, saved, want)
+        if indexed is not None:
+            raise indexed
     if part is not None:
         if part not in found:
             raise CheckpointError(fix(
@@ -861,14 +887,15 @@ class Checkpointer:
             if path not in saved:
                 what = "optimizer" if path.startswith(".opt_state") else "model (task and options)"
                 raise CheckpointError(
-                    fix(f"checkpoint step {step} has no leaf state{at}{path} (the run being resumed has it).",
-                        f"resume with the {what} the checkpoint was written with.")
+                    fix(f"checkpoint step {step} has no leaf state{at}{path} (the target has it).",
+                        f"resume with the {what} the checkpoint was written with (from Python: restore into a "
+                        "target of that state).")
                 )
             if list(saved[path][0]) != list(shape):
                 hint = _members_hint(tuple(saved[path][0]), tuple(shape), members)
                 raise CheckpointError(
                     fix(f"checkpoint step {step}: leaf state{at}{path} has shape {tuple(saved[path][0])} in the "
-                        f"checkpoint but {tuple(shape)} in the model being trained.{hint}",
+                        f"checkpoint but {tuple(shape)} in the target.{hint}",
                         "resume with the same model size and member count, or start a new run.")
                 )
             if len(saved[path]) > 1 and saved[path][1] != dtype:
@@ -883,8 +910,9 @@ class Checkpointer:
         if extra:
             what = "optimizer" if extra[0].startswith(".opt_state") else "model (task and options)"
             raise CheckpointError(
-                fix(f"checkpoint step {step} has leaves the run being resumed lacks, e.g. state{at}{extra[0]}.",
-                    f"resume with the {what} the checkpoint was written with.")
+                fix(f"checkpoint step {step} has leaves the target lacks, e.g. state{at}{extra[0]}.",
+                    f"resume with the {what} the checkpoint was written with (from Python: restore into a "
+                    "target of that state, or of one part of it).")
             )
 
     def _check_step_exists(self, step: int) -> None:
