@@ -171,20 +171,9 @@ def _by_keys(prefix: str) -> bool:
     return "".join(m.group(0) for m in _KEY.finditer(prefix)) == prefix
 
 
-def parts_of(saved: dict[str, list], want: dict[str, list]) -> list[str]:
-    """Every place where a saved state holds exactly the leaves ``want`` names, when ``want`` is
-    a part of it: path prefixes (``[".params"]`` for the parameters alone); [] for the whole."""
-    if not want or set(want) == set(saved):
-        return []
-    return [prefix for prefix in _places(saved, want) if _by_keys(prefix)]
-
-
-def _indexed_part(step: int, saved: dict[str, list], want: dict[str, list]) -> CheckpointError | None:
-    """The error for a target that is a part of the state under a list or tuple index, which a
-    restore cannot take alone (it was "has no leaf" or "none does"); None if it is not one."""
-    places = [p for p in _places(saved, want) if not _by_keys(p)] if want and set(want) != set(saved) else []
-    if not places:
-        return None
+def _indexed_part(step: int, places: list[str]) -> CheckpointError:
+    """A target that is a part of the state under a list or tuple index, which a restore cannot
+    take alone (it was "has no leaf" or "none does")."""
     return CheckpointError(fix(
         f"checkpoint step {step}: the target's leaves are found in the saved state at {' and '.join(map(repr, places))}, "
         "under a list or tuple index; a restore takes a part under dict keys or attributes only.",
@@ -200,11 +189,13 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
     parameters and their EMA, a DQN's online and target networks) matches both. The places whose
     shapes and dtypes match too decide; if several remain, ``part`` must name one, never a guess.
     """
-    found = parts_of(saved, want)
-    if not found or (part is not None and part not in found):
-        indexed = _indexed_part(step, saved, want)
-        if indexed is not None:
-            raise indexed
+    # Path prefixes where the saved state holds exactly the target's leaves ([".params"] for the
+    # parameters alone); none when the target is the whole state.
+    places = _places(saved, want) if want and set(want) != set(saved) else []
+    found = [p for p in places if _by_keys(p)]
+    indexed = [p for p in places if not _by_keys(p)]
+    if indexed and (not found or (part is not None and part not in found)):
+        raise _indexed_part(step, indexed)
     if part is not None:
         if part not in found:
             raise CheckpointError(fix(
@@ -214,12 +205,12 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
         found = [part]
     exact = [p for p in found if all(saved[p + w] == list(v) for w, v in want.items())]
     if len(exact) > 1 or (not exact and len(found) > 1):
-        places = exact or found
+        ambiguous = exact or found
         raise CheckpointError(fix(
-            f"checkpoint step {step}: the target matches {len(places)} places of the saved state, "
-            f"{', '.join(map(repr, places))} (the same leaves, shapes and dtypes), so which one it asks for is "
+            f"checkpoint step {step}: the target matches {len(ambiguous)} places of the saved state, "
+            f"{', '.join(map(repr, ambiguous))} (the same leaves, shapes and dtypes), so which one it asks for is "
             "ambiguous.",
-            f"name it: restore({step}, target, part={places[-1]!r})."))
+            f"name it: restore({step}, target, part={ambiguous[-1]!r})."))
     if not found:
         return None
     prefix = (exact or found)[0]
@@ -1152,14 +1143,14 @@ def _set_aside_rows(root: Path) -> list[dict[str, Any]]:
     who misses a step finds where it went; never counted (nothing restores them)."""
     rows = []
     for entry in root.iterdir():
-        step_text = entry.name[len(_ASIDE) + len(STEP_PREFIX) + 1:].split("-")[0]
-        if not (entry.is_dir() and entry.name.startswith(f"{_ASIDE}{STEP_PREFIX}_") and step_text.isdigit()):
+        step = parse_step(entry.name[len(_ASIDE):].rsplit("-", 1)[0]) if entry.name.startswith(_ASIDE) else None
+        if step is None or not entry.is_dir():
             continue
         try:
             files = _files(entry)
         except FileNotFoundError:
             continue  # removed while listed
-        rows.append({"step": int(step_text), "bytes": sum(files.values()), "files": len(files), "set_aside": True,
+        rows.append({"step": step, "bytes": sum(files.values()), "files": len(files), "set_aside": True,
                      "status": f"set aside as damaged by a resume ({entry.name}: kept to inspect, never restored; "
                                "delete it when done)"})
     return rows

@@ -326,12 +326,12 @@ SHAPE_OPTIONS = ("task", "strategy", "members", "layers", "depth", "embed", "sca
 EXAMPLE_OPTIONS = (*DATA_OPTIONS, "text_bytes", "seq_len")
 
 
-def changed_shape_options(saved: dict[str, Any], now: dict[str, Any],
+def differing_options(saved: dict[str, Any], now: dict[str, Any],
                           keys: tuple[str, ...] = SHAPE_OPTIONS) -> list[str]:
     """Every option of ``keys`` (the state-shaping ones unless told) that differs, as
     ``flag: checkpoint's -> this run's``.
 
-    >>> changed_shape_options({"task": "mlp"}, {"task": "mlp", "scan": False, "layers": 3})
+    >>> differing_options({"task": "mlp"}, {"task": "mlp", "scan": False, "layers": 3})
     ['--layers: not given -> 3', '--no-scan: not given -> given']
     """
     def shown(key: str, value: Any) -> str:

@@ -48,6 +48,7 @@ SIGTERM_WAIT_S = 60.0
 # Seconds the processes get to end before SIGKILL: after that second SIGTERM, after a forwarded
 # SIGINT, and when one process failed. SIGTERM alone may not end them: JAX catches it.
 STOP_GRACE_S = 5.0
+BACKOFF_S = 1.0  # the first restart's wait; it doubles per restart, at most 30 s
 
 
 # In process 0's error when the coordinator's port is taken: the launcher, which picked the port,
@@ -472,7 +473,7 @@ def _report_failure(group: _Group, processes: int, index: int, code: int, attemp
     return code if code > 0 else 128 - code
 
 
-_WAITS = {"grace_s": STOP_GRACE_S, "backoff_s": 1.0, "sigterm_wait_s": SIGTERM_WAIT_S}  # launch()'s defaults
+_WAITS = {"grace_s": STOP_GRACE_S, "backoff_s": BACKOFF_S, "sigterm_wait_s": SIGTERM_WAIT_S}  # launch()'s defaults
 
 
 def _check_launch(command: Sequence[str], processes: int, max_restarts: int, **seconds: float) -> None:
@@ -490,7 +491,7 @@ def _check_launch(command: Sequence[str], processes: int, max_restarts: int, **s
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = STOP_GRACE_S,
-           max_restarts: int = 0, backoff_s: float = 1.0, sigterm_wait_s: float = SIGTERM_WAIT_S) -> int:
+           max_restarts: int = 0, backoff_s: float = BACKOFF_S, sigterm_wait_s: float = SIGTERM_WAIT_S) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
     signal N killed it, as a shell says), else 0.
 

@@ -26,7 +26,7 @@ import optax
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError
-from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed_options, changed_shape_options, moved_data
+from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed_options, differing_options, moved_data
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
@@ -308,7 +308,7 @@ def _with_changed_options(error: CheckpointError, ckpt: Checkpointer, run_info: 
 def _with_options(error: E, saved: dict[str, Any] | None, run_info: dict[str, Any] | None,
                   keys: tuple[str, ...]) -> E:
     """``error`` with the options of ``keys`` that differ between the checkpoint's run and this one."""
-    changed = changed_shape_options(saved, run_info, keys) if saved and run_info else []
+    changed = differing_options(saved, run_info, keys) if saved and run_info else []
     if not changed:
         return error
     head, sep, rest = str(error).partition("\n  Fix: ")
