@@ -70,12 +70,12 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
 def _check_sizes(ckpt: Checkpointer, step: int, target: Any, cfg: lm.LMConfig, given: dict[str, Any],
                  saved: bool) -> None:
     """The model built to sample has the checkpoint's parameter shapes; else an error that says which
-    sizes were used and where they came from. The checkpoint's own message spoke of "the model being
-    trained" and told to "resume with the same model size", which sample cannot act on."""
+    sizes were used and where they came from. The checkpoint's own message speaks of "the target"
+    and tells how to restore into it, which a sampling user cannot act on."""
     try:
         ckpt.check_target(step, target, part=_PARAMS)
     except CheckpointError as e:
-        diagnosis = str(e).split("\n  Fix:")[0].replace("the model being trained", "the model built to sample")
+        diagnosis = str(e).split("\n  Fix:")[0].replace("the target", "the model built to sample")
         sizes = {k: getattr(cfg, k) for k in ("layers", "d_model", "heads", "seq_len")}
         source = (f"you passed {given}" if given else "saved with the checkpoint" if saved else
                   "lm's defaults: the run saved no options (it was started from Python)")
