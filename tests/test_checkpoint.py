@@ -667,6 +667,26 @@ def test_an_empty_leaf_is_named_before_the_save_not_taken_for_a_full_disk(tmp_pa
     assert "disk" not in str(e.value) and ckpt.steps() == []
 
 
+def test_fit_names_an_empty_leaf_before_training_not_at_its_first_save(tmp_path):
+    # fit trained `every` steps and then failed in save(2, state), with a fix (keep it out of the
+    # saved state) that a fit user cannot act on: fit saves the whole state.
+    empty = optax.GradientTransformation(lambda params: {"buf": jnp.zeros((0, 3))}, lambda u, s, params=None: (u, s))
+    logged = []
+    with pytest.raises(spmdkit.CheckpointError, match=r"fit\(checkpoint=...\) saves the whole train state: "
+                                                      r"state\.opt_state\[1\]\['buf'\] has shape \(0, 3\)") as e:
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.chain(optax.sgd(0.1), empty),
+                    spmdkit.TrainConfig(steps=4, batch_size=16), progress=False, log=logged.append,
+                    checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=2))
+    assert "make_state" in str(e.value) and "without checkpoint=" in str(e.value) and "meta dict" not in str(e.value)
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    assert ckpt.steps() == []
+    # Nor is the directory left locked or claimed: a fresh run (no resume) goes on in it. The refused
+    # run's owner file, with no step, was 'holds the checkpoints of run ...: steps []. Fix: --resume'.
+    spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
+                progress=False, log=logged.append, checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=2))
+    assert ckpt.steps() == [2]
+
+
 @pytest.mark.parametrize("state, first, second", [
     ({"a.b": jnp.ones(3), "a": {"b": jnp.zeros(3)}}, "['a']['b']", "['a.b']"),
     ({"x": [jnp.ones(2)], "x.0": jnp.zeros(2)}, "['x'][0]", "['x.0']"),

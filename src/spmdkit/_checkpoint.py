@@ -320,7 +320,15 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
         return {"error": got[8: 8 + size].tobytes().decode(errors="replace"), "kind": "refused"}
 
 
-def _check_array_leaves(state: Any, step: int) -> None:
+def check_savable(state: Any, where: str, in_fit: bool = False) -> None:
+    """``state`` can be saved: every leaf an array with elements, no two leaves stored under one
+    name. ``fit`` asks at its start (``in_fit``: the fixes then speak of ``make_state``), so a run
+    learns it before its first save rather than at it, ``every`` steps later."""
+    _check_array_leaves(state, where, in_fit)
+    _check_stored_names(state, where)
+
+
+def _check_array_leaves(state: Any, where: str, in_fit: bool = False) -> None:
     """Every leaf an array with elements: a bare Python number has no dtype to store or to check a
     restore target against (it raised an AttributeError naming no leaf); Orbax refuses an empty one."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -328,19 +336,21 @@ def _check_array_leaves(state: Any, step: int) -> None:
             dtype = {bool: "jnp.bool_", int: "jnp.int32", float: "jnp.float32"}.get(type(leaf))
             as_array = f"make it an array in the state, jnp.asarray({leaf!r}, {dtype}), or " if dtype else ""
             raise CheckpointError(fix(
-                f"save({step}, state): state{jax.tree_util.keystr(path)} is a Python {type(leaf).__name__} "
+                f"{where}: state{jax.tree_util.keystr(path)} is a Python {type(leaf).__name__} "
                 f"({reprlib.repr(leaf)}), not an array: a checkpoint stores arrays of a known dtype.",
                 f"{as_array}keep it in save()'s meta dict."))
         if 0 in tuple(leaf.shape):
             # Orbax refuses it in its background thread, which read as a failed disk ("free disk space").
+            remedy = ("give it at least one element in the state make_state returns (fit saves all of it), or "
+                      "train without checkpoint= (--checkpoint-dir)." if in_fit else
+                      "leave it out of the saved state (rebuild it after a restore; its shape can go in save()'s "
+                      "meta dict), or give it at least one element.")
             raise CheckpointError(fix(
-                f"save({step}, state): state{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}, no elements: "
-                "Orbax cannot store an empty array.",
-                "leave it out of the saved state (rebuild it after a restore; its shape can go in save()'s meta "
-                "dict), or give it at least one element."))
+                f"{where}: state{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}, no elements: "
+                "Orbax cannot store an empty array.", remedy))
 
 
-def _check_stored_names(state: Any, step: int) -> None:
+def _check_stored_names(state: Any, where: str) -> None:
     """Every leaf its own directory: Orbax stores a leaf under its keys joined by ``.``, so
     ``{"a.b": x, "a": {"b": y}}`` wrote both into ``state/a.b`` and either came back for both."""
     seen: dict[str, str] = {}
@@ -349,7 +359,7 @@ def _check_stored_names(state: Any, step: int) -> None:
         here = jax.tree_util.keystr(path)
         if name in seen:
             raise CheckpointError(fix(
-                f"save({step}, state): state{seen[name]} and state{here} would be stored in the same file "
+                f"{where}: state{seen[name]} and state{here} would be stored in the same file "
                 f"(Orbax names a leaf by its keys joined with '.': {name!r}), and one would overwrite the other.",
                 "rename the key that contains a '.' (e.g. 'a.b' -> 'a_b') so that no two leaves join to one name."))
         seen[name] = here
@@ -639,7 +649,9 @@ class Checkpointer:
             except (OSError, ValueError):
                 owner = {}
         ours = self.steps()
-        if not resume and (owner is not None or ours) and not self.config.overwrite:
+        # An owner with no step (its run ended before its first save, or was refused at its start)
+        # has nothing a fresh run could mix with: it was "holds the checkpoints of run ...: steps []".
+        if not resume and ours and not self.config.overwrite:
             who = f"run {owner.get('run_id')} (started {owner.get('created', '?')})" if owner else "another run"
             raise CheckpointError(fix(
                 f"{self.directory} holds the checkpoints of {who}: steps {ours}. A fresh run would mix "
@@ -724,8 +736,7 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(fix(f"save(step={step!r}): a step is a whole number >= 0.", "pass the step count, e.g. save(100, state, {})."))
-        _check_array_leaves(state, step)
-        _check_stored_names(state, step)
+        check_savable(state, f"save({step}, state)")
         t0 = time.perf_counter()
         self.claim()
         self._finish_pending()

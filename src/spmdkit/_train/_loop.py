@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
-from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError
+from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError, check_savable
 from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed_options, differing_options, moved_data
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
@@ -549,6 +549,8 @@ class _Run:
         self.ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
         self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
                                              self.ckpt, config, task, log, self.run_info, self.plan.total, self.feed)
+        if self.ckpt is not None:
+            check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True)
         self.last = StepInfo(self.start_step, 0, self.state, {})
         self.status, self.failure, self.t_first, self.first_step_s = "completed", None, None, None
         self.known = KnownGood(self.state, self.start_step)  # checkpoints wait until their state's loss is seen finite
