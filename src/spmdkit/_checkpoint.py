@@ -322,7 +322,7 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
 
 def check_savable(state: Any, where: str, in_fit: bool = False) -> None:
     """``state`` can be saved: every leaf an array with elements, no two leaves stored under one
-    name. ``fit`` asks at its start (``in_fit``: the fixes then speak of ``make_state``), so a run
+    name. ``fit`` asks at its start (``in_fit``: the fixes then speak of the task and optimizer), so a run
     learns it before its first save rather than at it, ``every`` steps later."""
     _check_array_leaves(state, where, in_fit)
     _check_stored_names(state, where)
@@ -341,8 +341,8 @@ def _check_array_leaves(state: Any, where: str, in_fit: bool = False) -> None:
                 f"{as_array}keep it in save()'s meta dict."))
         if 0 in tuple(leaf.shape):
             # Orbax refuses it in its background thread, which read as a failed disk ("free disk space").
-            remedy = ("give it at least one element in the state make_state returns (fit saves all of it), or "
-                      "train without checkpoint= (--checkpoint-dir)." if in_fit else
+            remedy = ("give it at least one element where it is made (the task's init or the optimizer's init: fit "
+                      "saves the whole train state), or train without checkpoint= (--checkpoint-dir)." if in_fit else
                       "leave it out of the saved state (rebuild it after a restore; its shape can go in save()'s "
                       "meta dict), or give it at least one element.")
             raise CheckpointError(fix(
