@@ -609,7 +609,8 @@ class Checkpointer:
     def _check_same_directory(self) -> None:
         """Every process writes its shards of a step into one directory: given different ones
         (a temporary directory made in each process), each waited for the others' files forever."""
-        paths = [str(self.directory)] if jax.process_count() == 1 else gather_json(str(self.directory))
+        paths = ([str(self.directory)] if jax.process_count() == 1
+                 else gather_json(str(self.directory), "the checkpoint directory"))
         if len(set(paths)) > 1:
             listed = "; ".join(f"process {i}: {p}" for i, p in enumerate(paths))
             raise CheckpointError(fix(

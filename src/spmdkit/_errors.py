@@ -114,3 +114,10 @@ class ProcessMismatchError(SpmdkitError, ValueError):
 
 class StepOutputError(SpmdkitError, TypeError):
     """A user's step returned what cannot be the next step's input or leave a compiled call."""
+
+
+class PeerLostError(SpmdkitError, RuntimeError):
+    """Another process of the job ended while this one waited for it in a collective
+    (also a ``RuntimeError``, as JAX's own error for it is)."""
+
+    exit_code = 4  # the CLI's code for a lost peer process (README, exit codes)

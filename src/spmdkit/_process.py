@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from spmdkit._errors import ConfigError, fix
+from spmdkit._errors import ConfigError, PeerLostError, fix
 
 
 def exit_now(code: int) -> NoReturn:
@@ -140,13 +140,47 @@ def process_age_s() -> float | None:
         return None
 
 
-def gather_json(value: Any) -> list[Any]:
-    """Every process's JSON-able ``value``, in process order (every process must call it)."""
+# What the CPU runtime's (gloo's) error says when the other end of the collective has gone; a
+# peer that is only slow fails otherwise ("GetKeyValue() timed out"), which the launcher explains.
+_PEER_ENDED = ("connection reset by peer", "connection closed by peer", "socket closed")
+
+
+def allgather(tree: Any, what: str, tiled: bool = False) -> Any:
+    """``multihost_utils.process_allgather(tree, tiled)``, but a peer process that ended (killed,
+    crashed) is a :class:`PeerLostError` naming ``what`` was gathered, not JAX's traceback.
+
+    >>> from unittest import mock
+    >>> gone = ValueError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [10.0.0.2]:4")
+    >>> with mock.patch("jax.experimental.multihost_utils.process_allgather", side_effect=gone):
+    ...     allgather(np.zeros(2), "the batch sizes")
+    Traceback (most recent call last):
+    spmdkit._errors.PeerLostError: another process of the job ended while this one gathered the batch sizes from every process (JAX: UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [10.0.0.2]:4).
+      Fix: see that process's log for why it ended (killed, out of memory, an error of its own); mend that, then start the job again (spmdkit train: add --resume to continue from its last checkpoint).
+    """
+    from jax.errors import JaxRuntimeError
     from jax.experimental import multihost_utils
 
+    try:
+        return multihost_utils.process_allgather(tree, tiled=tiled)
+    # One runtime failure, two types: a ValueError when the collective's dispatch meets it (seen
+    # with one device per process), a JaxRuntimeError when reading its result does (two devices).
+    except (JaxRuntimeError, ValueError) as e:
+        if not any(mark in str(e).lower() for mark in _PEER_ENDED):
+            raise
+        # from None: the frames inside JAX say nothing a user can act on; its words stay in the message.
+        raise PeerLostError(fix(f"another process of the job ended while this one gathered {what} from every "
+                                f"process (JAX: {str(e).strip()}).",
+                                "see that process's log for why it ended (killed, out of memory, an error of its "
+                                "own); mend that, then start the job again (spmdkit train: add --resume to "
+                                "continue from its last checkpoint).")) from None
+
+
+def gather_json(value: Any, what: str = "a value") -> list[Any]:
+    """Every process's JSON-able ``value``, in process order (every process must call it);
+    ``what`` names it should a peer process end meanwhile."""
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    sizes = np.asarray(allgather(np.array([data.size], np.int32), f"the size of {what}")).reshape(-1)
     padded = np.zeros(1 << max(8, int(sizes.max() - 1).bit_length()), np.uint8)  # few sizes: few compilations
     padded[:data.size] = data
-    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    gathered = np.asarray(allgather(padded, what)).reshape(len(sizes), -1)
     return [json.loads(bytes(gathered[p, :int(n)]).decode()) for p, n in enumerate(sizes)]

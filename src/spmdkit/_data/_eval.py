@@ -33,6 +33,7 @@ import numpy as np
 from spmdkit._data import _feed
 from spmdkit._data._errors import BatchError
 from spmdkit._errors import DataError, fix
+from spmdkit._process import allgather
 
 ShardingFor = Callable[[bool], Any]
 
@@ -185,9 +186,8 @@ def _global_batch(rows: int, batch: Any, check: _Checked, shards: int, sharding_
                   k: int) -> tuple[int, Any] | None:
     """This process's rows of batch ``k`` (``rows`` -1: its pipeline has ended) and every
     other process's as one global batch; None once every pipeline has ended."""
-    from jax.experimental import multihost_utils
-
-    counts = np.asarray(multihost_utils.process_allgather(np.array([rows, check.first is not None], np.int64)))
+    counts = np.asarray(allgather(np.array([rows, check.first is not None], np.int64),
+                                  f"{name}'s batch {k} row counts"))
     counts = counts.reshape(jax.process_count(), 2)
     have = np.maximum(counts[:, 0], 0)
     if not have.any():
@@ -209,6 +209,6 @@ def _global_batch(rows: int, batch: Any, check: _Checked, shards: int, sharding_
     if batch is not None:
         for buf, x in zip(mine, jax.tree.leaves(batch)):
             buf[: rows] = np.asarray(x)
-    gathered = multihost_utils.process_allgather(mine)
+    gathered = allgather(mine, f"{name}'s batch {k}")
     leaves = [np.concatenate([np.asarray(g)[p, : have[p]] for p in range(len(have))]) for g in gathered]
     return total, jax.tree_util.tree_unflatten(treedef, leaves)

@@ -334,7 +334,7 @@ class PipelineFeed:
         head = {"kind": self.kind, "batches": step, "processes": self.processes, **order}
         if self.processes == 1 or self.indexable:  # one process, or read by global position: nothing per process
             return {**head, **self._states.get(step, {})}
-        states = gather_json(self._states.get(step))
+        states = gather_json(self._states.get(step), "the data pipelines' positions for a checkpoint")
         return {**head, "iterators": {str(p): s for p, s in enumerate(states)}}
 
     def resume(self, saved: dict[str, Any] | None) -> None:

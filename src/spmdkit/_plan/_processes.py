@@ -115,7 +115,7 @@ def check_same(value: Any) -> None:
     import hashlib
 
     digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=_plain).encode()).hexdigest()
-    every = gather_json(digest)
+    every = gather_json(digest, "a digest of the plan's arguments")
     if len(set(every)) > 1:
         differ = [i for i, d in enumerate(every) if d != every[0]]
         raise PlanRunError(fix(f"the plan differs between processes 0 and {differ} (spmdkit sends process 0's plan to "
@@ -161,7 +161,7 @@ def slowest(times: list[float], memory: Any) -> tuple[list[float], Any]:
     Raises ``KeyboardInterrupt`` in every process when any noted a Ctrl-C (:func:`interrupts_agreed`)."""
     if jax.process_count() == 1:
         return times, memory
-    every = gather_json([list(map(float, times)), memory, bool(_INTERRUPT)])
+    every = gather_json([list(map(float, times)), memory, bool(_INTERRUPT)], "the measured step times")
     if any(asked for _, _, asked in every):
         raise KeyboardInterrupt
     steps = [max(t[i] for t, _, _ in every) for i in range(len(times))]

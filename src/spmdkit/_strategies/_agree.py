@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdkit._errors import ProcessMismatchError, fix
-from spmdkit._process import gather_json
+from spmdkit._process import allgather, gather_json
 
 _SHOWN = 8  # key words named in the error
 
@@ -37,13 +37,11 @@ def spans_processes(mesh: Mesh) -> bool:
 def disagreement(payload: bytes, detail: Callable[[], Any]) -> list[Any] | None:
     """None when every process gave the same ``payload``; else every process's ``detail()``
     (JSON-able), in process order. Every process must call it, at the same point."""
-    from jax.experimental import multihost_utils
-
     digest = np.frombuffer(hashlib.sha256(payload).digest()[:16], np.uint32)
-    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
+    every = np.asarray(allgather(digest, "a digest of the init key or batch layout")).reshape(-1, digest.size)
     if (every == every[0]).all():
         return None
-    return gather_json(detail())  # every process saw the same digests: all take this path
+    return gather_json(detail(), "what each process gave")  # every process saw the same digests: all take this path
 
 
 def _key_words(key: jax.Array) -> np.ndarray:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdkit._process import allgather
 from spmdkit._types import Batch, Predictor, TrainState  # noqa: F401 (re-exported)
 
 
@@ -102,11 +103,9 @@ def to_host(tree: Any) -> Any:
     """Arrays as numpy on this host, also arrays spread over other processes' devices."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            return np.asarray(allgather(x, "an array spread over the processes' devices", tiled=True))
         return np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x)
 
     return jax.tree.map(one, tree)

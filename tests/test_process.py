@@ -1,0 +1,83 @@
+"""spmdkit._process: gathering from every process (allgather, gather_json) when a peer has ended."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import numpy as np
+import pytest
+from jax.errors import JaxRuntimeError
+
+import spmdkit
+from spmdkit._process import allgather
+
+# Process 1 dies (SIGKILL) once both have gathered; process 0 then gathers again, as the
+# agreement check or an eval does, into a collective whose other end has gone.
+_PROGRAM = """
+import os, sys, time
+import spmdkit
+spmdkit.initialize(f"127.0.0.1:{sys.argv[1]}", 2, int(sys.argv[2]), host_devices=1, timeout_s=10)
+from spmdkit._process import gather_json
+gather_json("joined")
+if int(sys.argv[2]) == 1:
+    os.kill(os.getpid(), 9)
+time.sleep(1.0)
+gather_json("after", "the test's value")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_peer_killed_before_a_gather_is_named_not_a_jax_traceback(own_group):
+    # The survivor printed ValueError (or, timed otherwise, JaxRuntimeError) "UNKNOWN: Gloo AllGather
+    # failed: ... Connection closed by peer" under frames of jax internals (multihost_utils, tree_util).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMDKIT_", "JAX_"))}
+    port = _free_port()
+    t0 = time.time()
+    with own_group([sys.executable, "-c", _PROGRAM, str(port), "0"], env=env) as p0, \
+            own_group([sys.executable, "-c", _PROGRAM, str(port), "1"], env=env) as p1:
+        _, stderr = p0.communicate(timeout=90)
+        p1.wait(timeout=30)
+    assert p1.returncode == -9, p1.returncode
+    assert p0.returncode == 1 and time.time() - t0 < 60, stderr[-3000:]
+    assert "PeerLostError: another process of the job ended while this one gathered the size of the test's value" \
+           in stderr, stderr[-3000:]
+    assert "by peer" in stderr and "Fix: see that process's log" in stderr
+    for raw in ("multihost_utils", "ValueError", "JaxRuntimeError"):
+        assert raw not in stderr, stderr[-3000:]
+
+
+def test_a_runtime_error_of_another_cause_is_raised_unchanged():
+    other = JaxRuntimeError("DEADLINE_EXCEEDED: GetKeyValue() timed out with key: cpu:gloo/0")
+    with mock.patch("jax.experimental.multihost_utils.process_allgather", side_effect=other), \
+            pytest.raises(JaxRuntimeError) as raised:
+        allgather(np.zeros(2), "a value")
+    assert raised.value is other
+    mine = ValueError("Gathering global non-fully-addressable arrays only supports tiled=True")
+    with mock.patch("jax.experimental.multihost_utils.process_allgather", side_effect=mine), \
+            pytest.raises(ValueError) as raised:
+        allgather(np.zeros(2), "a value")
+    assert raised.value is mine
+
+
+@pytest.mark.parametrize("kind", [ValueError, JaxRuntimeError])
+def test_a_collective_whose_peer_closed_its_connection_is_a_peer_lost_error(kind):
+    # Dispatch meets the failure as a ValueError, reading the result as a JaxRuntimeError.
+    gone = kind("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error [127.0.0.1]:58246: Connection reset by peer")
+    with mock.patch("jax.experimental.multihost_utils.process_allgather", side_effect=gone), \
+            pytest.raises(spmdkit.PeerLostError, match="ended while this one gathered eval's batch 3 from every"):
+        allgather(np.zeros(2), "eval's batch 3")
+
+
+def test_a_peer_lost_error_is_a_runtime_error_with_the_clis_exit_code():
+    # Callers that caught JAX's RuntimeError still catch it; the CLI exits 4, as for a lost peer.
+    assert issubclass(spmdkit.PeerLostError, RuntimeError) and spmdkit.PeerLostError.exit_code == 4
