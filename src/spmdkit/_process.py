@@ -165,14 +165,21 @@ def allgather(tree: Any, what: str, tiled: bool = False) -> Any:
     # One runtime failure, two types: a ValueError when the collective's dispatch meets it (seen
     # with one device per process), a JaxRuntimeError when reading its result does (two devices).
     except (JaxRuntimeError, ValueError) as e:
-        if not any(mark in str(e).lower() for mark in _PEER_ENDED):
+        lost = peer_lost(e, f"gathered {what} from every process")
+        if lost is None:
             raise
-        # from None: the frames inside JAX say nothing a user can act on; its words stay in the message.
-        raise PeerLostError(fix(f"another process of the job ended while this one gathered {what} from every "
-                                f"process (JAX: {str(e).strip()}).",
-                                "see that process's log for why it ended (killed, out of memory, an error of its "
-                                "own); mend that, then start the job again (spmdkit train: add --resume to "
-                                "continue from its last checkpoint).")) from None
+        raise lost from None  # the frames inside JAX say nothing a user can act on; its words stay in the message
+
+
+def peer_lost(error: BaseException, doing: str) -> PeerLostError | None:
+    """The :class:`PeerLostError` for a collective whose other end has gone (``doing``: what this
+    process was doing, e.g. "ran step 12"), or None when ``error`` says something else."""
+    if not any(mark in str(error).lower() for mark in _PEER_ENDED):
+        return None
+    return PeerLostError(fix(f"another process of the job ended while this one {doing} (JAX: {str(error).strip()}).",
+                             "see that process's log for why it ended (killed, out of memory, an error of its "
+                             "own); mend that, then start the job again (spmdkit train: add --resume to "
+                             "continue from its last checkpoint)."))
 
 
 def gather_json(value: Any, what: str = "a value") -> list[Any]:

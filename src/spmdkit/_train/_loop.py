@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import numpy as np
 import optax
+from jax.errors import JaxRuntimeError
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError, check_savable
@@ -30,7 +31,7 @@ from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
-from spmdkit._process import process_age_s
+from spmdkit._process import peer_lost, process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import LOSS_WEIGHT, Task
@@ -398,8 +399,7 @@ def fit(
             for i in range(run.start_step, run.plan.total):
                 epoch, batch = next(batches)
                 run.watchdog.started(i + 1)
-                state, aux = step(state, batch)
-                jax.block_until_ready(state)  # queued collective steps deadlock XLA:CPU
+                state, aux = _run_step(step, state, batch, i + 1)
                 run_hooks(run.hooks, StepInfo(i + 1, epoch, state, to_python(aux)))  # a hook may end the run
         # The steps are over: a Ctrl-C or SIGTERM now waits for the last checkpoint, summary and
         # plot (it cut them short, with a traceback and an exit code that contradicted the
@@ -413,6 +413,21 @@ def fit(
         if isinstance(batches, Prefetch):
             batches.close()
         run.release()
+
+
+def _run_step(step: Callable[..., Any], state: Any, batch: Any, number: int) -> tuple[Any, Any]:
+    """One step, waited for: queued collective steps deadlock XLA:CPU. A peer process that
+    ended fails the step's collective with the runtime's words (a raw JaxRuntimeError or
+    ValueError, exit 1): it is a PeerLostError (exit 4), as in a gather."""
+    try:
+        state, aux = step(state, batch)
+        jax.block_until_ready(state)
+    except (JaxRuntimeError, ValueError) as e:
+        lost = peer_lost(e, f"ran step {number}")
+        if lost is None:
+            raise
+        raise lost from None
+    return state, aux
 
 
 def _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint, log, step_timeout) -> None:
