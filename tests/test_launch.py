@@ -249,15 +249,16 @@ def test_which_uncaught_exceptions_end_a_process_soon(tmp_path, raise_, ends_soo
             "end_soon_on_uncaught_exception()  # twice: one hook\n"
             "atexit.register(lambda: print('user exit handler ran', flush=True))\n"
             f"f = open({str(log)!r}, 'w'); f.write('step,loss\\n1,0.5\\n')\n"
+            "print('raised at', time.time(), flush=True)\n"
             f"{raise_}\n")
-    t0 = time.time()
     out = run([sys.executable, "-c", code], timeout=120)
-    took = time.time() - t0
+    # From the raise, not from the start: importing spmdkit took up to 5 s on a loaded machine.
+    took = time.time() - float(re.search(r"raised at (\S+)", out.stdout).group(1))
     assert "user exit handler ran" in out.stdout, out.stdout + out.stderr
     assert ("process 1 ends within 2 s after this uncaught ValueError" in out.stderr) == ends_soon
     assert out.stderr.count("Traceback (most recent call last)") == 1
     if ends_soon:
-        assert out.returncode == 1 and took < 7, (out.returncode, took)
+        assert out.returncode == 1 and took < 6, (out.returncode, took)  # 2 s of grace; the hang is 8 s
     else:
         assert took >= 8  # the hanging handler ran to its end: nothing cut it short
 
