@@ -14,7 +14,7 @@ import pytest
 from jax.errors import JaxRuntimeError
 
 import spmdkit
-from spmdkit._process import allgather
+from spmdkit._process import allgather, broadcast, sync
 
 # Process 1 dies (SIGKILL) once both have gathered; process 0 then gathers again, as the
 # agreement check or an eval does, into a collective whose other end has gone.
@@ -122,3 +122,23 @@ def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own
     assert "by peer" in stderr and "add --resume" in stderr
     for raw in ("JaxRuntimeError", "ValueError", "block_until_ready"):
         assert raw not in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("call, patched, words", [
+    (lambda: broadcast(np.zeros(2), "the plan's arguments"), "broadcast_one_to_all",
+     "ended while this one took the plan's arguments from process 0"),
+    (lambda: sync("spmdkit plan: measure the target", "before measuring the target"), "sync_global_devices",
+     "ended while this one waited for every process before measuring the target"),
+])
+def test_a_broadcast_or_barrier_whose_peer_closed_its_connection_is_a_peer_lost_error(call, patched, words):
+    # The plan's and calibrate's broadcasts, the checkpoint's verdict and the plan's barrier printed the
+    # runtime's own error, as the gathers did.
+    gone = JaxRuntimeError("UNKNOWN: Gloo broadcast failed: [pair.cc:538] Read error: Connection reset by peer")
+    with mock.patch(f"jax.experimental.multihost_utils.{patched}", side_effect=gone), \
+            pytest.raises(spmdkit.PeerLostError, match=words):
+        call()
+    other = ValueError("the tree's leaves differ")
+    with mock.patch(f"jax.experimental.multihost_utils.{patched}", side_effect=other), \
+            pytest.raises(ValueError) as raised:
+        call()
+    assert raised.value is other

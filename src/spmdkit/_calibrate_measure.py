@@ -16,10 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdkit._bench._timing import measure
+from spmdkit._process import broadcast
 
 PROBES = 3  # timed calls of the probe's last length; their median sets the repetitions
 MAX_REPS = 4096
@@ -224,7 +224,7 @@ def _looped(fn: Callable, x: jax.Array, mesh: Mesh) -> Callable[[int], Any]:
 
 def _agree(flag: bool) -> bool:
     """Process 0's ``flag`` in every process."""
-    return bool(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.bool_))))
+    return bool(np.asarray(broadcast(np.asarray(flag, np.bool_), "its choice while choosing repetitions")))
 
 
 def _settle(programs: dict[str, Callable], mesh: Mesh, n: int, nbytes: int, target_s: float) -> None:
@@ -281,7 +281,7 @@ def measure_collectives(
             fixed = [(reps or {}).get((k, e * 4)) for k in kinds]
             chosen = [r or choose_reps(runs[k], barriers[n], target_s / 2, agree=_agree) for k, r in zip(kinds, fixed)]
             # Both processes of an inter-host run must loop the same number of times.
-            chosen = [int(r) for r in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(chosen, np.int32)))]
+            chosen = [int(r) for r in np.asarray(broadcast(np.asarray(chosen, np.int32), "the repetitions to measure"))]
             cases, raws = {}, {}
             for k, r in zip(kinds, chosen):
                 cases[k], raws[k] = pair_case(runs[k], r, barriers[n])

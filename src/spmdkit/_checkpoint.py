@@ -41,7 +41,7 @@ from spmdkit._atomic import is_temporary, replace_text
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._lockfile import OUT_LOCK, DirLock, held_now, refusal
-from spmdkit._process import exit_now, gather_json
+from spmdkit._process import broadcast, exit_now, gather_json
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 STEP_PREFIX = "spmdkit"
@@ -306,13 +306,11 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
     """Process 0's ``verdict`` on every process (it alone passes a non-empty one)."""
     if jax.process_count() == 1:
         return verdict
-    from jax.experimental import multihost_utils
-
     raw = json.dumps(verdict).encode()[: _VERDICT_BYTES - 8]
     buf = np.zeros(_VERDICT_BYTES, np.uint8)
     buf[:8] = np.frombuffer(len(raw).to_bytes(8, "little"), np.uint8)
     buf[8: 8 + len(raw)] = np.frombuffer(raw, np.uint8)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    got = np.asarray(broadcast(buf, "process 0's word on the checkpoint directory"))
     size = int.from_bytes(got[:8].tobytes(), "little")
     try:
         return json.loads(got[8: 8 + size].tobytes().decode())

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -157,15 +158,36 @@ def allgather(tree: Any, what: str, tiled: bool = False) -> Any:
     spmdkit._errors.PeerLostError: another process of the job ended while this one gathered the batch sizes from every process (JAX: UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [10.0.0.2]:4).
       Fix: see that process's log for why it ended (killed, out of memory, an error of its own); mend that, then start the job again (spmdkit train: add --resume to continue from its last checkpoint).
     """
+    from jax.experimental.multihost_utils import process_allgather
+
+    return _guarded(lambda: process_allgather(tree, tiled=tiled), f"gathered {what} from every process")
+
+
+def broadcast(tree: Any, what: str) -> Any:
+    """``multihost_utils.broadcast_one_to_all(tree)``: process 0's ``tree`` in every process, a
+    peer process that ended being a :class:`PeerLostError` as in :func:`allgather`."""
+    from jax.experimental.multihost_utils import broadcast_one_to_all
+
+    return _guarded(lambda: broadcast_one_to_all(tree), f"took {what} from process 0")
+
+
+def sync(name: str, what: str) -> None:
+    """``multihost_utils.sync_global_devices(name)``, a peer process that ended being a
+    :class:`PeerLostError` as in :func:`allgather`."""
+    from jax.experimental.multihost_utils import sync_global_devices
+
+    _guarded(lambda: sync_global_devices(name), f"waited for every process {what}")
+
+
+def _guarded(collective: Callable[[], Any], doing: str) -> Any:
     from jax.errors import JaxRuntimeError
-    from jax.experimental import multihost_utils
 
     try:
-        return multihost_utils.process_allgather(tree, tiled=tiled)
+        return collective()
     # One runtime failure, two types: a ValueError when the collective's dispatch meets it (seen
     # with one device per process), a JaxRuntimeError when reading its result does (two devices).
     except (JaxRuntimeError, ValueError) as e:
-        lost = peer_lost(e, f"gathered {what} from every process")
+        lost = peer_lost(e, doing)
         if lost is None:
             raise
         raise lost from None  # the frames inside JAX say nothing a user can act on; its words stay in the message

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from spmdkit._errors import ConfigError, ProcessMismatchError, SpmdkitError, fix
-from spmdkit._process import gather_json
+from spmdkit._process import broadcast, gather_json, sync
 
 
 class PlanRunError(SpmdkitError, RuntimeError):
@@ -98,13 +98,11 @@ def from_process_0(value: Any) -> Any:
     become lists); every process must call it. The value itself in a lone process."""
     if jax.process_count() == 1:
         return value
-    from jax.experimental import multihost_utils
-
     raw = json.dumps(value, default=_plain).encode() if jax.process_index() == 0 else b""
-    size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.array([len(raw)], np.int32)))[0])
+    size = int(np.asarray(broadcast(np.array([len(raw)], np.int32), "the size of the plan's arguments"))[0])
     buf = np.zeros(1 << max(8, (size - 1).bit_length()), np.uint8)  # few sizes: few compilations
     buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)
+    got = np.asarray(broadcast(buf, "the plan's arguments")).astype(np.uint8)
     return json.loads(bytes(got[:size]).decode())
 
 
@@ -177,9 +175,7 @@ def agreed_target(target: Any) -> Any:
 
     if jax.process_count() == 1:
         return target  # the planner loads it for this process's devices
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices("spmdkit plan: measure the target")  # all measure under one load
+    sync("spmdkit plan: measure the target", "before measuring the target")  # all measure under one load
     measure_links = isinstance(target, str) and target == "cpu"
     if not isinstance(target, Target):
         target = load_target(target, jax.local_device_count())
