@@ -160,7 +160,7 @@ def allgather(tree: Any, what: str, tiled: bool = False) -> Any:
     """
     from jax.experimental.multihost_utils import process_allgather
 
-    return _guarded(lambda: process_allgather(tree, tiled=tiled), f"gathered {what} from every process")
+    return guarded(lambda: process_allgather(tree, tiled=tiled), f"gathered {what} from every process")
 
 
 def broadcast(tree: Any, what: str) -> Any:
@@ -168,7 +168,7 @@ def broadcast(tree: Any, what: str) -> Any:
     peer process that ended being a :class:`PeerLostError` as in :func:`allgather`."""
     from jax.experimental.multihost_utils import broadcast_one_to_all
 
-    return _guarded(lambda: broadcast_one_to_all(tree), f"took {what} from process 0")
+    return guarded(lambda: broadcast_one_to_all(tree), f"took {what} from process 0")
 
 
 def sync(name: str, what: str) -> None:
@@ -176,10 +176,12 @@ def sync(name: str, what: str) -> None:
     :class:`PeerLostError` as in :func:`allgather`."""
     from jax.experimental.multihost_utils import sync_global_devices
 
-    _guarded(lambda: sync_global_devices(name), f"waited for every process {what}")
+    guarded(lambda: sync_global_devices(name), f"waited for every process {what}")
 
 
-def _guarded(collective: Callable[[], Any], doing: str) -> Any:
+def guarded(collective: Callable[[], Any], doing: str) -> Any:
+    """``collective()``, a peer process that ended during it being a :class:`PeerLostError` that
+    says what this process was ``doing`` ("ran step 12"); any other error is raised as it is."""
     from jax.errors import JaxRuntimeError
 
     try:
@@ -187,13 +189,13 @@ def _guarded(collective: Callable[[], Any], doing: str) -> Any:
     # One runtime failure, two types: a ValueError when the collective's dispatch meets it (seen
     # with one device per process), a JaxRuntimeError when reading its result does (two devices).
     except (JaxRuntimeError, ValueError) as e:
-        lost = peer_lost(e, doing)
+        lost = _peer_lost(e, doing)
         if lost is None:
             raise
         raise lost from None  # the frames inside JAX say nothing a user can act on; its words stay in the message
 
 
-def peer_lost(error: BaseException, doing: str) -> PeerLostError | None:
+def _peer_lost(error: BaseException, doing: str) -> PeerLostError | None:
     """The :class:`PeerLostError` for a collective whose other end has gone (``doing``: what this
     process was doing, e.g. "ran step 12"), or None when ``error`` says something else."""
     if not any(mark in str(error).lower() for mark in _PEER_ENDED):

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import numpy as np
 import optax
-from jax.errors import JaxRuntimeError
 
 from spmdkit._host_memory import DEFAULTS_WHY, HostMemory, host_memory, release_host_memory
 from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CheckpointSaveError, check_savable
@@ -31,7 +30,7 @@ from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
-from spmdkit._process import peer_lost, process_age_s
+from spmdkit._process import guarded, process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import LOSS_WEIGHT, Task
@@ -419,15 +418,11 @@ def _run_step(step: Callable[..., Any], state: Any, batch: Any, number: int) -> 
     """One step, waited for: queued collective steps deadlock XLA:CPU. A peer process that
     ended fails the step's collective with the runtime's words (a raw JaxRuntimeError or
     ValueError, exit 1): it is a PeerLostError (exit 4), as in a gather."""
-    try:
-        state, aux = step(state, batch)
-        jax.block_until_ready(state)
-    except (JaxRuntimeError, ValueError) as e:
-        lost = peer_lost(e, f"ran step {number}")
-        if lost is None:
-            raise
-        raise lost from None
-    return state, aux
+    def run() -> tuple[Any, Any]:
+        new, aux = step(state, batch)
+        return jax.block_until_ready(new), aux
+
+    return guarded(run, f"ran step {number}")
 
 
 def _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint, log, step_timeout) -> None:
