@@ -29,31 +29,9 @@ def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes: int) -> Me
         >>> dict(mesh.shape) == {"data": jax.device_count()}
         True
     """
-    devs = list(jax.devices() if devices is None else devices)
+    devs = _checked_devices(devices)
     n = len(devs)
-    seen: dict[Any, int] = {}
-    for i, d in enumerate(devs):
-        if not isinstance(d, jax.Device):
-            raise MeshError(fix(f"make_mesh: devices[{i}] is a {type(d).__name__}, not a jax.Device.",
-                                "pass devices from jax.devices(), e.g. devices=jax.devices()[:4]."))
-        if d in seen:
-            raise MeshError(fix(f"make_mesh: devices[{seen[d]}] and devices[{i}] are the same device ({d}); "
-                                "a mesh holds each device once.",
-                                "pass distinct devices, e.g. devices=jax.devices()[:k]."))
-        seen[d] = i
-    if not axes:
-        raise MeshError(
-            fix("make_mesh() got no axes.", f"name at least one axis, e.g. make_mesh(data={n}).")
-        )
-    for name, size in axes.items():
-        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise MeshError(
-                fix(
-                    f"make_mesh: axis {name!r} has size {size!r}; sizes are ints >= 1, or -1 "
-                    "for 'the rest of the devices'.",
-                    f"e.g. make_mesh({name}=-1).",
-                )
-            )
+    _check_axes(axes, n)
     fill = [k for k, v in axes.items() if v == -1]
     if len(fill) > 1:
         raise MeshError(
@@ -94,6 +72,39 @@ def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes: int) -> Me
         axis_types=(AxisType.Auto,) * len(axes),
         devices=devs,
     )
+
+
+def _checked_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
+    """``devices`` as a list, each a distinct ``jax.Device`` (all devices when None)."""
+    devs = list(jax.devices() if devices is None else devices)
+    seen: dict[Any, int] = {}
+    for i, d in enumerate(devs):
+        if not isinstance(d, jax.Device):
+            raise MeshError(fix(f"make_mesh: devices[{i}] is a {type(d).__name__}, not a jax.Device.",
+                                "pass devices from jax.devices(), e.g. devices=jax.devices()[:4]."))
+        if d in seen:
+            raise MeshError(fix(f"make_mesh: devices[{seen[d]}] and devices[{i}] are the same device ({d}); "
+                                "a mesh holds each device once.",
+                                "pass distinct devices, e.g. devices=jax.devices()[:k]."))
+        seen[d] = i
+    return devs
+
+
+def _check_axes(axes: dict[str, int], n: int) -> None:
+    """At least one axis, each an int >= 1 or -1."""
+    if not axes:
+        raise MeshError(
+            fix("make_mesh() got no axes.", f"name at least one axis, e.g. make_mesh(data={n}).")
+        )
+    for name, size in axes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise MeshError(
+                fix(
+                    f"make_mesh: axis {name!r} has size {size!r}; sizes are ints >= 1, or -1 "
+                    "for 'the rest of the devices'.",
+                    f"e.g. make_mesh({name}=-1).",
+                )
+            )
 
 
 def _suggest(axes: dict[str, int], n: int) -> str:
