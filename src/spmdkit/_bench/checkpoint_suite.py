@@ -131,9 +131,9 @@ def _ckpt_cases(root: Path, state: Any, target: Any, blocked: list[float],
     return {save_name: save, restore_name: restore}, ckpt
 
 
-def run(quick: bool = False, directory: str | None = None, rounds: int | None = None) -> dict[str, Any]:
-    gib = 2**30
-    total = (128 * 2**20) if quick else gib
+def _state(total: int) -> tuple[Any, dict[str, jax.Array], Any, int]:
+    """About ``total`` bytes of f32 arrays of 128 MiB, sharded over (data, model), and the layout
+    a restore reshards them to: (mesh, state, target layout, bytes per array)."""
     mesh = make_mesh(data=2, model=-1)
     sharding = NamedSharding(mesh, P("data", "model"))
     rows_per_leaf = 4096
@@ -142,10 +142,18 @@ def run(quick: bool = False, directory: str | None = None, rounds: int | None = 
     make = jax.jit(lambda k: jax.random.normal(k, (rows_per_leaf, 8192), jnp.float32), out_shardings=sharding)
     state = {f"w{i}": make(jax.random.key(i)) for i in range(n_leaves)}
     jax.block_until_ready(state)
-    nbytes = n_leaves * leaf_bytes
     target_layout = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("model", None))), state
     )
+    return mesh, state, target_layout, leaf_bytes
+
+
+def run(quick: bool = False, directory: str | None = None, rounds: int | None = None) -> dict[str, Any]:
+    gib = 2**30
+    total = (128 * 2**20) if quick else gib
+    mesh, state, target_layout, leaf_bytes = _state(total)
+    n_leaves = len(state)
+    nbytes = n_leaves * leaf_bytes
     root = Path(tempfile.mkdtemp(prefix="spmdkit-bench-ckpt-", dir=directory))
     blocked: list[float] = []
     clock = _Clock()

@@ -152,6 +152,47 @@ def _single_device_flops(quick: bool, rounds: int) -> tuple[dict[str, Any], dict
     return out, run
 
 
+def _workload(name: str, task, opt, batch_size: int, rounds: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One workload's step by spmdkit, by hand-written jit and by seed 002's pmap, timed
+    interleaved: the timings and a table row per implementation."""
+    n = jax.local_device_count()
+    host = jax.tree.map(lambda x: np.ascontiguousarray(x[:batch_size]), task.train_data)
+    ref = DataParallel()
+    state = ref.init(task_state(task, opt), jax.random.key(0), unbox=True)
+    cases = {
+        "spmdkit jit": _spmdkit(ref, task, opt, state),
+        "hand jit": _hand_jit(task, opt, ref.mesh, state),
+        "seed-002 pmap": _seed_pmap(task, opt, n, state),
+    }
+    # Same update from the same state and batch, whoever computes it.
+    losses = {k: float(np.ravel(jax.device_get(f(host)[1]))[0]) for k, f in cases.items()}
+    spread = max(losses.values()) - min(losses.values())
+    times = measure(
+        {k: (lambda f=f: jax.block_until_ready(f(host))) for k, f in cases.items()},
+        rounds=rounds,
+    )
+    rows = []
+    for impl in cases:
+        rh, rp = ratio(times, impl, "hand jit"), ratio(times, impl, "seed-002 pmap")
+        c = case_row(times, impl)
+        rows.append(
+            {
+                "workload": name,
+                "batch": batch_size,
+                "impl": impl,
+                "median_ms": c["median"],
+                "iqr_pct": c["iqr_pct"],
+                "min_ms": c["min"],
+                "max_ms": c["max"],
+                "x_hand_jit": rh["median"],
+                "x_seed_pmap": rp["median"],
+                "flag": ",".join(sorted(set(c["flag"].split(",") + rh["flags"]) - {""})),
+                "loss_spread": spread,
+            }
+        )
+    return times, rows
+
+
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     rounds = rounds or (5 if quick else 9)
     n = jax.local_device_count()
@@ -163,41 +204,9 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     }
     ratios_hand, ratios_pmap = [], []
     for name, (task, opt, batch_size) in workloads.items():
-        batch_size = batch_size // n * n
-        host = jax.tree.map(lambda x: np.ascontiguousarray(x[:batch_size]), task.train_data)
-        ref = DataParallel()
-        state = ref.init(task_state(task, opt), jax.random.key(0), unbox=True)
-        cases = {
-            "spmdkit jit": _spmdkit(ref, task, opt, state),
-            "hand jit": _hand_jit(task, opt, ref.mesh, state),
-            "seed-002 pmap": _seed_pmap(task, opt, n, state),
-        }
-        # Same update from the same state and batch, whoever computes it.
-        losses = {k: float(np.ravel(jax.device_get(f(host)[1]))[0]) for k, f in cases.items()}
-        spread = max(losses.values()) - min(losses.values())
-        times = measure(
-            {k: (lambda f=f: jax.block_until_ready(f(host))) for k, f in cases.items()},
-            rounds=rounds,
-        )
+        times, workload_rows = _workload(name, task, opt, batch_size // n * n, rounds)
         runs[name] = times
-        for impl in cases:
-            rh, rp = ratio(times, impl, "hand jit"), ratio(times, impl, "seed-002 pmap")
-            c = case_row(times, impl)
-            rows.append(
-                {
-                    "workload": name,
-                    "batch": batch_size,
-                    "impl": impl,
-                    "median_ms": c["median"],
-                    "iqr_pct": c["iqr_pct"],
-                    "min_ms": c["min"],
-                    "max_ms": c["max"],
-                    "x_hand_jit": rh["median"],
-                    "x_seed_pmap": rp["median"],
-                    "flag": ",".join(sorted(set(c["flag"].split(",") + rh["flags"]) - {""})),
-                    "loss_spread": spread,
-                }
-            )
+        rows += workload_rows
         ratios_hand.append(ratio(times, "spmdkit jit", "hand jit"))
         ratios_pmap.append(ratio(times, "spmdkit jit", "seed-002 pmap"))
     flops, flops_run = _single_device_flops(quick, rounds)

@@ -52,6 +52,22 @@ def _compile_seconds(fn, *args) -> tuple[float, Any]:
     return time.perf_counter() - t0, compiled
 
 
+def _compile_times(quick: bool, opt) -> list[dict[str, Any]]:
+    """Seconds to compile the dp+tp step of deeper and deeper MLPs, with nn.scan and without."""
+    compile_rows = []
+    for n_layers in (4, 16) if quick else (4, 16, 32):
+        entry: dict[str, Any] = {"layers": n_layers}
+        for scan in (True, False):
+            t = mlp.make(layers=n_layers, depth=256, embed=64, scan=scan, num_train=32, num_eval=32)
+            strategy = Sharded(make_mesh(data=2, model=4), AxisRules.preset("dp+tp"))
+            state = strategy.init(task_state(t, opt), jax.random.key(0), unbox=True)
+            entry["scan_s" if scan else "loop_s"], _ = _compile_seconds(
+                strategy.step(task_train_step(t, opt)), state, t.train_data
+            )
+        compile_rows.append(entry)
+    return compile_rows
+
+
 def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     layers, depth, embed, batch_size = (2, 256, 64, 32) if quick else (4, 1024, 256, 64)
     task = mlp.make(layers=layers, depth=depth, embed=embed, num_train=batch_size, num_eval=batch_size)
@@ -91,17 +107,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
                 "flag": ",".join(sorted(set(ours_t["flags"]) | set(r["flags"]))),
             }
         )
-    compile_rows = []
-    for n_layers in (4, 16) if quick else (4, 16, 32):
-        entry: dict[str, Any] = {"layers": n_layers}
-        for scan in (True, False):
-            t = mlp.make(layers=n_layers, depth=256, embed=64, scan=scan, num_train=32, num_eval=32)
-            strategy = Sharded(make_mesh(data=2, model=4), AxisRules.preset("dp+tp"))
-            state = strategy.init(task_state(t, opt), jax.random.key(0), unbox=True)
-            entry["scan_s" if scan else "loop_s"], _ = _compile_seconds(
-                strategy.step(task_train_step(t, opt)), state, t.train_data
-            )
-        compile_rows.append(entry)
+    compile_rows = _compile_times(quick, opt)
     geo = geomean(ratios)
     flat = compile_rows[-1]["scan_s"] / compile_rows[0]["scan_s"]
     report = {
