@@ -157,6 +157,28 @@ def test_sample_takes_and_prints_bytes_that_are_not_utf8(tmp_path, capsysbinary)
         spmdkit.sample(tmp_path / "ck", "a\ud800", 3)
 
 
+def test_sample_falls_back_past_a_step_cut_short_by_a_kill(task, tmp_path):
+    # A run killed between Orbax's commit and the manifest (or a live run saving now) leaves its newest
+    # step without a manifest. sample took that step and failed with "resume from an earlier step
+    # (spmdkit does so with --resume)", a flag sample does not have.
+    config = spmdkit.TrainConfig(steps=2, batch_size=16, eval_every=1000)
+    result = spmdkit.fit(task, spmdkit.Single(), optax.adamw(3e-3), config, progress=False, log=lambda m: None,
+                         checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=1, keep=5))
+    sizes = {k: v for k, v in SIZES.items() if k != "text_bytes"}
+    (tmp_path / "manifests" / "2.json").unlink()  # as a SIGKILL mid-save leaves it
+    with pytest.warns(RuntimeWarning, match=r"step \[2\] of .* cannot be used \(step 2: it has no manifest.*sampling "
+                                            r"from step 1, the newest intact one"):
+        _, params, step = load_lm(tmp_path, **sizes)
+    assert step == 1 and (tmp_path / "spmdkit_2").is_dir()  # a reader: the step is left in place
+    assert not np.array_equal(np.asarray(params["token_embed"]), np.asarray(result.params["token_embed"]))
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)step 2 is damaged: it has no manifest.*Fix: pass --step 1 "
+                                                      r"\(the newest intact step"):
+        load_lm(tmp_path, step=2, **sizes)
+    (tmp_path / "manifests" / "1.json").write_text("{")
+    with pytest.raises(spmdkit.CheckpointError, match=r"no intact checkpoint in .*: steps \[1, 2\] are all damaged"):
+        load_lm(tmp_path, **sizes)
+
+
 def test_training_lowers_held_out_bits_per_byte(task):
     untrained = jax.jit(task.loss_fn)(task.init(jax.random.key(0)), task.eval_data, None)[1]["bits_per_byte"]
     config = spmdkit.TrainConfig(steps=40, batch_size=16, eval_every=1000)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,41 @@ _PARAMS = ".params"  # where TrainState keeps the parameters, as the checkpoint 
 
 
 def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
+    """``step``, or the newest intact step. The newest step of a run killed mid-save (or of a live run,
+    saving it now) has no manifest yet: sample took it and failed with "resume from an earlier step
+    (spmdkit does so with --resume)", which sample has no flag for. Like a reader's restore_latest it
+    now falls back past such steps, saying which, and leaves them in place."""
     steps = ckpt.steps()
     if not steps:
         raise CheckpointError(fix(f"{ckpt.directory} holds no spmdkit checkpoints.",
                                   "pass the --checkpoint-dir of a `spmdkit train --task lm` run."))
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise CheckpointError(fix(f"{ckpt.directory} has no step {step}; it has {steps}.", f"pass --step {steps[-1]}."))
-    return step
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(fix(f"{ckpt.directory} has no step {step}; it has {steps}.",
+                                      f"pass --step {steps[-1]}."))
+        return step
+    skipped = []
+    for candidate in reversed(steps):
+        problems = ckpt.problems(candidate, arrays=False)
+        if not problems:
+            if skipped:
+                warnings.warn(f"sample: {'steps' if len(skipped) > 1 else 'step'} {[s for s, _ in skipped]} of "
+                              f"{ckpt.directory} cannot be used (step {skipped[0][0]}: {skipped[0][1]}); sampling "
+                              f"from step {candidate}, the newest intact one.", RuntimeWarning, stacklevel=3)
+            return candidate
+        skipped.append((candidate, problems[0]))
+    raise CheckpointError(fix(f"no intact checkpoint in {ckpt.directory}: steps {steps} are all damaged (step "
+                              f"{skipped[0][0]}: {skipped[0][1]}).",
+                              f"see spmdkit checkpoints {ckpt.directory} --verify; sample from another run's "
+                              "--checkpoint-dir."))
+
+
+def _intact_hint(ckpt: Checkpointer, step: int, error: CheckpointError) -> CheckpointError:
+    """A damaged step's error with sample's own fix (its restore's speaks of --resume)."""
+    intact = [s for s in ckpt.steps() if s != step and not ckpt.problems(s, arrays=False)]
+    remedy = (f"pass --step {intact[-1]} (the newest intact step; without --step, sample takes it)" if intact else
+              f"no other step of {ckpt.directory} is intact: sample from another run's --checkpoint-dir")
+    return CheckpointError(fix(str(error).split("\n  Fix:")[0], remedy + "."))
 
 
 def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -> tuple[lm.TransformerLM, Any, int]:
@@ -63,7 +90,12 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
     key = jax.random.key(0)  # only the shapes of the state are taken from it
     target = get_strategy("single").abstract(make_state, key, unbox=True).params
     _check_sizes(ckpt, step, target, cfg, given=model, saved=bool(meta.get("config")))
-    params, _ = ckpt.restore(step, target, part=_PARAMS)
+    try:
+        params, _ = ckpt.restore(step, target, part=_PARAMS)
+    except CheckpointError as e:
+        if "damaged" not in str(e) and "could not be read" not in str(e):
+            raise
+        raise _intact_hint(ckpt, step, e) from None
     return model_def, params, step
 
 
