@@ -120,6 +120,19 @@ def test_resume_ignores_an_option_its_optimizer_never_read():
     assert changed_options({"optimizer": "sgd", "momentum": 0.9}, {"optimizer": "sgd"}) == [("--momentum", 0.9, 0.0)]
 
 
+def test_resume_compares_precision_with_its_default_in_effect():
+    from spmdkit._config import changed_options
+
+    # --precision f32 is lm's default: a resume giving it was refused as "written with --precision None,
+    # this run has --precision f32", and the fix said "resume with --precision None", which is no value.
+    assert changed_options({"optimizer": "adamw"}, {"optimizer": "adamw", "precision": "f32"}) == []
+    assert changed_options({"optimizer": "adamw", "precision": "f32"}, {"optimizer": "adamw", "precision": None}) == []
+    assert changed_options({"optimizer": "adamw", "precision": "bf16"}, {"optimizer": "adamw"}) == [
+        ("--precision", "bf16", "f32")]
+    assert changed_options({"optimizer": "adamw"}, {"optimizer": "adamw", "precision": "bf16"}) == [
+        ("--precision", "f32", "bf16")]
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_optimizer_builds(name):
     import jax.numpy as jnp

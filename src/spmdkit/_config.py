@@ -272,7 +272,9 @@ def check_value(key: str, value: Any, source: str) -> None:
 # the run it claims to continue. The layout (strategy, mesh, rules, devices) may change.
 RESULT_OPTIONS = {"optimizer": OptimizerConfig.name, "lr": OptimizerConfig.lr, "momentum": OptimizerConfig.momentum,
                   "weight_decay": OptimizerConfig.weight_decay, "grad_accum": TrainConfig.grad_accum,
-                  "bagging": RunConfig.bagging, "precision": RunConfig.precision}
+                  # lm's own default, not RunConfig's None ("not given"): a resume with --precision f32 of a run
+                  # started without the flag computes the same and was refused ("--precision None").
+                  "bagging": RunConfig.bagging, "precision": "f32"}
 # Where the data come from: a path may move with the same data, so a change is only pointed out.
 DATA_OPTIONS = ("data_dir", "data", "text_dir")
 
@@ -300,7 +302,8 @@ def _in_effect(options: dict[str, Any], key: str, default: Any) -> Any:
     name = options.get("optimizer", OptimizerConfig.name)
     if name not in OPTIMIZER_USES.get(key, (name,)):
         return default
-    return options.get(key, default)
+    value = options.get(key)
+    return default if value is None else value  # None: not given, the default in effect
 
 
 def changed_options(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -308,6 +311,8 @@ def changed_options(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[st
 
     >>> changed_options({"lr": 0.05, "optimizer": "sgd"}, {"lr": 0.5})
     [('--lr', 0.05, 0.5)]
+    >>> changed_options({"precision": "bf16"}, {}), changed_options({}, {"precision": "f32"})
+    ([('--precision', 'bf16', 'f32')], [])
     """
     out = []
     for key, default in RESULT_OPTIONS.items():
