@@ -125,6 +125,20 @@ def test_resuming_a_run_from_other_data_is_refused_and_leaves_the_directory_usab
     assert any("resumed from step 4" in line for line in accepted), accepted
 
 
+def test_resuming_on_arrays_of_the_same_length_with_other_values_is_refused(tmp_path):
+    # Only the kind and the number of examples were compared: other data of the same length (a corpus
+    # file edited between runs) resumed without a word, and the run was not the one it continued.
+    _fit(DATA, steps=4, checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=2))
+    resume = spmdkit.CheckpointConfig(str(tmp_path), every=2, resume=True)
+    changed = {"x": X, "y": 3 * X + 1.5}
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)written training on other data: 64 examples as now, but their "
+                                                  r"bytes differ \(CRC-32 [0-9a-f]{8} then, [0-9a-f]{8} now\).*Fix: resume "
+                                                  r"with the training data the run started with"):
+        _fit(changed, steps=6, checkpoint=resume, log=lambda m: None)
+    same = {"x": X.copy(), "y": 3 * X + 1}  # equal bytes in other arrays: the same data
+    assert _fit(same, steps=6, checkpoint=resume, log=lambda m: None).summary["resumed_from_step"] == 4
+
+
 def test_a_pipeline_that_raises_mid_run_keeps_what_was_trained_and_resumes(tmp_path):
     good = _batches()
 

@@ -298,6 +298,23 @@ def test_a_held_out_text_too_short_names_its_files(tmp_path):
         lm.make(**{**SIZES, "text_bytes": 1000}, text_dir=str(tmp_path))
 
 
+def test_a_corpus_file_edited_between_runs_is_not_resumed_silently(tmp_path):
+    # The same number of windows (the edit keeps the size) was resumed on other text without a word.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_bytes(bytes(range(32, 127)) * 20)
+    flags = ["--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--text-dir",
+             str(corpus), "--no-progress", "--no-compile-cache", "--out", str(tmp_path / "run"), "--checkpoint-dir",
+             str(tmp_path / "ck"), "--batch-size", "8"]
+    assert main(["train", *flags, "--steps", "2"]) == 0
+    text = (corpus / "1.txt").read_bytes()
+    (corpus / "1.txt").write_bytes(text.replace(b"a", b"b"))
+    assert main(["train", *flags, "--steps", "3", "--resume"]) == 2
+    (corpus / "1.txt").write_bytes(text)
+    assert main(["train", *flags, "--steps", "3", "--resume"]) == 0
+
+
 def test_a_file_deleted_after_the_listing_is_named(tmp_path, monkeypatch):
     # A file removed between listing the corpus and reading it was a bare FileNotFoundError.
     for name in "abc":

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmdkit._crc import crc32
 from spmdkit._data._errors import BatchError, DataExhaustedError
 from spmdkit._errors import ConfigError, DataError, fix
 from spmdkit._process import gather_json
@@ -129,7 +130,23 @@ class ArrayFeed:
                                                 *(jax.tree.map(lambda x: take_rows(x, i), self.data) for _, i in parts))
 
     def state(self, step: int) -> dict[str, Any]:
-        return {"kind": self.kind, "examples": self.num_examples, "batches": step}
+        digest = self.digest()
+        return {"kind": self.kind, "examples": self.num_examples, "batches": step,
+                **({"crc32": digest} if digest is not None else {})}
+
+    def digest(self) -> str | None:
+        """The CRC-32 of the training arrays' bytes, when they are all in memory (a data set
+        directory's memory maps are not read whole for it: their files are checksummed when
+        loaded), else None. Computed once."""
+        if not hasattr(self, "_digest"):
+            leaves = jax.tree.leaves(self.data)
+            self._digest = None
+            if all(type(x) is np.ndarray and not x.dtype.hasobject for x in leaves):
+                crc = 0
+                for x in leaves:
+                    crc = crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8), crc)
+                self._digest = f"{crc:08x}"
+        return self._digest
 
     def resume(self, saved: dict[str, Any] | None) -> None:
         if saved is None:
@@ -139,6 +156,17 @@ class ArrayFeed:
                 f"the checkpoint was written training from {saved.get('kind')} with {saved.get('examples')} examples; "
                 f"this run trains from {self.kind} with {self.num_examples}: the data order would differ.",
                 "resume with the same training data, or start a new run in another checkpoint directory."))
+        # The same number of examples with other bytes (a file of --text-dir edited, the standard
+        # library of another Python, a corpus past --text-bytes grown) was resumed without a word,
+        # and the run was no longer the one it claimed to continue. Older checkpoints hold no digest.
+        then, now = saved.get("crc32"), self.digest()
+        if then is not None and now is not None and then != now:
+            raise ConfigError(fix(
+                f"the checkpoint was written training on other data: {self.num_examples} examples as now, but their "
+                f"bytes differ (CRC-32 {then} then, {now} now): the training data changed since (--task lm: a file "
+                "under --text-dir, or the standard library of another Python).",
+                "resume with the training data the run started with, or start a new run in another checkpoint "
+                "directory."))
 
 
 class PipelineFeed:
