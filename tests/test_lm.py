@@ -289,6 +289,26 @@ def test_a_folder_of_the_corpus_that_cannot_be_listed_is_named(tmp_path):
     assert "DataError: lm: --text-dir" in done.stderr and f"cannot list {tmp_path / 'sub'} (Permission denied)" in done.stderr
 
 
+def test_symlinked_folders_are_read_and_a_dangling_link_is_named(tmp_path):
+    # os.walk does not enter symlinked folders: a corpus of links to text folders lost their files
+    # without a word (all links: "holds 0 file(s)"), and a link to nothing was skipped silently.
+    data, corpus = tmp_path / "data", tmp_path / "corpus"
+    for name in ("books/a.txt", "books/b.txt", "own.txt"):
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text(name * 50)
+    corpus.mkdir()
+    (corpus / "books").symlink_to(data / "books")
+    (corpus / "own.txt").symlink_to(data / "own.txt")
+    (corpus / "loop").symlink_to(corpus)  # an ancestor: entered once, not forever
+    (corpus / "same").symlink_to(data / "books")  # one folder under two names: its files once
+    assert [p.relative_to(corpus).as_posix() for p in lm.text_files(corpus)] == ["books/a.txt", "books/b.txt",
+                                                                                 "own.txt"]
+    (corpus / "gone.txt").symlink_to(tmp_path / "nothing")
+    with pytest.raises(spmdkit.DataError, match=r"(?s)gone.txt is a symbolic link to .*nothing, which does not exist.*"
+                                                r"Fix: remove the link"):
+        lm.text_files(corpus)
+
+
 def test_a_held_out_text_too_short_names_its_files(tmp_path):
     # "the held-out text has 3 bytes" did not say which files are held out (the first in sorted order).
     (tmp_path / "a.txt").write_bytes(b"abc")

@@ -262,19 +262,36 @@ def text_files(text_dir: str | Path | None = None) -> list[Path]:
 
 
 def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
-    """Every non-hidden file under ``root``. A directory that cannot be listed is an error: rglob
-    skipped it without a word, so its files were left out of the corpus (and the held-out split,
-    every 20th file, shifted), and an unlistable --text-dir itself "held 0 files"."""
+    """Every non-hidden file under ``root``, through symlinked folders too. A directory that cannot be
+    listed is an error: rglob skipped it without a word, so its files were left out of the corpus (and
+    the held-out split, every 20th file, shifted), and an unlistable --text-dir itself "held 0 files".
+    So is a symbolic link to nothing."""
     def refuse(e: OSError) -> None:
         raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: cannot list {e.filename} ({e.strerror or e}); its "
                             "files would be left out of the corpus.",
                             f"make it readable (chmod -R u+rX {e.filename}), or move it out of --text-dir (a name "
                             "starting with '.' is skipped)."))
 
-    files = []
-    for folder, dirs, names in os.walk(root, onerror=refuse):  # symlinked folders are not entered (no loops)
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+    # Symlinked folders are entered (a corpus of links to data sets is common; their files were left
+    # out without a word), each real folder once, the first in sorted order: a link to an ancestor is no loop.
+    files, seen = [], set()
+    for folder, dirs, names in os.walk(root, onerror=refuse, followlinks=True):
+        try:
+            here = os.stat(folder)
+        except OSError as e:
+            refuse(e)
+        if (here.st_dev, here.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((here.st_dev, here.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         files += [Path(folder, n) for n in names if not n.startswith(".")]
+    for p in files:
+        if p.is_symlink() and not p.exists():  # its text would be missing and the held-out split shifted
+            raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: {p} is a symbolic link to {os.readlink(p)}, "
+                                "which does not exist; its text would be left out of the corpus.",
+                                f"remove the link (rm {p}) or restore what it points to, or rename it to start "
+                                "with '.' (skipped)."))
     return [p for p in files if p.is_file()]
 
 
