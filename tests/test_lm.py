@@ -179,6 +179,17 @@ def test_sample_falls_back_past_a_step_cut_short_by_a_kill(task, tmp_path):
         load_lm(tmp_path, **sizes)
 
 
+def test_sample_names_an_ensemble_checkpoint(task, tmp_path):
+    # Its leaves' leading member axis was blamed on the sizes: "sample built the model with {...} (saved
+    # with the checkpoint). Fix: pass the sizes the run trained with", and it suggested --members.
+    spmdkit.fit(task, spmdkit.Ensemble(2), optax.adamw(3e-3), spmdkit.TrainConfig(steps=1, batch_size=16,
+                eval_every=1000), checkpoint=spmdkit.CheckpointConfig(str(tmp_path)), progress=False, log=lambda m: None)
+    sizes = {k: v for k, v in SIZES.items() if k != "text_bytes"}
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)step 1 in .* holds an ensemble of 2 models \(--strategy "
+                                                  r"ensemble\); sample continues a prompt with one model.*Fix: sample"):
+        spmdkit.sample(tmp_path, "def ", length=3, **sizes)
+
+
 def test_training_lowers_held_out_bits_per_byte(task):
     untrained = jax.jit(task.loss_fn)(task.init(jax.random.key(0)), task.eval_data, None)[1]["bits_per_byte"]
     config = spmdkit.TrainConfig(steps=40, batch_size=16, eval_every=1000)

@@ -76,6 +76,14 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
     if meta.get("task") != "lm":
         raise ConfigError(fix(f"the checkpoint at step {step} in {checkpoint_dir} is of task {meta.get('task')!r}, not lm.",
                               "sample from a `spmdkit train --task lm` checkpoint."))
+    strategy = meta.get("strategy") or {}
+    if strategy.get("strategy") == "ensemble":
+        # Every leaf has a leading member axis: the size check below blamed the model's sizes ("pass
+        # the sizes the run trained with", which were right) and suggested --members, which sample lacks.
+        raise ConfigError(fix(f"the checkpoint at step {step} in {checkpoint_dir} holds an ensemble of "
+                              f"{strategy.get('members')} models (--strategy ensemble); sample continues a prompt with "
+                              "one model.", "sample the --checkpoint-dir of a run trained with --strategy data, "
+                              "single or sharded."))
     options = {**task_defaults("lm"), **(meta.get("config") or {})}
     unknown = sorted(set(model) - set(_MODEL_KEYS))
     if unknown:
