@@ -190,6 +190,17 @@ def test_sample_names_an_ensemble_checkpoint(task, tmp_path):
         spmdkit.sample(tmp_path, "def ", length=3, **sizes)
 
 
+def test_a_tiny_temperature_samples_the_most_likely_bytes(task, tmp_path):
+    # logits / 1e-40 overflowed float32 (1e-40 is a denormal; 1e-300 rounds to 0): every positive logit
+    # became +inf and categorical took the first of them, byte 10, "\n" after "\n", not the greedy text.
+    spmdkit.fit(task, spmdkit.Single(), optax.adamw(3e-3), spmdkit.TrainConfig(steps=3, batch_size=16, eval_every=1000),
+                checkpoint=spmdkit.CheckpointConfig(str(tmp_path)), progress=False, log=lambda m: None)
+    sizes = {k: v for k, v in SIZES.items() if k != "text_bytes"}
+    greedy = spmdkit.sample(tmp_path, "def ", length=8, **sizes)
+    for temperature in (1e-20, 1e-40, 1e-300):
+        assert spmdkit.sample(tmp_path, "def ", length=8, temperature=temperature, **sizes) == greedy, temperature
+
+
 def test_training_lowers_held_out_bits_per_byte(task):
     untrained = jax.jit(task.loss_fn)(task.init(jax.random.key(0)), task.eval_data, None)[1]["bits_per_byte"]
     config = spmdkit.TrainConfig(steps=40, batch_size=16, eval_every=1000)

@@ -174,7 +174,14 @@ def sample(
         logits = model_def.apply({"params": params}, window)[0, last]
         if temperature == 0:
             return jnp.argmax(logits)
-        return jax.random.categorical(key, logits / temperature)
+        scaled = logits / temperature
+        # A temperature so small that logits / T overflows float32 (or T itself rounds to 0 in float32:
+        # 1e-40) made every positive logit +inf, and categorical took the first of them, not the most
+        # likely byte: 1e-40 sampled "\n" where greedy gave " ". Shifted by the largest logit, the most
+        # likely bytes stay 0 and the others go to -inf, the limit of T -> 0. Finite: unchanged.
+        top = jnp.max(logits)
+        shifted = jnp.where(logits == top, 0.0, (logits - top) / temperature)
+        return jax.random.categorical(key, jnp.where(jnp.isfinite(scaled).all(), scaled, shifted))
 
     base = jax.random.key(seed)
     out = bytearray()
