@@ -396,6 +396,24 @@ def test_leftover_temporary_directory_is_removed(tmp_path):
     assert not leftover.exists() and "left by an interrupted save" in messages[0]
 
 
+def test_a_checkpoint_directory_that_is_not_utf8_is_refused_before_training(tmp_path, capsys):
+    # TensorStore takes paths as UTF-8 text: a --checkpoint-dir with a byte like 0xff (a Latin-1 name)
+    # trained `every` steps, then the save failed with pybind11's "Unable to cast Python instance of type
+    # str to C++ type" and exit 5, "free disk space or make the directory writable".
+    import os
+
+    from spmdkit._cli import main
+
+    bad = tmp_path / os.fsdecode(b"ck\xffx")
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)holds a byte that is not UTF-8 \(b'\\xff' at position "
+                                                      rf"{len(str(tmp_path)) + 3}\).*Fix: pass a --checkpoint-dir whose "
+                                                      "full path is UTF-8"):
+        spmdkit.CheckpointConfig(str(bad))
+    assert main(["train", "--task", "linreg", "--steps", "2", "--no-progress", "--out", str(tmp_path / "run"),
+                 "--checkpoint-dir", str(bad)]) == 2
+    assert "not UTF-8" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
 def test_config_errors():
     with pytest.raises(spmdkit.CheckpointError, match="every=0"):
         spmdkit.CheckpointConfig("d", every=0)

@@ -84,6 +84,17 @@ class CheckpointConfig:
             # "" would be the working directory, whose numbered folders Orbax takes for steps.
             raise CheckpointError(fix(f"checkpoint directory={self.directory!r} must be a non-empty path.",
                                       "e.g. CheckpointConfig('runs/ckpt') (--checkpoint-dir runs/ckpt)."))
+        full = os.path.abspath(os.fspath(self.directory))
+        try:
+            full.encode("utf-8") if isinstance(full, str) else full.decode("utf-8")
+        except UnicodeError as e:
+            # TensorStore takes paths as UTF-8 text: the first save, after `every` steps of training, failed with
+            # pybind11's "Unable to cast Python instance of type str to C++ type" and "free disk space".
+            byte = os.fsencode(full[e.start:e.end]) if isinstance(full, str) else full[e.start:e.end]
+            raise CheckpointError(fix(f"checkpoint directory {os.fsdecode(full)!r} holds a byte that is not UTF-8 "
+                                      f"({byte!r} at position {e.start}); the checkpoint writer (TensorStore) takes "
+                                      "paths as UTF-8 text and cannot save there.",
+                                      "pass a --checkpoint-dir whose full path is UTF-8 (rename the folder).")) from None
         for name in ("every", "keep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
