@@ -154,6 +154,24 @@ def test_data_whose_examples_do_not_fit_the_model_options_is_named(tmp_path, cap
     assert "each example of ['tokens'] has shape (65,); --task lm with" in err and "reads examples of shape (17,)" in err
 
 
+def test_lm_outputs_inside_the_text_dir_are_refused(tmp_path, monkeypatch, capsys):
+    from spmdkit._cli import main
+
+    # `--text-dir .` with the default --out runs/latest: the previous run's metrics.jsonl, params.npz and
+    # loss.png (and a checkpoint directory beside them) became training text without a word.
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(name * 100)
+    monkeypatch.chdir(tmp_path)
+    lm = ["train", "--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--steps",
+          "1", "--no-progress", "--no-compile-cache", "--text-dir", "."]
+    assert main(lm) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--out runs/latest is inside --text-dir .: lm reads every non-hidden file there" in err
+    assert main([*lm, "--out", str(tmp_path.parent / "elsewhere"), "--checkpoint-dir", "ck"]) == 2
+    assert "--checkpoint-dir ck is inside --text-dir ." in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "ck").exists()
+
+
 def test_labels_outside_the_classifiers_classes_are_named(tmp_path, capsys):
     # Labels 0..49 for the 10-class CNN made the loss NaN at step 1, reported as a diverged run
     # ("lower the learning rate, or check the data for NaN/inf").
@@ -184,9 +202,9 @@ def test_a_relative_data_path_resumed_from_another_directory_is_pointed_out(tmp_
     from spmdkit._cli import main
 
     rng = np.random.default_rng(0)
-    for where in ("a", "b"):
-        spmdkit.write_dataset(tmp_path / where / "ds", {"image": rng.random((40, 8, 8, 1)).astype(np.float32),
-                                                        "label": np.arange(40) % 10})
+    data = {"image": rng.random((40, 8, 8, 1)).astype(np.float32), "label": np.arange(40) % 10}
+    for where in ("a", "b"):  # the same bytes (moved): a resume with other bytes is refused (test_data)
+        spmdkit.write_dataset(tmp_path / where / "ds", data)
     flags = ["--task", "digits", "--batch-size", "8", "--no-progress", "--no-compile-cache", "--data", "ds",
              "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
     monkeypatch.chdir(tmp_path / "a")

@@ -28,7 +28,7 @@ from spmdkit._console import stderr_console
 from spmdkit._data import is_pipeline, load_dataset
 from spmdkit._data._errors import DatasetLayoutError
 from spmdkit._data._splits import check_splits_match, data_splits, eval_split
-from spmdkit._errors import DataError, NonFiniteLossError, fix
+from spmdkit._errors import ConfigError, DataError, NonFiniteLossError, fix
 from spmdkit._launch import ENV_RESUME
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import TASKS, Task, get_task, task_defaults
@@ -97,12 +97,33 @@ def train_from_args(args: argparse.Namespace, console: Console) -> int:
 def build_task(run: RunConfig) -> Task:
     """The task to train: its own data, or ``--data DIR`` (with its held-out split
     ``DIR/eval``, or ``--eval-data DIR2``, or else the task's own eval set)."""
+    _check_outputs_outside_text(run)
     task = _build_task(run)
     classes = getattr(TASKS[run.task], "NUM_CLASSES", None)
     if classes is not None and (run.data is not None or run.eval_data is not None):
         for name, data in (("--data", task.train_data), ("--eval-data" if run.eval_data else "--data", task.eval_data)):
             _check_labels(data, classes, name, run)
     return task
+
+
+def _check_outputs_outside_text(run: RunConfig) -> None:
+    """lm reads every non-hidden file under --text-dir: a run's --out or --checkpoint-dir inside it
+    (`--text-dir .` with the default --out runs/latest) made the previous run's metrics, parameters
+    and checkpoints training text without a word, and the corpus changed from run to run."""
+    if run.task != "lm" or run.text_dir is None:
+        return
+    corpus = Path(run.text_dir).resolve()
+    for flag, path in (("--out", run.out), ("--checkpoint-dir", run.checkpoint.directory if run.checkpoint else None)):
+        where = Path(path).resolve() if path is not None else None
+        if where is None or (where != corpus and corpus not in where.parents):
+            continue
+        if any(part.startswith(".") for part in where.relative_to(corpus).parts):
+            continue  # hidden: the corpus skips it
+        raise ConfigError(fix(f"{flag} {path} is inside --text-dir {run.text_dir}: lm reads every non-hidden file "
+                              "there, so this run's files (metrics, parameters, checkpoints) would become training "
+                              "text, different at every run.",
+                              f"pass a {flag} outside --text-dir (or one whose name starts with '.', which the corpus "
+                              "skips), or a --text-dir that holds only the text."))
 
 
 def _check_labels(data: Any, classes: int, flag: str, run: RunConfig) -> None:

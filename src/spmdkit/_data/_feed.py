@@ -163,8 +163,8 @@ class ArrayFeed:
         if then is not None and now is not None and then != now:
             raise ConfigError(fix(
                 f"the checkpoint was written training on other data: {self.num_examples} examples as now, but their "
-                f"bytes differ (CRC-32 {then} then, {now} now): the training data changed since (--task lm: a file "
-                "under --text-dir, or the standard library of another Python).",
+                f"bytes differ (CRC-32 {then} then, {now} now): the training data changed since (a file under "
+                "--text-dir or --data edited, another data set at the path, another Python's standard library).",
                 "resume with the training data the run started with, or start a new run in another checkpoint "
                 "directory."))
 
