@@ -117,6 +117,8 @@ def test_train_and_sample_from_the_command_line(tmp_path, capsys):
     assert printed.startswith("import") and len(printed.encode()) >= len("import") + 1
     assert main(["sample", "--checkpoint-dir", str(tmp_path / "none")]) == 2
     assert "does not exist" in " ".join(capsys.readouterr().err.split())
+    assert main(["sample", "--checkpoint-dir", str(tmp_path / "run" / "params.npz")]) == 2
+    assert "params.npz' is a file, not a directory" in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.parametrize("optimizer", [optax.sgd(0.1), optax.adam(1e-3)], ids=["sgd", "adam"])

@@ -68,7 +68,9 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
     from Python has no saved options, so its sizes must be given here.
     """
     if not Path(checkpoint_dir).is_dir():
-        raise CheckpointError(fix(f"checkpoint directory {str(checkpoint_dir)!r} does not exist.",
+        # A file (params.npz, a step's metadata) was reported as "does not exist", which it does.
+        what = "is a file, not a directory" if Path(checkpoint_dir).exists() else "does not exist"
+        raise CheckpointError(fix(f"checkpoint directory {str(checkpoint_dir)!r} {what}.",
                                   "pass the --checkpoint-dir of a `spmdkit train --task lm` run."))
     ckpt = Checkpointer(CheckpointConfig(str(checkpoint_dir)), log=lambda m: None)
     step = _newest_step(ckpt, step)
