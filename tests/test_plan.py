@@ -1138,6 +1138,19 @@ def test_plan_takes_activations_as_bytes_or_named_parts():
         assert (analytic["activation_parts"] is None) == (parts is None)
 
 
+def test_plan_batch_and_state_of_prng_keys_are_counted_in_their_bytes():
+    # Per-example keys in the batch ended the plan in JAX's "Internal: canonicalize_dtype called on
+    # extended dtype key<fry>"; an rbg key in the state was counted as 8 bytes, not its 16.
+    step = lambda s, b: ({"w": s["w"] - 0.1 * jax.vmap(  # noqa: E731
+        lambda k: jax.random.normal(k, (16,)))(b["key"]).T @ (b["x"] @ s["w"]), "k": s["k"]}, {})
+    make_state = lambda rng: {"w": jnp.zeros((16, 32)), "k": jax.random.split(jax.random.key(0, impl="rbg"), 64)}  # noqa: E731
+    batch = {"x": np.ones((16, 16), np.float32), "key": jax.random.split(jax.random.key(0), 16)}
+    got = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]
+    assert got["status"] == "ok", got["reason"]
+    assert got["memory"]["analytic"]["batch"] == (16 * 16 * 4 + 16 * 8) // 8  # x and threefry keys, split 8 ways
+    assert got["memory"]["analytic"]["new_state"] == 16 * 32 * 4 + 64 * 16
+
+
 def test_plan_no_rules_and_a_bad_rng_are_named():
     make_state, step, batch = _tiny()
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)rules=\(\)\) leaves no layout.*Fix: pass at least one"):

@@ -26,12 +26,13 @@ def abstract_rows(x: Any, rows: int | None = None) -> jax.ShapeDtypeStruct:
     """``x``'s abstract value (with ``rows`` examples if given) in the dtype JAX holds it as:
     without x64, NumPy's default int64 labels become int32 as they do on the device. Naming
     int64 made JAX warn "int64 ... will be truncated to dtype int32" at every start of a run.
+    A PRNG key array (per-example keys in a batch) keeps its key dtype.
 
     >>> abstract_rows(np.zeros((10, 3), np.int64), 4)
     ShapeDtypeStruct(shape=(4, 3), dtype=int32)
     """
     shape = tuple(np.shape(x)) if rows is None else (rows, *np.shape(x)[1:])
-    return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(x.dtype))
+    return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True))
 
 
 def keystr(root: str, path: KeyPath) -> str:

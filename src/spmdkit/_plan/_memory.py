@@ -42,7 +42,10 @@ def compiled_bytes(compiled: Any) -> dict[str, int]:
 
 
 def batch_bytes(batch: Any) -> int:
-    return sum(math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch))
+    """Bytes of ``batch``'s leaves; PRNG keys (per-example keys) too, which ``jnp.dtype`` refuses."""
+    from spmdkit._strategies.sharded import _itemsize
+
+    return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(batch))
 
 
 def param_leaves(layout: Any) -> list[Any]:

@@ -123,9 +123,9 @@ def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "sta
 
 
 def _itemsize(dtype: Any) -> int:
-    """Bytes per element, also of PRNG key arrays (a threefry key is two uint32)."""
+    """Bytes per element, also of PRNG key arrays (a threefry key is two uint32, an rbg key four)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return 8
+        return dtype.itemsize
     return np.dtype(dtype).itemsize
 
 
