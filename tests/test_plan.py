@@ -1247,6 +1247,23 @@ def test_plan_step_failing_for_every_candidate_raises_its_error():
     assert isinstance(err.value, RuntimeError) and isinstance(err.value.__cause__, KeyError)
 
 
+def test_plan_step_failing_for_every_layout_the_rules_can_take_raises_its_error():
+    # With one candidate a LayoutError (12 rows over model=8) and the others all failing alike in
+    # the step, the plan was "no candidate fits" with the fix "model sizes the mesh axes divide".
+    from spmdkit._plan._search import PlanStepError
+
+    make_state = lambda rng: {"w": jnp.zeros((12, 32))}  # noqa: E731
+
+    def bad(s, b):
+        raise KeyError("boom in my step")
+
+    with pytest.raises(PlanStepError, match=r"every candidate \(2 of 3; the other 1 the rules could not lay out\) "
+                       r"failed .* KeyError: 'boom in my step'") as err:
+        spmdkit.plan(make_state, bad, {"x": jnp.ones((16, 16))}, rules=("dp", "fsdp", "tp"), target="h100x8",
+                     state_axes={"w": ("embed", "hidden")})
+    assert isinstance(err.value.__cause__, KeyError)
+
+
 def test_plan_names_an_unmapped_logical_name_and_an_unused_rule():
     make_state, step, batch = _tiny()
     typo = spmdkit.plan(make_state, step, batch, rules=("dp", "tp"), target="h100x8",

@@ -20,7 +20,7 @@ from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enu
 from spmdkit._plan._cost import collective_costs, compute_time, parameter_gathers, step_time
 from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
-from spmdkit._rules import PRESETS, AxisRules, ReplicationWarning, _as_tuple
+from spmdkit._rules import PRESETS, AxisRules, LayoutError, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
 from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes, is_empty_box
 from spmdkit._target import DTYPE_ALIASES, Target, TargetError, load_target
@@ -274,6 +274,10 @@ class PlanStepError(SpmdkitError, RuntimeError):
     """Every candidate failed to compile with the same error: the user's step or state, not a layout."""
 
 
+def _alike(errors: list[BaseException]) -> bool:
+    return all(type(e) is type(errors[0]) and str(e) == str(errors[0]) for e in errors[1:])
+
+
 def _raise_common_failure(results: list[dict[str, Any]]) -> None:
     """Drop the failures kept by :func:`evaluate`; when no candidate compiled and every one that
     was tried failed alike, raise that failure (spmdkit's own as it is, else with the user's
@@ -282,14 +286,21 @@ def _raise_common_failure(results: list[dict[str, Any]]) -> None:
     errors = [r.pop("_error") for r in results if "_error" in r]
     # One failure alone may be its layout's (two heads over a model axis of 7): it stays that
     # candidate's reason. Two layouts failing alike point at the step or the state.
-    if len(errors) < 2 or any(r["status"] == "ok" for r in results) or len(errors) < len(tried):
+    if len(errors) < 2 or any(r["status"] == "ok" for r in results):
         return
+    if len(errors) < len(tried) or not _alike(errors):
+        # Some layouts the rules could not take (a LayoutError: a dimension the mesh cannot split)
+        # and the others all failing alike in the step: the plan said "no candidate fits" and
+        # pointed at the model's sizes, while the step itself was broken for every layout it reached.
+        errors = [e for e in errors if not isinstance(e, LayoutError)]
+        if len(errors) < 2 or not _alike(errors):
+            return
     first = errors[0]
-    if any(type(e) is not type(first) or str(e) != str(first) for e in errors[1:]):
-        return
     if isinstance(first, SpmdkitError):
         raise first
-    raise PlanStepError(fix(f"every candidate ({len(errors)}) failed to compile with the same error, so it is the "
+    others = (f" of {len(tried)}; the other {len(tried) - len(errors)} the rules could not lay out"
+              if len(errors) < len(tried) else "")
+    raise PlanStepError(fix(f"every candidate ({len(errors)}{others}) failed to compile with the same error, so it is the "
                             f"step or the state, not a layout: {type(first).__name__}: "
                             f"{(str(first).strip().splitlines() or [''])[0][:500]}",
                             "run train_step(make_state(rng), batch) once without spmdkit to debug it; its traceback "
