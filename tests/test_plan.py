@@ -1197,6 +1197,13 @@ def test_cli_memory_per_device_must_be_positive():
     with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
         parse_bytes("0")
     assert parse_bytes("1E10") == parse_bytes("1e+10") == 1e10
+    # A negative exponent was "expected bytes like 16e9", a second point float's ValueError ("invalid
+    # parse_bytes value"), and 1e400 (inf) an error naming plan(memory_per_device=inf) after JAX started.
+    assert parse_bytes("2.5e-1TB") == 250e9 and parse_bytes(".5GB") == 5e8
+    with pytest.raises(argparse.ArgumentTypeError, match="expected bytes like 16e9"):
+        parse_bytes("1.5.3GB")
+    with pytest.raises(argparse.ArgumentTypeError, match="finite budget > 0 bytes"):
+        parse_bytes("1e400")
     # "1G" as docker and ulimit take it: which one is meant, 10^9 or 2^30, is asked, not guessed.
     with pytest.raises(argparse.ArgumentTypeError, match=r"'1G' could mean 1GB \(10\^9 bytes\) or 1GiB \(2\^30"):
         parse_bytes("1G")

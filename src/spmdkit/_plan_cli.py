@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -38,7 +39,7 @@ _POWER = {"K": "10^3 bytes", "M": "10^6 bytes", "G": "10^9 bytes", "T": "10^12 b
 
 def parse_bytes(text: str) -> float:
     """``"16e9"``, ``"16GB"``, ``"512MiB"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if m and m.group(2).lower() in ("k", "m", "g", "t"):
         unit = m.group(2).upper()
         raise argparse.ArgumentTypeError(f"{text!r} could mean {m.group(1)}{unit}B ({_POWER[unit]}) or "
@@ -46,8 +47,8 @@ def parse_bytes(text: str) -> float:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected bytes like 16e9, 16GB or 512MiB, got {text!r}")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a budget > 0 bytes like 16GB or 512MiB, got {text!r}")
+    if not 0 < value < math.inf:  # 1e400 reads as inf: refused here, not later as plan(memory_per_device=inf)
+        raise argparse.ArgumentTypeError(f"expected a finite budget > 0 bytes like 16GB or 512MiB, got {text!r}")
     return value
 
 
