@@ -1151,6 +1151,19 @@ def test_plan_batch_and_state_of_prng_keys_are_counted_in_their_bytes():
     assert got["memory"]["analytic"]["new_state"] == 16 * 32 * 4 + 64 * 16
 
 
+def test_a_target_without_the_plans_dtype_nor_float32_is_named_before_compiling():
+    # Found after the first candidate compiled, as "gives peak_flops for ['bfloat16'], neither 'float32' nor float32".
+    make_state, step, batch = _tiny()
+    bf16_only = Target(name="bf16 only", source="test", devices_per_host=8, peak_flops={"bfloat16": 1e15},
+                       memory_bandwidth=1e12, links={"intra_host": Link(alpha=1e-6, beta=1e-11)})
+    said = []
+    with pytest.raises(TargetError, match=r"(?s)gives peak_flops for \['bfloat16'\], not 'float32' \(the rate a "
+                       r"float32 step.*Fix: add \"float32\".*plan\(dtype='bfloat16'\)"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target=bf16_only, progress=said.append)
+    assert said == []
+    assert spmdkit.plan(make_state, step, batch, rules="dp", target=bf16_only, dtype="bf16")["candidates"][0]["step_s"] > 0
+
+
 def test_plan_no_rules_and_a_bad_rng_are_named():
     make_state, step, batch = _tiny()
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)rules=\(\)\) leaves no layout.*Fix: pass at least one"):

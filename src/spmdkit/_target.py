@@ -176,8 +176,12 @@ class Target:
             return self.peak_flops[dtype]
         if "float32" in self.peak_flops:
             return self.peak_flops["float32"]
-        raise TargetError(fix(f"target {self.name!r} gives peak_flops for {sorted(self.peak_flops)}, neither "
-                              f"{dtype!r} nor float32.", 'add "float32" to its "peak_flops".'))
+        given = f"{dtype!r} nor 'float32'" if dtype != "float32" else "not 'float32'"
+        raise TargetError(fix(f"target {self.name!r} gives peak_flops for {sorted(self.peak_flops)}, {given} "
+                              f"(the rate a {dtype} step is priced at).",
+                              f'add "float32" to its "peak_flops", or plan in a dtype it gives '
+                              f'(plan(dtype={sorted(self.peak_flops)[0]!r}); the command line\'s --precision bf16 '
+                              "for the lm)."))
 
     def link(self, kind: str, link: str) -> Link:
         per_kind = self.collectives.get(kind, {})

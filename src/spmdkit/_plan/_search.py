@@ -338,6 +338,7 @@ def compute_dtype(dtype: Any, target: Target) -> str:
                               f"for {sorted(target.peak_flops)}.",
                               f"pass one of {sorted(target.peak_flops)} (or a JAX dtype name such as \"bfloat16\"; "
                               f"aliases {sorted(DTYPE_ALIASES)}).")) from None
+    target.flops_for(name)  # a target without this dtype's rate nor float32's: said before anything compiles
     return name
 
 
