@@ -1375,6 +1375,18 @@ def test_plan_state_axes_of_the_wrong_rank_names_path_and_both_ranks():
         spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", state_axes={"w": ("embed",)})
 
 
+def test_plan_takes_state_axes_as_lists_and_a_lone_string_as_sharded_does():
+    # Sharded reads ["embed", None] as names; plan's own pass over the names did not, and said
+    # "state_axes names ('e', 'm', 'b', 'e', 'd') (5 name(s)) for state['w']" before compiling anything.
+    make_state, step, batch = _tiny()
+    make_vector = lambda rng: {"w": jnp.zeros((16, 32)), "b": jnp.zeros(16)}  # noqa: E731
+    for make, axes in ((make_state, {"w": ["embed", None]}), (make_vector, {"w": ("embed", None), "b": "embed"})):
+        got = spmdkit.plan(make, lambda s, b: (s, {}), batch, rules="fsdp", target="h100x8", state_axes=axes)
+        row = got["candidates"][0]
+        assert row["status"] == "ok", row["reason"]
+        assert row["memory"]["analytic"]["params"] == sum(x.size * 4 for x in jax.tree.leaves(make(0))) // 8
+
+
 def test_plan_make_state_with_a_non_array_leaf_is_named():
     from spmdkit._plan._search import StateLeafError
 

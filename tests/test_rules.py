@@ -197,6 +197,9 @@ def test_state_axes_as_lists_of_names():
     a, b = as_lists.init(make, 0), as_tuples.init(make, 0)
     assert a["w"].sharding.spec == b["w"].sharding.spec
     assert a["b"].sharding.spec == b["b"].sharding.spec
+    # A lone string is one name, not its characters ("names ('m', 'l', 'p') (3 name(s))" for the vector).
+    as_string = spmdkit.Sharded(mesh, "dp+tp", state_axes={"w": ("embed", "hidden"), "b": "mlp"}).init(make, 0)
+    assert as_string["b"].sharding.spec == b["b"].sharding.spec
     # A list of only None cannot be told from a list of parts: the error says which and how.
     with pytest.raises(LayoutError, match=r"state_axes\['w'\] is a list of only None.*\(None, None\)"):
         spmdkit.Sharded(mesh, "dp+tp", state_axes={"w": [None, None], "b": ["mlp"]}).init(make, 0)

@@ -22,7 +22,8 @@ from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, LayoutError, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
-from spmdkit._strategies.sharded import Sharded, _is_box, _itemsize, _nnx_names, _unboxed, _with_state_axes, is_empty_box
+from spmdkit._strategies.sharded import (Sharded, _is_box, _itemsize, _lists_as_names, _nnx_names, _unboxed, _with_state_axes,
+                                         is_empty_box)
 from spmdkit._target import DTYPE_ALIASES, Target, TargetError, load_target
 from spmdkit._tree import abstract_rows
 
@@ -72,7 +73,7 @@ def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> li
     """Every leaf annotated with logical names (Flax boxes, ``state_axes``, NNX ``sharding``
     metadata); rules do not matter."""
     probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
-    boxed = _with_state_axes(probe._abstract_boxed(_arrays_only(make_state), as_key(rng)), state_axes)
+    boxed = _with_state_axes(probe._abstract_boxed(_arrays_only(make_state), as_key(rng)), _lists_as_names(state_axes))
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
         where = "state" + jax.tree_util.keystr(path)

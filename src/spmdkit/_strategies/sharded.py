@@ -314,7 +314,10 @@ def as_rules(rules: Any) -> AxisRules:
 
 def _lists_as_names(axes: Any) -> Any:
     """``["embed", "hidden"]`` read as the names ``("embed", "hidden")``: a list of strings
-    (and Nones) cannot be a container of the state's parts, whose names are tuples or None."""
+    (and Nones) cannot be a container of the state's parts, whose names are tuples or None.
+    A lone string is one name (``"hidden"`` for a vector), not its characters."""
+    if isinstance(axes, str):
+        return (axes,)
     if isinstance(axes, list) and any(isinstance(n, str) for n in axes) and all(n is None or isinstance(n, str) for n in axes):
         return tuple(axes)
     if isinstance(axes, dict):
