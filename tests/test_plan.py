@@ -1561,6 +1561,21 @@ def test_plan_json_and_png_are_written_whole_and_strict(tmp_path, monkeypatch):
         "candidates": [], "spearman": None, "step_s": [None, 1.5]}
 
 
+def test_plan_png_without_a_suffix_is_a_png_and_another_suffix_its_format(tmp_path, monkeypatch):
+    # "--png plan" was written first as ".plan.<pid>.tmp", and matplotlib refused the format 'tmp'
+    # with a raw ValueError (exit code 1) after the plan was printed and its --json written.
+    from spmdkit import _plan
+    from spmdkit._plan_cli import _write
+
+    monkeypatch.setattr(_plan, "print_plan", lambda result, console: None)
+    make_state, step, batch = _tiny()
+    result = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")
+    for name, magic in (("plan", b"\x89PNG"), ("plan.out", b"\x89PNG"), ("plan.svg", b"<?xml")):
+        _write(result, argparse.Namespace(json=None, png=str(tmp_path / name)), _Quiet())
+        assert (tmp_path / name).read_bytes().startswith(magic), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan", "plan.out", "plan.svg"]  # no temporary left
+
+
 def test_plan_output_in_a_missing_directory_with_a_space_gives_a_command_that_makes_it(tmp_path):
     # The fix said "mkdir -p /tmp/out dir": two directories, neither of them the one missing.
     from spmdkit._plan_cli import PlanFileError, check_out

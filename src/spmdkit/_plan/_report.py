@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -203,7 +204,11 @@ def save_png(plan: dict[str, Any], path: str) -> None:
     ax.set_ylabel("predicted step time (ms; bars: overlapped..serial)")
     ax.set_title(f"spmdkit plan: {plan['devices']} devices, {plan['target']['name']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # A PNG unless the name asks for another format matplotlib writes (plan.svg): a name without a
+    # suffix ("--png plan", written first as ".plan.<pid>.tmp") ended the run in matplotlib's
+    # "Format 'tmp' is not supported", after the plan was printed and its JSON written.
+    suffix = os.path.splitext(path)[1][1:].lower()
+    fig.savefig(path, dpi=120, format=suffix if suffix in fig.canvas.get_supported_filetypes() else "png")
     plt.close(fig)
 
 
