@@ -1345,6 +1345,13 @@ def test_a_layout_that_one_candidate_alone_cannot_take_is_its_reason_with_a_fix(
     assert "e.g. 16 rows (--batch-size 16)" in fixes and "--heads or --d-model a multiple" in fixes, fixes
 
 
+def test_no_fit_batch_hint_counts_the_accumulation_steps():
+    # 16 rows, 8 devices x 3 accumulation steps: the fix said "e.g. 16 rows", the batch given.
+    make_state, step, batch = _tiny()
+    got = spmdkit.plan(make_state, None, batch, rules="dp", target="h100x8", accum=3, step_for=lambda r, a: step)
+    assert "e.g. 24 rows (--batch-size 24)" in " ".join(got["why"]), got["why"]
+
+
 def test_over_budget_reason_in_readable_units():
     make_state, step, batch = _tiny()
     row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100)["candidates"][0]

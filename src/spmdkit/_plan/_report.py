@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -55,12 +56,17 @@ def _by_kind(row: dict[str, Any]) -> dict[tuple[str, str], dict[str, float]]:
 
 def _no_fit_hints(plan: dict[str, Any]) -> list[str]:
     """What would let a candidate fit, from the reasons all of them were excluded for."""
-    rows, n, batch = plan["candidates"], plan.get("devices"), plan.get("global_batch")
+    rows, batch = plan["candidates"], plan.get("global_batch")
     reasons = [r.get("reason") or "" for r in rows]
     hints = []
-    if n and batch and any("is not divisible by" in r for r in reasons):
-        rows_fit = -(-batch // n) * n
-        hints.append(f"a global batch that {n} devices split evenly, e.g. {rows_fit} rows (--batch-size {rows_fit})")
+    # Each such reason ends "... = N": the batch shards x accumulation steps that must divide the batch.
+    # The hint once rounded up to the device count alone: "e.g. 16 rows" for a batch of 16 that
+    # 2 devices x 3 accumulation steps could not split.
+    needs = [int(m.group(1)) for r in reasons if (m := re.search(r"is not divisible by .* = (\d+)$", r))]
+    if batch and needs:
+        rows_fit = min(-(-batch // k) * k for k in needs)
+        hints.append(f"a global batch that a candidate's batch shards x accumulation steps divide, e.g. {rows_fit} rows "
+                     f"(--batch-size {rows_fit})")
     over = [r["memory"]["per_device"] for r in rows if r["status"] == "over_budget"]
     if over:
         hints.append(f"a budget of at least {readable_bytes(min(over))} per device (--memory-per-device), or more "
