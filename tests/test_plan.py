@@ -1203,6 +1203,21 @@ def test_plan_dtype_alias_rules_string_and_dict():
         spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]["step_s"])
 
 
+def test_plan_keeps_an_axis_rules_replicate_unknown():
+    # AxisRules(..., replicate_unknown=True) lost the flag: the name it was asked to replicate pruned the
+    # candidate ("do not map"), and the same table without the flag was refused as listed twice.
+    make_state = lambda rng: {"w": jnp.zeros((16, 32)), "v": jnp.zeros((64, 64))}  # noqa: E731
+    step = lambda s, b: ({**s, "w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"])}, {})  # noqa: E731
+    table = (("batch", "data"), ("embed", "data"), ("hidden", None))
+    rules = (spmdkit.AxisRules(table, "mine", replicate_unknown=True), spmdkit.AxisRules(table, "strict"))
+    got = spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=rules, target="h100x8",
+                       state_axes={"w": ("embed", "hidden"), "v": ("mystery", None)})
+    rows = {r["label"]: r for r in got["candidates"]}
+    lenient = rows["batch=data,embed=data,hidden=none (unknown names replicated) [data=8]"]
+    assert lenient["status"] == "ok" and [r["path"] for r in lenient["replicated"]] == ["state['v']"]
+    assert "'mystery', which rules" in rows["batch=data,embed=data,hidden=none [data=8]"]["reason"]
+
+
 def test_cli_memory_per_device_must_be_positive():
     from spmdkit._plan_cli import parse_bytes
 

@@ -66,6 +66,9 @@ def rules_names(rules: Any) -> tuple[str, ...]:
             entry = AxisRules.from_mapping(entry)
         if isinstance(entry, AxisRules):
             name = ",".join(f"{k}={'+'.join(_as_tuple(v)) or 'none'}" for k, v in entry.table)
+            # replicate_unknown travels with the table (it was dropped: the names it was asked to
+            # replicate pruned every candidate as "do not map"), and tells two tables apart.
+            name += " (unknown names replicated)" if entry.replicate_unknown else ""
             _GIVEN[name] = entry
             entry = name
         if not isinstance(entry, str):
@@ -85,7 +88,7 @@ def rules_names(rules: Any) -> tuple[str, ...]:
 def rules_table(name: str) -> AxisRules:
     """A planner rules name: a preset, ``hsdp+tp``, a TOML file, inline pairs, or a table given as a dict."""
     if name in _GIVEN:
-        return AxisRules(_GIVEN[name].table, name)
+        return AxisRules(_GIVEN[name].table, name, _GIVEN[name].replicate_unknown)
     if name in EXTRA_RULES:
         return AxisRules.from_mapping(EXTRA_RULES[name], name=name)
     if name in PRESETS:
