@@ -1180,6 +1180,7 @@ def test_plan_no_rules_and_a_bad_rng_are_named():
     (spmdkit.AxisRules, r"rules is the class AxisRules, not a rules name"),
     (("dp", "fsdp", "dp"), r"(?s)plan\(rules=...\) lists 'dp' twice.*Fix: list each rules table once: drop the second"),
     (({"batch": "data"}, {"batch": "data"}), r"lists 'batch=data' twice"),
+    (("dp", {}), r"(?s)holds an empty rules table.*Fix: give it rules"),
 ])
 def test_plan_rules_of_the_wrong_kind_or_listed_twice_are_named(rules, words):
     # A non-iterable raised Python's bare TypeError, bytes named the byte 100, and a name

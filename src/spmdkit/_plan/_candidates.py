@@ -64,6 +64,9 @@ def rules_names(rules: Any) -> tuple[str, ...]:
     for entry in rules:
         if isinstance(entry, Mapping):
             entry = AxisRules.from_mapping(entry)
+        if isinstance(entry, AxisRules) and not entry.table:  # it was planned as " []": no axes, "8 devices cannot be split"
+            raise LayoutError(fix("plan(rules=...) holds an empty rules table, which maps no logical name to a mesh axis.",
+                                  'give it rules, e.g. {"batch": "data", "embed": "data"}, or drop it.'))
         if isinstance(entry, AxisRules):
             name = ",".join(f"{k}={'+'.join(_as_tuple(v)) or 'none'}" for k, v in entry.table)
             # replicate_unknown travels with the table (it was dropped: the names it was asked to
