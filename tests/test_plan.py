@@ -1300,6 +1300,20 @@ def test_plan_step_failing_for_every_layout_the_rules_can_take_raises_its_error(
     assert isinstance(err.value.__cause__, KeyError)
 
 
+def test_a_long_compile_error_keeps_its_end_in_the_reason():
+    # JAX's sharding errors name what is wrong last, after two meshes' reprs: the reason was cut at
+    # 300 characters and read "... Sharding NamedSharding(mesh=AbstractMesh('data': 8, axis_types=(Auto,), dev".
+    make_state, _, batch = _tiny()
+
+    def step(s, b):
+        raise ValueError("NamedSharding(mesh=AbstractMesh(...)) " * 20 + "was applied to a value of rank 2.")
+
+    row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]
+    assert row["status"] == "pruned" and row["reason"].startswith("does not compile: ValueError: NamedSharding")
+    assert row["reason"].endswith("was applied to a value of rank 2.") and " ... " in row["reason"], row["reason"]
+    assert len(row["reason"]) < 340
+
+
 def test_plan_names_an_unmapped_logical_name_and_an_unused_rule():
     make_state, step, batch = _tiny()
     typo = spmdkit.plan(make_state, step, batch, rules=("dp", "tp"), target="h100x8",

@@ -198,7 +198,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         return {**row, "status": "pruned", "reason": str(e).splitlines()[0], "_error": e}
     except Exception as e:  # noqa: BLE001 - one layout JAX or XLA refuses must not end the plan
         return {**row, "status": "pruned", "reason": f"does not compile: {type(e).__name__}: "
-                f"{(str(e).strip().splitlines() or [''])[0][:300]}", "_error": e}
+                f"{gist(e, 300)}", "_error": e}
     row["replicated"] = replicated(layout, strategy.mesh.size, rules)
     program = analyse(compiled.as_text(), dict(strategy.mesh.shape))
     ops_priced = program.kernels
@@ -230,6 +230,21 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
     return row
 
 
+def gist(error: BaseException, limit: int) -> str:
+    """The first line of ``error``, its start and end when longer than ``limit``: JAX's sharding
+    errors put what is wrong last ("... is only valid for values of rank at least 3, but was applied
+    to a value of rank 2"), after two meshes' reprs that the first 300 characters were spent on.
+
+    >>> gist(ValueError("a" * 20 + " the cause"), 24)
+    'aaaaaaaaa ...  the cause'
+    """
+    line = (str(error).strip().splitlines() or [""])[0]
+    if len(line) <= limit:
+        return line
+    half = (limit - 5) // 2
+    return f"{line[:half]} ... {line[len(line) - (limit - 5 - half):]}"
+
+
 def _steps(step_for: Callable, candidates: list[Candidate]) -> dict[tuple[str, int], Callable]:
     """Every ``step_for(remat, accum)`` the candidates need, built before any compiles: one that
     raised or returned no step surfaced only when its candidates came up, minutes of compiling
@@ -246,7 +261,7 @@ def _step_of(step_for: Callable, cand: Candidate) -> Callable:
         step = step_for(cand.remat, cand.accum)
     except Exception as e:
         raise PlanStepError(fix(f"step_for({cand.remat!r}, {cand.accum!r}) raised {type(e).__name__}: "
-                                f"{(str(e).strip().splitlines() or [''])[0][:300]}",
+                                f"{gist(e, 300)}",
                                 "make step_for build a step for every remat policy and accumulation count listed, or "
                                 "leave that one out of remat= / accum=; its traceback is the cause below.")) from e
     if not callable(step):
@@ -303,7 +318,7 @@ def _raise_common_failure(results: list[dict[str, Any]]) -> None:
               if len(errors) < len(tried) else "")
     raise PlanStepError(fix(f"every candidate ({len(errors)}{others}) failed to compile with the same error, so it is the "
                             f"step or the state, not a layout: {type(first).__name__}: "
-                            f"{(str(first).strip().splitlines() or [''])[0][:500]}",
+                            f"{gist(first, 500)}",
                             "run train_step(make_state(rng), batch) once without spmdkit to debug it; its traceback "
                             "is the cause below.")) from first
 
