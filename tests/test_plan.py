@@ -1314,6 +1314,32 @@ def test_a_long_compile_error_keeps_its_end_in_the_reason():
     assert len(row["reason"]) < 340
 
 
+def test_a_loop_of_unknown_trip_count_is_said_to_be_priced_once():
+    # A while_loop on data: its 20 all-reduces under dp were priced as 1, and "unknown_loops" said so
+    # in the dict alone: no flag in the table, no word in why.
+    from rich.console import Console
+
+    from spmdkit._plan import print_plan
+
+    make_state, _, _ = _tiny()
+    batch = {"x": jnp.ones((16, 16)), "n": jnp.full((16,), 20)}
+
+    def step(s, b):
+        def body(c):
+            return c[0] - 1e-3 * b["x"].T @ (b["x"] @ c[0]), c[1] + 1
+
+        return {"w": jax.lax.while_loop(lambda c: c[1] < b["n"][0], body, (s["w"], 0))[0]}, {}
+
+    got = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")
+    assert got["candidates"][0]["unknown_loops"] == 1
+    assert any("priced for one trip" in line for line in got["why"]), got["why"]
+    console = Console(record=True, width=300)
+    print_plan(got, console)
+    assert "1 loop(s) priced for one trip" in console.export_text()
+    fixed = lambda s, b: ({"w": jax.lax.fori_loop(0, 20, lambda i, w: w - 1e-3 * b["x"].T @ (b["x"] @ w), s["w"])}, {})  # noqa: E731
+    assert not any("one trip" in line for line in spmdkit.plan(make_state, fixed, batch, rules="dp", target="h100x8")["why"])
+
+
 def test_plan_names_an_unmapped_logical_name_and_an_unused_rule():
     make_state, step, batch = _tiny()
     typo = spmdkit.plan(make_state, step, batch, rules=("dp", "tp"), target="h100x8",

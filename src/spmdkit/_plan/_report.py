@@ -125,6 +125,15 @@ def explain(plan: dict[str, Any]) -> list[str]:
                if worst and worst[1] > 0 else "")
             + f"), memory {'+' if run['memory']['per_device'] >= win['memory']['per_device'] else ''}"
             f"{readable_bytes(run['memory']['per_device'] - win['memory']['per_device'])} per device")
+    # A while_loop whose condition reads data has no trip count in the program: its compute and
+    # collectives are priced for one trip (a dp step's 20 all-reduces in such a loop read as 1), which
+    # the plan held in "unknown_loops" and said nowhere.
+    looped = [r["label"] for r in ok if r.get("unknown_loops")]
+    if looped:
+        lines.append(f"  note: {len(looped)} of {len(ok)} candidate(s) ({', '.join(looped[:3])}"
+                     f"{', ...' if len(looped) > 3 else ''}) run a loop whose trip count the program does not "
+                     "say (a while_loop on data): its compute and collectives are priced for one trip, so those "
+                     "step times are low by the trips it makes; a fixed count (fori_loop, scan) is priced per trip.")
     return lines
 
 
@@ -152,6 +161,8 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         mem = r["memory"]
         rep = r.get("replicated", [])
         flags = [f"{len(rep)} large param(s) replicated"] if rep else []
+        if r.get("unknown_loops"):
+            flags.append(f"{r['unknown_loops']} loop(s) priced for one trip")
         if r["status"] == "over_budget":
             flags.insert(0, "[red]over budget[/]")
         kinds = ", ".join(f"{_SHORT[k]}:{a} x{int(v['count'])}" for (k, a), v in sorted(_by_kind(r).items()))
