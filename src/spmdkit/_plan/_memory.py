@@ -48,11 +48,28 @@ def batch_bytes(batch: Any) -> int:
     return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(batch))
 
 
+def _in_optimizer(x: Any) -> bool:
+    """An optax state (``ScaleByAdamState``, ``MultiTransformState``...: NamedTuples of optax)."""
+    return isinstance(x, tuple) and hasattr(x, "_fields") and type(x).__module__.split(".")[0] == "optax"
+
+
 def param_leaves(layout: Any) -> list[Any]:
-    """The parameters among a layout's leaves (``.params`` / ``['params']`` of the state;
-    every leaf when the state names none)."""
+    """The parameters among a layout's leaves (``.params`` / ``['params']`` of the state; in a
+    state that names none, the leaves outside its optax states; else every leaf).
+
+    A state such as ``{"model": params, "opt": tx.init(params)}`` counted Adam's two moments as
+    parameters: three times the parameters' bytes, and as many again for an accumulating step's
+    gradients, which raised the memory figure over the compiled one (10.6 MB against 9.4)."""
     found = [leaf for leaf in layout.leaves if ".params" in leaf.path or "['params']" in leaf.path]
-    return found or list(layout.leaves)
+    if found:
+        return found
+    # Layout.abstract holds the state's leaves in the order of Layout.leaves.
+    flags = [opt for node in jax.tree.leaves(getattr(layout, "abstract", None), is_leaf=_in_optimizer)
+             for opt in ([True] * len(jax.tree.leaves(node)) if _in_optimizer(node) else [False])]
+    outside = [leaf for leaf, opt in zip(layout.leaves, flags) if not opt]
+    if len(flags) == len(layout.leaves) and outside and len(outside) < len(flags):
+        return outside
+    return list(layout.leaves)
 
 
 def analytic_bytes(layout: Any, batch: Any, batch_shards: int, activations: int | Mapping[str, int] | None,
