@@ -1408,17 +1408,21 @@ def test_no_fit_batch_hint_counts_the_accumulation_steps():
     assert "e.g. 24 rows (--batch-size 24)" in " ".join(got["why"]), got["why"]
 
 
-@pytest.mark.parametrize("key", ["params", "model"])
+@pytest.mark.parametrize("key", ["params", "model", "variables"])
 def test_parameters_of_a_state_that_does_not_name_them_params_leave_the_optimizer_out(key):
     # {"model": params, "opt": adam}: Adam's moments were counted as parameters, 3x the parameters'
     # bytes, and again as an accumulating step's gradients (the figure over the compiled one), and
     # a replicated parameter was listed three times (it and its moments).
+    # "variables": {"params": ...} and an optimizer initialised on all of it, whose moments' paths say params.
     tx = optax.adam(1e-3)
-    make_state = lambda rng: {key: {"big": jnp.zeros((128, 128)), "w": jnp.zeros((16, 128))},  # noqa: E731
-                              "opt": tx.init({"big": jnp.zeros((128, 128)), "w": jnp.zeros((16, 128))})}
+    params = lambda: {"big": jnp.zeros((128, 128)), "w": jnp.zeros((16, 128))}  # noqa: E731
+    wrap = (lambda p: {"params": p}) if key == "variables" else (lambda p: p)  # noqa: E731
+    make_state = lambda rng: {key: wrap(params()), "opt": tx.init(wrap(params()))}  # noqa: E731
+
+    inner = (lambda v: v["params"]) if key == "variables" else (lambda v: v)  # noqa: E731
 
     def step(s, b):
-        g = jax.grad(lambda p: ((b["x"] @ p["w"] @ p["big"]) ** 2).mean())(s[key])
+        g = jax.grad(lambda v: ((b["x"] @ inner(v)["w"] @ inner(v)["big"]) ** 2).mean())(s[key])
         u, o = tx.update(g, s["opt"], s[key])
         return {key: optax.apply_updates(s[key], u), "opt": o}, {}
 
@@ -1427,7 +1431,8 @@ def test_parameters_of_a_state_that_does_not_name_them_params_leave_the_optimize
     row = got["candidates"][0]
     assert row["memory"]["analytic"]["params"] == (128 * 128 + 16 * 128 // 8) * 4
     assert row["memory"]["analytic"]["gradients"] == row["memory"]["analytic"]["params"]
-    assert [r["path"] for r in row["replicated"]] == [f"state['{key}']['big']"]
+    big = "['params']['big']" if key == "variables" else "['big']"
+    assert [r["path"] for r in row["replicated"]] == [f"state['{key}']{big}"]
 
 
 def test_over_budget_reason_in_readable_units():

@@ -60,16 +60,18 @@ def param_leaves(layout: Any) -> list[Any]:
     A state such as ``{"model": params, "opt": tx.init(params)}`` counted Adam's two moments as
     parameters: three times the parameters' bytes, and as many again for an accumulating step's
     gradients, which raised the memory figure over the compiled one (10.6 MB against 9.4)."""
-    found = [leaf for leaf in layout.leaves if ".params" in leaf.path or "['params']" in leaf.path]
-    if found:
-        return found
     # Layout.abstract holds the state's leaves in the order of Layout.leaves.
     flags = [opt for node in jax.tree.leaves(getattr(layout, "abstract", None), is_leaf=_in_optimizer)
              for opt in ([True] * len(jax.tree.leaves(node)) if _in_optimizer(node) else [False])]
+    if len(flags) != len(layout.leaves):
+        flags = [False] * len(layout.leaves)
+    # not the moments of an optimizer initialised on {"params": ...}, whose paths name params too
+    found = [leaf for leaf, opt in zip(layout.leaves, flags)
+             if not opt and (".params" in leaf.path or "['params']" in leaf.path)]
+    if found:
+        return found
     outside = [leaf for leaf, opt in zip(layout.leaves, flags) if not opt]
-    if len(flags) == len(layout.leaves) and outside and len(outside) < len(flags):
-        return outside
-    return list(layout.leaves)
+    return outside if outside else list(layout.leaves)
 
 
 def analytic_bytes(layout: Any, batch: Any, batch_shards: int, activations: int | Mapping[str, int] | None,
