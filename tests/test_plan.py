@@ -1571,6 +1571,27 @@ def test_hlo_printed_without_sigils_reads_the_same():
         assert analyse(text, dict(mesh.shape)).dot_flops > 0
 
 
+def test_parameters_partitioned_over_mesh_axes_as_written_use_those_axes():
+    # nn.with_partitioning names mesh axes, which Sharded uses as written; plan's reading of the names
+    # skipped them, so tp and dp+tp were pruned as "mesh axis 'model' splits nothing".
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(64, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")))(x)
+            return nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)))(x)
+
+    make_state = lambda rng: Model().init(rng, jnp.zeros((1, 16)))  # noqa: E731
+
+    def step(s, b):
+        g = jax.grad(lambda v: (Model().apply(v, b["x"]) ** 2).mean())(s)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, s, g), {}
+
+    got = spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=("tp", "dp+tp"), target="h100x8")
+    rows = {r["label"]: r for r in got["candidates"]}
+    assert all(r["status"] == "ok" for r in rows.values()), {k: r["reason"] for k, r in rows.items()}
+    assert rows["tp [model=8]"]["memory"]["analytic"]["params"] == (16 * 64 + 64 * 4) * 4 // 8 + (64 + 4) * 4
+
+
 def test_a_plain_state_without_names_prunes_an_axis_that_splits_nothing():
     # Ranked "ok" beside plain data parallelism before, though every device repeated the work.
     make_state, step, batch = _tiny()

@@ -67,6 +67,7 @@ class NamedLeaf(NamedTuple):
     bytes: int
     names: tuple
     direct: bool = False
+    written: bool = False  # nn.with_partitioning: the names are mesh axes, used as written (no rules)
 
 
 def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[NamedLeaf]:
@@ -79,19 +80,24 @@ def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> li
         where = "state" + jax.tree_util.keystr(path)
         if is_empty_box(leaf):
             continue
+        written = False
         if isinstance(leaf, nn.LogicallyPartitioned):
             value, names, direct = leaf.value, tuple(leaf.names), False
+        elif isinstance(leaf, nn.Partitioned):  # a Flax model's nn.with_partitioning: mesh axes, not logical names
+            value, names, direct, written = leaf.value, tuple(leaf.names), True, True
         elif isinstance(leaf, nnx.Variable) and (names := _nnx_names(leaf)):
             value, direct = _unboxed(leaf), True
         else:
             continue
         nbytes = math.prod(value.shape) * _itemsize(value.dtype)
-        out.append(NamedLeaf(where, tuple(value.shape), nbytes, tuple(names), direct))
+        out.append(NamedLeaf(where, tuple(value.shape), nbytes, tuple(names), direct, written))
     return out
 
 
 def _axes(leaf: NamedLeaf, name: str, table: dict[str, Any], mesh_axes: Collection[str]) -> tuple[str, ...] | None:
     """The mesh axes ``name`` of ``leaf`` maps to under a rules ``table``; None when unmapped."""
+    if leaf.written:  # as Sharded places them: the mesh's axes of those names, whatever the rules say
+        return tuple(a for a in _as_tuple(name) if a in mesh_axes)
     if name in table:
         return _as_tuple(table[name])
     return (name,) if leaf.direct and name in mesh_axes else None
