@@ -1081,6 +1081,7 @@ def test_plan_bad_numbers_and_dtype_are_named(kwargs, words):
     (({"w": 1}, None, None), {}, "SignatureError", "make_state must be a function rng -> state, not dict"),
     ((None, None, {"x": [[1.0] * 16] * 16}), {}, "BatchSizeError", r"batch\['x'\]\[0\]\[0\] is float"),
     ((None, None, None), {}, "BatchSizeError", r"plan\(batch=None\) holds no arrays"),
+    ((None, None, {"x": np.zeros((0, 16), np.float32)}), {}, "BatchSizeError", r"batch\['x'\] has shape \(0, 16\): no examples"),
     ((None, None, None), {"progress": True}, "SignatureError", "progress must be a function"),
     ((None, None, None), {"target": {"peak_flops": 1}}, "ConfigError", r"plan\(target=\{'peak_flops': 1\}\)"),
 ])

@@ -142,6 +142,9 @@ def _check_inputs(make_state: Any, train_step: Any, batch: Any, target: Any, **c
             raise BatchSizeError(fix(f"plan: batch{jax.tree_util.keystr(path)} is {type(x).__name__} {x!r:.40}, "
                                      "not an array with an example axis.",
                                      "pass arrays (np.asarray(...)) or jax.ShapeDtypeStruct((rows, ...), dtype)."))
+        if np.shape(x)[0] == 0:  # every mesh "splits" 0 rows: a plan of empty steps, ranked as if real
+            raise BatchSizeError(fix(f"plan: batch{jax.tree_util.keystr(path)} has shape {tuple(np.shape(x))}: no examples.",
+                                     "pass the global batch a step trains on, e.g. {'x': np.zeros((256, 784))}."))
     if not isinstance(target, (str, os.PathLike, Target)):
         raise ConfigError(fix(f"plan(target={target!r:.60}): a name ('cpu', 'h100x8'), a target file or a Target.",
                               "pass target='cpu', target='my_target.json' or spmdkit.load_target(path)."))
