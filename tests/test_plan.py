@@ -1351,6 +1351,12 @@ def test_plan_names_an_unmapped_logical_name_and_an_unused_rule():
                           target="h100x8", state_axes={"w": ("embed", None)})
     reason = unused["candidates"][0]["reason"]
     assert "mesh axis 'model' splits nothing" in reason and "rule(s) ['hiden'] map to it" in reason, reason
+    # Two names unmapped, one of them a rule's typo: only the first was named, the typo hidden behind it.
+    both = spmdkit.plan(make_state, step, batch, rules=({"batch": "data", "embd": "data", "hidden": "model"},),
+                        target="h100x8", state_axes={"w": ("layer", "embed")})
+    reason = both["candidates"][0]["reason"]
+    assert "name 'layer', which rules" in reason and "nor do they map ['embed']" in reason, reason
+    assert "rule 'embd' maps no array's name: meant 'embed'?" in reason, reason
 
 
 def test_cli_plan_inline_rules_stay_one_table(capsys, tmp_path, monkeypatch):

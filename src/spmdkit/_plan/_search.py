@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import time
 import warnings
@@ -165,8 +166,18 @@ def _rules_problem(cand: Candidate, leaves: list[tuple], rules: AxisRules) -> tu
         path, name = unmapped[0]
         nnx_leaf = any(leaf.path == path and leaf.direct for leaf in leaves)
         mesh = f" and mesh {dict(cand.mesh)} has no axis of that name" if nnx_leaf else ""
+        # Every name left unmapped, and a rule key no array uses that is close to one (a rules file's
+        # "hiddn"): the first name alone hid a typo behind another missing rule ('layer').
+        names = {n for leaf in leaves for n in leaf.names if isinstance(n, str)}
+        spare = [k for k in rules.mapping if k not in names]
+        typos = {n: close[0] for n in dict.fromkeys(n for _, n in unmapped)
+                 if (close := difflib.get_close_matches(n, spare, 1, 0.75))}
+        more = sorted({n for _, n in unmapped} - {name})
         return clash, (f"{path} has {'sharding' if nnx_leaf else 'logical'} name {name!r}, which rules {cand.rules!r} "
-                       f"do not map (they map {sorted(rules.mapping)}){mesh}: add a rule for it or correct the name")
+                       f"do not map (they map {sorted(rules.mapping)}){mesh}"
+                       + (f"; nor do they map {more}" if more else "")
+                       + "".join(f"; rule {k!r} maps no array's name: meant {n!r}?" for n, k in typos.items())
+                       + ": add a rule for it or correct the name")
     idle = idle_axes(leaves, rules, dict(cand.mesh))
     if idle:
         names = {n for leaf in leaves for n in leaf.names if n is not None} | {"batch"}
