@@ -1442,6 +1442,19 @@ def test_parameters_of_a_state_that_does_not_name_them_params_leave_the_optimize
     assert [r["path"] for r in row["replicated"]] == [f"state['{key}']{big}"]
 
 
+def test_many_small_replicated_parameters_holding_most_of_the_memory_are_flagged():
+    # 24 weights of 4% each, all left replicated by rules that shard another name: none reached the
+    # 5% a parameter needs to be flagged, so the plan flagged nothing while 99% stayed replicated.
+    make_state = lambda rng: {"params": {**{f"w{i:02}": jnp.zeros((32, 32)) for i in range(24)},  # noqa: E731
+                                         "v": jnp.zeros((8,))}}
+    axes = {"params": {**{f"w{i:02}": ("embed", "hidden") for i in range(24)}, "v": ("vocab",)}}
+    got = spmdkit.plan(make_state, lambda s, b: (s, {}), {"x": jnp.ones((16, 16))}, target="h100x8",
+                       rules=({"batch": "data", "vocab": "data", "embed": None, "hidden": None},), state_axes=axes)
+    row = got["candidates"][0]
+    assert row["status"] == "ok" and len(row["replicated"]) == 5, row
+    assert all(r["shape"] == [32, 32] for r in row["replicated"])
+
+
 def test_over_budget_reason_in_readable_units():
     make_state, step, batch = _tiny()
     row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100)["candidates"][0]

@@ -148,8 +148,14 @@ def replicated(layout: Any, mesh_size: int, rules: AxisRules) -> list[dict[str, 
     total = sum(leaf.bytes for leaf in params) or 1
     if mesh_size == 1 or not any(axes is not None for name, axes in rules.table if name != "batch"):
         return []
+    left = [leaf for leaf in params if not any(leaf.spec)]
+    large = [leaf for leaf in left if leaf.bytes >= LARGE_SHARE * total]
+    if not large and sum(leaf.bytes for leaf in left) > 0.5 * total:
+        # 24 blocks' weights, each 4% of the parameters and all replicated, flagged none of them:
+        # most of the memory replicated names the largest, as Sharded's ReplicationWarning does.
+        large = sorted(left, key=lambda leaf: -leaf.bytes)[:5]
     return [{"path": leaf.path, "shape": list(leaf.shape), "logical": list(leaf.logical or ()), "bytes": leaf.bytes}
-            for leaf in params if not any(leaf.spec) and leaf.bytes >= LARGE_SHARE * total]
+            for leaf in large]
 
 
 def _rules_problem(cand: Candidate, leaves: list[tuple], rules: AxisRules) -> tuple[list[dict[str, Any]], str | None]:
