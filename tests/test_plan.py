@@ -1220,6 +1220,15 @@ def test_plan_keeps_an_axis_rules_replicate_unknown():
     assert "'mystery', which rules" in rows["batch=data,embed=data,hidden=none [data=8]"]["reason"]
 
 
+def test_cli_remat_options_are_lms_policies(capsys):
+    # "--remat-options none,ful" reached the planner: "step_for('ful', 1) raised ConfigError ... make step_for
+    # build a step for every remat policy", a function the command line user never wrote.
+    with pytest.raises(SystemExit) as err:
+        main(["plan", "--task", "lm", "--devices", "2", "--remat-options", "none,ful"])
+    assert err.value.code == 2
+    assert "'ful' is not a remat policy: give some of none,full,dots" in capsys.readouterr().err
+
+
 def test_cli_memory_per_device_must_be_positive():
     from spmdkit._plan_cli import parse_bytes
 

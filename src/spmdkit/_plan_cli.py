@@ -56,6 +56,21 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+_REMAT = ("none", "full", "dots")  # lm's policies, as --remat offers them (before JAX starts: no import of the lm)
+
+
+def _remat_list(text: str) -> tuple[str, ...]:
+    """``--remat-options``: lm's remat policies. A misspelt one reached the planner as "step_for('ful', 1)
+    raised ConfigError ... make step_for build a step for every remat policy", naming a function the
+    command line user never wrote."""
+    values = _names(text)
+    wrong = [v for v in values if v not in _REMAT]
+    if wrong or not values:
+        raise argparse.ArgumentTypeError(f"{wrong[0] if wrong else text!r} is not a remat policy: give some of "
+                                         f"{','.join(_REMAT)} separated by commas (e.g. none,full)")
+    return values
+
+
 def _rules_list(text: str) -> tuple[str, ...]:
     """``--rules``: names separated by commas, where neighbouring ``logical=axis`` pairs form one
     inline table (``dp,batch=data,hidden=model`` is two entries); ``;`` separates two inline tables.
@@ -123,7 +138,7 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
     p.add_argument("--rules", type=_rules_list, default=DEFAULT_RULES, metavar="LIST",
                    help="rules to try, comma-separated: presets, hsdp+tp, TOML files, inline logical=axis pairs "
                    f"(neighbouring pairs form one table; ';' separates two) ({','.join(DEFAULT_RULES)})")
-    p.add_argument("--remat-options", type=_names, default=None, metavar="LIST",
+    p.add_argument("--remat-options", type=_remat_list, default=None, metavar="LIST",
                    help="lm: remat policies to try, e.g. none,dots,full (default: --remat, else none)")
     p.add_argument("--grad-accum", type=_ints, default=(1,), metavar="LIST",
                    help="accumulation steps to try at the same global batch, e.g. 1,2,4 (1)")
