@@ -1464,6 +1464,24 @@ def test_many_small_replicated_parameters_holding_most_of_the_memory_are_flagged
     assert all(r["shape"] == [32, 32] for r in row["replicated"])
 
 
+def test_parameters_of_an_nnx_optimizers_state_leave_its_moments_out():
+    # nnx.split((model, nnx.Optimizer(model, adam))): no 'params' in the paths and no optax tuples (NNX keeps
+    # its own Variables under opt_state), so the moments counted as parameters, 3x their bytes.
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                                           ("embed", "hidden")), rngs=rngs)
+
+    def make_state(rng):
+        with nnx.use_eager_sharding(False):
+            model = Net(nnx.Rngs(rng))
+            return nnx.split((model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)))[1]
+
+    got = spmdkit.plan(make_state, lambda s, b: (s, {}), {"x": jnp.ones((16, 16))}, rules="dp", target="h100x8")
+    analytic = got["candidates"][0]["memory"]["analytic"]
+    assert analytic["params"] <= (16 * 64 + 64) * 4 + 8 and analytic["optimizer_and_rest"] >= 2 * (16 * 64 + 64) * 4
+
+
 def test_over_budget_reason_in_readable_units():
     make_state, step, batch = _tiny()
     row = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=100)["candidates"][0]

@@ -55,7 +55,7 @@ def _in_optimizer(x: Any) -> bool:
 
 def param_leaves(layout: Any) -> list[Any]:
     """The parameters among a layout's leaves (``.params`` / ``['params']`` of the state; in a
-    state that names none, the leaves outside its optax states; else every leaf).
+    state that names none, the leaves outside its optax states and ``opt_state``; else every leaf).
 
     A state such as ``{"model": params, "opt": tx.init(params)}`` counted Adam's two moments as
     parameters: three times the parameters' bytes, and as many again for an accumulating step's
@@ -65,6 +65,8 @@ def param_leaves(layout: Any) -> list[Any]:
              for opt in ([True] * len(jax.tree.leaves(node)) if _in_optimizer(node) else [False])]
     if len(flags) != len(layout.leaves):
         flags = [False] * len(layout.leaves)
+    # an NNX Optimizer's state (nnx.split((model, optimizer))): its own Variables under .opt_state, no optax tuples
+    flags = [opt or ".opt_state" in leaf.path or "['opt_state']" in leaf.path for leaf, opt in zip(layout.leaves, flags)]
     # not the moments of an optimizer initialised on {"params": ...}, whose paths name params too
     found = [leaf for leaf, opt in zip(layout.leaves, flags)
              if not opt and (".params" in leaf.path or "['params']" in leaf.path)]
