@@ -1734,6 +1734,15 @@ def test_plan_png_without_a_suffix_is_a_png_and_another_suffix_its_format(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan", "plan.out", "plan.svg"]  # no temporary left
 
 
+def test_cli_plan_json_and_png_naming_one_file_is_an_error(tmp_path, capsys):
+    # The PNG was written over the JSON just written: the plan's JSON lost without a word.
+    same = str(tmp_path / "plan.out")
+    assert main(["plan", "--task", "mlp", "--devices", "8", "--json", same, "--png", str(tmp_path / "." / "plan.out")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--json and --png name the same file" in err and "Fix: give each its own name" in err, err
+    assert not (tmp_path / "plan.out").exists()
+
+
 def test_plan_output_in_a_missing_directory_with_a_space_gives_a_command_that_makes_it(tmp_path):
     # The fix said "mkdir -p /tmp/out dir": two directories, neither of them the one missing.
     from spmdkit._plan_cli import PlanFileError, check_out

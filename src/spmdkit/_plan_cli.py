@@ -223,6 +223,10 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_task_options(args)
     check_out(args.json, "--json")
     check_out(args.png, "--png")
+    if args.json and args.png and os.path.realpath(args.json) == os.path.realpath(args.png):
+        # the PNG was written over the JSON (or the other way round), one of them lost without a word
+        raise ConfigError(fix(f"--json and --png name the same file {args.json!r}: the second would replace the first.",
+                              "give each its own name, e.g. --json plan.json --png plan.png."))
     if args.measure != "all" and args.measure < 0:
         raise ConfigError(fix(f"--measure {args.measure}: the number of candidates to run cannot be negative.",
                               "pass --measure K with K >= 1, --measure all, or leave it out (0: price only)."))
