@@ -1150,6 +1150,10 @@ def test_plan_batch_and_state_of_prng_keys_are_counted_in_their_bytes():
     assert got["status"] == "ok", got["reason"]
     assert got["memory"]["analytic"]["batch"] == (16 * 16 * 4 + 16 * 8) // 8  # x and threefry keys, split 8 ways
     assert got["memory"]["analytic"]["new_state"] == 16 * 32 * 4 + 64 * 16
+    # Given as shapes, measured: the keys to run with were made by np.zeros ("Cannot interpret 'key<fry>'").
+    shapes = {"x": jax.ShapeDtypeStruct((16, 16), jnp.float32), "key": jax.ShapeDtypeStruct((16,), batch["key"].dtype)}
+    ran = spmdkit.plan(make_state, step, shapes, rules="dp", target="h100x8", measure=1, measure_rounds=1, measure_steps=1)
+    assert ran["measured"]["runs"][0]["measured_s"] > 0
 
 
 def test_a_target_without_the_plans_dtype_nor_float32_is_named_before_compiling():

@@ -35,6 +35,9 @@ def _host(x: Any) -> Any:
     """A batch leaf as arrays to place: zeros for a shape; with several processes, on the host
     (each process hands its devices' rows to JAX)."""
     if isinstance(x, jax.ShapeDtypeStruct):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # per-example keys: np.zeros cannot make those
+            impl = x.dtype._impl
+            return jax.random.wrap_key_data(np.zeros((*x.shape, *impl.key_shape), np.uint32), impl=impl)
         return np.zeros(x.shape, x.dtype)
     return np.asarray(x) if jax.process_count() > 1 else x
 
