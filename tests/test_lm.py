@@ -203,6 +203,25 @@ def test_a_tiny_temperature_samples_the_most_likely_bytes(task, tmp_path):
         assert spmdkit.sample(tmp_path, "def ", length=8, temperature=temperature, **sizes) == greedy, temperature
 
 
+def test_sample_into_a_pipe_whose_reader_left_exits_141_without_a_traceback(tmp_path):
+    # `spmdkit sample --length 100000 | head -c 100`: the reader leaves before the write (longer than the
+    # pipe's buffer) ends; that was a BrokenPipeError traceback and exit 1.
+    import subprocess
+    import sys
+
+    flags = ["--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8",
+             "--text-bytes", "4000", "--steps", "1", "--no-progress", "--no-compile-cache"]
+    assert main(["train", *flags, "--out", str(tmp_path / "run"), "--checkpoint-dir", str(tmp_path / "ck")]) == 0
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone
+    env = {**os.environ, "PYTHONPATH": str(Path(spmdkit.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-m", "spmdkit", "sample", "--checkpoint-dir", str(tmp_path / "ck"),
+                           "--length", "3", "--no-compile-cache"], stdout=write, stderr=subprocess.PIPE, text=True,
+                          timeout=300, env=env)
+    os.close(write)
+    assert done.returncode == 141 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def test_training_lowers_held_out_bits_per_byte(task):
     untrained = jax.jit(task.loss_fn)(task.init(jax.random.key(0)), task.eval_data, None)[1]["bits_per_byte"]
     config = spmdkit.TrainConfig(steps=40, batch_size=16, eval_every=1000)

@@ -41,6 +41,7 @@ from spmdkit._host_memory import host_memory
 from spmdkit._process import end_soon
 
 EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged or incomplete step
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of `spmdkit sample` output left (the shell's code for it)
 
 
 def _positive_int(text: str) -> int:
@@ -758,9 +759,15 @@ def _cmd_sample(args: argparse.Namespace, console: Console) -> int:
     # sample; a prompt of such bytes was a UnicodeEncodeError traceback.
     prompt = os.fsencode(args.prompt)
     out = sample(args.checkpoint_dir, prompt, args.length, args.temperature, args.seed, args.step)
-    sys.stdout.flush()
-    sys.stdout.buffer.write(prompt + out + b"\n")
-    sys.stdout.buffer.flush()
+    try:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(prompt + out + b"\n")
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        # The reader left (`| head -c 100` of a sample longer than the pipe's buffer): a BrokenPipeError
+        # traceback and exit 1 before. The shell's code for SIGPIPE, and no second error at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return 0
 
 
