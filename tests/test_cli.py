@@ -47,6 +47,22 @@ def test_devices_json_in_process(capsys):
     assert info["suggested_model_parallel_mesh"] == {"data": 2, "model": 4}
 
 
+@pytest.mark.parametrize("args", [["devices"], ["devices", "--json"]], ids=["table", "json"])
+def test_a_reader_that_left_the_pipe_is_exit_141_without_a_traceback(args):
+    # `spmdkit devices | head -0`, `... --json | head`: rich's table ended with exit 1 (a crash, by the
+    # README's codes) and print() with a BrokenPipeError traceback. Any command: the shell's code.
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first write
+    try:
+        done = subprocess.run([sys.executable, "-m", "spmdkit", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=300,
+                              env={k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"})
+    finally:
+        os.close(write)
+    assert done.returncode == 141, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def test_devices_table_in_process(capsys):
     assert main(["devices"]) == 0
     out = capsys.readouterr().out

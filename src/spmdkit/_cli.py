@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import json
 import os
+import select
 import shlex
 import sys
 from collections import Counter
@@ -22,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spmdkit import __version__
-from spmdkit._console import short_warnings, stderr_console
+from spmdkit._console import StdoutConsole, short_warnings, stderr_console
 from spmdkit._devices import (
     ENV_HOST_DEVICES,
     MAX_HOST_DEVICES,
@@ -41,7 +42,7 @@ from spmdkit._host_memory import host_memory
 from spmdkit._process import end_soon
 
 EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged or incomplete step
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of `spmdkit sample` output left (the shell's code for it)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of the output left (`| head`; the shell's code for it)
 
 
 def _positive_int(text: str) -> int:
@@ -759,15 +760,9 @@ def _cmd_sample(args: argparse.Namespace, console: Console) -> int:
     # sample; a prompt of such bytes was a UnicodeEncodeError traceback.
     prompt = os.fsencode(args.prompt)
     out = sample(args.checkpoint_dir, prompt, args.length, args.temperature, args.seed, args.step)
-    try:
-        sys.stdout.flush()
-        sys.stdout.buffer.write(prompt + out + b"\n")
-        sys.stdout.buffer.flush()
-    except BrokenPipeError:
-        # The reader left (`| head -c 100` of a sample longer than the pipe's buffer): a BrokenPipeError
-        # traceback and exit 1 before. The shell's code for SIGPIPE, and no second error at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+    sys.stdout.flush()
+    sys.stdout.buffer.write(prompt + out + b"\n")
+    sys.stdout.buffer.flush()
     return 0
 
 
@@ -855,7 +850,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":  # plan --processes P --measure K starts itself again in P processes
         args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     # Tables are for reading in logs too: do not fold them to 80 columns off a terminal.
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = StdoutConsole(width=None if sys.stdout.isatty() else 120)
     try:
         # Before any JAX work: XLA's threads take their malloc arenas when its backends start.
         _reuse_host_memory(strict=False)
@@ -870,12 +865,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C is the user's own act, not a bug: one line, not a traceback, and the shell's code.
         return _interrupted()
+    except BrokenPipeError:
+        if not _reader_left():  # another pipe (a worker process's): a bug to see
+            raise
+        # In a process group, JAX's exit would otherwise wait for peers still waiting for this one.
+        return end_soon(EXIT_BROKEN_PIPE, "the reader of its output left")
     except (RuntimeError, AssertionError) as e:  # after SpmdkitError: some of ours are RuntimeErrors
         err = backend_failure(e)  # JAX_PLATFORMS names a platform this machine lacks
         if err is None:
             raise
         stderr_console().print(Text("error: ", style="bold red") + Text(str(err)))
         return 2
+
+
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`spmdkit sample --length 100000 | head -c 100`,
+    `spmdkit checkpoints DIR --json | head`): then stdout is pointed at /dev/null, so the flush at exit
+    raises no second BrokenPipeError. That was a traceback and exit 1, 'a bug: please report'."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+        if gone:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return gone
+    except (OSError, ValueError, AttributeError):  # stdout closed or replaced by an object with no file
+        return False
 
 
 def _interrupted() -> int:

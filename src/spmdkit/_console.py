@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import sys
@@ -14,6 +15,17 @@ from rich.console import Console
 from rich.text import Text
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class StdoutConsole(Console):
+    """The command line's console on standard output. When the reader of a pipe leaves (``| head``),
+    rich would end the program with exit code 1, which the README gives to a crash: the
+    BrokenPipeError goes up to the command line's entry point instead, which exits with the shell's
+    code for it (141)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of standard output left")
 
 
 def stderr_console() -> Console:
