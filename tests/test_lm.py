@@ -181,6 +181,28 @@ def test_sample_falls_back_past_a_step_cut_short_by_a_kill(task, tmp_path):
         load_lm(tmp_path, **sizes)
 
 
+def test_sample_beside_a_live_run_lists_again_when_its_step_is_deleted_while_read(task, tmp_path, monkeypatch):
+    # The writing run's retention (--keep 1) deleted the step sample had chosen: "metadata cannot be read
+    # ... sample built the model with {...} (saved with the checkpoint). Fix: pass the sizes the run trained with".
+    import shutil
+
+    from spmdkit._checkpoint import Checkpointer
+
+    spmdkit.fit(task, spmdkit.Single(), optax.adamw(3e-3), spmdkit.TrainConfig(steps=2, batch_size=16, eval_every=1000),
+                checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=1, keep=5), progress=False, log=lambda m: None)
+    meta = Checkpointer.meta
+
+    def retention(self, step):
+        if step == 2 and (tmp_path / "spmdkit_2").exists():  # deleted as it is read, like keep=1 after step 3
+            shutil.rmtree(tmp_path / "spmdkit_2")
+            (tmp_path / "manifests" / "2.json").unlink()
+        return meta(self, step)
+
+    monkeypatch.setattr(Checkpointer, "meta", retention)
+    sizes = {k: v for k, v in SIZES.items() if k != "text_bytes"}
+    assert load_lm(tmp_path, **sizes)[2] == 1
+
+
 def test_sample_names_an_ensemble_checkpoint(task, tmp_path):
     # Its leaves' leading member axis was blamed on the sizes: "sample built the model with {...} (saved
     # with the checkpoint). Fix: pass the sizes the run trained with", and it suggested --members.

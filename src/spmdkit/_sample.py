@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer
+from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, step_name
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import lm, task_defaults
@@ -21,6 +21,7 @@ from spmdkit._train._steps import task_state
 
 _MODEL_KEYS = ("layers", "d_model", "heads", "seq_len", "precision", "remat")
 _PARAMS = ".params"  # where TrainState keeps the parameters, as the checkpoint names the place
+_READ_ATTEMPTS = 3  # steps deleted while read (a live run's retention) before the error stands
 
 
 def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
@@ -73,7 +74,20 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
         raise CheckpointError(fix(f"checkpoint directory {str(checkpoint_dir)!r} {what}.",
                                   "pass the --checkpoint-dir of a `spmdkit train --task lm` run."))
     ckpt = Checkpointer(CheckpointConfig(str(checkpoint_dir)), log=lambda m: None)
-    step = _newest_step(ckpt, step)
+    for attempt in range(_READ_ATTEMPTS):
+        chosen = _newest_step(ckpt, step)
+        try:
+            return _load_step(ckpt, chosen, checkpoint_dir, model)
+        except (CheckpointError, OSError):
+            # Beside a live run, its retention (--keep) may delete the step while it is read: that was
+            # "metadata cannot be read ... Fix: pass the sizes the run trained with". List the steps again.
+            if step is not None or (ckpt.directory / step_name(chosen)).exists() or attempt == _READ_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_step(ckpt: Checkpointer, step: int, checkpoint_dir: str | Path,
+               model: dict[str, Any]) -> tuple[lm.TransformerLM, Any, int]:
     meta = ckpt.meta(step)
     if meta.get("task") != "lm":
         raise ConfigError(fix(f"the checkpoint at step {step} in {checkpoint_dir} is of task {meta.get('task')!r}, not lm.",
