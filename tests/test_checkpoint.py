@@ -640,6 +640,10 @@ def test_resume_refuses_another_precision_and_points_out_moved_data(tmp_path):
         run(4, True, text_dir="corpus")
     with pytest.warns(RuntimeWarning, match=r"written with --text-dir corpus, this run has --text-dir elsewhere"):
         assert run(4, True, text_dir="elsewhere", precision="bf16").summary["steps"] == 4
+    # A run on the standard library has no --text-dir: said so, not "--text-dir None".
+    with pytest.warns(RuntimeWarning, match=r"written with --text-dir elsewhere, this run has no --text-dir "
+                                            r"\(the standard library's sources\)"):
+        assert run(6, True, precision="bf16").summary["steps"] == 6
 
 
 @pytest.mark.parametrize("leaf, fix_text", [(7, "jnp.asarray(7, jnp.int32)"), (0.5, "jnp.asarray(0.5, jnp.float32)"),

@@ -113,9 +113,9 @@ def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_i
             "run in another --checkpoint-dir."))
     changed = changed_options((meta.get("config") or {}), run_info) if run_info and meta.get("config") else []
     for flag, then, now in moved_data(meta.get("config") or {}, run_info or {}) if meta.get("config") else []:
-        warnings.warn(f"the checkpoint at step {meta.get('step')} was written with {flag} {then}, this run has {flag} "
-                      f"{now}: resuming on the assumption that it is the same data (moved). If it is not, start a "
-                      "new run in another --checkpoint-dir.", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"the checkpoint at step {meta.get('step')} was written with {_place(flag, then)}, this run has "
+                      f"{_place(flag, now)}: resuming on the assumption that it is the same data (moved). If it is "
+                      "not, start a new run in another --checkpoint-dir.", RuntimeWarning, stacklevel=4)
     if changed:
         flag, then, now = changed[0]
         raise ConfigError(fix(
@@ -137,6 +137,13 @@ def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_i
                 )
             )
 
+
+
+def _place(flag: str, path: Any) -> str:
+    """A data location as a user gave it: ``--text-dir DIR``, or ``no --text-dir`` (not ``--text-dir None``)."""
+    if path is not None:
+        return f"{flag} {path}"
+    return "no --text-dir (the standard library's sources)" if flag == "--text-dir" else f"no {flag}"
 
 def _previous_history(out: Path | None, upto: int) -> list[dict[str, Any]]:
     if out is None or not (out / "metrics.jsonl").exists():
