@@ -256,12 +256,14 @@ def _add_mlp_options(p: argparse.ArgumentParser, scan_default: object = argparse
 
 
 def _add_lm_options(p: argparse.ArgumentParser) -> None:
+    from spmdkit._tasks.lm import REMAT
+
     p.add_argument("--d-model", type=_positive_int, help="lm: model width (64)")
     p.add_argument("--heads", type=_positive_int, help="lm: attention heads; must divide --d-model (4)")
     p.add_argument("--seq-len", type=_positive_int, help="lm: bytes per example (64)")
     p.add_argument("--precision", choices=("f32", "bf16"), help="lm: compute dtype; parameters and optimizer "
                    "state stay float32 (f32)")
-    p.add_argument("--remat", nargs="?", const="full", choices=("none", "full", "dots"),
+    p.add_argument("--remat", nargs="?", const="full", choices=REMAT,
                    help="lm: recompute each layer in the backward pass (full), all but its matmuls (dots) (none)")
     p.add_argument("--text-dir", metavar="DIR", help="lm: train on every file under DIR (default: the "
                    "standard library's *.py files)")

@@ -24,6 +24,7 @@ from spmdkit._config import TASK_FLAGS, check_task_flags
 from spmdkit._console import finite_or_null
 from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable
 from spmdkit._process import end_soon
+from spmdkit._tasks.lm import REMAT
 
 # Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
 ENV_PLAN_RESULT = "SPMDKIT_PLAN_RESULT"
@@ -56,18 +57,15 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-_REMAT = ("none", "full", "dots")  # lm's policies, as --remat offers them (before JAX starts: no import of the lm)
-
-
 def _remat_list(text: str) -> tuple[str, ...]:
     """``--remat-options``: lm's remat policies. A misspelt one reached the planner as "step_for('ful', 1)
     raised ConfigError ... make step_for build a step for every remat policy", naming a function the
     command line user never wrote."""
     values = _names(text)
-    wrong = [v for v in values if v not in _REMAT]
+    wrong = [v for v in values if v not in REMAT]
     if wrong or not values:
         raise argparse.ArgumentTypeError(f"{wrong[0] if wrong else text!r} is not a remat policy: give some of "
-                                         f"{','.join(_REMAT)} separated by commas (e.g. none,full)")
+                                         f"{','.join(REMAT)} separated by commas (e.g. none,full)")
     return values
 
 

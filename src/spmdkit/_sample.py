@@ -38,26 +38,35 @@ def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
             raise CheckpointError(fix(f"{ckpt.directory} has no step {step}; it has {steps}.",
                                       f"pass --step {steps[-1]}."))
         return step
-    skipped = []
-    for candidate in reversed(steps):
-        problems = ckpt.problems(candidate, arrays=False)
-        if not problems:
-            if skipped:
-                warnings.warn(f"sample: {'steps' if len(skipped) > 1 else 'step'} {[s for s, _ in skipped]} of "
-                              f"{ckpt.directory} cannot be used (step {skipped[0][0]}: {skipped[0][1]}); sampling "
-                              f"from step {candidate}, the newest intact one.", RuntimeWarning, stacklevel=3)
-            return candidate
-        skipped.append((candidate, problems[0]))
+    candidate, skipped = _newest_intact(ckpt, steps)
+    if candidate is not None:
+        if skipped:
+            warnings.warn(f"sample: {'steps' if len(skipped) > 1 else 'step'} {[s for s, _ in skipped]} of "
+                          f"{ckpt.directory} cannot be used (step {skipped[0][0]}: {skipped[0][1]}); sampling "
+                          f"from step {candidate}, the newest intact one.", RuntimeWarning, stacklevel=3)
+        return candidate
     raise CheckpointError(fix(f"no intact checkpoint in {ckpt.directory}: steps {steps} are all damaged (step "
                               f"{skipped[0][0]}: {skipped[0][1]}).",
                               f"see spmdkit checkpoints {ckpt.directory} --verify; sample from another run's "
                               "--checkpoint-dir."))
 
 
+def _newest_intact(ckpt: Checkpointer, steps: list[int]) -> tuple[int | None, list[tuple[int, str]]]:
+    """The newest of ``steps`` whose files show no problem (None if none), and the newer ones
+    passed over, each with its first problem."""
+    skipped = []
+    for step in reversed(steps):
+        problems = ckpt.problems(step, arrays=False)
+        if not problems:
+            return step, skipped
+        skipped.append((step, problems[0]))
+    return None, skipped
+
+
 def _intact_hint(ckpt: Checkpointer, step: int, error: CheckpointError) -> CheckpointError:
     """A damaged step's error with sample's own fix (its restore's speaks of --resume)."""
-    intact = [s for s in ckpt.steps() if s != step and not ckpt.problems(s, arrays=False)]
-    remedy = (f"pass --step {intact[-1]} (the newest intact step; without --step, sample takes it)" if intact else
+    intact, _ = _newest_intact(ckpt, [s for s in ckpt.steps() if s != step])
+    remedy = (f"pass --step {intact} (the newest intact step; without --step, sample takes it)" if intact is not None else
               f"no other step of {ckpt.directory} is intact: sample from another run's --checkpoint-dir")
     return CheckpointError(fix(str(error).split("\n  Fix:")[0], remedy + "."))
 

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 
 from spmdkit._rules import _as_tuple
+from spmdkit._strategies.sharded import _itemsize
 
 Names = tuple[str | None, ...]
 
@@ -43,8 +44,6 @@ def compiled_bytes(compiled: Any) -> dict[str, int]:
 
 def batch_bytes(batch: Any) -> int:
     """Bytes of ``batch``'s leaves; PRNG keys (per-example keys) too, which ``jnp.dtype`` refuses."""
-    from spmdkit._strategies.sharded import _itemsize
-
     return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(batch))
 
 

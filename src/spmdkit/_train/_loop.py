@@ -138,7 +138,6 @@ def _check_resumable(meta: dict[str, Any], config: TrainConfig, task: str, run_i
             )
 
 
-
 def _place(flag: str, path: Any) -> str:
     """A data location as a user gave it: ``--text-dir DIR``, or ``no --text-dir`` (not ``--text-dir None``)."""
     if path is not None:
