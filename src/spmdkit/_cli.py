@@ -760,11 +760,21 @@ def _cmd_sample(args: argparse.Namespace, console: Console) -> int:
     # that are not UTF-8) and the output comes out as the bytes generated. Decoding with
     # errors="replace" printed U+FFFD for every byte that was not UTF-8, so piped output was not the
     # sample; a prompt of such bytes was a UnicodeEncodeError traceback.
+    # Each byte is written as it comes: a long sample shows as it grows, and a Ctrl-C (exit 130) keeps
+    # what came before it (printed at the end, it was all lost). The prompt goes first, once the model
+    # has loaded, so an error about the checkpoint prints nothing on stdout.
     prompt = os.fsencode(args.prompt)
-    out = sample(args.checkpoint_dir, prompt, args.length, args.temperature, args.seed, args.step)
+    out = sys.stdout.buffer
+    pending = [prompt]
+
+    def write(generated: bytes) -> None:
+        out.write(b"".join(pending) + generated)
+        pending.clear()
+        out.flush()
+
     sys.stdout.flush()
-    sys.stdout.buffer.write(prompt + out + b"\n")
-    sys.stdout.buffer.flush()
+    sample(args.checkpoint_dir, prompt, args.length, args.temperature, args.seed, args.step, stream=write)
+    write(b"\n")
     return 0
 
 
