@@ -167,8 +167,9 @@ def test_a_part_that_fits_two_places_of_the_state_is_named_never_guessed(tmp_pat
     with pytest.raises(spmdkit.CheckpointError, match=r"part=\"\['nowhere'\]\" is not a place .* holding exactly"):
         reader.restore(5, abstract["target"], part="['nowhere']")
     with pytest.raises(spmdkit.CheckpointError, match=r"leaf state\['head'\]\['w'\] has shape \(8, 3\) in the checkpoint but "
-                                                      r"\(8, 4\)"):
+                                                      r"\(8, 4\)") as e:
         reader.restore(5, abstract["target"], part="['head']")
+    assert not isinstance(e.value, spmdkit.CheckpointDamagedError)  # a misfit: the files are fine
 
 
 @pytest.mark.parametrize("strategy", [spmdkit.DataParallel, lambda: spmdkit.Ensemble(4)])
@@ -237,7 +238,7 @@ def test_truncated_file_is_named_and_resume_falls_back(task, tmp_path):
     victim = truncate_largest(tmp_path / "ck", 10)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     target = spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True)
-    with pytest.raises(spmdkit.CheckpointError) as e:
+    with pytest.raises(spmdkit.CheckpointDamagedError) as e:  # a CheckpointError a caller can tell from a misfit
         ckpt.restore(10, target)
     assert "checkpoint step 10 is damaged" in str(e.value) and str(victim) in str(e.value)
     messages = []
@@ -255,7 +256,7 @@ def test_a_step_without_a_manifest_is_never_restored_unverified(task, tmp_path):
     truncate_largest(tmp_path / "ck", 10)  # damage nothing but a manifest could have shown
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     target = spmdkit.DataParallel().abstract(task_state(task, optax.sgd(0.05, momentum=0.9)), unbox=True)
-    with pytest.raises(spmdkit.CheckpointError, match="checkpoint step 10 is damaged: it has no manifest"):
+    with pytest.raises(spmdkit.CheckpointDamagedError, match="checkpoint step 10 is damaged: it has no manifest"):
         ckpt.restore(10, target)
     state, meta = ckpt.restore_latest(target)
     assert meta["step"] == 5

@@ -81,7 +81,7 @@ from spmdkit._train import (
     run_hooks,
     save_params,
 )
-from spmdkit._checkpoint import CheckpointSaveError
+from spmdkit._checkpoint import CheckpointDamagedError, CheckpointSaveError
 from spmdkit._train._artifacts import ArtifactError
 from spmdkit._train._validate import TaskError, validate_task
 from spmdkit._process import end_soon
@@ -125,6 +125,7 @@ __all__ = [
     "BatchSizeError",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointDamagedError",
     "CheckpointSaveError",
     "ArtifactError",
     "TaskError",

@@ -55,6 +55,11 @@ class CheckpointError(SpmdkitError, RuntimeError):
     """A checkpoint is damaged, missing, or does not fit the model being trained."""
 
 
+class CheckpointDamagedError(CheckpointError):
+    """A step's files are damaged, incomplete or unreadable (names the step and the file);
+    other steps may be intact: ``restore_latest`` falls back past such a step."""
+
+
 class CheckpointSaveError(CheckpointError, OSError):
     """A save failed (disk full, read-only, removed directory); earlier steps are intact."""
 
@@ -879,7 +884,7 @@ class Checkpointer:
                 raise ValueError("not a JSON object")
             return meta
         except (OSError, ValueError) as e:
-            raise CheckpointError(fix(f"checkpoint step {step}: {path} cannot be read ({e}).",
+            raise CheckpointDamagedError(fix(f"checkpoint step {step}: {path} cannot be read ({e}).",
                                       "the step is damaged; resume from another step.")) from None
 
     def check_target(self, step: int, target: Any, members: int | None = None, part: str | None = None) -> None:
@@ -975,8 +980,8 @@ class Checkpointer:
             state = state[key]
         return _keys_again(state, typed, impls, part[0] if part else ""), meta
 
-    def _damaged(self, step: int, problems: list[str]) -> CheckpointError:
-        return CheckpointError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
+    def _damaged(self, step: int, problems: list[str]) -> CheckpointDamagedError:
+        return CheckpointDamagedError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
                                    "resume from an earlier step (spmdkit does so with --resume)."))
 
     def _read_verified(self, step: int, item: Any, leaves: list[_read.Leaf], files: dict[str, Any]) -> tuple[Any, Any]:
@@ -1013,7 +1018,7 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # Orbax / TensorStore raise many kinds on damaged data
-            raise CheckpointError(
+            raise CheckpointDamagedError(
                 fix(f"checkpoint step {step} could not be read: {type(e).__name__}: {str(e)[:300]}",
                     "resume from an earlier step (spmdkit does so with --resume).")
             ) from None

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer, step_name
+from spmdkit._checkpoint import CheckpointConfig, CheckpointDamagedError, CheckpointError, Checkpointer, step_name
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import lm, task_defaults
@@ -63,12 +63,12 @@ def _newest_intact(ckpt: Checkpointer, steps: list[int]) -> tuple[int | None, li
     return None, skipped
 
 
-def _intact_hint(ckpt: Checkpointer, step: int, error: CheckpointError) -> CheckpointError:
+def _intact_hint(ckpt: Checkpointer, step: int, error: CheckpointDamagedError) -> CheckpointDamagedError:
     """A damaged step's error with sample's own fix (its restore's speaks of --resume)."""
     intact, _ = _newest_intact(ckpt, [s for s in ckpt.steps() if s != step])
     remedy = (f"pass --step {intact} (the newest intact step; without --step, sample takes it)" if intact is not None else
               f"no other step of {ckpt.directory} is intact: sample from another run's --checkpoint-dir")
-    return CheckpointError(fix(str(error).split("\n  Fix:")[0], remedy + "."))
+    return CheckpointDamagedError(fix(str(error).split("\n  Fix:")[0], remedy + "."))
 
 
 def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -> tuple[lm.TransformerLM, Any, int]:
@@ -125,9 +125,7 @@ def _load_step(ckpt: Checkpointer, step: int, checkpoint_dir: str | Path,
     _check_sizes(ckpt, step, target, cfg, given=model, saved=bool(meta.get("config")))
     try:
         params, _ = ckpt.restore(step, target, part=_PARAMS)
-    except CheckpointError as e:
-        if "damaged" not in str(e) and "could not be read" not in str(e):
-            raise
+    except CheckpointDamagedError as e:
         raise _intact_hint(ckpt, step, e) from None
     return model_def, params, step
 
