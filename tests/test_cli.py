@@ -90,6 +90,22 @@ def test_bad_flag_values_are_rejected_by_the_parser(capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    # An unset shell variable (--config "$CONFIG"): --config "" trained with the defaults, --out "" wrote
+    # into the current directory, `checkpoints ""` listed it as "no checkpoints"; none said a word.
+    (["train", "--config", ""], "--config"), (["train", "--out", ""], "--out"),
+    (["train", "--checkpoint-dir", ""], "--checkpoint-dir"), (["checkpoints", ""], "directory"),
+    (["plan", "--devices", "2", "--json", ""], "--json"), (["bench", "--suite", "data", "--markdown", ""], "--markdown"),
+    (["calibrate", "--out", ""], "--out"), (["data", "write", "", "--task", "digits"], "DIR"),
+    (["--compile-cache", "", "devices"], "--compile-cache"),
+])
+def test_an_empty_path_is_refused_by_the_parser(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}: expected a path, got an empty string" in capsys.readouterr().err
+
+
 def test_host_devices_above_the_bound_are_named_for_each_way_of_asking(tmp_path, capsys):
     for args in (["devices", "--host-devices", "100000"], ["launch", "-n", "2", "--host-devices-per-process", "5000",
                                                           "--", "spmdkit", "devices"]):

@@ -207,6 +207,9 @@ def test_wrongly_typed_value():
         ("remat = true\n", 'write e.g. remat = "full" in a config file'),
         ("optimizer = 1\n", 'write e.g. optimizer = "adam" in a config file'),
         ("batch-size = 8\nbatch_size = 16\n", "'batch-size' and 'batch_size' are the same option, given twice"),
+        # out = "" wrote the run's files into the current directory.
+        ('out = ""\n', "out = '' (str) must be a path (a non-empty string)"),
+        ('text-dir = ""\n', "text-dir = '' (str) must be a path"),
     ],
 )
 def test_config_values_are_typed_strictly(tmp_path, text, message):

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from spmdkit._argtypes import path_arg
 from spmdkit._calibrate import ACCEPT_REL_ERR, DEFAULT_SIZES, QUICK_SIZES, CalibrationError, calibrate, check, parse_size
 from spmdkit._console import stderr_console
 
@@ -39,7 +40,7 @@ def add_calibrate_parser(sub) -> None:
         "fits alpha-beta per collective and link; prints every fit's prediction error. The largest size "
         "needs about 3 x devices x size of memory. Take figures on an idle machine.",
     )
-    p.add_argument("--out", metavar="FILE", default=DEFAULT_OUT, help=f"the target file to write ({DEFAULT_OUT})")
+    p.add_argument("--out", type=path_arg, metavar="FILE", default=DEFAULT_OUT, help=f"the target file to write ({DEFAULT_OUT})")
     p.add_argument("--devices", dest="host_devices", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
                    help="simulated CPU devices for the intra_host link (8)")
     p.add_argument("--processes", type=int, default=2, metavar="P",
@@ -51,7 +52,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="3 sizes, largest mesh axis only, 3 rounds: a smoke run")
     p.add_argument("--timeout", type=float, metavar="S", help="seconds before the 2-process run is killed "
                    "(3600; --quick: 600)")
-    p.add_argument("--check", metavar="FILE", help="instead: re-measure the 2-process collectives as FILE's "
+    p.add_argument("--check", type=path_arg, metavar="FILE", help="instead: re-measure the 2-process collectives as FILE's "
                    "calibration did (its kinds, sizes, rounds and repetitions; --sizes/--rounds override) and "
                    "compare the all-reduce "
                    f"with FILE's prediction (exit 0 when every size is within {100 * ACCEPT_REL_ERR:.0f}%%, else 1)")

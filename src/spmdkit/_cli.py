@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spmdkit import __version__
+from spmdkit._argtypes import path_arg
 from spmdkit._console import StdoutConsole, short_warnings, stderr_console
 from spmdkit._devices import (
     ENV_HOST_DEVICES,
@@ -99,6 +100,7 @@ def _device_options(default: object) -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--compile-cache",
+        type=path_arg,
         metavar="DIR",
         default=default,
         help=f"keep compiled programs in DIR for the next start (default: ${ENV_COMPILE_CACHE}, else "
@@ -134,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="On 8 simulated CPU devices (or --host-devices N): seed 000's convolve "
         "with spmdkit.pmap, then a short data-parallel run of the digits CNN; prints what it did.",
     )
-    p.add_argument("--out", default="runs/demo", metavar="DIR", help="where the run writes (runs/demo)")
+    p.add_argument("--out", type=path_arg, default="runs/demo", metavar="DIR", help="where the run writes (runs/demo)")
     p.add_argument("--steps", type=_positive_int, default=120, help="training steps (120)")
 
     _add_train_parser(sub, common)
@@ -148,14 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(sub)
     _add_launch_parser(sub)
     p = sub.add_parser("sample", parents=[common], help="generate text with a --task lm checkpoint")
-    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the --checkpoint-dir of a --task lm run")
+    p.add_argument("--checkpoint-dir", type=path_arg, required=True, metavar="DIR", help="the --checkpoint-dir of a --task lm run")
     p.add_argument("--prompt", default="", help="text to continue (default: a newline)")
     p.add_argument("--length", type=_positive_int, default=200, help="bytes to generate (200)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: the most likely byte (greedy); > 0: sample (0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (0)")
     p.add_argument("--step", type=int, help="which checkpoint step (default: the newest)")
     p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
-    p.add_argument("directory", help="a --checkpoint-dir")
+    p.add_argument("directory", type=path_arg, help="a --checkpoint-dir")
     p.add_argument("--verify", action="store_true", help="compare every file's CRC-32 with the step's manifest "
                    f"(exit {EXIT_DAMAGED} if a step is damaged or incomplete)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -171,16 +173,16 @@ def _add_bench_parser(sub, common: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--suite", choices=sorted(SUITES), help="which suite")
     which.add_argument("--all", action="store_true", help="every suite, one after another (--json/--markdown name directories)")
-    which.add_argument("--compare", nargs=2, metavar="DIR", help="compare the targets of two --all --json directories (agree within 10%%?)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH (with --all: a directory, one SUITE.json each)")
-    p.add_argument("--markdown", metavar="PATH", help="also write the figures as Markdown to PATH (with --all: a directory, one SUITE.md each)")
+    which.add_argument("--compare", type=path_arg, nargs=2, metavar="DIR", help="compare the targets of two --all --json directories (agree within 10%%?)")
+    p.add_argument("--json", type=path_arg, metavar="PATH", help="also write the figures as JSON to PATH (with --all: a directory, one SUITE.json each)")
+    p.add_argument("--markdown", type=path_arg, metavar="PATH", help="also write the figures as Markdown to PATH (with --all: a directory, one SUITE.md each)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run, not figures)")
     p.add_argument("--rounds", type=_positive_int, metavar="R", help="interleaved timing rounds per case (figures need >= 5)")
     from spmdkit._bench.multiprocess_suite import LEVERS
 
     p.add_argument("--levers", metavar="LIST", help="multiprocess: also sweep these levers, comma-separated, or 'all' "
                    f"({', '.join(LEVERS)}; see BENCHMARKS.md)")
-    p.add_argument("--torch-python", metavar="PATH", help="multiprocess: run the PyTorch cases with this Python "
+    p.add_argument("--torch-python", type=path_arg, metavar="PATH", help="multiprocess: run the PyTorch cases with this Python "
                    "(an env with torch; default $SPMDKIT_TORCH_PYTHON, else this Python if it has torch)")
 
 
@@ -265,7 +267,7 @@ def _add_lm_options(p: argparse.ArgumentParser) -> None:
                    "state stay float32 (f32)")
     p.add_argument("--remat", nargs="?", const="full", choices=REMAT,
                    help="lm: recompute each layer in the backward pass (full), all but its matmuls (dots) (none)")
-    p.add_argument("--text-dir", metavar="DIR", help="lm: train on every file under DIR (default: the "
+    p.add_argument("--text-dir", type=path_arg, metavar="DIR", help="lm: train on every file under DIR (default: the "
                    "standard library's *.py files)")
     p.add_argument("--text-bytes", type=_positive_int, help="lm: training bytes read (1000000; held out: a tenth)")
 
@@ -282,16 +284,16 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
         "--config FILE (flat TOML whose keys mirror these flags), then the flags themselves.",
         argument_default=argparse.SUPPRESS,  # so we know which flags were given
     )
-    p.add_argument("--config", metavar="FILE", help="TOML file of options (keys mirror the flags)")
+    p.add_argument("--config", type=path_arg, metavar="FILE", help="TOML file of options (keys mirror the flags)")
     p.add_argument("--task", choices=sorted(TASKS), help="what to train (default: linreg)")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), help="where it runs (default: data)")
     p.add_argument("--impl", choices=IMPLS, help="data-parallel implementation (auto = jit: the whole step compiled with NamedSharding)")
     p.add_argument("--members", type=_positive_int, help="ensemble size (default: one per device)")
     p.add_argument("--bagging", action="store_true", help="ensemble: each member its own data order")
-    p.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
-    p.add_argument("--data", metavar="DIR", help="train on this data set directory (spmdkit data write) instead of "
+    p.add_argument("--data-dir", type=path_arg, metavar="DIR", help="where --task mnist finds its files")
+    p.add_argument("--data", type=path_arg, metavar="DIR", help="train on this data set directory (spmdkit data write) instead of "
                    "the task's training set, and evaluate on its held-out split DIR/eval if it has one")
-    p.add_argument("--eval-data", metavar="DIR", help="evaluate on this data set directory instead (same leaves as "
+    p.add_argument("--eval-data", type=path_arg, metavar="DIR", help="evaluate on this data set directory instead (same leaves as "
                    "the training set)")
     p.add_argument("--verify-data", dest="verify_data", action="store_true",
                    help="check every --data/--eval-data file's CRC-32 before training (the default; overrides "
@@ -315,8 +317,8 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=_positive_int, help="steps per metrics line (default 1)")
     p.add_argument("--drop-remainder", action="store_true", help="skip each epoch's last partial batch")
     p.add_argument("--grad-accum", type=_positive_int, help="micro-batches per optimizer step (1)")
-    p.add_argument("--out", metavar="DIR", help="output directory (default runs/latest)")
-    p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints (Orbax) in DIR")
+    p.add_argument("--out", type=path_arg, metavar="DIR", help="output directory (default runs/latest)")
+    p.add_argument("--checkpoint-dir", type=path_arg, metavar="DIR", help="save checkpoints (Orbax) in DIR")
     p.add_argument("--checkpoint-every", type=_positive_int, help="steps between checkpoints (100)")
     p.add_argument("--keep", type=_positive_int, help="checkpoints to keep (3)")
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
@@ -337,20 +339,20 @@ def _add_data_parser(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("data", parents=[common], help="write or check an on-disk data set (--data DIR)")
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     w = verbs.add_parser("write", help="write a data set directory from a task's data or an .npz of arrays")
-    w.add_argument("out", metavar="DIR", help="the directory to write")
+    w.add_argument("out", type=path_arg, metavar="DIR", help="the directory to write")
     source = w.add_mutually_exclusive_group(required=True)
     source.add_argument("--task", choices=sorted(TASKS), help="a built-in task's data (digits, mnist...)")
-    source.add_argument("--npz", metavar="FILE", help="arrays from an .npz file, one leaf per array name")
+    source.add_argument("--npz", type=path_arg, metavar="FILE", help="arrays from an .npz file, one leaf per array name")
     w.add_argument("--split", choices=("train", "eval"), help="write only this split of --task, as a single data "
                    "set in DIR (default: both, as DIR/train and DIR/eval)")
-    w.add_argument("--data-dir", metavar="DIR", help="where --task mnist finds its files")
+    w.add_argument("--data-dir", type=path_arg, metavar="DIR", help="where --task mnist finds its files")
     # lm's data are windows of its own corpus: without these only the stdlib at --seq-len 64 could be written
-    w.add_argument("--text-dir", metavar="DIR", help="--task lm: every file under DIR (default: the stdlib's *.py)")
+    w.add_argument("--text-dir", type=path_arg, metavar="DIR", help="--task lm: every file under DIR (default: the stdlib's *.py)")
     w.add_argument("--seq-len", type=_positive_int, help="--task lm: bytes per example (64; train with the same)")
     w.add_argument("--text-bytes", type=_positive_int, help="--task lm: training bytes read (1000000)")
     w.add_argument("--overwrite", action="store_true", help="replace an existing data set in DIR")
     c = verbs.add_parser("check", help="check a data set directory (sizes, shapes, dtypes; --verify: CRC-32)")
-    c.add_argument("directory", metavar="DIR")
+    c.add_argument("directory", type=path_arg, metavar="DIR")
     c.add_argument("--verify", action="store_true", help="also read every file and compare its CRC-32")
 
 
@@ -370,7 +372,7 @@ def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
     _add_mlp_options(p, scan_default=None)
     p.add_argument("--batch-size", type=_positive_int, help="global batch of the compiled step (the task's)")
     p.add_argument("--optimizer", default=None, help="sgd, adam or adamw (the task's)")
-    p.add_argument("--data-dir", metavar="DIR", help="for --task mnist")
+    p.add_argument("--data-dir", type=path_arg, metavar="DIR", help="for --task mnist")
     p.add_argument("--show", metavar="PATH", help="also draw how one parameter is split, e.g. \"['ScanDotReluDot_0']['W1']\"")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 

@@ -226,6 +226,9 @@ _NON_NEGATIVE = {"prefetch"}
 _FLOATS = {"lr", "momentum", "weight_decay"}
 _STRINGS = {"task", "strategy", "impl", "data_dir", "data", "eval_data", "mesh", "rules", "out", "optimizer", "checkpoint_dir",
             "precision", "remat", "text_dir"}
+# Strings that name a file or directory: an empty one wrote the run's files into the current
+# directory (out = "") as a flag's empty value did (see _argtypes.path_arg).
+_PATHS = {"data_dir", "data", "eval_data", "out", "checkpoint_dir", "text_dir"}
 # A real value of each string key: a placeholder like "name" in a fix would be refused in turn.
 _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', "data_dir": '"data/mnist"',
              "checkpoint_dir": '"ck"', "remat": '"full"', "precision": '"bf16"', "optimizer": '"adam"',
@@ -258,6 +261,8 @@ def check_value(key: str, value: Any, source: str) -> None:
         want, example = "a number", f"{key.replace('_', '-')} = 0.01"
     elif key in _STRINGS:
         ok, want = isinstance(value, str), "a string"
+        if key in _PATHS:
+            ok, want = ok and value != "", "a path (a non-empty string)"
         example = f"{key.replace('_', '-')} = {_EXAMPLES.get(key, chr(34) + 'name' + chr(34))}"
     else:
         return

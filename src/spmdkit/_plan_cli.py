@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from rich.console import Console
 
+from spmdkit._argtypes import path_arg
 from spmdkit._atomic import replace_whole
 from spmdkit._config import TASK_FLAGS, check_task_flags
 from spmdkit._console import finite_or_null
@@ -150,8 +151,8 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
                    "need many rounds; steps within a round share its load)")
     p.add_argument("--measure-timeout", type=positive_int, default=1800, metavar="S",
                    help="--measure with --processes P > 1: seconds before every process is killed (1800)")
-    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
-    p.add_argument("--png", metavar="FILE", help="also draw the memory/time frontier as a PNG")
+    p.add_argument("--json", type=path_arg, metavar="FILE", help="also write the plan as JSON")
+    p.add_argument("--png", type=path_arg, metavar="FILE", help="also draw the memory/time frontier as a PNG")
     p.add_argument("--layers", type=positive_int, help="mlp, lm: number of layers (mlp 4, lm 2)")
     p.add_argument("--depth", type=positive_int, help="mlp: hidden width (512)")
     p.add_argument("--embed", type=positive_int, help="mlp: input/output width (128)")
