@@ -48,9 +48,11 @@ demo: $(STAMP)
 	@echo "spmdkit: Python $(PYVER) in $(VENV)"
 	$(VENV)/bin/spmdkit demo
 
+# Two pytest workers (pytest-xdist): most of the suite's wall time is spent waiting for processes
+# it started (JAX start-ups, two-process runs, timeouts), which the other worker fills.
 test: $(STAMP)
 	@echo "spmdkit: Python $(PYVER) in $(VENV)"
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup
 
 test-oldest: $(STAMP_OLDEST)
 	$(VENV_OLDEST)/bin/pytest -q $(OLDEST_TESTS)

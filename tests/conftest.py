@@ -23,6 +23,15 @@ class BenchRun(NamedTuple):
     done: subprocess.CompletedProcess
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that reads ``bench_all_quick`` runs in one pytest-xdist worker (``make test``
+    runs two, ``--dist loadgroup``): a session fixture is made once per worker, and this one
+    takes 6 minutes."""
+    for item in items:
+        if "bench_all_quick" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("bench_all_quick"))
+
+
 @pytest.fixture(scope="session")
 def bench_all_quick(tmp_path_factory) -> BenchRun:
     """One ``spmdkit bench --all --quick`` run (about 6 minutes on 2 cores): each suite's tests
