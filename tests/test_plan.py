@@ -890,6 +890,18 @@ def test_cli_plan_measure_takes_a_count_or_all(capsys):
     assert "'most' is neither a count of candidates nor 'all'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["", ",", " ; "])
+def test_cli_plan_rules_that_name_nothing_are_refused_in_flag_terms(value, capsys):
+    # The planner's error spoke of "plan(rules=()) ... e.g. rules=('dp', 'fsdp')", a call the user never wrote.
+    from spmdkit._cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["plan", "--devices", "8", "--rules", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --rules: expected rules separated by commas" in err
+    assert "e.g. --rules dp,fsdp+tp" in err and "plan(rules" not in err
+
+
 def test_cli_plan_lm_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     code = main(["plan", "--task", "lm", "--devices", "8", "--layers", "1", "--d-model", "16", "--heads", "2",

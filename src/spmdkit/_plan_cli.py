@@ -90,6 +90,10 @@ def _rules_list(text: str) -> tuple[str, ...]:
             out.append(part)
         if pairs:
             out.append(",".join(pairs))
+    if not out:
+        # The planner's own error then spoke of plan(rules=()), a Python call this user never wrote.
+        raise argparse.ArgumentTypeError(f"expected rules separated by commas (presets, TOML files, logical=axis "
+                                         f"pairs), got {text!r}: e.g. --rules dp,fsdp+tp")
     return tuple(out)
 
 
