@@ -260,6 +260,14 @@ def test_a_step_without_a_manifest_is_never_restored_unverified(task, tmp_path):
         ckpt.restore(10, target)
     state, meta = ckpt.restore_latest(target)
     assert meta["step"] == 5
+    # A step that is not there is not a damaged one; every step damaged is (a caller catching the
+    # damage missed both: a plain CheckpointError for "all damaged", a damaged one for step 99).
+    with pytest.raises(spmdkit.CheckpointError, match=r"holds no checkpoint step 99 \(it holds steps \[5, 10\]\)") as e:
+        ckpt.meta(99)
+    assert not isinstance(e.value, spmdkit.CheckpointDamagedError)
+    (tmp_path / "ck" / "manifests" / "5.json").unlink()
+    with pytest.raises(spmdkit.CheckpointDamagedError, match=r"steps \[5, 10\] are all damaged"):
+        ckpt.restore_latest(target)
     from spmdkit._checkpoint import describe_directory
 
     with pytest.raises(spmdkit.CheckpointError, match="does not exist"):

@@ -210,6 +210,7 @@ def test_wrongly_typed_value():
         # out = "" wrote the run's files into the current directory.
         ('out = ""\n', "out = '' (str) must be a path (a non-empty string)"),
         ('text-dir = ""\n', "text-dir = '' (str) must be a path"),
+        ('rules = ""\n', "rules = '' (str) must be a non-empty string"),
     ],
 )
 def test_config_values_are_typed_strictly(tmp_path, text, message):

@@ -185,8 +185,29 @@ def test_sample_falls_back_past_a_step_cut_short_by_a_kill(task, tmp_path):
                                                       r"\(the newest intact step"):
         load_lm(tmp_path, step=2, **sizes)
     (tmp_path / "manifests" / "1.json").write_text("{")
-    with pytest.raises(spmdkit.CheckpointError, match=r"no intact checkpoint in .*: steps \[1, 2\] are all damaged"):
+    with pytest.raises(spmdkit.CheckpointDamagedError, match=r"no intact checkpoint in .*: steps \[1, 2\] are all damaged"):
         load_lm(tmp_path, **sizes)
+
+
+def test_sample_falls_back_past_a_step_whose_bytes_changed_and_hints_for_damaged_metadata(task, tmp_path):
+    # Same size, other bytes: only the checksum, read with the arrays, shows it. sample took the step
+    # and said "Fix: pass --step 1 (...; without --step, sample takes it)", which it had not done.
+    config = spmdkit.TrainConfig(steps=2, batch_size=16, eval_every=1000)
+    spmdkit.fit(task, spmdkit.Single(), optax.adamw(3e-3), config, progress=False, log=lambda m: None,
+                checkpoint=spmdkit.CheckpointConfig(str(tmp_path), every=1, keep=5))
+    sizes = {k: v for k, v in SIZES.items() if k != "text_bytes"}
+    files = [f for f in (tmp_path / "spmdkit_2" / "state").rglob("*") if f.is_file() and "params." in str(f)]
+    victim = max(files, key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match=r"step \[2\] of .* cannot be used \(step 2: .*checksum.*sampling from step 1"):
+        _, _, step = load_lm(tmp_path, **sizes)
+    assert step == 1
+    # Unreadable metadata of the step asked for: sample's own fix, not the restore's "resume from another step".
+    (tmp_path / "spmdkit_2" / "meta" / "metadata").write_text("garbage{")
+    with pytest.raises(spmdkit.CheckpointDamagedError, match=r"(?s)metadata cannot be read.*Fix: pass --step 1 "):
+        load_lm(tmp_path, step=2, **sizes)
 
 
 def test_sample_beside_a_live_run_lists_again_when_its_step_is_deleted_while_read(task, tmp_path, monkeypatch):
@@ -275,6 +296,36 @@ def test_sample_prints_each_byte_as_it_comes_and_ctrl_c_keeps_them(tmp_path, own
         assert proc.wait(timeout=60) == 130
         stderr = proc.stderr.read()
     assert got.startswith(b"def ") and "interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert got.endswith(b"\n")  # the shell's prompt starts a line of its own
+
+
+def test_a_ctrl_c_that_garbage_collection_swallowed_still_ends_sample_with_130(tmp_path, monkeypatch, capsysbinary):
+    # JAX's garbage-collection callback caught a KeyboardInterrupt raised inside it ("Exception ignored
+    # in: <function _xla_gc_callback>"): sample ran to its end and exited 0.
+    import spmdkit._sample
+
+    made = []
+
+    def sample(*args, stream, **kw):
+        for i in range(100):
+            if i == 3:
+                try:  # what a garbage-collection callback does with the exception it raises
+                    signal.raise_signal(signal.SIGINT)
+                except KeyboardInterrupt:
+                    pass
+            made.append(i)
+            stream(b"x")
+        return b"x" * 100
+
+    monkeypatch.setattr(spmdkit._sample, "sample", sample)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # pytest started with `&` ignores it
+    try:
+        code = main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "p", "--no-compile-cache"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130 and len(made) == 4
+    out = capsysbinary.readouterr()
+    assert out.out == b"pxxxx\n" and b"interrupted" in out.err
 
 
 def test_training_lowers_held_out_bits_per_byte(task):

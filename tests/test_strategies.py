@@ -141,6 +141,11 @@ def test_get_strategy_takes_python_objects_as_well_as_the_command_line_text():
     assert dict(get_strategy("data", mesh={"data": 8}).mesh.shape) == {"data": 8}
     with pytest.raises(spmdkit.MeshError, match=r"(?s)mesh=3 is not a mesh.*Fix: pass mesh='data=2,model=4'"):
         get_strategy("data", mesh=3)
+    # A blank string was taken as not given: the preset's mesh and the dp rules, without a word.
+    with pytest.raises(spmdkit.MeshError, match=r"mesh=' ' names no mesh axes"):
+        get_strategy("sharded", mesh=" ", rules="dp+tp")
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)rules='' names no rules.*leave rules out for 'dp'"):
+        get_strategy("sharded", rules="")
 
 
 # ---- batches ------------------------------------------------------------------------

@@ -18,3 +18,15 @@ def path_arg(text: str) -> str:
     if text == "":
         raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset shell variable?)")
     return text
+
+
+def nonblank_arg(text: str) -> str:
+    """A flag's value that must say something (``--rules``, ``--mesh``): ``--rules ""`` was taken
+    as not given, so a sharded run used the ``dp`` preset without a word.
+
+    >>> nonblank_arg("fsdp+tp")
+    'fsdp+tp'
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a value, got {text!r} (an unset shell variable?)")
+    return text

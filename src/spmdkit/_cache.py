@@ -64,7 +64,8 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
 
     if directory is not None and not str(directory).strip():
         raise ConfigError(fix(
-            "compile cache directory '' is empty: JAX would write compiled programs into the working directory.",
+            f"compile cache directory {str(directory)!r} is blank: JAX would write compiled programs into the "
+            "working directory.",
             "pass a directory (Python: enable_compile_cache(dir) or None for the default; CLI: --compile-cache "
             "DIR), or run without the cache (CLI: --no-compile-cache, env: SPMDKIT_COMPILE_CACHE=off).",
         ))

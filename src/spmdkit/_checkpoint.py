@@ -884,6 +884,7 @@ class Checkpointer:
                 raise ValueError("not a JSON object")
             return meta
         except (OSError, ValueError) as e:
+            self._check_step_exists(step)  # a step that is not there is not a damaged one
             raise CheckpointDamagedError(fix(f"checkpoint step {step}: {path} cannot be read ({e}).",
                                       "the step is damaged; resume from another step.")) from None
 
@@ -1055,7 +1056,7 @@ class Checkpointer:
             # A run writing here deleted steps under the reader (its retention): list them again.
             steps = self.steps()
         if steps:
-            raise CheckpointError(
+            raise CheckpointDamagedError(
                 fix(f"no intact checkpoint in {self.directory}: steps {steps} are all damaged.",
                     "start a new run in another --checkpoint-dir (or --overwrite-checkpoints).")
             )

@@ -13,9 +13,12 @@ import json
 import os
 import select
 import shlex
+import signal
 import sys
+import threading
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -23,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spmdkit import __version__
-from spmdkit._argtypes import path_arg
+from spmdkit._argtypes import nonblank_arg, path_arg
 from spmdkit._console import StdoutConsole, short_warnings, stderr_console
 from spmdkit._devices import (
     ENV_HOST_DEVICES,
@@ -215,7 +218,7 @@ def _add_refused_launch_options(p: argparse.ArgumentParser) -> None:
     process without a word (and ``launch --host-devices N`` was taken as ``--host-devices-per-process
     N``, N devices each, not in all); parsed here, ``_refuse_launch_options`` names the right place."""
     p.add_argument("--host-devices", type=_host_device_count, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    p.add_argument("--compile-cache", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--compile-cache", type=path_arg, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--no-compile-cache", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
@@ -243,8 +246,8 @@ def _refuse_launch_options(args: argparse.Namespace) -> None:
 
 
 def _add_layout_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mesh", metavar="AXES", help="mesh, e.g. data=2,model=4 (default: the rules' preset mesh)")
-    p.add_argument("--rules", metavar="RULES", help="sharded: dp, fsdp, tp, dp+tp, fsdp+tp, fsdp+sp, a TOML file, or batch=data,hidden=model")
+    p.add_argument("--mesh", type=nonblank_arg, metavar="AXES", help="mesh, e.g. data=2,model=4 (default: the rules' preset mesh)")
+    p.add_argument("--rules", type=nonblank_arg, metavar="RULES", help="sharded: dp, fsdp, tp, dp+tp, fsdp+tp, fsdp+sp, a TOML file, or batch=data,hidden=model")
     p.add_argument("--replicate-unknown", action="store_true", help="sharded: replicate logical names with no rule")
 
 
@@ -773,9 +776,17 @@ def _cmd_sample(args: argparse.Namespace, console: Console) -> int:
         out.write(b"".join(pending) + generated)
         pending.clear()
         out.flush()
+        if _CTRL_C.seen:  # a Ctrl-C that JAX's garbage collection swallowed
+            raise KeyboardInterrupt
 
     sys.stdout.flush()
-    sample(args.checkpoint_dir, prompt, args.length, args.temperature, args.seed, args.step, stream=write)
+    try:
+        sample(args.checkpoint_dir, prompt, args.length, args.temperature, args.seed, args.step, stream=write)
+    except KeyboardInterrupt:
+        if not pending:  # what was printed ends its line: the shell's prompt starts a line of its own
+            out.write(b"\n")
+            out.flush()
+        raise
     write(b"\n")
     return 0
 
@@ -858,6 +869,37 @@ _COMMANDS = {
 }
 
 
+class _CtrlC:
+    """While a command runs, SIGINT raises KeyboardInterrupt as Python's own handler does, and is
+    noted. A KeyboardInterrupt raised inside a garbage-collection callback (JAX has one) is printed
+    as "Exception ignored" and lost: `spmdkit sample` then ran to its end and exited 0. A command
+    polls ``seen`` at its safe points; ``main`` ends with 130 whenever it was seen. An ignored
+    SIGINT (`cmd &` in a script) stays ignored."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: Any = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _CtrlC:
+        self.seen = False
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+_CTRL_C = _CtrlC()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``spmdkit`` console script."""
     args = build_parser().parse_args(argv)
@@ -866,11 +908,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Tables are for reading in logs too: do not fold them to 80 columns off a terminal.
     console = StdoutConsole(width=None if sys.stdout.isatty() else 120)
     try:
-        # Before any JAX work: XLA's threads take their malloc arenas when its backends start.
-        _reuse_host_memory(strict=False)
-        _setup_devices(args)
-        with short_warnings():
-            return _COMMANDS[args.command](args, console)
+        with _CTRL_C:
+            # Before any JAX work: XLA's threads take their malloc arenas when its backends start.
+            _reuse_host_memory(strict=False)
+            _setup_devices(args)
+            with short_warnings():
+                code = _COMMANDS[args.command](args, console)
+        return _interrupted() if _CTRL_C.seen else code
     except SpmdkitError as e:
         stderr_console().print(Text("error: ", style="bold red") + Text(str(e)))
         code = getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)

@@ -261,8 +261,10 @@ def check_value(key: str, value: Any, source: str) -> None:
         want, example = "a number", f"{key.replace('_', '-')} = 0.01"
     elif key in _STRINGS:
         ok, want = isinstance(value, str), "a string"
-        if key in _PATHS:
-            ok, want = ok and value != "", "a path (a non-empty string)"
+        if ok and key in _PATHS and value == "":
+            ok, want = False, "a path (a non-empty string)"
+        elif ok and key in ("mesh", "rules") and not value.strip():  # was taken as not given: the preset
+            ok, want = False, "a non-empty string"
         example = f"{key.replace('_', '-')} = {_EXAMPLES.get(key, chr(34) + 'name' + chr(34))}"
     else:
         return

@@ -24,11 +24,15 @@ _PARAMS = ".params"  # where TrainState keeps the parameters, as the checkpoint 
 _READ_ATTEMPTS = 3  # steps deleted while read (a live run's retention) before the error stands
 
 
-def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
-    """``step``, or the newest intact step. The newest step of a run killed mid-save (or of a live run,
-    saving it now) has no manifest yet: sample took it and failed with "resume from an earlier step
-    (spmdkit does so with --resume)", which sample has no flag for. Like a reader's restore_latest it
-    now falls back past such steps, saying which, and leaves them in place."""
+def _newest_step(ckpt: Checkpointer, step: int | None,
+                 damaged: list[tuple[int, str]]) -> tuple[int, list[tuple[int, str]]]:
+    """``step``, or the newest intact step and the newer ones passed over, each with its problem.
+
+    The newest step of a run killed mid-save (or of a live run, saving it now) has no manifest
+    yet: sample took it and failed with "resume from an earlier step (spmdkit does so with
+    --resume)", which sample has no flag for. Like a reader's restore_latest it falls back past
+    such steps and past ``damaged`` (steps whose files proved damaged when read: a changed byte
+    that only the checksum shows), and leaves them in place."""
     steps = ckpt.steps()
     if not steps:
         raise CheckpointError(fix(f"{ckpt.directory} holds no spmdkit checkpoints.",
@@ -37,18 +41,17 @@ def _newest_step(ckpt: Checkpointer, step: int | None) -> int:
         if step not in steps:
             raise CheckpointError(fix(f"{ckpt.directory} has no step {step}; it has {steps}.",
                                       f"pass --step {steps[-1]}."))
-        return step
-    candidate, skipped = _newest_intact(ckpt, steps)
+        return step, []
+    read = dict(damaged)
+    candidate, skipped = _newest_intact(ckpt, [s for s in steps if s not in read])
+    skipped = sorted([*skipped, *((s, why) for s, why in damaged if candidate is None or s > candidate)],
+                     reverse=True)
     if candidate is not None:
-        if skipped:
-            warnings.warn(f"sample: {'steps' if len(skipped) > 1 else 'step'} {[s for s, _ in skipped]} of "
-                          f"{ckpt.directory} cannot be used (step {skipped[0][0]}: {skipped[0][1]}); sampling "
-                          f"from step {candidate}, the newest intact one.", RuntimeWarning, stacklevel=3)
-        return candidate
-    raise CheckpointError(fix(f"no intact checkpoint in {ckpt.directory}: steps {steps} are all damaged (step "
-                              f"{skipped[0][0]}: {skipped[0][1]}).",
-                              f"see spmdkit checkpoints {ckpt.directory} --verify; sample from another run's "
-                              "--checkpoint-dir."))
+        return candidate, skipped
+    raise CheckpointDamagedError(fix(f"no intact checkpoint in {ckpt.directory}: steps {steps} are all damaged "
+                                     f"(step {skipped[0][0]}: {skipped[0][1]}).",
+                                     f"see spmdkit checkpoints {ckpt.directory} --verify; sample from another run's "
+                                     "--checkpoint-dir."))
 
 
 def _newest_intact(ckpt: Checkpointer, steps: list[int]) -> tuple[int | None, list[tuple[int, str]]]:
@@ -83,16 +86,37 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
         raise CheckpointError(fix(f"checkpoint directory {str(checkpoint_dir)!r} {what}.",
                                   "pass the --checkpoint-dir of a `spmdkit train --task lm` run."))
     ckpt = Checkpointer(CheckpointConfig(str(checkpoint_dir)), log=lambda m: None)
-    for attempt in range(_READ_ATTEMPTS):
-        chosen = _newest_step(ckpt, step)
+    damaged: list[tuple[int, str]] = []  # found when read: passed over on the next pass
+    relisted = 0
+    while True:
+        chosen, skipped = _newest_step(ckpt, step, damaged)
         try:
-            return _load_step(ckpt, chosen, checkpoint_dir, model)
-        except (CheckpointError, OSError):
-            # Beside a live run, its retention (--keep) may delete the step while it is read: that was
-            # "metadata cannot be read ... Fix: pass the sizes the run trained with". List the steps again.
-            if step is not None or (ckpt.directory / step_name(chosen)).exists() or attempt == _READ_ATTEMPTS - 1:
+            loaded = _load_step(ckpt, chosen, checkpoint_dir, model)
+        except (CheckpointError, OSError) as e:
+            gone = not (ckpt.directory / step_name(chosen)).exists()
+            if step is None and gone and relisted < _READ_ATTEMPTS - 1:
+                # Beside a live run, its retention (--keep) may delete the step while it is read: that was
+                # "metadata cannot be read ... Fix: pass the sizes the run trained with". List the steps again.
+                relisted += 1
+                continue
+            if gone or not isinstance(e, CheckpointDamagedError):
                 raise
-    raise AssertionError("unreachable")
+            if step is not None:
+                raise _intact_hint(ckpt, chosen, e) from None
+            # Its files passed the listing's checks but not the read's (a changed byte: its checksum).
+            damaged.append((chosen, _without_fix(e)))
+            continue
+        if skipped:
+            warnings.warn(f"sample: {'steps' if len(skipped) > 1 else 'step'} {[s for s, _ in skipped]} of "
+                          f"{ckpt.directory} cannot be used (step {skipped[0][0]}: {skipped[0][1]}); sampling "
+                          f"from step {chosen}, the newest intact one.", RuntimeWarning, stacklevel=2)
+        return loaded
+
+
+def _without_fix(error: Exception) -> str:
+    """An error's diagnosis alone, without its "checkpoint step N" lead and its "Fix:" line."""
+    text = str(error).split("\n  Fix:")[0]
+    return text.split(": ", 1)[1] if text.startswith("checkpoint step ") and ": " in text else text
 
 
 def _load_step(ckpt: Checkpointer, step: int, checkpoint_dir: str | Path,
@@ -123,10 +147,7 @@ def _load_step(ckpt: Checkpointer, step: int, checkpoint_dir: str | Path,
     key = jax.random.key(0)  # only the shapes of the state are taken from it
     target = get_strategy("single").abstract(make_state, key, unbox=True).params
     _check_sizes(ckpt, step, target, cfg, given=model, saved=bool(meta.get("config")))
-    try:
-        params, _ = ckpt.restore(step, target, part=_PARAMS)
-    except CheckpointDamagedError as e:
-        raise _intact_hint(ckpt, step, e) from None
+    params, _ = ckpt.restore(step, target, part=_PARAMS)
     return model_def, params, step
 
 

@@ -40,6 +40,9 @@ def _mesh(given: Any, default: dict[str, int]):
         return given
     if isinstance(given, Mapping):
         return make_mesh(**given)
+    if isinstance(given, str) and not given.strip():  # taken as not given, the preset's mesh, without a word
+        raise MeshError(fix(f"mesh={given!r} names no mesh axes.",
+                            "pass mesh='data=2,model=4', or leave mesh out for the rules' preset mesh."))
     if given is None or isinstance(given, str):
         return make_mesh(**(parse_mesh(given) if given else default))
     raise MeshError(fix(f"mesh={given!r} is not a mesh.",
@@ -47,8 +50,11 @@ def _mesh(given: Any, default: dict[str, int]):
 
 
 def _sharded(o: StrategyOptions) -> Sharded:
-    from spmdkit._rules import DEFAULT_MESH, AxisRules
+    from spmdkit._rules import DEFAULT_MESH, AxisRules, LayoutError
 
+    if isinstance(o.rules, str) and not o.rules.strip():  # taken as not given, the dp preset, without a word
+        raise LayoutError(fix(f"rules={o.rules!r} names no rules.", "pass a preset (rules='fsdp+tp'), a TOML file "
+                              "or logical=axis pairs, or leave rules out for 'dp'."))
     rules = o.rules or "dp"
     rules = AxisRules.load(rules, o.replicate_unknown) if isinstance(rules, str) else as_rules(rules)
     return Sharded(_mesh(o.mesh, DEFAULT_MESH.get(rules.name, {"data": -1})), rules,
