@@ -873,7 +873,8 @@ class _CtrlC:
     """While a command runs, SIGINT raises KeyboardInterrupt as Python's own handler does, and is
     noted. A KeyboardInterrupt raised inside a garbage-collection callback (JAX has one) is printed
     as "Exception ignored" and lost: `spmdkit sample` then ran to its end and exited 0. A command
-    polls ``seen`` at its safe points; ``main`` ends with 130 whenever it was seen. An ignored
+    polls ``seen`` at its safe points; ``main`` ends with 130 when it was seen and the command
+    returned 0. An ignored
     SIGINT (`cmd &` in a script) stays ignored."""
 
     def __init__(self) -> None:
@@ -914,7 +915,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _setup_devices(args)
             with short_warnings():
                 code = _COMMANDS[args.command](args, console)
-        return _interrupted() if _CTRL_C.seen else code
+        # A command that handled the Ctrl-C itself (plan --measure prints the rounds so far) returns
+        # its own code; one that ended as if nothing happened had the interrupt swallowed.
+        return _interrupted() if _CTRL_C.seen and code == 0 else code
     except SpmdkitError as e:
         stderr_console().print(Text("error: ", style="bold red") + Text(str(e)))
         code = getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
