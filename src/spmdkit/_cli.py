@@ -874,8 +874,7 @@ class _CtrlC:
     noted. A KeyboardInterrupt raised inside a garbage-collection callback (JAX has one) is printed
     as "Exception ignored" and lost: `spmdkit sample` then ran to its end and exited 0. A command
     polls ``seen`` at its safe points; ``main`` ends with 130 when it was seen and the command
-    returned 0. An ignored
-    SIGINT (`cmd &` in a script) stays ignored."""
+    returned 0. An ignored SIGINT (`cmd &` in a script) stays ignored."""
 
     def __init__(self) -> None:
         self.seen = False

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from spmdkit._checkpoint import CheckpointConfig, CheckpointDamagedError, CheckpointError, Checkpointer, step_name
+from spmdkit._checkpoint import (CheckpointConfig, CheckpointDamagedError, CheckpointError, Checkpointer, _without_step,
+                                 step_name)
 from spmdkit._errors import ConfigError, fix
 from spmdkit._strategies import get_strategy
 from spmdkit._tasks import lm, task_defaults
@@ -42,8 +43,8 @@ def _newest_step(ckpt: Checkpointer, step: int | None,
             raise CheckpointError(fix(f"{ckpt.directory} has no step {step}; it has {steps}.",
                                       f"pass --step {steps[-1]}."))
         return step, []
-    read = dict(damaged)
-    candidate, skipped = _newest_intact(ckpt, [s for s in steps if s not in read])
+    passed = {s for s, _ in damaged}
+    candidate, skipped = _newest_intact(ckpt, [s for s in steps if s not in passed])
     skipped = sorted([*skipped, *((s, why) for s, why in damaged if candidate is None or s > candidate)],
                      reverse=True)
     if candidate is not None:
@@ -104,19 +105,13 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
             if step is not None:
                 raise _intact_hint(ckpt, chosen, e) from None
             # Its files passed the listing's checks but not the read's (a changed byte: its checksum).
-            damaged.append((chosen, _without_fix(e)))
+            damaged.append((chosen, _without_step(str(e).splitlines()[0], chosen)))
             continue
         if skipped:
             warnings.warn(f"sample: {'steps' if len(skipped) > 1 else 'step'} {[s for s, _ in skipped]} of "
                           f"{ckpt.directory} cannot be used (step {skipped[0][0]}: {skipped[0][1]}); sampling "
                           f"from step {chosen}, the newest intact one.", RuntimeWarning, stacklevel=2)
         return loaded
-
-
-def _without_fix(error: Exception) -> str:
-    """An error's diagnosis alone, without its "checkpoint step N" lead and its "Fix:" line."""
-    text = str(error).split("\n  Fix:")[0]
-    return text.split(": ", 1)[1] if text.startswith("checkpoint step ") and ": " in text else text
 
 
 def _load_step(ckpt: Checkpointer, step: int, checkpoint_dir: str | Path,
