@@ -15,11 +15,13 @@ sharding); those are restored by Orbax after the usual verification of every fil
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 import threading
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -205,16 +207,22 @@ class Reader:
         return array.block_until_ready()
 
     def _fill(self, leaf: Leaf) -> dict[Any, np.ndarray]:
-        """One host buffer per addressable device, holding that device's shard of ``leaf``.
+        """The host buffer of each addressable device, holding that device's shard of ``leaf``.
 
         The buffers are 64-byte aligned and never touched after ``jax.device_put``: the
         CPU client then takes them as the devices' memory instead of copying them. Devices
-        that hold the same shard get a buffer each (a donated one is overwritten in place).
+        that hold the same shard (a replicated axis) share one buffer, so a restore writes
+        each shard once, not once per replica: the client takes an adopted buffer as
+        immutable and copies it when a step donates it (`_donation_copies` checks that
+        this JAX does; where it would not, every device gets a buffer of its own).
         """
         boxes: dict[tuple, list[np.ndarray]] = {}
         buffers = {}
         for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
             box = _box(index, leaf.shape)
+            if box in boxes and _donation_copies(device.platform):
+                buffers[device] = boxes[box][0]
+                continue
             buffers[device] = _aligned([b - a for a, b in box], leaf.dtype)
             boxes.setdefault(box, []).append(buffers[device])
 
@@ -240,6 +248,20 @@ class Reader:
         for future in work:
             future.result()  # the first damaged chunk raises here
         return buffers
+
+
+@functools.cache
+def _donation_copies(platform: str) -> bool:
+    """Whether a step that donates an array adopted from a host buffer leaves that buffer
+    alone on ``platform``: then replicas may share one restored buffer, and a donated
+    replica cannot change another. Measured once per process (a 16-element program)."""
+    host = _aligned([16], np.dtype(np.float32))
+    host[:] = 0
+    adopted = jax.device_put(host, jax.local_devices(backend=platform)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "donated buffers were not usable": the answer sought
+        jax.jit(lambda x: x + 1, donate_argnums=0)(adopted).block_until_ready()
+    return not host.any()
 
 
 def _aligned(shape: list[int], dtype: np.dtype) -> np.ndarray:
