@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import PartitionSpec as P, SingleDeviceSharding
 
 import spmdkit
 from spmdkit._checkpoint import parse_step, step_name
@@ -114,11 +115,41 @@ def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_p
     with pytest.raises(spmdkit.CheckpointError, match=r"has no leaf state\['weights'\]") as e:
         ckpt.restore(2, {"weights": target["weight"]})
     assert "damaged" not in str(e.value)
+    # A target of another structure altogether (task.init's tree) said only "resume with the model".
+    assert re.search(r"(?s)nor any other of the target's 1 leaves: the saved state holds state.params, state.rng, "
+                     r"state.step.*spmdkit.task_state\(task, optimizer\), with unbox=True",
+                     str(e.value)), str(e.value)
+    public = spmdkit.DataParallel().abstract(spmdkit.task_state(task, opt), unbox=True)  # the README's way
+    assert_bit_equal(jax.device_get(ckpt.restore(2, public)[0].params), saved)
     # Another dtype was cast silently (a float32 step counter, bfloat16 weights rounded).
     halved = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), target)
     with pytest.raises(spmdkit.CheckpointError, match=r"(?s)leaf state.params\['\w+'\] is float32 in the checkpoint but "
                                                       r"bfloat16 in the target.*cast after"):
         ckpt.restore(2, halved)
+
+
+def test_a_boxed_target_of_a_bare_checkpoint_names_unbox(tmp_path):
+    """A model annotated since its run was saved (or a target built without unbox=True): its
+    leaves sit one level deeper, at .value, which was "has no leaf" and "resume with the model"."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                                        ("embed", "mlp")))(x)
+
+    make_state = lambda rng: {"params": Net().init(rng, jnp.zeros((1, 3)))["params"]}  # noqa: E731
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=4, model=2), "dp+tp")
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    ckpt.save(1, strategy.init(make_state, jax.random.key(0), unbox=True), {})
+    ckpt.close()
+    with pytest.raises(spmdkit.CheckpointError, match=r"(?s)has no leaf state\['params'\]\['Dense_0'\]\['kernel'\]\.value "
+                                                      r"\(the target has it\); it holds state\['params'\]\['Dense_0'\]\['kernel'\], "
+                                                      r"the same array without Flax's box.*abstract\(make_state, unbox=True\)"):
+        ckpt.restore(1, strategy.abstract(make_state))
+    restored, _ = ckpt.restore(1, strategy.abstract(make_state, unbox=True))
+    assert restored["params"]["Dense_0"]["kernel"].sharding.spec == P(None, "model")
 
 
 def test_a_part_under_a_list_index_is_named_as_such(tmp_path):

@@ -498,3 +498,26 @@ def test_mesh_axes_written_as_logical_names_are_named_with_the_logical_names_for
                        r"\['data', 'model'\].*'data' \(size 2\): 'batch'; 'model' \(size 4\): 'hidden'"
                        r".*Fix: write the logical names: nn.with_logical_constraint\(x, \('batch', 'hidden'\)\)"):
         strategy.step(step)(strategy.init(same_params, jax.random.key(0)), batch)
+
+
+def test_a_layout_error_names_the_parameter_not_its_optimizer_moment():
+    """A state {"params", "opt"}: "opt" sorts first, so errors named state['opt'][0].mu[...]
+    (the moment of the misannotated parameter) where the user wrote the parameter."""
+    tx = optax.adam(1e-3)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "hiden"))
+            return nn.Dense(8, kernel_init=init)(x)
+
+    def make_state(rng):
+        params = Net().init(rng, jnp.zeros((1, 4)))["params"]
+        return {"params": params, "opt": tx.init(params)}
+
+    with pytest.raises(spmdkit.LayoutError, match=r"^state\['params'\]\['Dense_0'\]\['kernel'\] has logical axis 'hiden'"):
+        spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp").init(make_state, jax.random.key(0))
+    step = lambda s, b: (s, {"loss": jnp.zeros(())})  # noqa: E731
+    result = spmdkit.plan(make_state, step, {"x": np.ones((8, 4), np.float32)}, rules=("dp+tp",), target="h100x8")
+    reasons = [c["reason"] for c in result["candidates"]]
+    assert reasons and all(r.startswith("state['params']['Dense_0']['kernel'] has logical name 'hiden'") for r in reasons), reasons

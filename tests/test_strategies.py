@@ -381,6 +381,29 @@ def test_another_strategy_refuses_an_ensembles_state():
     np.testing.assert_allclose(out, X[:16] @ np.asarray(members["w"][1]), rtol=1e-5)
 
 
+def test_an_ensembles_state_is_named_before_a_step_that_cannot_trace_its_shapes():
+    # A bias broadcast over the stacked member axis fails inside the user's function: the
+    # LayoutError came only for steps that happened to trace, a raw ValueError for the others.
+    make = lambda rng: {"w": jax.random.normal(rng, (8, 2)), "b": jnp.zeros(2)}  # noqa: E731
+    members = spmdkit.Ensemble(4).init(make, 0)
+
+    def step(s, b):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2))(s)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, s, g), {"loss": loss}
+
+    for other in (spmdkit.Single(), spmdkit.DataParallel(), spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        with pytest.raises(spmdkit.LayoutError, match=r"state\['b'\] has shape \(4, 2\).*an ensemble's state"):
+            other.step(step)(members, batch_of(16))
+
+
+def test_an_ensemble_names_another_ensembles_member_count():
+    members = spmdkit.Ensemble(4).init(make_linear, 0)
+    with pytest.raises(spmdkit.MembersMismatchError, match=r"(?s)the state is an ensemble of 4 members.*not of 2.*"
+                                                             r"Ensemble\(members=4\)") as e:
+        spmdkit.Ensemble(2).step(linear_step)(members, batch_of(16))
+    assert "one model's state" not in str(e.value)
+
+
 def test_another_strategy_names_a_sharded_or_replicated_state_and_the_move():
     # A Sharded state given to DataParallel failed deep in jit; replicate's was called an ensemble's.
     mesh = spmdkit.make_mesh(data=2, model=4)

@@ -200,6 +200,8 @@ def test_batch_larger_than_the_data_set():
     ("out_dir", 3, r"fit\(out_dir=\.\.\.\) got int 3"),
     ("log", "stdout", r"fit\(log=\.\.\.\) got str"),
     ("step_timeout", -1, r"fit\(step_timeout=\.\.\.\) got int -1.*seconds > 0, or None"),
+    ("strategy", spmdkit.DataParallel, r"fit\(strategy=\.\.\.\) got the class DataParallel.*strategy=spmdkit.DataParallel\(\.\.\.\)"),
+    ("config", spmdkit.TrainConfig, r"fit\(config=\.\.\.\) got the class TrainConfig.*config=spmdkit.TrainConfig\(\.\.\.\)"),
 ])
 def test_fit_names_an_argument_of_the_wrong_kind(argument, value, words):
     # A name where an object belongs failed deep inside as an AttributeError.
@@ -420,3 +422,35 @@ def test_int64_labels_as_numpy_gives_them_start_a_run_without_jax_s_truncation_w
         result = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
                              progress=False, log=lambda m: None)
     assert result.summary["steps"] == 2
+
+
+def test_an_nnx_task_with_sharding_annotations_trains_on_every_strategy_without_a_mesh_of_its_own():
+    """Its variables name mesh axes (nnx.with_partitioning): created eagerly outside a mesh they
+    fail, and fit's task check did so ("init(rng) failed: ... An auto mesh context ... is required")."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+            self.linear = nnx.Linear(2, 8, kernel_init=init, rngs=rngs)
+            self.head = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.linear(x)))
+
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(Net(nnx.Rngs(0)))
+
+    def loss_fn(params, batch, rng):
+        logits = nnx.merge(graphdef, params)(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+    task = spmdkit.Task(name="nnx", init=lambda rng: nnx.state(Net(nnx.Rngs(rng))), loss_fn=loss_fn,
+                        train_data=two_moons(64, 0))
+    config = spmdkit.TrainConfig(steps=3, batch_size=16)
+    losses = {}
+    for strategy in (spmdkit.Single(), spmdkit.DataParallel(),
+                     spmdkit.Sharded(spmdkit.make_mesh(data=4, model=2), {"embed": None, "hidden": "model", "batch": "data"})):
+        result = spmdkit.fit(task, strategy, optax.sgd(0.1), config, progress=False)
+        losses[strategy.name] = [row["loss"] for row in result.history]
+    assert all(np.allclose(v, losses["single"], rtol=1e-5) for v in losses.values()), losses

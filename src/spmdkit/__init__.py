@@ -80,6 +80,7 @@ from spmdkit._train import (
     load_params,
     run_hooks,
     save_params,
+    task_state,
 )
 from spmdkit._checkpoint import CheckpointDamagedError, CheckpointSaveError
 from spmdkit._train._artifacts import ArtifactError
@@ -177,6 +178,7 @@ __all__ = [
     "Target",
     "replicate",
     "save_params",
+    "task_state",
     "shard",
     "suggest_mesh",
     "unreplicate",

@@ -233,6 +233,29 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
     return prefix, [m.group(1) or m.group(2) for m in _KEY.finditer(prefix)]
 
 
+_TOP = re.compile(r"\.\w+|\['[^'\\]*'\]|\[\d+\]")
+
+
+def _missing_leaf(step: int, saved: dict[str, list], want: dict[str, list], at: str, path: str) -> str:
+    """Why a target leaf is not in the checkpoint, with the way to the target that fits."""
+    head = f"checkpoint step {step} has no leaf state{at}{path} (the target has it)"
+    bare = path.removesuffix(".value")
+    if bare != path and bare in saved:  # a Flax box (nn.Partitioned, an NNX Variable) around a saved array
+        return fix(f"{head}; it holds state{at}{bare}, the same array without Flax's box around it.",
+                   "restore into an unboxed target: strategy.abstract(make_state, unbox=True), or "
+                   "flax.linen.meta.unbox(target).")
+    if not set(want) & set(saved):  # another structure altogether (task.init's tree for fit's whole state)
+        tops = sorted({m.group(0) for p in saved if (m := _TOP.match(p))})
+        return fix(f"{head}, nor any other of the target's {len(want)} leaves: the saved state holds "
+                   f"{', '.join('state' + t for t in tops)}.",
+                   "restore into a target of that state: strategy.abstract(make_state) of the make_state it was "
+                   "saved from (a run of fit: spmdkit.task_state(task, optimizer), with unbox=True), or a part of it "
+                   "(its .params).")
+    what = "optimizer" if path.startswith(".opt_state") else "model (task and options)"
+    return fix(f"{head}.", f"resume with the {what} the checkpoint was written with (from Python: restore into a "
+               "target of that state).")
+
+
 def _without_step(message: str, step: int) -> str:
     """An error's first line without its leading ``checkpoint step N:``, for a log line that names the step."""
     for head in (f"checkpoint step {step}: ", f"checkpoint step {step} is damaged: "):
@@ -903,12 +926,7 @@ class Checkpointer:
             saved = {p[len(at):]: v for p, v in saved.items() if p.startswith(at)}
         for path, (shape, dtype) in want.items():
             if path not in saved:
-                what = "optimizer" if path.startswith(".opt_state") else "model (task and options)"
-                raise CheckpointError(
-                    fix(f"checkpoint step {step} has no leaf state{at}{path} (the target has it).",
-                        f"resume with the {what} the checkpoint was written with (from Python: restore into a "
-                        "target of that state).")
-                )
+                raise CheckpointError(_missing_leaf(step, saved, want, at, path))
             if list(saved[path][0]) != list(shape):
                 hint = _members_hint(tuple(saved[path][0]), tuple(shape), members)
                 raise CheckpointError(

@@ -24,7 +24,7 @@ from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import PRESETS, AxisRules, LayoutError, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
 from spmdkit._strategies.sharded import (Sharded, _is_box, _itemsize, _lists_as_names, _nnx_names, _unboxed, _with_state_axes,
-                                         is_empty_box)
+                                         is_empty_box, shallow_first)
 from spmdkit._target import DTYPE_ALIASES, Target, TargetError, load_target
 from spmdkit._tree import abstract_rows
 
@@ -77,7 +77,8 @@ def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> li
     probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
     boxed = _with_state_axes(probe._abstract_boxed(_arrays_only(make_state), as_key(rng)), _lists_as_names(state_axes))
     out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]:
+    # Shortest paths first: a reason names the parameter, not its optimizer moment.
+    for _, (path, leaf) in shallow_first(jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]):
         where = "state" + jax.tree_util.keystr(path)
         if is_empty_box(leaf):
             continue

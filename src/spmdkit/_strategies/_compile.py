@@ -388,21 +388,21 @@ class Placement:
         """After a step: refuse a new state that undid what ``init`` set up (ensembles: the
         members' own hyperparameters)."""
 
+    def _check_new_state(self, state: State) -> None:
+        """Before the first trace of a state's structure: an ensemble's state is named here,
+        where tracing would fail inside the user's function on its stacked shapes."""
+        stacked = _stacked(state, self.mesh)
+        if stacked is not None:
+            self._foreign_state(state)
+
     def _foreign_state(self, state: State) -> None:
         """After jit refused the state's layout: if every leaf is split along a leading axis
         of one size over a 1-D mesh that is not ours, it is an ensemble's state; say so."""
-        found = []
-        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-            sh = getattr(x, "sharding", None)
-            if not (isinstance(sh, NamedSharding) and sh.mesh != self.mesh and len(sh.mesh.axis_names) == 1
-                    and np.ndim(x) and sh.spec and sh.spec[0] == sh.mesh.axis_names[0]):
-                self._other_layout(state)
-                return
-            found.append((path, x))
-        if not found or len({x.shape[0] for _, x in found}) != 1:
+        stacked = _stacked(state, self.mesh)
+        if stacked is None:
             self._other_layout(state)
             return
-        path, x = found[0]
+        path, x = stacked
         k, axis = x.shape[0], x.sharding.mesh.axis_names[0]
         if axis == "replica":  # spmdkit.replicate's axis: pmap's layout, one copy per device
             raise LayoutError(fix(
@@ -693,6 +693,7 @@ class CompiledStep:
         def run():
             k = (treedef, even, getattr(s, "_extra_axes", ()), keep)
             if k not in self._compiled:
+                s._check_new_state(state)
                 self._compiled[k] = self._build(state, even, keep)
             return self._compiled[k](state, placed)
 
@@ -708,6 +709,21 @@ class CompiledStep:
         if self.kind == "step":
             s._check_step_output(out[0])
         return out
+
+
+def _stacked(state: State, mesh: Mesh) -> tuple[Any, jax.Array] | None:
+    """The first leaf of ``state`` if every leaf is split along a leading axis of one size over
+    a 1-D mesh other than ``mesh`` (an ensemble's layout, or spmdkit.replicate's), else None."""
+    found = []
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        sh = getattr(x, "sharding", None)
+        if not (isinstance(sh, NamedSharding) and sh.mesh != mesh and len(sh.mesh.axis_names) == 1
+                and np.ndim(x) and sh.spec and sh.spec[0] == sh.mesh.axis_names[0]):
+            return None
+        found.append((path, x))
+    if not found or len({x.shape[0] for _, x in found}) != 1:
+        return None
+    return found[0]
 
 
 def pad_rows(batch: Batch, n: int, rows: int) -> Batch:

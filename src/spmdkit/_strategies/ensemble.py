@@ -143,6 +143,15 @@ class MembersMismatchError(ConfigError):
     """A state's member count differs from the ensemble's."""
 
 
+def _split_on_members(state: Any, axis: str) -> bool:
+    """Every leaf an array split along its leading axis over mesh axis ``axis`` and nothing else:
+    the layout an ensemble of that member axis gives its state."""
+    leaves = jax.tree.leaves(state)
+    return bool(leaves) and all(
+        isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.ndim and x.sharding.spec
+        and x.sharding.spec[0] == axis and not any(x.sharding.spec[1:]) for x in leaves)
+
+
 class Ensemble(Placement):
     """K models trained at once, K/d per device on a 1-D ``member`` mesh.
 
@@ -389,12 +398,24 @@ class Ensemble(Placement):
             if not shape or shape[0] != k:
                 self._no_member_axis(state)
 
+    def _check_new_state(self, state: Any) -> None:
+        """Stacked states are this strategy's own: ``_check_state`` compares their member count."""
+
     def _no_member_axis(self, state: Any) -> None:
+        leads = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(state)}
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
             shape = np.shape(leaf)
             if shape and shape[0] == self.members:
                 continue
             lead = f"its leading size is {shape[0]}" if shape else "it is a scalar"
+            other = next(iter(leads)) if len(leads) == 1 else None
+            if other is not None and _split_on_members(state, self.axis):  # another ensemble's state, not one model's
+                raise MembersMismatchError(fix(
+                    f"state{jax.tree_util.keystr(path)} has shape {shape}: the state is an ensemble of {other} "
+                    f"members (every leaf split along a leading axis of {other}), not of {self.members}.",
+                    f"run it with Ensemble(members={other}); for {self.members} members, build the state with "
+                    f"Ensemble(members={self.members}).init(make_state, rng), or take members from it: "
+                    f"jax.tree.map(lambda x: x[:{self.members}], state)."))
             raise MembersMismatchError(
                 fix(f"state{jax.tree_util.keystr(path)} has shape {shape}: the state has no member axis of "
                     f"size {self.members} ({lead}). Ensemble(members={self.members}) keeps its members' states "

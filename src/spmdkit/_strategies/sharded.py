@@ -91,35 +91,47 @@ def _nnx_spec(names: tuple, rules: AxisRules, mesh: Mesh, where: str) -> P:
 def plan_layout(boxed_state: Any, rules: AxisRules, mesh: Mesh, root: str = "state") -> Layout:
     """Validate and derive the sharding of every leaf of a boxed abstract state."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(boxed_state, is_leaf=_is_box)
-    out, shardings, abstract = [], [], []
-    for path, leaf in leaves:
-        if is_empty_box(leaf):
-            continue
-        where = root + jax.tree_util.keystr(path)
-        logical = None
-        if isinstance(leaf, nn.LogicallyPartitioned):
-            logical = tuple(leaf.names)
-            spec = rules.spec(logical, where, dict(mesh.shape))
-        elif isinstance(leaf, nn.Partitioned):
-            spec = P(*leaf.names)  # with_partitioning names mesh axes directly
-        elif isinstance(leaf, nnx.Variable):
-            logical = _nnx_names(leaf)
-            spec = P() if not logical else _nnx_spec(logical, rules, mesh, where)
-        else:
-            spec = P()
-        value = _unboxed(leaf)
-        shape = tuple(value.shape)
-        check_spec(spec, shape, mesh, where, logical)
-        sharding = NamedSharding(mesh, spec)
-        nbytes = math.prod(shape) * _itemsize(value.dtype)
-        split = math.prod(mesh.shape[a] for axes in spec for a in ((axes,) if isinstance(axes, str) else (axes or ())))
-        out.append(LeafLayout(where, shape, str(value.dtype), logical, spec, nbytes, nbytes // split))
-        shardings.append(sharding)
-        abstract.append(jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding))
+    planned: dict[int, tuple] = {}
+    for i, (path, leaf) in shallow_first(leaves):  # an error names a parameter, not its optimizer moment
+        if not is_empty_box(leaf):
+            planned[i] = _plan_leaf(path, leaf, rules, mesh, root)
+    rows = [planned[i] for i in sorted(planned)]  # the state's own order again
+    out, shardings, abstract = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
     unboxed_def = jax.tree_util.tree_structure(meta.unbox(boxed_state))
     if unboxed_def.num_leaves != len(shardings):
         raise LayoutError(f"internal: {unboxed_def.num_leaves} leaves after unboxing, {len(shardings)} planned")
     return Layout(out, jax.tree_util.tree_unflatten(unboxed_def, shardings), jax.tree_util.tree_unflatten(unboxed_def, abstract))
+
+
+def shallow_first(leaves: list[tuple[Any, Any]]) -> list[tuple[int, tuple[Any, Any]]]:
+    """``(index, (path, leaf))`` with the shortest paths first: a parameter's
+    (``['params']['Dense_0']['kernel']``) before the optimizer moments of the same array
+    (``['opt'][0].mu['Dense_0']['kernel']``), whatever the state's keys sort as."""
+    return sorted(enumerate(leaves), key=lambda item: (len(item[1][0]), item[0]))
+
+
+def _plan_leaf(path: Any, leaf: Any, rules: AxisRules, mesh: Mesh, root: str) -> tuple[LeafLayout, NamedSharding, Any]:
+    """One leaf's layout, sharding and abstract value; a name the rules cannot place raises."""
+    where = root + jax.tree_util.keystr(path)
+    logical = None
+    if isinstance(leaf, nn.LogicallyPartitioned):
+        logical = tuple(leaf.names)
+        spec = rules.spec(logical, where, dict(mesh.shape))
+    elif isinstance(leaf, nn.Partitioned):
+        spec = P(*leaf.names)  # with_partitioning names mesh axes directly
+    elif isinstance(leaf, nnx.Variable):
+        logical = _nnx_names(leaf)
+        spec = P() if not logical else _nnx_spec(logical, rules, mesh, where)
+    else:
+        spec = P()
+    value = _unboxed(leaf)
+    shape = tuple(value.shape)
+    check_spec(spec, shape, mesh, where, logical)
+    sharding = NamedSharding(mesh, spec)
+    nbytes = math.prod(shape) * _itemsize(value.dtype)
+    split = math.prod(mesh.shape[a] for axes in spec for a in ((axes,) if isinstance(axes, str) else (axes or ())))
+    return (LeafLayout(where, shape, str(value.dtype), logical, spec, nbytes, nbytes // split), sharding,
+            jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding))
 
 
 def _itemsize(dtype: Any) -> int:

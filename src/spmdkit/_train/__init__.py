@@ -11,6 +11,7 @@ from spmdkit._train._hooks import (
     run_hooks,
 )
 from spmdkit._train._loop import FitResult, evaluate_task, fit, iterate_batches
+from spmdkit._train._steps import task_state
 from spmdkit._train._watchdog import StepWatchdog
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "load_params",
     "run_hooks",
     "save_params",
+    "task_state",
 ]

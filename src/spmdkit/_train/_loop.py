@@ -437,6 +437,10 @@ def _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint,
     def wrong(argument: str, value: Any, want: str, how: str) -> ConfigError:
         return ConfigError(fix(f"fit({argument}=...) got {type(value).__name__} {reprlib.repr(value)}; it needs {want}.", how))
 
+    for argument, value in (("task", task), ("strategy", strategy), ("optimizer", optimizer), ("config", config)):
+        if isinstance(value, type):  # spmdkit.DataParallel for spmdkit.DataParallel(): a raw TypeError deep inside
+            raise ConfigError(fix(f"fit({argument}=...) got the class {value.__qualname__}, not an instance of it.",
+                                  f"call it: {argument}={value.__module__.split('.')[0]}.{value.__qualname__}(...)."))
     if not isinstance(task, Task):
         raise wrong("task", task, "a spmdkit.Task", "pass spmdkit.get_task('linreg') or spmdkit.Task(name=..., init=..., "
                     "loss_fn=..., train_data=...).")

@@ -27,8 +27,19 @@ from spmdkit._types import Batch, TrainState
 
 
 def task_state(task: Task, optimizer: optax.GradientTransformation) -> Callable[[jax.Array], TrainState]:
-    """``make_state(rng)``: the task's parameters (and model state), the optimizer's state,
-    step 0 and the run's key. Flax partitioning boxes are kept for the strategy's layout."""
+    """``make_state(rng)`` of the state ``fit`` trains: the task's parameters (and model
+    state), the optimizer's state, step 0 and the run's key. Flax partitioning boxes are
+    kept for the strategy's layout. Its abstract state is the target that a checkpoint of
+    ``fit`` restores into, from Python:
+
+    Example:
+        >>> import optax, spmdkit
+        >>> task, optimizer = spmdkit.get_task("linreg"), optax.sgd(0.1)
+        >>> target = spmdkit.Single().abstract(spmdkit.task_state(task, optimizer), unbox=True)
+        >>> sorted(target.params), target.step.shape
+        (['bias', 'weight'], ())
+        >>> # state, meta = spmdkit.Checkpointer(spmdkit.CheckpointConfig(run_dir)).restore(step, target)
+    """
 
     def make_state(rng: jax.Array) -> TrainState:
         params, model_state = task.variables(rng)

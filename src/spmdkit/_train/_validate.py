@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from spmdkit._data import is_pipeline
 from spmdkit._errors import SpmdkitError, fix
@@ -87,6 +88,13 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
         spmdkit._train._validate.TaskError: task 't': loss_fn returned a bare array of shape (); spmdkit needs a tuple (loss, aux).
           Fix: return a pair: return loss, {} (or return loss, {"accuracy": acc}).
     """
+    # As the strategies trace it: an NNX model whose variables carry sharding annotations
+    # (nnx.with_partitioning) needs a mesh to create them eagerly, and spmdkit lays them out itself.
+    with nnx.use_eager_sharding(False):
+        _validate(task, batch_size, example)
+
+
+def _validate(task: Task, batch_size: int, example: Any) -> None:
     _check_data(task)
     params = _abstract_params(task)
     if example is None:  # ``example``: the abstract first batch (a pipeline's, read by the loop)
