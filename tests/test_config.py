@@ -18,6 +18,9 @@ from spmdkit._train_cli import resolve_options
         ({"batch_size": -4}, "batch_size=-4"),
         ({"steps": 10, "epochs": 2}, "both steps=10 and epochs=2"),
         ({"seed": -1}, "seed=-1"),
+        ({"seed": 2**32}, r"seed=4294967296 must be an int from 0 to 4294967295 \(JAX's random key keeps 32 bits of a "
+                          r"seed: 4294967296 would run as seed 0\)"),
+        ({"seed": 2**63}, "seed=9223372036854775808 must be an int from 0 to 4294967295"),
         ({"log_every": 0}, "log_every=0"),
         # None means something only for steps, epochs and eval_every.
         ({"batch_size": None}, "batch_size=None must be a whole number >= 1"),

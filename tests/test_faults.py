@@ -57,8 +57,8 @@ def procs():
 
 
 def spawn(procs, args, **kw) -> subprocess.Popen:
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
-                         start_new_session=True, **kw)
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         **{"env": env(), **kw})
     procs.append(p)
     return p
 
@@ -766,6 +766,46 @@ def test_launch_restarts_every_process_from_the_last_good_checkpoint(tmp_path, p
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6)
+
+
+_SLOW_PROCESS_1 = """
+import importlib.abc, importlib.util, os, sys, time
+if os.environ.get("SPMDKIT_PROCESS_ID") == "1":
+    class Hook(importlib.abc.MetaPathFinder):  # once spmdkit._checkpoint is loaded, slow its resume down
+        def find_spec(self, name, path, target=None):
+            if name != "spmdkit._train._loop":
+                return None
+            sys.meta_path.remove(self)
+            from spmdkit import _checkpoint as c
+            restore_latest = c.Checkpointer.restore_latest
+            def slow(self, *a, **k):
+                time.sleep(3)  # a slow host or file system: process 0 has set the damaged step aside
+                return restore_latest(self, *a, **k)
+            c.Checkpointer.restore_latest = slow
+            return importlib.util.find_spec(name)
+    sys.meta_path.insert(0, Hook())
+"""
+
+
+def test_processes_that_list_a_damaged_step_at_different_times_resume_together(tmp_path, procs):
+    """Process 0 set a damaged step aside before process 1 listed the directory: process 1
+    resumed without seeing it, skipped the exchange on it and waited in the first step while
+    process 0 waited in that exchange, until the step watchdog ended the job (exit 4)."""
+    ck, out, site = tmp_path / "ck", tmp_path / "o", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_PROCESS_1)
+    train = [*CLI, "train", "--task", "linreg", "--checkpoint-dir", str(ck), "--checkpoint-every", "25",
+             "--out", str(out), "--no-progress", "--distributed-timeout", "60"]
+    launch = [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
+    first = spawn(procs, [*launch, *train, "--steps", "50"])
+    assert first.communicate(timeout=300)[0] is not None and first.returncode == 0
+    (ck / "manifests" / "50.json").unlink()  # a kill after Orbax's commit
+    resumed = spawn(procs, [*launch, *train, "--steps", "75", "--resume"],
+                    env={**env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))})
+    stdout, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, (stdout + stderr)[-3000:]
+    assert "[0] checkpoints: resuming from step 25" in stdout and "[1] checkpoints: resumed from step 25" in stdout, stdout
+    assert [p.name.rsplit("-", 1)[0] for p in ck.glob("damaged-*")] == [f"damaged-{step_name(50)}"]
 
 
 @pytest.mark.skipif(shutil.which("ss") is None or shutil.which("pgrep") is None,

@@ -1064,9 +1064,12 @@ class Checkpointer:
                     self.log(f"checkpoints: restored step {restored[1]['step']}, the newest intact one; "
                              f"{sorted(damaged)} left in place (this Checkpointer only reads: claim() takes the "
                              "directory for writing)")
-                elif damaged:
-                    self.log(f"checkpoints: resuming from step {restored[1]['step']}, the newest intact one "
-                             f"(damaged: {sorted(damaged)}, set aside)")
+                elif damaged or (self.run_id is not None and jax.process_count() > 1):
+                    if damaged:
+                        self.log(f"checkpoints: resuming from step {restored[1]['step']}, the newest intact one "
+                                 f"(damaged: {sorted(damaged)}, set aside)")
+                    # In a job every process calls it, damage seen or not: process 0 may have found
+                    # a step damaged that it would rename before another process listed it.
                     self._set_aside(damaged)
                 return restored
             if not gone:
@@ -1133,7 +1136,18 @@ class Checkpointer:
                       and (self.directory / MANIFESTS / f"{p.name}.json").is_file())
 
     def _set_aside(self, steps: list[int]) -> None:
-        """Damaged steps newer than the resumed one would block its saves: renamed, not deleted."""
+        """Damaged steps newer than the resumed one would block its saves: renamed, not deleted.
+
+        In a job of several processes, every process calls this after its own search, so
+        the first exchange below is reached only once every process has read its steps:
+        process 0 renames none before another process listed it (which then restored
+        without seeing the damage, skipped this exchange and waited for the others in the
+        first step, while process 0 waited here). Process 0's list is the one acted on."""
+        if jax.process_count() > 1:
+            agreed = _from_process_0({"steps": ",".join(map(str, steps))} if self.primary else {})
+            steps = [int(s) for s in agreed.get("steps", "").split(",") if s]
+        if not steps:
+            return
         verdict: dict[str, str] = {}
         if self.primary:
             try:

@@ -63,8 +63,9 @@ class TrainConfig:
                 )
             object.__setattr__(self, name, number)  # a NumPy int as Python's: summaries are JSON
         seed = whole_number(self.seed)
-        if seed is None or seed < 0:
-            raise ConfigError(fix(f"seed={self.seed!r} must be an int >= 0.", "e.g. seed=0."))
+        if seed is None or not 0 <= seed < SEEDS:
+            raise ConfigError(fix(f"seed={self.seed!r} must be an int from 0 to {SEEDS - 1}{_seed_why(seed)}.",
+                                  "e.g. seed=0."))
         object.__setattr__(self, "seed", seed)
         if not isinstance(self.drop_remainder, bool):
             raise ConfigError(fix(f"drop_remainder={self.drop_remainder!r} must be True or False.",
@@ -244,6 +245,16 @@ def _flag(key: str) -> str:
     return _NEGATED_FLAGS.get(key) or "--" + key.replace("_", "-")
 
 
+# jax.random.key keeps 32 bits of a seed (without x64): seed 2**32 gave seed 0's run, silently.
+SEEDS = 2**32
+
+
+def _seed_why(seed: Any) -> str:
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= SEEDS:
+        return f" (JAX's random key keeps 32 bits of a seed: {seed} would run as seed {seed % SEEDS})"
+    return ""
+
+
 def check_value(key: str, value: Any, source: str) -> None:
     """``value`` has the type of ``key`` (and is in range); a ConfigError naming both otherwise."""
     if value is None:
@@ -253,7 +264,10 @@ def check_value(key: str, value: Any, source: str) -> None:
     elif key in _POSITIVE:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         want, example = "a whole number >= 1", f"{key.replace('_', '-')} = 8"
-    elif key == "seed" or key in _NON_NEGATIVE:
+    elif key == "seed":
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < SEEDS
+        want, example = f"a whole number from 0 to {SEEDS - 1}{_seed_why(value)}", f"{key} = 0"
+    elif key in _NON_NEGATIVE:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         want, example = "a whole number >= 0", f"{key} = 0"
     elif key in _FLOATS:

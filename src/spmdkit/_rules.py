@@ -332,6 +332,10 @@ _PRESETS: dict[str, dict[str, MeshAxes]] = {
     # the position embedding with them), parameters FSDP-style over "data".
     "fsdp+sp": {"batch": "data", "embed": "data", "hidden": None, "layer": None, **_UNSHARDED_LM, **_NO_TP_LM,
                 "length": "model"},
+    # Hybrid sharded data parallelism with tensor parallelism: the batch over "data" and "fsdp",
+    # parameters over "fsdp" only (replicated across "data", as across hosts), heads/MLP/vocab over "model".
+    "hsdp+tp": {"batch": ("data", "fsdp"), "embed": "fsdp", "hidden": "model", "layer": None, **_UNSHARDED_LM,
+                **_TP_LM},
 }
 
 # Read-only: a user's edit of a preset (PRESETS["dp"]["hidden"] = "model") changed it for every
@@ -347,6 +351,7 @@ DEFAULT_MESH: dict[str, dict[str, int]] = {
     "dp+tp": {"data": 2, "model": -1},
     "fsdp+tp": {"data": 2, "model": -1},
     "fsdp+sp": {"data": 2, "model": -1},
+    "hsdp+tp": {"data": 2, "fsdp": -1, "model": 2},
 }
 
 

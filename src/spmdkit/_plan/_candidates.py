@@ -2,9 +2,7 @@
 
 Each rules table names the mesh axes it uses; its meshes are the factorisations of the
 device count over exactly those axes, each of size >= 2 (an axis of size 1 is another
-table's layout again). Besides the presets, ``"hsdp+tp"`` spreads the batch over two
-axes (``data`` and ``fsdp``), shards parameters over ``fsdp`` only and splits heads, MLP
-and vocabulary over ``model``: hybrid sharded data parallelism with tensor parallelism.
+table's layout again). The default tables are the rules presets, ``"hsdp+tp"`` among them.
 """
 
 from __future__ import annotations
@@ -16,11 +14,6 @@ from typing import Any, NamedTuple
 from spmdkit._errors import fix
 from spmdkit._rules import PRESETS, AxisRules, LayoutError, _as_tuple
 
-_TP = {"heads": "model", "mlp": "model", "vocab": "model", "hidden": "model"}
-EXTRA_RULES = {
-    "hsdp+tp": {"batch": ("data", "fsdp"), "embed": "fsdp", "layer": None, "length": None, "kv": None,
-                "layers": None, **_TP},
-}
 DEFAULT_RULES = ("dp", "fsdp", "tp", "dp+tp", "fsdp+tp", "fsdp+sp", "hsdp+tp")
 _AXIS_ORDER = ("data", "fsdp", "sequence", "model")
 
@@ -89,11 +82,9 @@ def rules_names(rules: Any) -> tuple[str, ...]:
 
 
 def rules_table(name: str) -> AxisRules:
-    """A planner rules name: a preset, ``hsdp+tp``, a TOML file, inline pairs, or a table given as a dict."""
+    """A planner rules name: a preset, a TOML file, inline pairs, or a table given as a dict."""
     if name in _GIVEN:
         return AxisRules(_GIVEN[name].table, name, _GIVEN[name].replicate_unknown)
-    if name in EXTRA_RULES:
-        return AxisRules.from_mapping(EXTRA_RULES[name], name=name)
     if name in PRESETS:
         return AxisRules.preset(name)
     return AxisRules.load(name)

@@ -17,7 +17,7 @@ from flax import nnx
 from spmdkit._console import readable_bytes
 from spmdkit._errors import ConfigError, SignatureError, SpmdkitError, StepOutputError, fix
 from spmdkit._mesh import make_mesh
-from spmdkit._plan._candidates import DEFAULT_RULES, EXTRA_RULES, Candidate, enumerate_candidates, rules_table
+from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
 from spmdkit._plan._cost import collective_costs, compute_time, parameter_gathers, step_time
 from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
@@ -189,7 +189,7 @@ def _rules_problem(cand: Candidate, leaves: list[tuple], rules: AxisRules) -> tu
     if idle:
         names = {n for leaf in leaves for n in leaf.names if n is not None} | {"batch"}
         # A table of the user's own (not a preset, written for many models) with a key no array uses: likely a typo.
-        unused = [] if cand.rules in PRESETS or cand.rules in EXTRA_RULES else [
+        unused = [] if cand.rules in PRESETS else [
             k for k, axes in rules.table if idle[0] in _as_tuple(axes) and k not in names]
         typo = (f"; rule(s) {unused} map to it, but no array of the state has such a logical name (it has "
                 f"{sorted(names)}): a typo?" if unused else "")
