@@ -212,6 +212,18 @@ def test_a_bad_input_in_one_process_ends_the_launch_soon_with_code_2(tmp_path):
     assert "uninstall" not in out.stderr
 
 
+@pytest.mark.parametrize("flag, value, named", [("--num-processes", "3", "differs from 2"),
+                                                ("--process-id", "0", "differs from 1")])
+def test_a_process_flag_that_contradicts_the_launcher_is_refused_at_once(tmp_path, flag, value, named):
+    # --num-processes 3 of 2 launched waited 108 s for a third process, then aborted with C++
+    # stack traces (exit 134); --process-id 0 in both was "another program listens on port N".
+    out = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train", "--task", "linreg",
+               "--steps", "2", "--no-progress", "--out", str(tmp_path / "o"), flag, value], timeout=200)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"error: {flag} {value} (argument {flag[2:].replace('-', '_')}) {named}, which spmdkit launch set" in out.stderr
+    assert "drop " + flag in out.stderr
+
+
 def test_an_uncaught_exception_in_one_process_ends_the_launch_soon():
     # Process 1 raises while process 0 waits for it in a collective; JAX's exit handler would
     # hold process 1 in its shutdown barrier for 5 minutes.

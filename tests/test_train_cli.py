@@ -170,6 +170,16 @@ def test_lm_outputs_inside_the_text_dir_are_refused(tmp_path, monkeypatch, capsy
     assert main([*lm, "--out", str(tmp_path.parent / "elsewhere"), "--checkpoint-dir", "ck"]) == 2
     assert "--checkpoint-dir ck is inside --text-dir ." in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ck").exists()
+    # Through a symbolic link the corpus follows: the run's files became training text (the example
+    # count grew run after run), and --out text/link/sub, a path inside --text-dir, was taken.
+    outside = tmp_path.parent / f"{tmp_path.name}-out"
+    outside.mkdir()
+    (tmp_path / "link").symlink_to(outside)
+    for out in (outside, tmp_path / "link" / "sub", outside / "new" / "deeper"):
+        assert main([*lm, "--out", str(out)]) == 2, out
+        assert f"--out {out} is inside --text-dir ." in " ".join(capsys.readouterr().err.split())
+    hidden = outside / ".runs"  # the corpus skips hidden folders, also below a link
+    assert main([*lm, "--out", str(hidden), "--checkpoint-dir", str(hidden / "ck")]) == 0
 
 
 def test_labels_outside_the_classifiers_classes_are_named(tmp_path, capsys):
@@ -216,3 +226,26 @@ def test_a_relative_data_path_resumed_from_another_directory_is_pointed_out(tmp_
     assert main(["train", *flags, "--steps", "4", "--resume", "--out", str(tmp_path / "r2")]) == 0
     err = " ".join(capsys.readouterr().err.split())
     assert f"written with --data {tmp_path / 'a' / 'ds'}, this run has --data {tmp_path / 'b' / 'ds'}" in err, err
+
+
+def test_text_options_beside_a_data_set_with_its_eval_split_are_refused(tmp_path, capsys):
+    """--text-dir and --text-bytes chose nothing with --data DIR (DIR/train, DIR/eval): the run
+    trained on DIR, said nothing, and its summary recorded them as its corpus."""
+    import numpy as np
+
+    import spmdkit
+    from spmdkit._cli import main
+
+    tokens = np.random.default_rng(0).integers(0, 256, (64, 9)).astype(np.uint8)
+    spmdkit.write_dataset(tmp_path / "ds" / "train", {"tokens": tokens[:48]})
+    spmdkit.write_dataset(tmp_path / "ds" / "eval", {"tokens": tokens[48:]})
+    text = tmp_path / "txt"
+    text.mkdir()
+    (text / "a.py").write_text("print('hello')\n" * 50)
+    lm = ["train", "--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--steps",
+          "1", "--batch-size", "8", "--no-progress", "--no-compile-cache", "--data", str(tmp_path / "ds")]
+    for extra, flags in ((["--text-bytes", "5000"], "--text-bytes 5000"),
+                         (["--text-dir", str(text), "--text-bytes", "9"], f"--text-dir {text} and --text-bytes 9")):
+        assert main([*lm, *extra, "--out", str(tmp_path / "o")]) == 2
+        assert f"{flags} would not be used: the examples come from --data" in " ".join(capsys.readouterr().err.split())
+    assert main([*lm, "--out", str(tmp_path / "o")]) == 0

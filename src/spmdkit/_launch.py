@@ -127,6 +127,21 @@ def heartbeat_timeout(timeout_s: int) -> int:
     return 3 * timeout_s + 30
 
 
+def _check_same_as_launch(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Under ``spmdkit launch`` a flag that contradicts what it set for the process: the
+    processes then waited for a peer that never came (``--num-processes 3`` of 2 launched:
+    108 s, then an abort with C++ stack traces)."""
+    for flag, given, name in (("--coordinator", coordinator, ENV_COORDINATOR),
+                              ("--num-processes", num_processes, ENV_NUM_PROCESSES),
+                              ("--process-id", process_id, ENV_PROCESS_ID)):
+        if given is not None and name in os.environ and str(given) != os.environ[name]:
+            raise DeviceSetupError(fix(
+                f"{flag} {given} (argument {flag[2:].replace('-', '_')}) differs from {os.environ[name]}, which "
+                f"spmdkit launch set for this process ({name}).",
+                f"drop {flag}: under spmdkit launch every process takes its coordinator, count and id from the "
+                "launcher (spmdkit launch -n N sets the count); or start the processes yourself."))
+
+
 def initialize_distributed(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -141,6 +156,7 @@ def initialize_distributed(
     The training loop's step watchdog uses ``timeout_s``; the coordination service's
     heartbeat timeout, the backstop, is :func:`heartbeat_timeout` of it.
     """
+    _check_same_as_launch(coordinator, num_processes, process_id)
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     if coordinator:
         host = check_coordinator(coordinator)

@@ -112,18 +112,35 @@ def _check_outputs_outside_text(run: RunConfig) -> None:
     and checkpoints training text without a word, and the corpus changed from run to run."""
     if run.task != "lm" or run.text_dir is None:
         return
-    corpus = Path(run.text_dir).resolve()
+    folders = _corpus_folders(run.text_dir)
     for flag, path in (("--out", run.out), ("--checkpoint-dir", run.checkpoint.directory if run.checkpoint else None)):
-        where = Path(path).resolve() if path is not None else None
-        if where is None or (where != corpus and corpus not in where.parents):
+        if path is None:
             continue
-        if any(part.startswith(".") for part in where.relative_to(corpus).parts):
-            continue  # hidden: the corpus skips it
+        where = Path(path).resolve()
+        there = where  # the deepest part that exists: the rest is created by this run
+        while not there.exists() and there != there.parent:
+            there = there.parent
+        if str(there) not in folders or any(part.startswith(".") for part in where.relative_to(there).parts):
+            continue  # not a folder the corpus enters, or hidden below one (the corpus skips it)
         raise ConfigError(fix(f"{flag} {path} is inside --text-dir {run.text_dir}: lm reads every non-hidden file "
                               "there, so this run's files (metrics, parameters, checkpoints) would become training "
                               "text, different at every run.",
                               f"pass a {flag} outside --text-dir (or one whose name starts with '.', which the corpus "
                               "skips), or a --text-dir that holds only the text."))
+
+
+def _corpus_folders(text_dir: str) -> set[str]:
+    """The real paths of the folders lm's corpus reads, as it walks them: non-hidden ones,
+    through symbolic links (an --out reached through a link inside --text-dir is inside too)."""
+    folders: set[str] = set()
+    for folder, dirs, _ in os.walk(text_dir, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in folders:
+            dirs[:] = []
+            continue
+        folders.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+    return folders
 
 
 def _check_labels(data: Any, classes: int, flag: str, run: RunConfig) -> None:
@@ -149,6 +166,8 @@ def _build_task(run: RunConfig) -> Task:
         _check_eval(task.train_data, held_out, f"--task {run.task}'s training set", f"--eval-data {run.eval_data}", run)
         return dataclasses.replace(task, eval_data=held_out)
     train_dir, eval_dir = data_splits(run.data, run.eval_data, run.task)
+    if eval_dir is not None:
+        _check_no_text_options(run, train_dir, eval_dir)
     train = load_dataset(train_dir, verify=run.verify_data)
     module = TASKS[run.task]
     if eval_dir is not None:
@@ -171,6 +190,18 @@ def _build_task(run: RunConfig) -> Task:
     if task.eval_data is not None and not is_pipeline(task.eval_data):
         _check_eval(train, task.eval_data, f"the training set {train_dir}", f"--task {run.task}'s own eval set", run)
     return dataclasses.replace(task, train_data=train)
+
+
+def _check_no_text_options(run: RunConfig, train_dir: Any, eval_dir: Any) -> None:
+    """--text-dir and --text-bytes choose lm's own text; with a data set for training and
+    for eval they chose nothing, yet the run's summary recorded them as its corpus."""
+    given = [f"--{k.replace('_', '-')} {v}" for k, v in (("text_dir", run.text_dir), ("text_bytes", run.text_bytes))
+             if v is not None]
+    if given:
+        raise ConfigError(fix(f"{' and '.join(given)} would not be used: the examples come from --data {run.data} "
+                              f"({train_dir} for training, {eval_dir} for eval), not from lm's own text.",
+                              f"drop {' and '.join(g.split()[0] for g in given)} (the text went into the data set "
+                              "when it was written: spmdkit data write DIR --task lm --text-dir ...), or drop --data."))
 
 
 def _check_task_reads(task: Task, train: Any, train_dir: Any, run: RunConfig) -> None:
