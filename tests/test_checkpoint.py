@@ -819,3 +819,27 @@ def test_a_dtype_mismatch_from_jax_enable_x64_names_the_variable():
     assert "set JAX_ENABLE_X64=1" in x64_hint("int64", "int32")
     assert "unset JAX_ENABLE_X64" in x64_hint("float32", "float64")
     assert x64_hint("bfloat16", "float32") == ""
+
+
+def test_a_save_whose_directory_was_removed_says_so_and_claims_no_step_intact(tmp_path):
+    # rm -rf of --checkpoint-dir while a run saved: "Earlier steps are intact: [10, 20]" (both gone)
+    # and "free disk space", with Orbax's tracebacks (464 lines) around it.
+    import errno
+    import logging
+    import shutil
+
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    for step in (10, 20):
+        ckpt.save(step, {"w": jnp.ones(3)}, {})
+    ckpt.close()  # both committed
+    (tmp_path / "ck" / step_name(10) / "_CHECKPOINT_METADATA").unlink()  # a removal half done
+    error = ckpt._save_error(30, FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    assert "Earlier steps with all their files: [20]" in str(error) and "removed while the step was saved" in str(error)
+    shutil.rmtree(tmp_path / "ck")
+    error = ckpt._save_error(30, FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    assert re.search(r"ck is gone, removed while the run saved \(FileNotFoundError.*Earlier steps with all their "
+                     r"files: none\.\n  Fix: a file or folder of the checkpoint directory was removed", str(error)), str(error)
+    record = logging.LogRecord("absl", logging.ERROR, __file__, 1, "save failed", None,
+                               (FileNotFoundError, FileNotFoundError(errno.ENOENT, "No such file or directory"), None))
+    from spmdkit._checkpoint import _QuietOcdbtMerge
+    assert _QuietOcdbtMerge().filter(record) and record.exc_info is None  # the line, not the traceback

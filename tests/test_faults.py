@@ -506,7 +506,7 @@ def test_a_full_disk_under_checkpoints_and_out_reports_the_failed_save(tmp_path,
     monkeypatch.setattr(ocp.CheckpointManager, "save", full)
     monkeypatch.setattr(_artifacts, "save_params", out_full)
     messages: list[str] = []
-    with pytest.raises(CheckpointSaveError, match=r"saving checkpoint step 15 .*Earlier steps are intact: \[5, 10\]"):
+    with pytest.raises(CheckpointSaveError, match=r"saving checkpoint step 15 .*Earlier steps with all their files: \[5, 10\]"):
         fit(ck, steps=30, every=5, resume=True, out=out, log=messages.append)
     assert any(m.startswith(f"linreg: cannot write {out / 'params.npz'}: No space left on device") and
                "the run had already failed" in m for m in messages), messages

@@ -446,9 +446,10 @@ def _os_cause(e: BaseException) -> str:
 
 
 # How a full, read-only or forbidden file system shows in Orbax's and TensorStore's errors.
-_FS_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG)
+# A directory removed under a save (rm -rf of --checkpoint-dir) is one too.
+_FS_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG, errno.ENOENT)
 _FS_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "PERMISSION_DENIED",
-             "RESOURCE_EXHAUSTED", "File too large")
+             "RESOURCE_EXHAUSTED", "File too large", "No such file or directory")
 
 
 class _QuietOcdbtMerge(logging.Filter):
@@ -806,11 +807,21 @@ class Checkpointer:
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
         _no_hang_at_exit(CheckpointSaveError.exit_code)
-        intact = [s for s in self.steps() if s != step]
+        intact = [s for s in self.steps() if s != step and not self._missing_files(s)]
         cause = _os_cause(e)
+        if not self.directory.is_dir():
+            cause = f"{self.directory} is gone, removed while the run saved ({cause})"
         return CheckpointSaveError(fix(
             f"saving checkpoint step {step} in {self.directory} failed: {cause}. "
-            f"Earlier steps are intact: {intact or 'none'}.", _save_fix(cause)))
+            f"Earlier steps with all their files: {intact or 'none'}.", _save_fix(cause)))
+
+    def _missing_files(self, step: int) -> bool:
+        """Whether files of ``step`` are gone (a directory removed under the run): a claim
+        that earlier steps are intact must not rest on a listing alone."""
+        try:
+            return bool(self.problems(step, arrays=False))
+        except (CheckpointError, OSError):
+            return True
 
     def _finish_pending(self) -> None:
         step, self._pending = self._pending, None
@@ -1268,6 +1279,10 @@ def _save_fix(cause: str) -> str:
     if any(word in cause.lower() for word in _PEER_GONE):
         return ("another process of the job stopped during the save (its connection closed): see its error; "
                 "then resume with --resume.")
+    if "removed while the run saved" in cause or "No such file or directory" in cause:
+        return ("a file or folder of the checkpoint directory was removed while the step was saved (another program, "
+                "or the directory itself deleted): keep --checkpoint-dir in place while the run writes it; to start "
+                "over, run without --resume, or resume from the steps left.")
     if "File too large" in cause:
         return ("a file of the step is larger than a limit allows: the process's (ulimit -f) or the file "
                 "system's (FAT32: 4 GiB); raise the limit or pass a --checkpoint-dir on another file system, "
