@@ -265,3 +265,20 @@ def test_relative_paths_in_a_config_file_are_read_from_the_working_directory(tmp
     monkeypatch.chdir(tmp_path)
     run = build_run_config(load_toml(str(path)))
     assert run.out == "runs/a" and str(run.checkpoint.directory) == "ck"
+
+
+def test_a_length_flag_overrides_the_files_other_length_and_a_key_in_capitals_gets_its_hint(tmp_path):
+    # steps = 5 in a file with --epochs 1 was "both steps=5 and epochs=1 were given", against
+    # "flags override the file"; 'LR' got no "did you mean 'lr'".
+    path = tmp_path / "run.toml"
+    path.write_text("steps = 5\n")
+    run = build_run_config(resolve_options({"task": "linreg", "config": str(path), "epochs": 1}))
+    assert (run.train.steps, run.train.epochs) == (None, 1)
+    path.write_text("epochs = 2\n")
+    run = build_run_config(resolve_options({"task": "linreg", "config": str(path), "steps": 7}))
+    assert (run.train.steps, run.train.epochs) == (7, None)
+    with pytest.raises(spmdkit.ConfigError, match="both steps=3 and epochs=1"):  # both as flags: still refused
+        build_run_config(resolve_options({"task": "linreg", "steps": 3, "epochs": 1}))
+    path.write_text("LR = 0.1\n")
+    with pytest.raises(spmdkit.ConfigError, match="(?s)unknown key 'LR'.*did you mean 'lr'"):
+        resolve_options({"task": "linreg", "config": str(path)})

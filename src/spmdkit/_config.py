@@ -384,7 +384,7 @@ def check_keys(values: dict[str, Any], source: str) -> dict[str, Any]:
                                   f"keep one of them ({k.replace('_', '-')} = ...)."))
         spelled[k] = key
         if k not in _KEYS:
-            close = difflib.get_close_matches(k, CONFIG_KEYS, n=1)
+            close = difflib.get_close_matches(k.lower(), CONFIG_KEYS, n=1)  # LR -> lr
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(
                 fix(

@@ -43,7 +43,13 @@ def resolve_options(flags: dict[str, Any]) -> dict[str, Any]:
     flags = dict(flags)
     path = flags.pop("config", None)
     from_file = load_toml(path) if path else {}
-    given = {**from_file, **check_keys(flags, "flags")}
+    flags = check_keys(flags, "flags")
+    # The run's length is one choice written either way: --epochs overrides a file's steps (and
+    # --steps its epochs), as any flag overrides the file, where both together were refused.
+    for flag, other in (("epochs", "steps"), ("steps", "epochs")):
+        if flags.get(flag) is not None and flags.get(other) is None:
+            from_file.pop(other, None)
+    given = {**from_file, **flags}
     task_name = given.get("task", "linreg")
     defaults = dict(task_defaults(task_name))
     # A task's default length must not clash with a user-given --epochs.
