@@ -414,8 +414,11 @@ def test_a_file_larger_than_memory_is_read_only_as_far_as_needed(tmp_path):
     assert train == (b"to train " * 20)[:100] and held == bytes(10)
 
 
-def test_a_folder_of_the_corpus_that_cannot_be_listed_is_named(tmp_path):
-    # rglob skipped it without a word: its files left the corpus and the held-out split shifted.
+@pytest.mark.parametrize("folder, mode, verb", [("sub", 0, "list"), ("sub", 0o400, "enter"), ("sub", 0o600, "enter"),
+                                                ("", 0o400, "enter")])
+def test_a_folder_of_the_corpus_that_cannot_be_listed_is_named(tmp_path, folder, mode, verb):
+    # rglob skipped it without a word: its files left the corpus and the held-out split shifted. One
+    # that can be listed but not entered (no x bit, --text-dir itself too) was a bare PermissionError.
     import shutil
     import subprocess
     import sys
@@ -430,13 +433,15 @@ def test_a_folder_of_the_corpus_that_cannot_be_listed_is_named(tmp_path):
             pytest.skip("running as root without setpriv: file modes do not apply")
         prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
     code = "import sys\nfrom spmdkit._tasks import lm\nlm.text_files(sys.argv[1])"
-    (tmp_path / "sub").chmod(0)
+    locked = tmp_path / folder
+    locked.chmod(mode)
     try:
         done = subprocess.run([*prefix, sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                               timeout=120, env={"PYTHONPATH": str(Path(spmdkit.__file__).parents[1]), "PATH": "/usr/bin:/bin"})
     finally:
-        (tmp_path / "sub").chmod(0o755)
-    assert "DataError: lm: --text-dir" in done.stderr and f"cannot list {tmp_path / 'sub'} (Permission denied)" in done.stderr
+        locked.chmod(0o755)
+    assert "DataError: lm: --text-dir" in done.stderr, done.stderr
+    assert f"cannot {verb} {locked} (Permission denied)" in done.stderr and f"chmod -R u+rX {locked})" in done.stderr
 
 
 def test_symlinked_folders_are_read_and_a_dangling_link_is_named(tmp_path):

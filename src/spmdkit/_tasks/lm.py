@@ -263,13 +263,14 @@ def text_files(text_dir: str | Path | None = None) -> list[Path]:
 
 def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
     """Every non-hidden file under ``root``, through symlinked folders too. A directory that cannot be
-    listed is an error: rglob skipped it without a word, so its files were left out of the corpus (and
+    listed or entered is an error: rglob skipped it without a word, so its files were left out of the corpus (and
     the held-out split, every 20th file, shifted), and an unlistable --text-dir itself "held 0 files".
     So is a symbolic link to nothing."""
-    def refuse(e: OSError) -> None:
-        raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: cannot list {e.filename} ({e.strerror or e}); its "
+    def refuse(e: OSError, what: str = "list", folder: str | None = None) -> None:
+        folder = folder or e.filename
+        raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: cannot {what} {folder} ({e.strerror or e}); its "
                             "files would be left out of the corpus.",
-                            f"make it readable (chmod -R u+rX {e.filename}), or move it out of --text-dir (a name "
+                            f"make it readable (chmod -R u+rX {folder}), or move it out of --text-dir (a name "
                             "starting with '.' is skipped)."))
 
     # Symlinked folders are entered (a corpus of links to data sets is common; their files were left
@@ -277,9 +278,11 @@ def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
     files, seen = [], set()
     for folder, dirs, names in os.walk(root, onerror=refuse, followlinks=True):
         try:
-            here = os.stat(folder)
+            # Through "folder/.": that needs search (x) permission, which a folder that can be listed but
+            # not entered (chmod 400 or 600) lacks; its files' stat then failed as a bare PermissionError.
+            here = os.stat(os.path.join(folder, os.curdir))
         except OSError as e:
-            refuse(e)
+            refuse(e, "enter", folder)
         if (here.st_dev, here.st_ino) in seen:
             dirs[:] = []
             continue
