@@ -259,6 +259,22 @@ def test_other_byte_orders_are_stored_native_or_named(tmp_path):
         task(big)
 
 
+@pytest.mark.parametrize("damage", ["half", "10 bytes short", "stub", "empty", "bad crc"])
+def test_cli_names_a_damaged_npz(tmp_path, capsys, damage):
+    # A zip cut short or corrupt was a bare zipfile.BadZipFile (an empty file an EOFError), exit 1.
+    from spmdkit._cli import main
+
+    np.savez(tmp_path / "a.npz", x=np.arange(600.0), y=np.arange(600))
+    whole = (tmp_path / "a.npz").read_bytes()
+    flipped = bytearray(whole)
+    flipped[len(whole) // 3] ^= 0xFF
+    (tmp_path / "a.npz").write_bytes({"half": whole[:len(whole) // 2], "10 bytes short": whole[:-10],
+                                      "stub": b"PK\x03\x04garbage", "empty": b"", "bad crc": bytes(flipped)}[damage])
+    assert main(["data", "write", str(tmp_path / "ds"), "--npz", str(tmp_path / "a.npz")]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # as wrapped by the console
+    assert f"--npz {tmp_path / 'a.npz'}: the file is damaged (truncated or corrupt" in err and "intact copy" in err
+
+
 def test_no_arrays_is_named_as_such(tmp_path, capsys):
     # An empty dict (or an .npz without arrays) was "every array needs the same number of examples; got {}".
     from spmdkit._cli import main

@@ -55,6 +55,18 @@ def test_npz_layout(tmp_path):
     assert len(train["label"]) == 20 and len(test["label"]) == 5
 
 
+def test_a_damaged_or_incomplete_npz_is_named_once(tmp_path):
+    # A truncated mnist.npz was a bare zipfile.BadZipFile; one lacking arrays said "Fix:" twice.
+    np.savez(tmp_path / "mnist.npz", x_train=np.zeros((20, 28, 28), np.uint8))
+    with pytest.raises(spmdkit.DataError) as e:
+        mnist.load(tmp_path)
+    assert "mnist.npz lacks arrays ['y_train', 'x_test', 'y_test']" in str(e.value) and str(e.value).count("Fix:") == 1
+    whole = (tmp_path / "mnist.npz").read_bytes()
+    (tmp_path / "mnist.npz").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(spmdkit.DataError, match=r"mnist.npz cannot be read: File is not a zip file.\n  Fix: replace it"):
+        mnist.load(tmp_path)
+
+
 def test_missing_files_are_named(tmp_path):
     fake_mnist(tmp_path)
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()

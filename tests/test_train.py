@@ -69,6 +69,16 @@ def test_load_params_errors(tmp_path):
     assert back["w"].dtype == np.float64 and back["w"].sum() == 6
 
 
+def test_load_params_names_a_damaged_file(tmp_path):
+    # A params.npz cut short (a copy interrupted) was a bare zipfile.BadZipFile.
+    spmdkit.save_params(tmp_path / "p.npz", {"w": np.ones((20, 30))})
+    whole = (tmp_path / "p.npz").read_bytes()
+    for damaged in (whole[:len(whole) // 2], b"PK\x03\x04garbage", b""):
+        (tmp_path / "p.npz").write_bytes(damaged)
+        with pytest.raises(spmdkit.DataError, match=r"p.npz is damaged \(truncated or corrupt: .*\)\.\n  Fix: load an intact"):
+            spmdkit.load_params(tmp_path / "p.npz")
+
+
 def test_load_params_refuses_a_like_without_a_place_for_every_array(tmp_path):
     # A model built with one layer fewer than the file loaded the rest and dropped that layer, silently.
     layers = {f"layer_{i}": {"w": np.full((2, 2), i, np.float32)} for i in range(3)}

@@ -827,11 +827,14 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
     if args.npz:
         import numpy as np
 
-        from spmdkit._errors import DataError, fix
+        from spmdkit._errors import NPZ_DAMAGE, DataError, fix
 
         try:
             with np.load(args.npz, allow_pickle=False) as f:
                 arrays = {k: f[k] for k in f.files}
+        except NPZ_DAMAGE as e:
+            raise DataError(fix(f"--npz {args.npz}: the file is damaged (truncated or corrupt: {e}).",
+                                "write it again with numpy.savez(path, name=array, ...), or pass an intact copy.")) from None
         except (OSError, ValueError) as e:
             raise DataError(fix(f"--npz {args.npz}: cannot be read as an .npz of arrays ({e}).",
                                 "pass a file written by numpy.savez(path, name=array, ...).")) from None

@@ -7,6 +7,13 @@ wrong, where (argument and pytree path), the sizes involved, and how to fix it.
 
 from __future__ import annotations
 
+import zipfile
+import zlib
+
+# What np.load raises for a damaged .npz beyond OSError and ValueError: a zip cut short or corrupt
+# (BadZipFile, a bad CRC too), an empty file (EOFError), a compressed member cut short (zlib.error).
+NPZ_DAMAGE = (zipfile.BadZipFile, EOFError, zlib.error)
+
 
 class SpmdkitError(Exception):
     """Base class of every error spmdkit raises on purpose."""

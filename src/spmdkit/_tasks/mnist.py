@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spmdkit._errors import DataError, fix
+from spmdkit._errors import NPZ_DAMAGE, DataError, fix
 from spmdkit._tasks._base import Task
 from spmdkit._tasks.digits import CNN, NUM_CLASSES, classification_task  # noqa: F401 (NUM_CLASSES: the CLI's label check)
 
@@ -97,7 +97,9 @@ def load(data_dir: str | Path) -> tuple[dict, dict]:
                     raise DataError(fix(f"{npz} lacks arrays {missing} (it has {f.files}).",
                                         "write it with x_train, y_train, x_test, y_test."))
                 arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test")}
-        except (OSError, ValueError, zlib.error) as e:
+        except DataError:  # the missing arrays' own message: a ValueError, it was wrapped in a second "Fix:"
+            raise
+        except (OSError, ValueError, *NPZ_DAMAGE) as e:
             raise DataError(fix(f"{npz} cannot be read: {e}.", "replace it with an intact copy.")) from None
         parts = {"train_images": arrays["x_train"], "train_labels": arrays["y_train"],
                  "test_images": arrays["x_test"], "test_labels": arrays["y_test"]}
