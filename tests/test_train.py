@@ -312,6 +312,23 @@ def test_summary_counts_epochs_only_when_an_epoch_has_a_length(tmp_path, capsys)
     assert "examples_seen" in table and "80" in table and "epochs" not in table
 
 
+def test_a_params_file_that_cannot_be_written_leaves_the_other_files(tmp_path, monkeypatch):
+    # Under `ulimit -f 100` params.npz failed and the files after it were never tried: --out held
+    # metrics.jsonl alone, no summary.json to say the run failed.
+    from spmdkit._train import _artifacts as art
+
+    def too_large(path, params):
+        raise art._cannot_write(Path(path), OSError(27, "File too large"))
+
+    monkeypatch.setattr(art, "save_params", too_large)
+    with pytest.raises(art.ArtifactError, match="cannot write .*params.npz: File too large"):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=3, batch_size=16),
+                    progress=False, out_dir=tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"summary.json", "loss.png", "metrics.jsonl"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "params.npz: File too large" in summary["error"]
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_stop_request_while_the_final_files_are_written_waits_for_them(tmp_path, monkeypatch, sig):
     # It cut the plot short with a traceback, exiting 130/143 under a summary that said completed.

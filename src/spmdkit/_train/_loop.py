@@ -828,10 +828,25 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
 
 
 def _write_artifacts(out: Path, params: Any, summary: dict[str, Any], history: list[dict[str, Any]], task: Task) -> None:
-    art.save_params(out / "params.npz", params)
-    art.write_json(out / "summary.json", summary)
+    """Every file is attempted, the first failure raised after them: params.npz, the large one, is
+    what a small ``ulimit -f`` or a nearly full disk refuses, and stopping there lost the small
+    summary.json that says how the run went. params.npz goes first so that the summary can say it failed."""
+    errors: list[OSError] = []
+    _attempt(errors, art.save_params, out / "params.npz", params)
+    if errors and "error" not in summary:  # a run that had failed already keeps its own error
+        summary["status"], summary["error"] = "failed", str(errors[0]).splitlines()[0]
+    _attempt(errors, art.write_json, out / "summary.json", summary)
     if history:
         title = f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)"
-        art.plot_history(history, out / "loss.png", title)
+        _attempt(errors, art.plot_history, history, out / "loss.png", title)
         if any("member_accuracy" in r for r in history):
-            art.plot_members(history, out / "ensemble.png", title)
+            _attempt(errors, art.plot_members, history, out / "ensemble.png", title)
+    if errors:
+        raise errors[0]
+
+
+def _attempt(errors: list[OSError], write: Callable[..., None], *args: Any) -> None:
+    try:
+        write(*args)
+    except OSError as e:
+        errors.append(e)
