@@ -1427,10 +1427,18 @@ def test_a_layout_that_one_candidate_alone_cannot_take_is_its_reason_with_a_fix(
     code = main(["plan", "--task", "lm", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
                  "--devices", "8", "--rules", "tp,dp", "--batch-size", "12", "--target", "h100x8"])
     out = " ".join(capsys.readouterr().out.split())  # the console wraps lines
-    assert code == 1, out
+    assert code == 2, out  # bad input: it was 1, a crash's code
     assert "excluded tp [model=8]: state.params" in out and "cannot split evenly" in out, out
     fixes = out[out.index("no candidate fits"):]
     assert "e.g. 16 rows (--batch-size 16)" in fixes and "--heads or --d-model a multiple" in fixes, fixes
+
+
+def test_a_budget_no_candidate_fits_is_bad_input(capsys):
+    # --memory-per-device 1B (or --devices 7 for a batch of 32) exited 1, the code of a crash.
+    code = main(["plan", "--task", "lm", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+                 "--devices", "8", "--rules", "dp", "--memory-per-device", "1B", "--target", "h100x8"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 2 and "no candidate fits" in out and "--memory-per-device" in out, out
 
 
 def test_no_fit_batch_hint_counts_the_accumulation_steps():

@@ -303,7 +303,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     result["task"] = args.task
     if lead:
         _write(result, args, console)
-    return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
+    return _exit_code(result)
+
+
+def _exit_code(result: dict[str, Any]) -> int:
+    """0, or 2 (bad input) when no candidate fits: the devices, batch, model sizes or budget given
+    admit no layout, which the plan's "why" says how to change; 1 is a crash's code."""
+    return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 2
 
 
 def _progress(console: Console) -> Callable[[str], None]:
@@ -402,7 +408,7 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
             raise KeyboardInterrupt
         return 130
     if result is not None:
-        return 0 if any(r["status"] == "ok" for r in result["candidates"]) else 1
+        return _exit_code(result)
     _raise_failure(proc.returncode, list(errors), args.processes)
     return proc.returncode  # not reached
 
