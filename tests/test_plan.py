@@ -1283,6 +1283,17 @@ def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys)
     assert isinstance(err.value, OSError)
     code = main(["plan", "--task", "mlp", "--devices", "8", "--target", "h100x8", "--json", str(tmp_path)])
     assert code == 5 and "is a directory" in capsys.readouterr().err
+    # A file where a folder belongs: the fix was "mkdir -p" of it, which cannot work.
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "nowhere").symlink_to(tmp_path / "gone")
+    for given, said in (("afile/p.json", f"{tmp_path / 'afile'} is a file, not a directory."),
+                        ("afile/sub/p.json", f"{tmp_path / 'afile'} is a file, not a directory."),
+                        ("nowhere/p.json", f"{tmp_path / 'nowhere'} is a symbolic link to {tmp_path / 'gone'}, which "
+                                           "does not exist.")):
+        with pytest.raises(PlanFileError, match=r"(?s)") as err:
+            check_out(str(tmp_path / given), "--json")
+        assert said in str(err.value) and "mkdir" not in str(err.value), str(err.value)
+        assert "Fix: pass a path whose folders are directories, e.g. --json plan.json." in str(err.value)
 
 
 @pytest.mark.parametrize("task, args, wrong", [

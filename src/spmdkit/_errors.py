@@ -66,6 +66,9 @@ def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
         return f"{label} is a directory.", f"pass a file name, e.g. {example}."
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
+        blocker = _in_the_way(parent)
+        if blocker is not None:  # "mkdir -p" would fail on it: the path itself is wrong
+            return (f"{label}: {blocker}.", f"pass a path whose folders are directories, e.g. {example}.")
         # Quoted: "mkdir -p /tmp/out dir" would make two directories, neither of them this one.
         return f"{label}: directory {parent} does not exist.", f"create it (mkdir -p {shlex.quote(parent)}) or pass another path."
     try:
@@ -75,6 +78,19 @@ def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
     except OSError as e:
         return f"{label}: cannot write in {parent} ({e.strerror or e}).", "pass a path in a directory you can write to."
     return None
+
+
+def _in_the_way(directory: str) -> str | None:
+    """What stands where ``directory`` or an ancestor of it belongs (a file, a link to nothing), or None."""
+    import os
+
+    while not os.path.lexists(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)
+    if os.path.isdir(directory):
+        return None
+    if os.path.islink(directory) and not os.path.exists(directory):
+        return f"{directory} is a symbolic link to {os.readlink(directory)}, which does not exist"
+    return f"{directory} is a file, not a directory"
 
 
 class ConfigError(SpmdkitError, ValueError):
