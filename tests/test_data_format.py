@@ -275,6 +275,18 @@ def test_cli_names_a_damaged_npz(tmp_path, capsys, damage):
     assert f"--npz {tmp_path / 'a.npz'}: the file is damaged (truncated or corrupt" in err and "intact copy" in err
 
 
+def test_an_npy_given_as_npz_is_named_as_one_bare_array(tmp_path, capsys):
+    # np.load returns the array itself for an .npy: `with` on it was a bare TypeError, exit 1.
+    from spmdkit._cli import main
+
+    np.save(tmp_path / "a.npy", np.arange(6.0))
+    assert main(["data", "write", str(tmp_path / "ds"), "--npz", str(tmp_path / "a.npy")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "it holds one bare array of shape (6,) (an .npy file), not named arrays" in err and "numpy.savez" in err
+    with pytest.raises(spmdkit.DataError, match=r"is not a params file \(it holds one bare array of shape \(6,\)"):
+        spmdkit.load_params(tmp_path / "a.npy")
+
+
 def test_no_arrays_is_named_as_such(tmp_path, capsys):
     # An empty dict (or an .npz without arrays) was "every array needs the same number of examples; got {}".
     from spmdkit._cli import main

@@ -827,10 +827,10 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
     if args.npz:
         import numpy as np
 
-        from spmdkit._errors import NPZ_DAMAGE, DataError, fix
+        from spmdkit._errors import NPZ_DAMAGE, DataError, fix, npz_file
 
         try:
-            with np.load(args.npz, allow_pickle=False) as f:
+            with npz_file(np.load(args.npz, allow_pickle=False)) as f:
                 arrays = {k: f[k] for k in f.files}
         except NPZ_DAMAGE as e:
             raise DataError(fix(f"--npz {args.npz}: the file is damaged (truncated or corrupt: {e}).",

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import zipfile
 import zlib
+from typing import Any
 
 # What np.load raises for a damaged .npz beyond OSError and ValueError: a zip cut short or corrupt
 # (BadZipFile, a bad CRC too), an empty file (EOFError), a compressed member cut short (zlib.error).
 NPZ_DAMAGE = (zipfile.BadZipFile, EOFError, zlib.error)
+
+
+def npz_file(loaded: Any) -> Any:
+    """What ``np.load`` returned, if it is an .npz of named arrays; a ValueError for an .npy
+    (one bare array), which failed as a bare TypeError where the caller opened it with ``with``."""
+    if not hasattr(loaded, "files"):
+        raise ValueError(f"it holds one bare array of shape {getattr(loaded, 'shape', '?')} (an .npy file), "
+                         "not named arrays")
+    return loaded
 
 
 class SpmdkitError(Exception):

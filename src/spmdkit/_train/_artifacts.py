@@ -19,7 +19,7 @@ import numpy as np
 from spmdkit._atomic import replace_text, replace_whole
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._console import finite_or_null
-from spmdkit._errors import NPZ_DAMAGE, ConfigError, DataError, SpmdkitError, fix
+from spmdkit._errors import NPZ_DAMAGE, ConfigError, DataError, SpmdkitError, fix, npz_file
 from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
 from spmdkit._train._hooks import ROW_FIELDS
 
@@ -188,7 +188,7 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
         [1.0, 1.0]
     """
     try:
-        with np.load(path, allow_pickle=False) as f:
+        with npz_file(np.load(path, allow_pickle=False)) as f:
             arrays = {k: f[k] for k in f.files}
     except OSError as e:
         raise DataError(fix(f"{path} cannot be read: {e.strerror or e}.", "check the path.")) from None
