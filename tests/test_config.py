@@ -282,3 +282,24 @@ def test_a_length_flag_overrides_the_files_other_length_and_a_key_in_capitals_ge
     path.write_text("LR = 0.1\n")
     with pytest.raises(spmdkit.ConfigError, match="(?s)unknown key 'LR'.*did you mean 'lr'"):
         resolve_options({"task": "linreg", "config": str(path)})
+
+
+def test_every_on_off_option_a_file_turns_on_a_flag_turns_off(tmp_path):
+    # resume = true (or bagging, drop-remainder, overwrite-checkpoints, replicate-unknown) in a file
+    # had no flag to undo it for one run; progress = false none to turn it on.
+    from spmdkit._cli import build_parser
+
+    path = tmp_path / "run.toml"
+    path.write_text('resume = true\nbagging = true\ndrop-remainder = true\noverwrite-checkpoints = true\n'
+                    'replicate-unknown = true\nprogress = false\ncheckpoint-dir = "ck"\n')
+    flags = ["--no-resume", "--no-bagging", "--no-drop-remainder", "--no-overwrite-checkpoints",
+             "--no-replicate-unknown", "--progress"]
+    args = vars(build_parser().parse_args(["train", "--config", str(path), *flags]))
+    process = ("command", "coordinator", "num_processes", "process_id", "distributed_timeout", "compile_cache",
+               "no_compile_cache")
+    options = resolve_options({k: v for k, v in args.items() if k not in process})  # as train_from_args does
+    assert {k: options[k] for k in ("resume", "bagging", "drop_remainder", "overwrite_checkpoints",
+                                     "replicate_unknown", "progress")} == {
+        "resume": False, "bagging": False, "drop_remainder": False, "overwrite_checkpoints": False,
+        "replicate_unknown": False, "progress": True}
+    assert "resume" not in vars(build_parser().parse_args(["train"]))  # not given: the file's or default value

@@ -328,12 +328,22 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite-checkpoints", action="store_true",
                    help="a fresh run may replace the checkpoints another run left in --checkpoint-dir")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    _add_negations(p)
     g = p.add_argument_group("several processes (jax.distributed; spmdkit launch sets these for you)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
     g.add_argument("--num-processes", type=_positive_int, help="processes in the job")
     g.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
     g.add_argument("--distributed-timeout", type=_positive_int, default=100, metavar="S",
                    help="seconds without a finished step (or a heartbeat) before a process counts as dead or hung and all exit (100)")
+
+
+def _add_negations(p: argparse.ArgumentParser) -> None:
+    """The other side of each on/off option, so that a flag overrides a --config file's
+    value either way (``resume = true`` in the file, ``--no-resume`` for one fresh run)."""
+    g = p.add_argument_group("turning off what a --config file turned on (or on, for --progress)")
+    for key in ("bagging", "replicate_unknown", "drop_remainder", "resume", "overwrite_checkpoints"):
+        g.add_argument(f"--no-{key.replace('_', '-')}", dest=key, action="store_false")
+    g.add_argument("--progress", dest="progress", action="store_true")
 
 
 def _add_data_parser(sub, common: argparse.ArgumentParser) -> None:
