@@ -464,6 +464,21 @@ def test_symlinked_folders_are_read_and_a_dangling_link_is_named(tmp_path):
         lm.text_files(corpus)
 
 
+def test_a_fifo_or_a_device_under_the_text_dir_is_named(tmp_path):
+    # Both were left out of the corpus without a word (the README says every non-hidden file is read).
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("text " * 50)
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(spmdkit.DataError, match=r"(?s)pipe is a FIFO, not a regular file.*move it out of --text-dir"):
+        lm.text_files(tmp_path)
+    (tmp_path / "pipe").unlink()
+    (tmp_path / "zeros").symlink_to("/dev/zero")
+    with pytest.raises(spmdkit.DataError, match=r"zeros is a character device, not a regular file"):
+        lm.text_files(tmp_path)
+    (tmp_path / "zeros").rename(tmp_path / ".zeros")  # hidden: skipped, as the fix says
+    assert [p.name for p in lm.text_files(tmp_path)] == ["a.txt", "b.txt"]
+
+
 def test_a_held_out_text_too_short_names_its_files(tmp_path):
     # "the held-out text has 3 bytes" did not say which files are held out (the first in sorted order).
     (tmp_path / "a.txt").write_bytes(b"abc")

@@ -295,7 +295,14 @@ def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
                                 "which does not exist; its text would be left out of the corpus.",
                                 f"remove the link (rm {p}) or restore what it points to, or rename it to start "
                                 "with '.' (skipped)."))
-    return [p for p in files if p.is_file()]
+        if p.exists() and not p.is_file():  # a FIFO, a socket, a device (a link to /dev/zero): dropped unsaid
+            kind = next((what for test, what in ((p.is_fifo, "a FIFO"), (p.is_socket, "a socket"),
+                                                 (p.is_char_device, "a character device"),
+                                                 (p.is_block_device, "a block device")) if test()), "not a file")
+            raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: {p} is {kind}, not a regular file; lm reads "
+                                "every non-hidden file as text and cannot read this one (or would never finish).",
+                                "move it out of --text-dir, or rename it to start with '.' (skipped)."))
+    return files
 
 
 def _read(files: list[Path], limit: int) -> bytes:
