@@ -401,7 +401,10 @@ def test_an_ensemble_names_another_ensembles_member_count():
     with pytest.raises(spmdkit.MembersMismatchError, match=r"(?s)the state is an ensemble of 4 members.*not of 2.*"
                                                              r"Ensemble\(members=4\)") as e:
         spmdkit.Ensemble(2).step(linear_step)(members, batch_of(16))
-    assert "one model's state" not in str(e.value)
+    assert "one model's state" not in str(e.value) and "x[:2]" in str(e.value)
+    with pytest.raises(spmdkit.MembersMismatchError, match=r"ensemble of 4 members.*not of 8") as e:
+        spmdkit.Ensemble(8).step(linear_step)(members, batch_of(16))
+    assert "x[:" not in str(e.value)  # fewer members than asked: nothing to take
 
 
 def test_another_strategy_names_a_sharded_or_replicated_state_and_the_move():

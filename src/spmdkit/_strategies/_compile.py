@@ -391,8 +391,7 @@ class Placement:
     def _check_new_state(self, state: State) -> None:
         """Before the first trace of a state's structure: an ensemble's state is named here,
         where tracing would fail inside the user's function on its stacked shapes."""
-        stacked = _stacked(state, self.mesh)
-        if stacked is not None:
+        if _stacked(state, self.mesh) is not None:
             self._foreign_state(state)
 
     def _foreign_state(self, state: State) -> None:

@@ -414,8 +414,9 @@ class Ensemble(Placement):
                     f"state{jax.tree_util.keystr(path)} has shape {shape}: the state is an ensemble of {other} "
                     f"members (every leaf split along a leading axis of {other}), not of {self.members}.",
                     f"run it with Ensemble(members={other}); for {self.members} members, build the state with "
-                    f"Ensemble(members={self.members}).init(make_state, rng), or take members from it: "
-                    f"jax.tree.map(lambda x: x[:{self.members}], state)."))
+                    f"Ensemble(members={self.members}).init(make_state, rng)"
+                    + (f", or take members from it: jax.tree.map(lambda x: x[:{self.members}], state)."
+                       if other > self.members else ".")))
             raise MembersMismatchError(
                 fix(f"state{jax.tree_util.keystr(path)} has shape {shape}: the state has no member axis of "
                     f"size {self.members} ({lead}). Ensemble(members={self.members}) keeps its members' states "
