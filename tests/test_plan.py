@@ -1282,7 +1282,7 @@ def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys)
         check_out(str(tmp_path / "missing" / "f.png"), "--png")
     assert isinstance(err.value, OSError)
     code = main(["plan", "--task", "mlp", "--devices", "8", "--target", "h100x8", "--json", str(tmp_path)])
-    assert code == 5 and "is a directory" in capsys.readouterr().err
+    assert code == 2 and "is a directory" in capsys.readouterr().err  # a wrong path: bad input (5 was the disk's)
     # A file where a folder belongs: the fix was "mkdir -p" of it, which cannot work.
     (tmp_path / "afile").write_text("")
     (tmp_path / "nowhere").symlink_to(tmp_path / "gone")
@@ -1294,6 +1294,21 @@ def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys)
             check_out(str(tmp_path / given), "--json")
         assert said in str(err.value) and "mkdir" not in str(err.value), str(err.value)
         assert "Fix: pass a path whose folders are directories, e.g. --json plan.json." in str(err.value)
+        assert err.value.exit_code == 2
+
+
+def test_cli_plan_json_in_a_place_that_refuses_the_write_is_an_io_failure(tmp_path, monkeypatch):
+    import tempfile
+
+    from spmdkit._plan_cli import PlanFileError, check_out
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)  # as a read-only directory answers (root ignores modes)
+    with pytest.raises(PlanFileError, match="cannot write in") as err:
+        check_out(str(tmp_path / "plan.json"), "--json")
+    assert err.value.exit_code == 5
 
 
 @pytest.mark.parametrize("task, args, wrong", [

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit._atomic import replace_text
-from spmdkit._errors import SpmdkitError, fix, unwritable
+from spmdkit._errors import SpmdkitError, fix, unwritable, wrong_output_path
 from spmdkit._target import (  # the cost model shared with the planner, and its readers of a file's fields
     TargetError, _collectives, _finite, _link, _measurements, measure_cache_curve, measure_op_overhead, steps_and_wire)
 
@@ -66,9 +66,10 @@ class CalibrationError(SpmdkitError, ValueError):
 
 
 class CalibrationFileError(SpmdkitError, OSError):
-    """The target file cannot be written (``--out`` in a missing, read-only or full place)."""
+    """The target file cannot be written: ``--out`` a path that cannot be one (exit code 2,
+    bad input), or in a place that refuses the write (5, an I/O failure)."""
 
-    exit_code = 5  # the CLI's code for an I/O failure
+    exit_code = 5  # the CLI's code for an I/O failure; check_out sets 2 for a wrong path
 
 
 class CalibrationRunError(SpmdkitError, RuntimeError):
@@ -288,7 +289,10 @@ def check_out(out: str | os.PathLike | None) -> str | None:
     path = os.fspath(out)
     problem = unwritable(path, f"out={path!r} (--out)", "--out target.json")
     if problem:
-        raise CalibrationFileError(fix(*problem)) from None
+        error = CalibrationFileError(fix(*problem))
+        if wrong_output_path(path):  # a directory, a missing folder, a file in the way: bad input
+            error.exit_code = 2
+        raise error from None
     return path
 
 

@@ -90,6 +90,15 @@ def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
     return None
 
 
+def wrong_output_path(path: str) -> bool:
+    """Whether an output path that :func:`unwritable` refused is the caller's mistake (a
+    directory given, a folder missing or a file in its place: bad input, exit code 2), not a
+    place that refuses the write (no permission, a full disk: an I/O failure, 5)."""
+    import os
+
+    return os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))
+
+
 def _in_the_way(directory: str) -> str | None:
     """What stands where ``directory`` or an ancestor of it belongs (a file, a link to nothing), or None."""
     import os

@@ -23,7 +23,7 @@ from spmdkit._argtypes import path_arg
 from spmdkit._atomic import replace_whole
 from spmdkit._config import TASK_FLAGS, check_task_flags
 from spmdkit._console import finite_or_null
-from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable
+from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable, wrong_output_path
 from spmdkit._process import end_soon
 from spmdkit._tasks.lm import REMAT
 
@@ -202,16 +202,20 @@ def _mlp(args: argparse.Namespace, batch_size: int):
 
 
 class PlanFileError(SpmdkitError, OSError):
-    """``--json`` or ``--png`` cannot be written (a missing, read-only or full place)."""
+    """``--json`` or ``--png`` cannot be written: a path that cannot be one (exit code 2, bad
+    input), or a place that refuses the write (5, an I/O failure)."""
 
-    exit_code = 5  # the CLI's code for an I/O failure
+    exit_code = 5  # the CLI's code for an I/O failure; check_out sets 2 for a wrong path
 
 
 def check_out(path: str | None, flag: str) -> None:
     """An output file, checked writable before minutes of planning."""
     problem = None if path is None else unwritable(path, f"{flag} {path!r}", f"{flag} plan.{flag[2:]}")
     if problem:
-        raise PlanFileError(fix(*problem))
+        error = PlanFileError(fix(*problem))
+        if wrong_output_path(path):  # a directory, a missing folder, a file in the way: bad input
+            error.exit_code = 2
+        raise error
 
 
 def _check_task_options(args: argparse.Namespace) -> None:
