@@ -303,3 +303,14 @@ def test_every_on_off_option_a_file_turns_on_a_flag_turns_off(tmp_path):
         "resume": False, "bagging": False, "drop_remainder": False, "overwrite_checkpoints": False,
         "replicate_unknown": False, "progress": True}
     assert "resume" not in vars(build_parser().parse_args(["train"]))  # not given: the file's or default value
+
+
+def test_a_second_config_file_is_refused_not_taken_alone(tmp_path, capsys):
+    # --config a.toml --config b.toml took b.toml alone, without a word.
+    from spmdkit._cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", "--config", "a.toml", "--config", "b.toml"])
+    assert e.value.code == 2
+    assert "--config is given twice (a.toml and b.toml); it takes one file" in capsys.readouterr().err
+    assert build_parser().parse_args(["train", "--config", "a.toml"]).config == "a.toml"

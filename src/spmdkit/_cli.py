@@ -287,7 +287,8 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
         "--config FILE (flat TOML whose keys mirror these flags), then the flags themselves.",
         argument_default=argparse.SUPPRESS,  # so we know which flags were given
     )
-    p.add_argument("--config", type=path_arg, metavar="FILE", help="TOML file of options (keys mirror the flags)")
+    p.add_argument("--config", type=path_arg, metavar="FILE", action=_Once,
+                   help="TOML file of options (keys mirror the flags); one file")
     p.add_argument("--task", choices=sorted(TASKS), help="what to train (default: linreg)")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), help="where it runs (default: data)")
     p.add_argument("--impl", choices=IMPLS, help="data-parallel implementation (auto = jit: the whole step compiled with NamedSharding)")
@@ -335,6 +336,16 @@ def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
     g.add_argument("--distributed-timeout", type=_positive_int, default=100, metavar="S",
                    help="seconds without a finished step (or a heartbeat) before a process counts as dead or hung and all exit (100)")
+
+
+class _Once(argparse.Action):
+    """A flag given at most once: ``--config a.toml --config b.toml`` took b alone, silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} is given twice ({getattr(namespace, self.dest)} and {values}); "
+                         "it takes one file: merge the two into one, or give the second one's values as flags")
+        setattr(namespace, self.dest, values)
 
 
 def _add_negations(p: argparse.ArgumentParser) -> None:
