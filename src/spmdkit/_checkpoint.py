@@ -1069,19 +1069,19 @@ class Checkpointer:
         for _ in range(_READ_PASSES):
             restored, damaged, gone = self._newest_intact(steps, target, members)
             if restored is not None:
-                if damaged and self.run_id is None:
+                if self.run_id is not None:
+                    if damaged:
+                        self.log(f"checkpoints: resuming from step {restored[1]['step']}, the newest intact one "
+                                 f"(damaged: {sorted(damaged)}, set aside)")
+                    # Called damage seen or not: in a job, process 0 may have found a step damaged that
+                    # it would rename before another process listed it (see _set_aside).
+                    self._set_aside(damaged)
+                elif damaged:
                     # Only the run that owns the directory moves steps: to a reader (a sidecar evaluating
                     # a live run) a step without its manifest yet may be a save still in flight.
                     self.log(f"checkpoints: restored step {restored[1]['step']}, the newest intact one; "
                              f"{sorted(damaged)} left in place (this Checkpointer only reads: claim() takes the "
                              "directory for writing)")
-                elif damaged or (self.run_id is not None and jax.process_count() > 1):
-                    if damaged:
-                        self.log(f"checkpoints: resuming from step {restored[1]['step']}, the newest intact one "
-                                 f"(damaged: {sorted(damaged)}, set aside)")
-                    # In a job every process calls it, damage seen or not: process 0 may have found
-                    # a step damaged that it would rename before another process listed it.
-                    self._set_aside(damaged)
                 return restored
             if not gone:
                 break

@@ -31,7 +31,7 @@ from spmdkit._data._splits import check_splits_match, data_splits, eval_split
 from spmdkit._errors import ConfigError, DataError, NonFiniteLossError, fix
 from spmdkit._launch import ENV_RESUME
 from spmdkit._strategies import get_strategy
-from spmdkit._tasks import TASKS, Task, get_task, task_defaults
+from spmdkit._tasks import TASKS, Task, get_task, lm, task_defaults
 from spmdkit._train import fit
 
 EXIT_DIVERGED = 3
@@ -118,7 +118,7 @@ def _check_outputs_outside_text(run: RunConfig) -> None:
     and checkpoints training text without a word, and the corpus changed from run to run."""
     if run.task != "lm" or run.text_dir is None:
         return
-    folders = _corpus_folders(run.text_dir)
+    folders = lm.text_folders(run.text_dir)
     for flag, path in (("--out", run.out), ("--checkpoint-dir", run.checkpoint.directory if run.checkpoint else None)):
         if path is None:
             continue
@@ -133,20 +133,6 @@ def _check_outputs_outside_text(run: RunConfig) -> None:
                               "text, different at every run.",
                               f"pass a {flag} outside --text-dir (or one whose name starts with '.', which the corpus "
                               "skips), or a --text-dir that holds only the text."))
-
-
-def _corpus_folders(text_dir: str) -> set[str]:
-    """The real paths of the folders lm's corpus reads, as it walks them: non-hidden ones,
-    through symbolic links (an --out reached through a link inside --text-dir is inside too)."""
-    folders: set[str] = set()
-    for folder, dirs, _ in os.walk(text_dir, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in folders:
-            dirs[:] = []
-            continue
-        folders.add(real)
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-    return folders
 
 
 def _check_labels(data: Any, classes: int, flag: str, run: RunConfig) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -261,11 +262,17 @@ def text_files(text_dir: str | Path | None = None) -> list[Path]:
     return files
 
 
-def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
-    """Every non-hidden file under ``root``, through symlinked folders too. A directory that cannot be
-    listed or entered is an error: rglob skipped it without a word, so its files were left out of the corpus (and
-    the held-out split, every 20th file, shifted), and an unlistable --text-dir itself "held 0 files".
-    So is a symbolic link to nothing."""
+def text_folders(text_dir: str | Path) -> set[str]:
+    """The real paths of the folders the corpus of ``text_dir`` reads, walked as the corpus walks
+    them (non-hidden, through symbolic links): what a run's --out must not be inside."""
+    return {os.path.realpath(folder) for folder, _ in _walk_folders(Path(text_dir), text_dir)}
+
+
+def _walk_folders(root: Path, text_dir: str | Path) -> Iterator[tuple[str, list[str]]]:
+    """``(folder, non-hidden file names)`` of every folder under ``root`` the corpus enters,
+    through symlinked folders too. A directory that cannot be listed or entered is an error:
+    rglob skipped it without a word, so its files were left out of the corpus (and the held-out
+    split, every 20th file, shifted), and an unlistable --text-dir itself "held 0 files"."""
     def refuse(e: OSError, what: str = "list", folder: str | None = None) -> None:
         folder = folder or e.filename
         raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: cannot {what} {folder} ({e.strerror or e}); its "
@@ -275,7 +282,7 @@ def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
 
     # Symlinked folders are entered (a corpus of links to data sets is common; their files were left
     # out without a word), each real folder once, the first in sorted order: a link to an ancestor is no loop.
-    files, seen = [], set()
+    seen = set()
     for folder, dirs, names in os.walk(root, onerror=refuse, followlinks=True):
         try:
             # Through "folder/.": that needs search (x) permission, which a folder that can be listed but
@@ -288,7 +295,13 @@ def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
             continue
         seen.add((here.st_dev, here.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        files += [Path(folder, n) for n in names if not n.startswith(".")]
+        yield folder, [n for n in names if not n.startswith(".")]
+
+
+def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
+    """Every non-hidden file of the folders :func:`_walk_folders` enters; a symbolic link to
+    nothing, a FIFO, a socket or a device among them is an error."""
+    files = [Path(folder, n) for folder, names in _walk_folders(root, text_dir) for n in names]
     for p in files:
         if p.is_symlink() and not p.exists():  # its text would be missing and the held-out split shifted
             raise DataError(fix(f"lm: --text-dir {str(text_dir)!r}: {p} is a symbolic link to {os.readlink(p)}, "
