@@ -224,6 +224,22 @@ def test_a_process_flag_that_contradicts_the_launcher_is_refused_at_once(tmp_pat
     assert "drop " + flag in out.stderr
 
 
+@pytest.mark.parametrize("given, ok", [("localhost:4321", True), ("127.0.0.1:4321", True),
+                                       ("[::1]:4321", False), ("localhost:4322", False),
+                                       ("no-such-host.invalid:4321", False)])
+def test_a_coordinator_spelt_another_way_is_the_launchers_own(monkeypatch, given, ok):
+    # localhost:N under a launch that set 127.0.0.1:N names the same place: it was refused.
+    # ::1 is another address than 127.0.0.1, where the coordinator does not listen.
+    from spmdkit._errors import DeviceSetupError
+    from spmdkit._launch import ENV_COORDINATOR, _check_same_as_launch
+    monkeypatch.setenv(ENV_COORDINATOR, "127.0.0.1:4321")
+    if ok:
+        _check_same_as_launch(given, None, None)
+    else:
+        with pytest.raises(DeviceSetupError, match=f"--coordinator {re.escape(given)} .*differs from 127.0.0.1:4321"):
+            _check_same_as_launch(given, None, None)
+
+
 def test_an_uncaught_exception_in_one_process_ends_the_launch_soon():
     # Process 1 raises while process 0 waits for it in a collective; JAX's exit handler would
     # hold process 1 in its shutdown barrier for 5 minutes.

@@ -134,12 +134,28 @@ def _check_same_as_launch(coordinator: str | None, num_processes: int | None, pr
     for flag, given, name in (("--coordinator", coordinator, ENV_COORDINATOR),
                               ("--num-processes", num_processes, ENV_NUM_PROCESSES),
                               ("--process-id", process_id, ENV_PROCESS_ID)):
-        if given is not None and name in os.environ and str(given) != os.environ[name]:
+        if given is not None and name in os.environ and not _same(flag, str(given), os.environ[name]):
             raise DeviceSetupError(fix(
                 f"{flag} {given} (argument {flag[2:].replace('-', '_')}) differs from {os.environ[name]}, which "
                 f"spmdkit launch set for this process ({name}).",
                 f"drop {flag}: under spmdkit launch every process takes its coordinator, count and id from the "
                 "launcher (spmdkit launch -n N sets the count); or start the processes yourself."))
+
+
+def _same(flag: str, given: str, launched: str) -> bool:
+    if given == launched or flag != "--coordinator":
+        return given == launched
+    # One place spelt two ways (localhost:N and 127.0.0.1:N) is the same coordinator.
+    (host, _, port), (host0, _, port0) = given.rpartition(":"), launched.rpartition(":")
+    return port == port0 and bool(_addresses(host) & _addresses(host0))
+
+
+def _addresses(host: str) -> set[str]:
+    host = host.strip("[]")
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return {host}  # not resolvable here: only the same spelling is the same place
 
 
 def initialize_distributed(
