@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -503,6 +504,28 @@ def test_a_corpus_file_edited_between_runs_is_not_resumed_silently(tmp_path):
     assert main(["train", *flags, "--steps", "3", "--resume"]) == 2
     (corpus / "1.txt").write_bytes(text)
     assert main(["train", *flags, "--steps", "3", "--resume"]) == 0
+
+
+def test_a_held_out_file_edited_between_runs_is_said_on_resume(tmp_path, capfd):
+    # Editing the held-out file (sorted position 0) changed the eval figures of a resumed run
+    # without a word; training resumes as it was, so it is a warning, not a refusal.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_bytes(bytes(range(32, 127)) * 20)
+    flags = ["--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--text-dir",
+             str(corpus), "--no-progress", "--no-compile-cache", "--out", str(tmp_path / "run"), "--checkpoint-dir",
+             str(tmp_path / "ck"), "--batch-size", "8"]
+    assert main(["train", *flags, "--steps", "2"]) == 0
+    assert main(["train", *flags, "--steps", "3", "--resume"]) == 0
+    assert "evaluating on other data" not in capfd.readouterr().err  # the same held-out text: no word
+    text = (corpus / "0.txt").read_bytes()
+    (corpus / "0.txt").write_bytes(text.replace(b"a", b"b"))
+    assert main(["train", *flags, "--steps", "4", "--resume"]) == 0
+    err = capfd.readouterr().err
+    assert re.search(r"the checkpoint at step 3 was written evaluating on other data: the eval set's bytes differ "
+                     r"\(CRC-32 [0-9a-f]{8} then, [0-9a-f]{8} now", err), err[-2000:]
+    assert "eval figures from here on are not comparable" in err
 
 
 def test_a_file_deleted_after_the_listing_is_named(tmp_path, monkeypatch):

@@ -81,6 +81,24 @@ def assemble(local: Any, rows: int, sharding: Any) -> Any:
         lambda x: jax.make_array_from_process_local_data(sharding, x, (rows, *np.shape(x)[1:])), local)
 
 
+def arrays_digest(tree: Any) -> str | None:
+    """The CRC-32 of a pytree's array bytes when every leaf is a numpy array in memory, else
+    None (a pipeline, a data set directory: its files are checksummed when loaded).
+
+    >>> arrays_digest({"x": np.zeros(3, np.float32)}), arrays_digest("data/eval")
+    ('7bd5c66f', None)
+    """
+    if isinstance(tree, (str, bytes, os.PathLike)) or is_pipeline(tree):
+        return None  # flattened, a pipeline would be a leaf: JAX warns of that, and will refuse it
+    leaves = jax.tree.leaves(tree)
+    if not leaves or not all(type(x) is np.ndarray and not x.dtype.hasobject for x in leaves):
+        return None
+    crc = 0
+    for x in leaves:
+        crc = crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8), crc)
+    return f"{crc:08x}"
+
+
 class ArrayFeed:
     """Shuffled batches of arrays; every process reads only its devices' rows."""
 
@@ -139,13 +157,7 @@ class ArrayFeed:
         directory's memory maps are not read whole for it: their files are checksummed when
         loaded), else None. Computed once."""
         if not hasattr(self, "_digest"):
-            leaves = jax.tree.leaves(self.data)
-            self._digest = None
-            if all(type(x) is np.ndarray and not x.dtype.hasobject for x in leaves):
-                crc = 0
-                for x in leaves:
-                    crc = crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8), crc)
-                self._digest = f"{crc:08x}"
+            self._digest = arrays_digest(self.data)
         return self._digest
 
     def resume(self, saved: dict[str, Any] | None) -> None:

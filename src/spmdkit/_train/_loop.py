@@ -29,6 +29,7 @@ from spmdkit._checkpoint import CheckpointConfig, CheckpointError, Checkpointer,
 from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed_options, differing_options, moved_data
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
+from spmdkit._data._feed import arrays_digest
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 from spmdkit._process import guarded, process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
@@ -342,6 +343,7 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
                     feed.resume(meta.get("data"))
                 except ConfigError as e:
                     raise _with_options(e, meta.get("config"), run_info, EXAMPLE_OPTIONS) from None
+            _check_same_eval_data(meta, task)
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
@@ -782,6 +784,7 @@ def _eval_hook(task, strategy, config, plan, record, eval_key, on_chunk=None) ->
 
 def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Callable[[StepInfo], dict[str, Any]]:
     """What a checkpoint records of the run, to resume it exactly (see ``_check_resumable``)."""
+    eval_crc = arrays_digest(task.eval_data)
 
     def meta(info: StepInfo) -> dict[str, Any]:
         return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
@@ -790,9 +793,23 @@ def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Calla
                 else info.step // plan.steps_per_epoch,
                 "strategy": strategy.describe(), "config": run_info or {},
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                **({"data": feed.state(info.step)} if feed is not None else {})}
+                **({"data": feed.state(info.step)} if feed is not None else {}),
+                **({"eval_data": {"crc32": eval_crc}} if eval_crc is not None else {})}
 
     return meta
+
+
+def _check_same_eval_data(meta: dict[str, Any], task: Task) -> None:
+    """Held-out data edited between runs: the resumed run trains as before, but its eval
+    figures are over other examples than the ones logged before the resume."""
+    then = (meta.get("eval_data") or {}).get("crc32")
+    now = arrays_digest(task.eval_data) if then is not None else None
+    if now is not None and now != then:
+        warnings.warn(
+            f"the checkpoint at step {meta.get('step')} was written evaluating on other data: the eval set's bytes "
+            f"differ (CRC-32 {then} then, {now} now; the held-out file of --text-dir edited, another --eval-data). "
+            "Training resumes as it was; eval figures from here on are not comparable with those logged before. "
+            "To keep them comparable, resume with the eval data the run started with.", RuntimeWarning, stacklevel=4)
 
 
 def _summary(task, strategy, config, plan, status, done, start_step, history, last_train, params, elapsed,
