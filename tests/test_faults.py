@@ -848,6 +848,27 @@ def test_out_on_a_read_only_or_full_disk_is_an_io_error(tmp_path, small_fs, monk
     assert "cannot write" in err and ("Read-only" in err or "No space left" in err) and "Traceback" not in err
 
 
+def test_a_checkpoint_dir_to_make_on_a_read_only_disk_is_an_io_error(tmp_path, small_fs, monkeypatch, capsys):
+    # It exited 2, bad input, where --out on the same disk exits 5 (README, exit codes).
+    ck = (small_fs or tmp_path) / "new" / "ck"
+    if small_fs is not None:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True, timeout=10)
+    else:  # no tmpfs here: the same failure, injected
+        real_mkdir = Path.mkdir
+
+        def refuse(self, *a, **k):
+            if str(self).startswith(str(tmp_path / "new")):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+            return real_mkdir(self, *a, **k)
+
+        monkeypatch.setattr(Path, "mkdir", refuse)
+    code = cli_main(["train", "--task", "linreg", "--steps", "2", "--no-progress", "--checkpoint-dir", str(ck),
+                     "--out", str(tmp_path / "out")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 5 and f"checkpoint directory {ck} cannot be created: Read-only file system" in err, err
+    assert "Traceback" not in err
+
+
 def test_sigterm_to_the_launcher_is_a_preemption_notice_for_every_process(tmp_path, procs):
     ck, out = tmp_path / "ck", tmp_path / "o"
     launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train",

@@ -600,8 +600,12 @@ class Checkpointer:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
-                                      "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
+            # A place that refuses the write is an I/O failure (exit 5), as a refused save is; a
+            # file in the way of the path is bad input (2).
+            kind = CheckpointSaveError if e.errno in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EDQUOT) \
+                else CheckpointError
+            raise kind(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
+                           "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
         _quiet_orbax()
         self._names = _ReadableSteps(ocp.step.standard_name_format(step_prefix=STEP_PREFIX))
         self.manager = self._open_manager()
