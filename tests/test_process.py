@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -103,18 +104,19 @@ def loss_fn(params, batch, rng):
     return linreg.loss_fn(params, batch, rng)
 
 task = dataclasses.replace(linreg.make(), loss_fn=loss_fn)
-spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.01), spmdkit.TrainConfig(steps=200, batch_size=64, eval_every=1000),
-            progress=False, log=lambda m: None)
+spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.01), spmdkit.TrainConfig(steps=200, batch_size=64, eval_every=1000,
+            log_every=1), progress=False, log=lambda m: None, out_dir=sys.argv[3],
+            checkpoint=spmdkit.CheckpointConfig(os.path.join(sys.argv[3], "ck"), every=2))
 """
 
 
-def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own_group):
+def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own_group, tmp_path):
     # fit's wait for the step met the runtime's error: a raw JaxRuntimeError "Gloo all-reduce failed:
     # ... Connection closed by peer" from _loop.py's block_until_ready, exit code 1.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMDKIT_", "JAX_"))}
-    port = _free_port()
-    with own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "0"], env=env) as p0, \
-            own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "1"], env=env) as p1:
+    port, out = _free_port(), tmp_path / "out"
+    with own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "0", str(out)], env=env) as p0, \
+            own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "1", str(out)], env=env) as p1:
         _, stderr = p0.communicate(timeout=120)
         p1.wait(timeout=30)
     assert p1.returncode == -9, p1.returncode
@@ -122,6 +124,12 @@ def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own
     assert "by peer" in stderr and "add --resume" in stderr
     for raw in ("JaxRuntimeError", "ValueError", "block_until_ready"):
         assert raw not in stderr, stderr[-3000:]
+    # The survivor, process 0, wrote no summary: its --out did not say how the run ended.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("another process of the job ended")
+    assert summary["params_written"] is False and not (out / "params.npz").exists()
+    assert 2 <= summary["steps"] < 10 and all(s <= summary["steps"] for s in summary["checkpoint_steps"])
+    assert (out / "loss.png").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2
 
 
 @pytest.mark.parametrize("call, patched, words", [

@@ -30,7 +30,7 @@ from spmdkit._config import EXAMPLE_OPTIONS, SHAPE_OPTIONS, TrainConfig, changed
 from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._data._feed import arrays_digest
-from spmdkit._errors import ConfigError, NonFiniteLossError, fix
+from spmdkit._errors import ConfigError, NonFiniteLossError, PeerLostError, fix
 from spmdkit._process import guarded, process_age_s
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
@@ -655,7 +655,32 @@ class _Run:
             self.status, self.failure = "failed", error
         elif isinstance(error, (KeyboardInterrupt, _StopRun)):
             self.status = getattr(error, "status", "interrupted")
+        elif isinstance(error, PeerLostError):
+            self._write_lost_peer(error)
         return error is None or self.status != "completed"
+
+    def _write_lost_peer(self, error: PeerLostError) -> None:
+        """With a peer process gone no collective runs, so the state cannot be gathered or
+        saved: the survivor that writes (process 0) writes what it holds alone, the summary
+        and the plot, so that ``--out`` says how the run ended and where to resume from."""
+        if self.out is None or not self.primary:
+            return
+        self.writer.close()
+        last = {k: v for k, v in (self.metrics.last_row or {}).items() if k not in ("split", "step", "epoch")}
+        summary = {"task": self.task.name, "status": "failed", "error": str(error).splitlines()[0],
+                   **self.strategy.describe(), "steps": self.last.step, "steps_planned": self.plan.total,
+                   "final_train_loss": last.get("loss"), "params_written": False,
+                   **({"checkpoint_dir": str(self.ckpt.directory), "checkpoint_steps": self.ckpt.steps()}
+                      if self.ckpt is not None else {}),
+                   **({"config": self.run_info} if self.run_info else {})}
+        errors: list[OSError] = []
+        _attempt(errors, art.write_json, self.out / "summary.json", summary)
+        if self.history:
+            _attempt(errors, art.plot_history, self.history, self.out / "loss.png",
+                     f"{self.task.name}, {summary['strategy']}, {summary['device_count']} device(s)")
+        if errors:
+            self.log(f"{self.task.name}: {str(errors[0]).splitlines()[0].rstrip('.')} (a peer process was lost; "
+                     "its error follows)")
 
     def _write_out(self, params: Any, state: Any, summary: dict[str, Any]) -> None:
         """``--out``'s files. When the run has already failed (a checkpoint save on a full disk,
