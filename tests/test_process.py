@@ -84,8 +84,9 @@ def test_a_peer_lost_error_is_a_runtime_error_with_the_clis_exit_code():
     assert issubclass(spmdkit.PeerLostError, RuntimeError) and spmdkit.PeerLostError.exit_code == 4
 
 
-# Process 1's loss kills it (SIGKILL) at its 4th step, from inside the compiled step: process 0 is
-# then in a step whose all-reduce has lost its other end, with nothing of the kill's timing left to chance.
+# Process 1's loss kills it (SIGKILL) at its 4th step, or in the first eval (argv[4] "eval": an eval
+# chunk holds 16 rows a process, a train batch 32), from inside the compiled step: process 0 is then in
+# a step whose all-reduce has lost its other end, with nothing of the kill's timing left to chance.
 _FIT_PROGRAM = """
 import dataclasses, os, sys
 import jax, jax.numpy as jnp, optax
@@ -94,9 +95,10 @@ from spmdkit._tasks import linreg
 spmdkit.initialize(f"127.0.0.1:{sys.argv[1]}", 2, int(sys.argv[2]), host_devices=1, timeout_s=10)
 calls = []
 
-def die_at_step_4(_):
+def die_at_step_4(x):
     calls.append(1)
-    if jax.process_index() == 1 and len(calls) >= 4:
+    due = x.shape[0] == 16 if sys.argv[4] == "eval" else len(calls) >= 4
+    if jax.process_index() == 1 and due:
         os.kill(os.getpid(), 9)
 
 def loss_fn(params, batch, rng):
@@ -104,23 +106,25 @@ def loss_fn(params, batch, rng):
     return linreg.loss_fn(params, batch, rng)
 
 task = dataclasses.replace(linreg.make(), loss_fn=loss_fn)
-spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.01), spmdkit.TrainConfig(steps=200, batch_size=64, eval_every=1000,
-            log_every=1), progress=False, log=lambda m: None, out_dir=sys.argv[3],
+spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.01), spmdkit.TrainConfig(steps=200, batch_size=64, eval_every=4,
+            eval_batch_size=32, log_every=1), progress=False, log=lambda m: None, out_dir=sys.argv[3],
             checkpoint=spmdkit.CheckpointConfig(os.path.join(sys.argv[3], "ck"), every=2))
 """
 
 
-def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own_group, tmp_path):
+@pytest.mark.parametrize("where, doing", [("step", "ran step "), ("eval", "evaluated (eval chunk 1)")])
+def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own_group, tmp_path, where, doing):
     # fit's wait for the step met the runtime's error: a raw JaxRuntimeError "Gloo all-reduce failed:
-    # ... Connection closed by peer" from _loop.py's block_until_ready, exit code 1.
+    # ... Connection closed by peer" from _loop.py's block_until_ready, exit code 1; in an eval, a
+    # raw ValueError from the eval step.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMDKIT_", "JAX_"))}
     port, out = _free_port(), tmp_path / "out"
-    with own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "0", str(out)], env=env) as p0, \
-            own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "1", str(out)], env=env) as p1:
+    with own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "0", str(out), where], env=env) as p0, \
+            own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "1", str(out), where], env=env) as p1:
         _, stderr = p0.communicate(timeout=120)
         p1.wait(timeout=30)
     assert p1.returncode == -9, p1.returncode
-    assert "PeerLostError: another process of the job ended while this one ran step " in stderr, stderr[-3000:]
+    assert "PeerLostError: another process of the job ended while this one " + doing in stderr, stderr[-3000:]
     assert "by peer" in stderr and "add --resume" in stderr
     for raw in ("JaxRuntimeError", "ValueError", "block_until_ready"):
         assert raw not in stderr, stderr[-3000:]

@@ -198,10 +198,12 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
     scored: dict[str, float] = {}
     n = weight = 0
     weighted = False
-    for rows, chunk in eval_chunks(resolve_eval_data(data), batch_size, getattr(strategy, "batch_shards", 1),
-                                   sharding_for):
+    chunks = eval_chunks(resolve_eval_data(data), batch_size, getattr(strategy, "batch_shards", 1), sharding_for)
+    for number, (rows, chunk) in enumerate(chunks, 1):
         n += rows
-        means = {k: np.asarray(v, np.float64) for k, v in jax.device_get(eval_step(state, chunk)).items()}
+        # A peer process that ended meanwhile fails the eval step's collective with the runtime's raw words.
+        values = guarded(lambda: jax.device_get(eval_step(state, chunk)), f"evaluated (eval chunk {number})")
+        means = {k: np.asarray(v, np.float64) for k, v in values.items()}
         weighted = LOSS_WEIGHT in means
         w = means.pop(LOSS_WEIGHT, rows)
         weight = weight + w
@@ -209,7 +211,8 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
             # a chunk of weight 0 adds nothing (its means are 0/0 in the user's loss)
             totals[k] = totals.get(k, 0.0) + np.where(w > 0, v * w, 0.0)
         if predict is not None:
-            probs = np.mean(np.asarray(to_host(predict(state, chunk))), axis=0)  # members' mean
+            probs = np.mean(np.asarray(guarded(lambda: to_host(predict(state, chunk)),
+                                               f"evaluated (eval chunk {number})")), axis=0)  # members' mean
             host = to_host(chunk)
             scores = predictor.score(probs, host)
             per_example_scores(scores, int(np.shape(jax.tree.leaves(host)[0])[0]), "the ensemble's eval")  # a pipeline's batches too
