@@ -829,6 +829,19 @@ def test_a_local_coordinator_listens_on_loopback_only(tmp_path, procs):
     assert binds and all(b.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for b in binds), binds
 
 
+def test_data_write_past_a_file_size_limit_names_the_likely_limit(tmp_path):
+    # numpy's short write carries no errno: the message said "(errno None)" and nothing of why.
+    import resource
+
+    np.savez(tmp_path / "in.npz", x=np.zeros((20000, 64), np.float32))
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2 ** 20, 2 ** 20))  # noqa: E731
+    out = subprocess.run([*CLI, "data", "write", "--npz", str(tmp_path / "in.npz"), str(tmp_path / "ds")],
+                         capture_output=True, text=True, timeout=120, env=env(), preexec_fn=limit)
+    err = " ".join(out.stderr.split())
+    assert out.returncode == 5, err
+    assert "a short write, as a file size limit (ulimit -f) or a full disk gives" in err and "errno None" not in err
+
+
 @pytest.mark.parametrize("how", ["read-only", "full"])
 def test_out_on_a_read_only_or_full_disk_is_an_io_error(tmp_path, small_fs, monkeypatch, capsys, how):
     out = (small_fs or tmp_path) / "out"

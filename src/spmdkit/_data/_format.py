@@ -198,7 +198,10 @@ def _save_replacing(path: Path, x: Any) -> None:
 
 
 def _cannot_write(directory: Path, e: OSError) -> DataError:
-    cause = f"{e.strerror or e} (errno {e.errno})"
+    # numpy's short write ("1280000 requested and 511968 written") carries no errno: the file
+    # system took part of it, which a file size limit or a full disk does.
+    cause = f"{e.strerror or e} (errno {e.errno})" if e.errno is not None else \
+        f"{e}: a short write, as a file size limit (ulimit -f) or a full disk gives"
     if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a directory belongs: bad input, exit code 2
         return DataError(fix(f"cannot write the data set {directory}: {cause}; a file stands where a directory "
                              "is needed.", "choose a path whose parents are directories."))
