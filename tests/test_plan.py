@@ -1689,6 +1689,31 @@ def test_parameters_partitioned_over_mesh_axes_as_written_use_those_axes():
     assert rows["tp [model=8]"]["memory"]["analytic"]["params"] == (16 * 64 + 64 * 4) * 4 // 8 + (64 + 4) * 4
 
 
+def test_a_misspelt_mesh_axis_of_with_partitioning_is_named_not_an_idle_axis():
+    # "modle" was dropped as no axis of the mesh, and tp/fsdp+tp were pruned as "mesh axis 'model'
+    # splits nothing", which pointed away from the typo.
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "modle")))(x)
+
+    make_state = lambda rng: Model().init(rng, jnp.zeros((1, 16)))  # noqa: E731
+    got = spmdkit.plan(make_state, lambda s, b: (s, {}), {"x": jnp.ones((16, 16))}, rules=("tp", "fsdp+tp"),
+                       target="h100x8")
+    reasons = [r["reason"] for r in got["candidates"]]
+    assert all("['Dense_0']['kernel']: dimension 1 is sharded over mesh axis 'modle'" in r for r in reasons), reasons
+
+
+def test_mesh_axes_in_state_axes_are_named_as_mesh_axes_as_sharded_names_them():
+    # Reported as "has logical name 'data', which rules do not map", where Sharded says a mesh
+    # axis stands where a logical name belongs and lists the logical names mapped to it.
+    make_state, step, batch = _tiny()
+    got = spmdkit.plan(make_state, step, batch, rules="fsdp+tp", target="h100x8", state_axes={"w": ("data", "model")})
+    reasons = [r["reason"] for r in got["candidates"]]
+    assert reasons and all("state['w'] names mesh axes ['data', 'model']" in r and "'data' (size" in r
+                           and "'batch', 'embed'" in r for r in reasons), reasons
+
+
 def test_a_plain_state_without_names_prunes_an_axis_that_splits_nothing():
     # Ranked "ok" beside plain data parallelism before, though every device repeated the work.
     make_state, step, batch = _tiny()

@@ -21,7 +21,7 @@ from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candid
 from spmdkit._plan._cost import collective_costs, compute_time, parameter_gathers, step_time
 from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
-from spmdkit._rules import PRESETS, AxisRules, LayoutError, ReplicationWarning, _as_tuple
+from spmdkit._rules import _PARAMETER, PRESETS, AxisRules, LayoutError, ReplicationWarning, _as_tuple
 from spmdkit._strategies._compile import as_key, non_array_leaf
 from spmdkit._strategies.sharded import (Sharded, _is_box, _itemsize, _lists_as_names, _nnx_names, _unboxed, _with_state_axes,
                                          is_empty_box, shallow_first)
@@ -168,6 +168,9 @@ def _rules_problem(cand: Candidate, leaves: list[tuple], rules: AxisRules) -> tu
         first = clash[0]
         return clash, (f"rules map logical names {first['names']} of {first['path']} "
                        f"both to mesh axis {first['axis']!r}" + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""))
+    named = _misplaced_axis(leaves, rules, dict(cand.mesh))
+    if named:
+        return clash, named
     unmapped = unmapped_names(leaves, rules, dict(cand.mesh))
     if unmapped:
         path, name = unmapped[0]
@@ -196,6 +199,24 @@ def _rules_problem(cand: Candidate, leaves: list[tuple], rules: AxisRules) -> tu
         return clash, (f"mesh axis {idle[0]!r} splits nothing: no parameter's logical "
                        f"name nor the batch maps to it under rules {cand.rules!r} (only activations could use it){typo}")
     return clash, None
+
+
+def _misplaced_axis(leaves: list[NamedLeaf], rules: AxisRules, mesh: dict[str, int]) -> str | None:
+    """A mesh axis where the candidate cannot take it, said as :class:`spmdkit.Sharded` says it:
+    ``nn.with_partitioning``'s axis that the mesh lacks (a typo "modle" was dropped, and the
+    candidate pruned as "mesh axis 'model' splits nothing"), or a mesh axis written as a Flax
+    logical name or in ``state_axes`` (reported as a logical name the rules do not map)."""
+    for leaf in leaves:
+        if leaf.written:
+            for dim, name in enumerate(leaf.names):
+                missing = [a for a in _as_tuple(name) if a not in mesh]
+                if missing:
+                    return (f"{leaf.path}: dimension {dim} is sharded over mesh axis {missing[0]!r} "
+                            f"(nn.with_partitioning), but the mesh has axes {list(mesh)}")
+        elif not leaf.direct and any(isinstance(n, str) and n in mesh and n not in rules.mapping for n in leaf.names):
+            error = rules._mesh_axes_as_logical(leaf.names, mesh, leaf.path, _PARAMETER)
+            return str(error).splitlines()[0]
+    return None
 
 
 def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch: Any, target: Target,
