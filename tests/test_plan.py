@@ -1583,6 +1583,18 @@ def test_plan_make_state_with_a_non_array_leaf_is_named():
     assert isinstance(err.value, TypeError) and "Fix:" in str(err.value)
 
 
+@pytest.mark.parametrize("state", [None, {}, {"params": {}}])
+def test_plan_make_state_with_no_arrays_is_named(state):
+    # It was pruned, or raised for two candidates, as "Sharded.step/apply got a state this
+    # strategy has not laid out", naming neither make_state nor the fix.
+    from spmdkit._plan._search import StateLeafError
+
+    _, step, batch = _tiny()
+    with pytest.raises(StateLeafError, match=r"make_state returned .* which holds no arrays") as err:
+        spmdkit.plan(lambda rng: state, lambda s, b: (s, {}), batch, rules=("dp", "fsdp"), target="h100x8")
+    assert "forgot `return`" in str(err.value)
+
+
 def test_cli_plan_prints_a_calibrated_target_files_warnings(tmp_path, capsys):
     data = dict(_GOOD, warnings=["machine busy: other processes used 100% of the 2 cores",
                                  "only 3 round(s) (figures need >= 5): a smoke run"])

@@ -45,6 +45,13 @@ def _arrays_only(make_state: Callable) -> Callable:
     path before JAX's own error, which names neither ``make_state`` nor the fix."""
     def checked(rng: Any) -> Any:
         state = make_state(rng)
+        if not jax.tree.leaves(state):
+            # Nothing to lay out: every candidate was then pruned (or raised) as "Sharded.step/apply
+            # got a state this strategy has not laid out", which named neither make_state nor the fix.
+            raise StateLeafError(fix(
+                f"make_state returned {state!r:.80}, which holds no arrays: there is no state to lay out.",
+                "return the state the step carries, e.g. {'params': params, 'opt': opt.init(params)} "
+                "(a function that builds it but forgot `return`?)."))
         # an empty box (a masked optimizer group's) is looked into: it holds nothing
         found = non_array_leaf(state, lambda x: _is_box(x) and not is_empty_box(x), _unboxed)
         if found is not None:
