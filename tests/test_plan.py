@@ -91,6 +91,20 @@ def test_a_target_file_broken_by_hand_is_named(change, words):
         from_json(_h100(change))
 
 
+@pytest.mark.parametrize("change, words", [
+    (lambda t: t["peak_flops"].update(float32=67), r"'float32' is 67 FLOP/s, below 1e\+06.*67e12 for 67 TFLOPS"),
+    (lambda t: t["links"]["intra_host"].update(alpha=5), r"'alpha' is 5 seconds, above 1.*5e-6 for 5 us"),
+    (lambda t: t["links"]["inter_host"].update(beta=50), r"inter_host: 'beta' is 50 seconds per byte, above 1e-06"),
+    (lambda t: t.update(memory_bandwidth=3.35), r"'memory_bandwidth' is 3.35 bytes/s"),
+    (lambda t: t.update(memory_per_device=80), r"'memory_per_device' is 80 bytes, below 1e\+06.*80e9 for 80 GB"),
+])
+def test_a_target_figure_in_another_unit_is_named_with_the_unit(change, words):
+    # A datasheet's figure in its own unit loaded: "peak_flops": {"float32": 67} priced every
+    # step at 611 s, "alpha": 5 every collective at 5 s, without a word.
+    with pytest.raises(TargetError, match=f"(?s){words}"):
+        from_json(_h100(change))
+
+
 def test_a_target_file_peak_flops_alias_is_the_dtype():
     target = from_json(_h100(lambda t: t.update(peak_flops={"fp32": 67e12, "bf16": 989e12})))
     assert target.peak_flops == {"float32": 67e12, "bfloat16": 989e12}

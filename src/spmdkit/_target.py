@@ -299,7 +299,30 @@ def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
                                 "1.0 (operation times)" if "collective_sync_ops" in where else "a value")
         raise TargetError(fix(f"{where}: {key!r} is {value!r}, not a finite number {bound}.",
                               f'write e.g. "{key}": {example}.'))
+    _check_unit(key, float(value), where)
     return float(value)
+
+
+# Bounds no real device comes near, with the unit each figure is in: a datasheet's figure copied
+# in its own unit ("peak_flops": {"float32": 67} for 67 TFLOPS, "alpha": 5 for 5 us) loaded, and
+# every step was priced at 611 s or 70 s without a word. (key, below, above, unit, example)
+_UNIT_BOUNDS = {"peak_flops": (1e6, None, "FLOP/s", "67e12 for 67 TFLOPS"),
+                "memory_bandwidth": (1e6, None, "bytes/s", "3.35e12 for 3.35 TB/s"),
+                "memory_per_device": (1e6, None, "bytes", "80e9 for 80 GB"),
+                "alpha": (None, 1.0, "seconds", "5e-6 for 5 us"),
+                "beta": (None, 1e-6, "seconds per byte", "2.2e-12 for 450 GB/s")}
+
+
+def _check_unit(key: str, value: float, where: str) -> None:
+    kind = "peak_flops" if "peak_flops" in where else key
+    if kind not in _UNIT_BOUNDS:
+        return
+    below, above, unit, example = _UNIT_BOUNDS[kind]
+    if (below is not None and value < below) or (above is not None and value > above):
+        limit = f"below {below:g}" if below is not None and value < below else f"above {above:g}"
+        raise TargetError(fix(f"{where}: {key!r} is {value:g} {unit}, {limit}: no device is that "
+                              f"{'slow' if kind != 'memory_per_device' else 'small'}; a figure in another unit?",
+                              f'write it in {unit}: e.g. "{key}": {example}.'))
 
 
 _LINK_FIELDS = ("alpha", "beta", "per_operand", "pieces")
