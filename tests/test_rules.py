@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import spmdkit
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, check_spec, parse_mesh
@@ -203,6 +204,21 @@ def test_state_axes_as_lists_of_names():
     # A list of only None cannot be told from a list of parts: the error says which and how.
     with pytest.raises(LayoutError, match=r"state_axes\['w'\] is a list of only None.*\(None, None\)"):
         spmdkit.Sharded(mesh, "dp+tp", state_axes={"w": [None, None], "b": ["mlp"]}).init(make, 0)
+
+
+@pytest.mark.parametrize("axes, where", [({"w": ("embed", 1)}, r"state_axes\['w'\]\[1\] is 1 \(int\)"),
+                                         ({"w": ["embed", 2.0]}, r"state_axes\['w'\]\[1\] is 2.0 \(float\)"),
+                                         ({"w": 3}, r"state_axes\['w'\] is 3 \(int\)")])
+def test_state_axes_holding_a_number_is_named_by_path(axes, where):
+    # Raised "TypeError: object of type 'int' has no len()" from inside Sharded (and spmdkit.plan).
+    make = lambda rng: {"w": jnp.ones((8, 8))}  # noqa: E731
+    with pytest.raises(LayoutError, match="(?s)" + where + r", not a logical name.*\('embed', 'hidden'\)"):
+        spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp", state_axes=axes).plan(make)
+    with pytest.raises(LayoutError, match=where):
+        spmdkit.plan(make, lambda s, b: (s, {}), {"x": jnp.ones((8, 2))}, rules="dp+tp", target="h100x8", state_axes=axes)
+    # a PartitionSpec there is still read as its names (and refused as mesh axes where logical names belong)
+    with pytest.raises(LayoutError, match=r"names mesh axes \['data'\]"):
+        spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp", state_axes={"w": P("data", None)}).plan(make)
 
 
 def test_strategies_take_the_mesh_as_a_dict():

@@ -409,6 +409,7 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     """
     if axes is None:
         return state
+    _check_names_only(axes)
     parts = _axes_parts(axes)
     whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: _fits(parts[0], x)) if _fits(parts[0], x)]
     if whole:  # the params: every part learns the shapes it names
@@ -431,6 +432,17 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
         _check_ranks(state, parts)
         raise _unmatched(state, axes)
     return state
+
+
+def _check_names_only(axes: Any) -> None:
+    """Every leaf of ``state_axes`` a logical name or None: ``("embed", 1)`` was read as a container
+    of two parts and ended in "TypeError: object of type 'int' has no len()" from inside spmdkit."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_names)[0]:
+        if not _is_names(leaf) and not isinstance(leaf, P):  # P's mesh axes are named where read
+            where = "state_axes" + jax.tree_util.keystr(path)
+            raise LayoutError(fix(f"{where} is {leaf!r:.60} ({type(leaf).__name__}), not a logical name.",
+                                  "give each array a tuple of logical names, one per dimension, each a string or "
+                                  "None (replicated), e.g. ('embed', 'hidden'); None for the whole array."))
 
 
 def _axes_parts(axes: Any) -> list[list]:
