@@ -1221,6 +1221,18 @@ def test_plan_rules_of_the_wrong_kind_or_listed_twice_are_named(rules, words):
         spmdkit.plan(make_state, step, batch, rules=rules, target="h100x8")
 
 
+def test_plan_rules_written_as_the_command_lines_comma_list_say_how_to_list_them():
+    # Refused as "--rules 'dp,tp' is neither a preset, a TOML file nor name=axis pairs": a flag
+    # the Python caller never used, and no word of the sequence that was meant.
+    make_state, step, batch = _tiny()
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)plan\(rules='dp, fsdp\+tp'\) is one entry.*rules=\('dp', 'fsdp\+tp'\)"):
+        spmdkit.plan(make_state, step, batch, rules="dp, fsdp+tp", target="h100x8")
+    # inline pairs keep their commas: one table
+    got = spmdkit.plan(make_state, step, batch, rules="batch=data,embed=none", target="h100x8",
+                       state_axes={"w": ("embed", None)})
+    assert [c["rules"] for c in got["candidates"]] == ["batch=data,embed=none"]
+
+
 def test_plan_dtype_alias_rules_string_and_dict():
     make_state, step, batch = _tiny()
     one = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", dtype="bf16")

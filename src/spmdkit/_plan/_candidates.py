@@ -35,6 +35,16 @@ class Candidate(NamedTuple):
 _GIVEN: dict[str, AxisRules] = {}
 
 
+def _not_a_list_in_one_string(entry: str) -> None:
+    """``rules="dp,tp"``, as ``--rules dp,tp`` is written: one entry to Python, which was refused as
+    "--rules 'dp,tp' is neither a preset, a TOML file nor name=axis pairs", a flag the caller never used."""
+    parts = [p.strip() for p in entry.split(",")]
+    if len(parts) > 1 and all(p in PRESETS or p.endswith(".toml") for p in parts):
+        raise LayoutError(fix(f"plan(rules={entry!r}) is one entry: a string is one rules table, and the commas "
+                              "of the command line's --rules do not split it.",
+                              f"pass the tables as a sequence: rules={tuple(parts)!r}."))
+
+
 def rules_names(rules: Any) -> tuple[str, ...]:
     """``plan``'s ``rules`` as names: a lone string is one entry (not its characters); a dict
     (``{logical: mesh axis or None}``, as :class:`spmdkit.Sharded` takes) is kept under its
@@ -71,6 +81,7 @@ def rules_names(rules: Any) -> tuple[str, ...]:
             raise LayoutError(fix(f"plan(rules=...): the entry {entry!r} is neither a rules name nor a dict.",
                                   'pass names such as ("dp", "fsdp+tp"), or dicts such as '
                                   '({"batch": "data", "hidden": "model"},).'))
+        _not_a_list_in_one_string(entry)
         if entry in out:  # it would be compiled, priced and listed twice
             raise LayoutError(fix(f"plan(rules=...) lists {entry!r} twice.",
                                   f"list each rules table once: drop the second {entry!r}."))
