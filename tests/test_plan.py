@@ -1361,6 +1361,26 @@ def test_plan_step_failing_for_every_candidate_raises_its_error():
     assert isinstance(err.value, RuntimeError) and isinstance(err.value.__cause__, KeyError)
 
 
+def test_a_failure_that_names_each_candidates_mesh_is_still_one_failure():
+    # Flax's DenseGeneral constrains its flat 2-D kernel with the 3 logical names of the 3-D one:
+    # JAX's error names each candidate's mesh and spec, so no two read alike, and the plan was
+    # "no candidate fits" without the traceback that finds the layer.
+    from spmdkit._plan._search import PlanStepError
+
+    class Heads(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
+            return nn.DenseGeneral((4, 4), kernel_init=init)(x)
+
+    make_state = lambda rng: Heads().init(rng, jnp.zeros((1, 16)))  # noqa: E731
+    with pytest.raises(PlanStepError, match=r"every candidate \(3\) failed .* rank at least 3, but was applied to a "
+                                            r"value of rank 2") as err:
+        spmdkit.plan(make_state, lambda s, b: (s, {}), {"x": jnp.ones((16, 16))}, rules=("dp", "fsdp+tp"),
+                     target="h100x8")
+    assert isinstance(err.value.__cause__, ValueError)
+
+
 def test_plan_step_failing_for_every_layout_the_rules_can_take_raises_its_error():
     # With one candidate a LayoutError (12 rows over model=8) and the others all failing alike in
     # the step, the plan was "no candidate fits" with the fix "model sizes the mesh axes divide".

@@ -343,7 +343,39 @@ class PlanStepError(SpmdkitError, RuntimeError):
 
 
 def _alike(errors: list[BaseException]) -> bool:
-    return all(type(e) is type(errors[0]) and str(e) == str(errors[0]) for e in errors[1:])
+    first = _without_layout(str(errors[0]))
+    return all(type(e) is type(errors[0]) and _without_layout(str(e)) == first for e in errors[1:])
+
+
+# What JAX writes of the layout into an error: the one error of a step (Flax's DenseGeneral
+# constraining its flat kernel with 3 names) read as a different error per mesh, so the plan
+# was "no candidate fits" without the traceback that locates it.
+_LAYOUT_REPRS = ("AbstractMesh(", "Mesh(", "NamedSharding(", "PartitionSpec(", "P(")
+
+
+def _without_layout(text: str) -> str:
+    """``text`` with the meshes, shardings and specs it names cut out (their parentheses balanced).
+
+    >>> _without_layout("x NamedSharding(mesh=AbstractMesh('data': 8), spec=P('data', None)) is rank 2")
+    'x NamedSharding(…) is rank 2'
+    """
+    out, i = [], 0
+    while i < len(text):
+        start = next((i for r in _LAYOUT_REPRS if text.startswith(r, i) and (i == 0 or not text[i - 1].isalnum())), None)
+        if start is None:
+            out.append(text[i])
+            i += 1
+            continue
+        opening = text.index("(", i)
+        depth, j = 0, opening
+        while j < len(text):
+            depth += {"(": 1, ")": -1}.get(text[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        out.append(text[i:opening] + "(…)")
+        i = j + 1
+    return "".join(out)
 
 
 def _raise_common_failure(results: list[dict[str, Any]]) -> None:
