@@ -1381,6 +1381,14 @@ def test_a_failure_that_names_each_candidates_mesh_is_still_one_failure():
     assert isinstance(err.value.__cause__, ValueError)
 
 
+def test_an_object_in_aux_for_every_candidate_is_one_failure():
+    # Its repr's address differs between the candidates' traces: "no candidate fits" before.
+    make_state, step, batch = _tiny()
+    with pytest.raises(spmdkit.StepOutputError, match=r"returned aux\['m'\] = <object object at 0x"):
+        spmdkit.plan(make_state, lambda s, b: (step(s, b)[0], {"m": object()}), batch, rules=("dp", "fsdp"),
+                     target="h100x8", state_axes={"w": ("embed", None)})
+
+
 def test_plan_step_failing_for_every_layout_the_rules_can_take_raises_its_error():
     # With one candidate a LayoutError (12 rows over model=8) and the others all failing alike in
     # the step, the plan was "no candidate fits" with the fix "model sizes the mesh axes divide".

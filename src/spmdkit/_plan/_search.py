@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import time
 import warnings
 from collections.abc import Callable, Collection
@@ -354,10 +355,13 @@ _LAYOUT_REPRS = ("AbstractMesh(", "Mesh(", "NamedSharding(", "PartitionSpec(", "
 
 
 def _without_layout(text: str) -> str:
-    """``text`` with the meshes, shardings and specs it names cut out (their parentheses balanced).
+    """``text`` with the meshes, shardings and specs it names cut out (their parentheses balanced),
+    and the addresses of objects.
 
     >>> _without_layout("x NamedSharding(mesh=AbstractMesh('data': 8), spec=P('data', None)) is rank 2")
     'x NamedSharding(…) is rank 2'
+    >>> _without_layout("aux['m'] = <object object at 0x7fbd347225b0>")
+    "aux['m'] = <object object at 0x…>"
     """
     out, i = [], 0
     while i < len(text):
@@ -375,7 +379,8 @@ def _without_layout(text: str) -> str:
             j += 1
         out.append(text[i:opening] + "(…)")
         i = j + 1
-    return "".join(out)
+    # an object's address ("<object object at 0x7f...>" in aux, traced anew for every candidate)
+    return re.sub(r" at 0x[0-9a-fA-F]+", " at 0x…", "".join(out))
 
 
 def _raise_common_failure(results: list[dict[str, Any]]) -> None:
