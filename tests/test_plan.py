@@ -1628,6 +1628,13 @@ def test_plan_takes_state_axes_as_lists_and_a_lone_string_as_sharded_does():
         assert row["memory"]["analytic"]["params"] == sum(x.size * 4 for x in jax.tree.leaves(make(0))) // 8
 
 
+def test_plan_batch_leaves_of_different_lengths_are_named_before_compiling():
+    # With one candidate it was that candidate's reason and the plan "no candidate fits".
+    make_state, step, _ = _tiny()
+    with pytest.raises(spmdkit.BatchSizeError, match=r"(?s)batch\['x'\] has 16, batch\['y'\] has 8.*same leading size"):
+        spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16)), "y": jnp.ones(8)}, rules="dp", target="h100x8")
+
+
 def test_plan_make_state_with_a_non_array_leaf_is_named():
     from spmdkit._plan._search import StateLeafError
 
