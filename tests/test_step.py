@@ -368,3 +368,22 @@ def test_padding_repeats_the_last_row():
     np.testing.assert_array_equal(host["x"][:, 0], [1.0, 2.0, 2.0, 2.0])
     device = pad_rows({"x": jnp.array([3, 4, 5])}, 3, 4)
     np.testing.assert_array_equal(np.asarray(device["x"]), [3, 4, 5, 5])
+
+
+@pytest.mark.parametrize("strategy", [spmdkit.Single(), spmdkit.DataParallel(), spmdkit.Ensemble(2),
+                                      spmdkit.Sharded({"data": 2, "model": 4}, "dp+tp")])
+def test_a_collective_in_the_step_is_named_in_spmdkits_terms(strategy):
+    # A pmap-style pmean(grads, "data") raised JAX's NameError "Found an unbound axis name: data.
+    # To fix this, please call psum under `jax.shard_map`", advice for another API.
+    make_state = lambda rng: {"w": jnp.zeros((4, 4))}  # noqa: E731
+
+    def train_step(state, batch):
+        return {"w": state["w"] - jax.lax.pmean(batch["x"].T @ batch["x"], "data")}, {}
+
+    with pytest.raises(spmdkit.AxisNameError, match=r"(?s)train_step 'train_step' calls a collective over axis "
+                                                    r"'data'.*remove the collective.*spmdkit.pmap") as err:
+        strategy.step(train_step)(strategy.init(make_state, 0), {"x": np.ones((8, 4), np.float32)})
+    assert isinstance(err.value, NameError)
+    predict = strategy.apply(lambda s, b: jax.lax.psum(b["x"], "batch"))
+    with pytest.raises(spmdkit.AxisNameError, match=r"apply function '<lambda>' calls a collective over axis 'batch'"):
+        predict(strategy.init(make_state, 0), {"x": np.ones((8, 4), np.float32)})

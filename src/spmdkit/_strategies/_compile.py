@@ -24,7 +24,7 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from spmdkit._errors import (BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
+from spmdkit._errors import (AxisNameError, BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
                              StepOutputError, TreeMismatchError, fix)
 from spmdkit._mesh import make_mesh
 from spmdkit._strategies._agree import check_same_batch, check_same_key
@@ -808,12 +808,29 @@ def _check_same_types(before: State, after: State, name: str) -> None:
             )
 
 
+def _call(fn: Callable[..., Any], state: State, batch: Batch, what: str) -> Any:
+    """``fn(state, batch)``; a collective over a named axis in it (a pmap-style ``pmean(g, "data")``)
+    is named in spmdkit's terms: JAX's NameError said to "call psum under jax.shard_map"."""
+    try:
+        return fn(state, batch)
+    except NameError as e:
+        m = re.search(r"unbound axis name: ([^\s.]+)", str(e))
+        if m is None or isinstance(e, SpmdkitError):
+            raise
+        raise AxisNameError(fix(
+            f"{what} calls a collective over axis {m.group(1)!r} (jax.lax.pmean, psum, all_gather, ...), but a "
+            "strategy compiles it as one program over the global batch, where no axis is bound.",
+            "remove the collective: the function sees the whole batch, so its mean over the batch already is the "
+            "mean over every device (the strategy adds the communication); for code written per device, "
+            "use spmdkit.pmap.")) from e
+
+
 def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
     """The user's function with its outputs checked while tracing (errors in their terms)."""
     name = getattr(fn, "__name__", "fn")
 
     def step(state, batch):
-        out = fn(state, batch)
+        out = _call(fn, state, batch, f"train_step {name!r}")
         if not (isinstance(out, tuple) and len(out) == 2):
             raise StepOutputError(
                 fix(f"train_step {name!r} returned {type(out).__name__}; it must return (state, aux).",
@@ -833,7 +850,7 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         return out
 
     def other(state, batch):
-        out = fn(state, batch)
+        out = _call(fn, state, batch, f"{kind} function {name!r}")
         _check_values(out, "output", name)
         return out
 
