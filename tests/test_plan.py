@@ -1635,6 +1635,14 @@ def test_plan_batch_leaves_of_different_lengths_are_named_before_compiling():
         spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16)), "y": jnp.ones(8)}, rules="dp", target="h100x8")
 
 
+def test_plan_batch_of_strings_is_named_by_path():
+    # JAX's raw "TypeError: Dtype <U1 is not a valid JAX array type" from inside the plan before.
+    make_state, step, _ = _tiny()
+    batch = {"x": np.ones((16, 16), np.float32), "name": np.array(["a"] * 16)}
+    with pytest.raises(spmdkit.SignatureError, match=r"batch\['name'\] has numpy dtype <U1 \(shape \(16,\)\)"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")
+
+
 def test_plan_make_state_with_a_non_array_leaf_is_named():
     from spmdkit._plan._search import StateLeafError
 

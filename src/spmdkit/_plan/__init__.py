@@ -26,7 +26,7 @@ from spmdkit._plan._processes import (agreed_target, check_device_order, check_p
 from spmdkit._plan._search import plan as _plan
 from spmdkit._strategies._agree import batch_signature
 from spmdkit._strategies._base import put_global
-from spmdkit._strategies._compile import batch_rows, check_callable, check_make_state
+from spmdkit._strategies._compile import batch_rows, check_batch_dtypes, check_callable, check_make_state
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._target import Target
 
@@ -148,6 +148,8 @@ def _check_inputs(make_state: Any, train_step: Any, batch: Any, target: Any, **c
         if np.shape(x)[0] == 0:  # every mesh "splits" 0 rows: a plan of empty steps, ranked as if real
             raise BatchSizeError(fix(f"plan: batch{jax.tree_util.keystr(path)} has shape {tuple(np.shape(x))}: no examples.",
                                      "pass the global batch a step trains on, e.g. {'x': np.zeros((256, 784))}."))
+    # Strings or objects ended in JAX's raw "Dtype <U1 is not a valid JAX array type" from inside the plan.
+    check_batch_dtypes(batch)
     # Leaves of other lengths were each candidate's reason (one candidate: a plan of "no candidate
     # fits"), after the budget hint had counted the first leaf's rows as the batch.
     batch_rows(batch, "batch")

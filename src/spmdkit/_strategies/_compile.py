@@ -678,7 +678,7 @@ class CompiledStep:
         try:
             placed = place(batch, s._batch_sharding_for(self.kind, even))
         except TypeError:
-            _check_batch_dtypes(given)
+            check_batch_dtypes(given)
             raise
         leaves, treedef = jax.tree.flatten(state)
         if self.donate:
@@ -773,8 +773,9 @@ def _check_values(tree: Any, what: str, name: str) -> None:
         )
 
 
-def _check_batch_dtypes(batch: Batch) -> None:
-    """After placing the batch failed: name a leaf JAX cannot hold (strings, objects)."""
+def check_batch_dtypes(batch: Batch) -> None:
+    """A leaf JAX cannot hold (strings, objects), named: after placing a step's batch failed, or
+    before ``spmdkit.plan`` reads the batch's shapes."""
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         dtype = bad_dtype(x)
         if dtype is not None:
