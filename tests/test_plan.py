@@ -1650,6 +1650,10 @@ def test_plan_make_state_with_a_non_array_leaf_is_named():
     with pytest.raises(StateLeafError, match=r"make_state returned a value of type str at state\['name'\]") as err:
         spmdkit.plan(lambda rng: {"w": jnp.zeros((16, 32)), "name": "hello"}, step, batch, rules="dp", target="h100x8")
     assert isinstance(err.value, TypeError) and "Fix:" in str(err.value)
+    # a numpy array of strings: JAX's own "returned a value of type <class 'numpy.ndarray'> ... not a valid JAX type"
+    with pytest.raises(StateLeafError, match=r"type ndarray of dtype <U1 at state\['name'\], not an array of numbers"):
+        spmdkit.plan(lambda rng: {"w": jnp.zeros((16, 32)), "name": np.array(["a", "b"])}, step, batch, rules="dp",
+                     target="h100x8")
 
 
 @pytest.mark.parametrize("state", [None, {}, {"params": {}}])

@@ -517,3 +517,6 @@ def test_a_state_leaf_that_is_no_array_is_named_with_its_path(strategy):
     with pytest.raises(spmdkit.StepOutputError, match=r"(?s)make_state returned str 'run-1' at state\['cfg'\]\['name'\]"
                                                       r".*pytree_node=False"):
         made.init(lambda rng: {"w": jnp.zeros(3), "cfg": {"name": "run-1"}}, 0)
+    # a numpy array of strings: JAX's "returned a value of type <class 'numpy.ndarray'> ... not a valid JAX type"
+    with pytest.raises(spmdkit.StepOutputError, match=r"make_state returned ndarray array\(\['a', 'b'\].* at state\['names'\]"):
+        made.init(lambda rng: {"w": jnp.zeros(3), "names": np.array(["a", "b"])}, 0)

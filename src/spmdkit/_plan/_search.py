@@ -57,9 +57,10 @@ def _arrays_only(make_state: Callable) -> Callable:
         found = non_array_leaf(state, lambda x: _is_box(x) and not is_empty_box(x), _unboxed)
         if found is not None:
             path, value = found
+            of = f" of dtype {value.dtype}" if isinstance(value, (np.ndarray, np.generic)) else ""
             raise StateLeafError(fix(
-                f"make_state returned a value of type {type(value).__name__} at state{path}, not an array: "
-                "the state a step carries holds arrays only.",
+                f"make_state returned a value of type {type(value).__name__}{of} at state{path}, not an array of "
+                "numbers: the state a step carries holds arrays of numbers (or bools) only.",
                 "return it as an array (jnp.asarray(...)), or keep it out of the state (a constant the step "
                 "closes over, or static configuration)."))
         return state

@@ -302,11 +302,12 @@ def _arrays_only(make_state: MakeState) -> MakeState:
 
 def non_array_leaf(state: Any, is_leaf: Callable[[Any], bool] | None = None,
                    value: Callable[[Any], Any] = lambda leaf: leaf) -> tuple[str, Any] | None:
-    """``(path, value)`` of the first leaf of ``state`` that is neither an array nor a number
+    """``(path, value)`` of the first leaf of ``state`` that is neither an array of numbers nor a number
     (``is_leaf``/``value``: stop at layout boxes and look inside them), or None."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_leaf)[0]:
         x = value(leaf)
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+        # a numpy array of strings or objects too: JAX refused it without naming make_state
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) or bad_dtype(x) is not None:
             return jax.tree_util.keystr(path), x
     return None
 
