@@ -184,6 +184,10 @@ def test_rules_built_from_python_objects_are_checked_where_they_are_built():
         (lambda: AxisRules({"batch": "data"}, replicate_unknown="no"), r"replicate_unknown='no'\) must be True or False"),
         (lambda: AxisRules.load(None), r"AxisRules.load\(None\): a preset name"),
         (lambda: AxisRules.from_mapping([("batch", "data")]), r"needs a dict of logical name"),
+        # "" replicated the name silently, where the command line's "hidden=" is an error
+        (lambda: AxisRules({"batch": "data", "hidden": ""}), r"(?s)rule 'hidden': '' names no mesh axis.*\"none\""),
+        (lambda: AxisRules({"hidden": "data,model"}), r"(?s)'data,model' names no mesh axis.*\[\"data\", \"fsdp\"\]"),
+        (lambda: AxisRules({"hidden": ["data", " "]}), r"rule 'hidden': ' ' names no mesh axis"),
     ]
     for build, words in cases:
         with pytest.raises(LayoutError, match=words):

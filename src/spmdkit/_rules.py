@@ -33,11 +33,19 @@ class ReplicationWarning(UserWarning):
 
 
 def _norm(value: Any, where: str) -> MeshAxes:
-    if value is None or value == "" or (isinstance(value, str) and value.lower() == "none"):
+    if value is None or (isinstance(value, str) and value.lower() == "none"):
         return None
+    if isinstance(value, str) and not value.replace("-", "_").isidentifier():
+        # As the command line's pairs are checked: "" replicated the name without a word (an
+        # unfinished edit, hidden = "" in a rules file), and "data,model" made one mesh axis of that name.
+        raise LayoutError(fix(f"{where}: {value!r} names no mesh axis.",
+                              'write a mesh axis name ("model"), a list of them (["data", "fsdp"]), or "none" '
+                              "(None in a dict) to replicate."))
     if isinstance(value, str):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        for axis in value:
+            _norm(axis, where)
         return tuple(value) if len(value) != 1 else value[0]
     raise LayoutError(
         fix(f"{where}: {value!r} is not a mesh axis.", 'write a mesh axis name ("model"), a list of them, or "none".')
