@@ -1089,7 +1089,8 @@ def _tiny():
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"memory_per_device": float("nan")}, "memory_per_device=nan"), ({"memory_per_device": -10}, "memory_per_device=-10"),
-    ({"memory_per_device": 0}, "memory_per_device=0"), ({"measure": -1}, "measure=-1"),
+    ({"memory_per_device": 0}, "memory_per_device=0"), ({"memory_per_device": "abc"}, "(?s)'abc'.*'512MiB'"),
+    ({"memory_per_device": "-1"}, "memory_per_device='-1'"), ({"measure": -1}, "measure=-1"),
     ({"measure": "every"}, "(?s)measure='every'.*measure=\"all\""),
     ({"measure": 1, "measure_steps": 0}, "measure_steps=0"), ({"measure": 1, "measure_rounds": 0}, "measure_rounds=0"),
     ({"accum": (0,), "step_for": lambda r, a: None}, "accum=0"),
@@ -1100,6 +1101,15 @@ def test_plan_bad_numbers_and_dtype_are_named(kwargs, words):
     with pytest.raises(ConfigError, match=words) as err:
         spmdkit.plan(make_state, step, batch, rules=("dp",), target="h100x8", **kwargs)
     assert isinstance(err.value, ValueError) and "Fix:" in str(err.value)
+
+
+def test_plan_takes_the_memory_budget_as_the_command_line_writes_it():
+    # "512MiB" was refused from Python as "need a finite number of bytes > 0".
+    make_state, step, batch = _tiny()
+    for text, nbytes in (("512MiB", 512 * 2**20), ("0.5GB", 5e8), ("2 KiB", 2048)):
+        got = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", memory_per_device=text)
+        assert got["memory_budget"] == nbytes
+    assert got["candidates"][0]["status"] == "over_budget"
 
 
 @pytest.mark.parametrize("args, kwargs, error, words", [

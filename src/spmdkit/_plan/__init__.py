@@ -77,6 +77,23 @@ def _whole(name: str, value: Any, least: int, hint: str) -> None:
         raise ConfigError(fix(f"plan({name}={value!r}): need a whole number >= {least}.", hint))
 
 
+def _budget(memory_per_device: Any) -> Any:
+    """``"512MiB"``, ``"16GB"`` as bytes, as ``--memory-per-device`` reads them: the command line's
+    form was refused from Python as "need a finite number of bytes"."""
+    if not isinstance(memory_per_device, str):
+        return memory_per_device
+    import argparse
+
+    from spmdkit._plan_cli import parse_bytes  # here: the command line's module imports this one
+
+    try:
+        return parse_bytes(memory_per_device)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(fix(f"plan(memory_per_device={memory_per_device!r}): {e}.",
+                              "pass bytes as a number (16e9) or a string such as '16GB' or '512MiB', or leave it "
+                              "out (the target's memory_per_device, else no budget).")) from None
+
+
 def _check_args(memory_per_device: Any, accum: Any, measure: Any, measure_steps: Any, measure_rounds: Any,
                 remat: tuple = ()) -> None:
     """The numbers ``plan`` takes, checked before anything is traced or compiled."""
@@ -210,6 +227,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     # A lone value is one entry (a string would otherwise be iterated by character).
     remat = (remat,) if isinstance(remat, str) else tuple(remat)
     accum = (accum,) if isinstance(accum, (int, np.integer)) else tuple(accum)
+    memory_per_device = _budget(memory_per_device)
     _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds, remat)
     _check_inputs(make_state, train_step, batch, target, step_for=step_for, progress=progress, activations=activations)
     rules = rules_names(rules)
