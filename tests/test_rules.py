@@ -26,8 +26,12 @@ def test_rules_from_a_toml_file_and_inline(tmp_path):
     rules = AxisRules.load(str(path))
     assert rules.mapping == {"batch": "data", "hidden": "model", "embed": None, "layer": ("data", "model")}
     assert AxisRules.load("batch=data,hidden=model").mapping == {"batch": "data", "hidden": "model"}
-    with pytest.raises(LayoutError, match="neither a preset"):
+    with pytest.raises(LayoutError, match="neither a preset") as err:
         AxisRules.load("megatron")
+    assert "did you mean" not in str(err.value)
+    # Said as "--rules 'fsdp_tp' ..." also to Sharded(mesh, "fsdp_tp") and plan(rules=...), with no word of the preset meant.
+    with pytest.raises(LayoutError, match=r"^rules 'fsdp_tp' is neither .* \(did you mean the preset 'fsdp\+tp'\?\)"):
+        spmdkit.Sharded({"data": 2, "model": 4}, "fsdp_tp")
     with pytest.raises(LayoutError, match="does not exist"):
         AxisRules.load(str(tmp_path / "missing.toml"))
 

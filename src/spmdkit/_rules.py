@@ -9,6 +9,7 @@ is an error (never a silent replication) unless the caller opts into replication
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -161,8 +162,11 @@ class AxisRules:
         elif "=" in spec:
             rules = cls.from_mapping(_inline_pairs(spec), name=spec)
         else:
+            # Named as rules, not --rules: Sharded(mesh, "fsdp_tp") and plan(rules=...) get it too.
+            near = difflib.get_close_matches(spec, PRESETS, n=1, cutoff=0.6)
             raise LayoutError(
-                fix(f"--rules {spec!r} is neither a preset, a TOML file nor name=axis pairs.",
+                fix(f"rules {spec!r} is neither a preset, a TOML file nor name=axis pairs"
+                    + (f" (did you mean the preset {near[0]!r}?)." if near else "."),
                     f"use one of {sorted(PRESETS)}, a file rules.toml, or batch=data,hidden=model.")
             )
         return AxisRules(rules.table, rules.name, replicate_unknown)
