@@ -229,6 +229,30 @@ def test_state_axes_holding_a_number_is_named_by_path(axes, where):
         spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp", state_axes={"w": P("data", None)}).plan(make)
 
 
+def test_state_axes_that_contradict_the_models_own_names_are_an_error():
+    # The model's box won and state_axes' names for that array were dropped without a word
+    # (the plain bias beside it took state_axes' names).
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(8, kernel_init=init)(x)
+
+    make = lambda rng: Dense().init(rng, jnp.zeros((1, 4)))  # noqa: E731
+
+    def axes(kernel):
+        return {"params": {"Dense_0": {"kernel": kernel, "bias": ("mlp",)}}}
+
+    mesh = {"data": 2, "model": 4}
+    with pytest.raises(LayoutError, match=r"state_axes names \('mlp', 'embed'\) for state\['params'\]\['Dense_0'\]"
+                                          r"\['kernel'\], which the model already names \('embed', 'mlp'\)"):
+        spmdkit.Sharded(mesh, "fsdp+tp", state_axes=axes(("mlp", "embed"))).plan(make)
+    for agreeing in (("embed", "mlp"), None):  # the model's own names, or none, are fine
+        layout = spmdkit.Sharded(mesh, "fsdp+tp", state_axes=axes(agreeing)).plan(make)
+        assert {leaf.path: str(leaf.spec) for leaf in layout.leaves}["state['params']['Dense_0']['kernel']"] == \
+            "P('data', 'model')"
+
+
 def test_strategies_take_the_mesh_as_a_dict():
     make = lambda rng: {"w": jnp.ones((8, 8))}  # noqa: E731
     sharded = spmdkit.Sharded({"data": 2, "model": 4}, "dp+tp", state_axes={"w": ("embed", "hidden")})

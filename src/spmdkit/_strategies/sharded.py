@@ -417,21 +417,44 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
             part[3] = _shapes(_at(whole[0], part[0]))
     matched = []
 
-    def box(x):
+    def box(path, x):
         names = _match(parts, x)
         matched.append(True)
-        leaves, treedef = jax.tree.flatten(x, is_leaf=_is_slot)
-        out = [leaf if _is_slot(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for leaf, n in zip(leaves, names)]
+        flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_slot)
+        for (sub, leaf), n in zip(flat, names):
+            _check_box_agrees(leaf, n, "state" + jax.tree_util.keystr((*path, *sub)))
+        out = [leaf if _is_slot(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for (_, leaf), n in zip(flat, names)]
         return jax.tree.unflatten(treedef, out)
 
     def named(x):
         return _match(parts, x) is not None
 
-    state = box(state) if named(state) else jax.tree.map(lambda x: box(x) if named(x) else x, state, is_leaf=named)
+    state = box((), state) if named(state) else jax.tree_util.tree_map_with_path(
+        lambda path, x: box(path, x) if named(x) else x, state, is_leaf=named)
     if not matched:
         _check_ranks(state, parts)
         raise _unmatched(state, axes)
     return state
+
+
+def _check_box_agrees(leaf: Any, names: Any, where: str) -> None:
+    """``state_axes`` naming an array the model already names otherwise: the model's names were
+    used and ``state_axes``' dropped without a word."""
+    if names is None or not _is_box(leaf):
+        return
+    if isinstance(leaf, nn.LogicallyPartitioned):
+        own, how = tuple(leaf.names), "nn.with_logical_partitioning"
+    elif isinstance(leaf, nn.Partitioned):
+        own, how = tuple(leaf.names), "nn.with_partitioning (mesh axes)"
+    elif isinstance(leaf, nnx.Variable):
+        own, how = _nnx_names(leaf), "nnx.with_partitioning"
+    else:
+        return
+    if own is not None and own != tuple(names):
+        raise LayoutError(fix(f"state_axes names {tuple(names)} for {where}, which the model already names {own} "
+                              f"({how}); spmdkit will not pick one.",
+                              "give it the model's names in state_axes (or None there), or change the model's "
+                              "annotation: state_axes names plain arrays."))
 
 
 def _check_names_only(axes: Any) -> None:
