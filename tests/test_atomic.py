@@ -105,3 +105,26 @@ def test_a_killed_writer_leaves_the_old_file(tmp_path):
     assert p.read_text() == '{"old": 1}'
     left = [n for n in os.listdir(tmp_path) if n != "summary.json"]
     assert len(left) == 1 and is_temporary(left[0])
+
+
+def test_a_fifo_is_written_in_place_and_a_symbolic_link_is_kept(tmp_path):
+    # The rename put a regular file where the node was: `spmdkit plan --json /dev/stdout` run as
+    # root replaced /dev/stdout itself, for every later process, and wrote nothing to the output.
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    replace_text(fifo, "through the pipe")
+    reader.join(10)
+    assert got == ["through the pipe"] and fifo.is_fifo()
+    # A link to a file: the file it names is replaced whole, the link stays a link.
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "plan.json"
+    link.symlink_to(real)
+    replace_text(link, "new")
+    assert link.is_symlink() and real.read_text() == "new"
+    assert not [p for p in os.listdir(tmp_path) if is_temporary(p)]

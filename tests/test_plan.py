@@ -1904,6 +1904,25 @@ def test_plan_png_without_a_suffix_is_a_png_and_another_suffix_its_format(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan", "plan.out", "plan.svg"]  # no temporary left
 
 
+def test_cli_plan_json_dash_is_refused_and_a_fifo_or_link_is_written_through(tmp_path, capsys, monkeypatch):
+    # "--json -" wrote a file named "-"; "--json /dev/stdout" (as root) renamed a file over
+    # /dev/stdout itself, and a link given as --json was replaced by a plain file.
+    from spmdkit._errors import unwritable
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--task", "mlp", "--devices", "8", "--json", "-"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--json '-': the plan's table is what goes to stdout" in err and "--json plan.json" in err, err
+    assert not (tmp_path / "-").exists()
+    os.mkfifo(tmp_path / "pipe")
+    assert unwritable(str(tmp_path / "pipe"), "--json 'pipe'", "--json plan.json") is None
+    (tmp_path / "out").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "out" / "plan.json")
+    assert main(["plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed", "8", "--batch-size", "16",
+                 "--devices", "8", "--target", "h100x8", "--rules", "dp", "--json", "link.json"]) == 0
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "out" / "plan.json").read_text())["candidates"]
+
+
 def test_cli_plan_json_and_png_naming_one_file_is_an_error(tmp_path, capsys):
     # The PNG was written over the JSON just written: the plan's JSON lost without a word.
     same = str(tmp_path / "plan.out")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Callable
 
 # ".summary.1234.tmp.json": hidden, the writer's pid, and the final name's suffix kept
@@ -35,7 +36,8 @@ def is_temporary(name: str) -> bool:
 
 def replace_whole(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """``write(tmp)`` writes the new contents to the path ``tmp``; they are flushed to disk and
-    renamed over ``path``. Any error (an ``OSError`` from a full disk, Ctrl-C) removes the
+    renamed over ``path`` (over the file a symbolic link names; a device or FIFO, such as
+    ``/dev/stdout``, is written in place). Any error (an ``OSError`` from a full disk, Ctrl-C) removes the
     temporary file and propagates: the caller turns it into its own message.
 
         >>> import tempfile, pathlib
@@ -44,6 +46,13 @@ def replace_whole(path: str | os.PathLike, write: Callable[[str], None]) -> None
         >>> p.read_text()
         'hi'
     """
+    if is_special(path):
+        # /dev/stdout, /dev/null, a FIFO: renaming a file over one replaced the node itself (as
+        # root, /dev/stdout became a regular file for every process). Written in place, as asked.
+        write(os.fspath(path))
+        return
+    # Through a symbolic link to the file it names: the rename replaced the link with a file.
+    path = os.path.realpath(path)
     tmp = temporary_name(path)
     try:
         write(tmp)
@@ -58,6 +67,15 @@ def replace_whole(path: str | os.PathLike, write: Callable[[str], None]) -> None
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
+
+
+def is_special(path: str | os.PathLike) -> bool:
+    """A device, FIFO or socket at ``path`` (links followed): nothing that can be replaced whole."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 def replace_text(path: str | os.PathLike, text: str) -> None:

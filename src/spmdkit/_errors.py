@@ -72,9 +72,15 @@ def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
     import shlex
     import tempfile
 
+    from spmdkit._atomic import is_special
+
     if os.path.isdir(path):
         return f"{label} is a directory.", f"pass a file name, e.g. {example}."
-    parent = os.path.dirname(os.path.abspath(path))
+    if is_special(path):  # /dev/stdout, a FIFO: written in place, so the node itself must take it
+        return None if os.access(path, os.W_OK) else (f"{label}: cannot write to it.", "pass a path you can write to.")
+    # a link's file is replaced beside itself, wherever the link is
+    linked = os.path.islink(path) and os.path.exists(path)
+    parent = os.path.dirname(os.path.realpath(path) if linked else os.path.abspath(path))
     if not os.path.isdir(parent):
         blocker = _in_the_way(parent)
         if blocker is not None:  # "mkdir -p" would fail on it: the path itself is wrong

@@ -210,6 +210,10 @@ class PlanFileError(SpmdkitError, OSError):
 
 def check_out(path: str | None, flag: str) -> None:
     """An output file, checked writable before minutes of planning."""
+    if path == "-":  # read as stdout by other tools; it wrote a file named "-" beside the printed table
+        raise ConfigError(fix(f"{flag} '-': the plan's table is what goes to stdout, so {flag} takes a file name.",
+                              f"write it to a file, e.g. {flag} plan.{flag[2:]} (or {flag} /dev/stdout to mix "
+                              "it into the table's output)."))
     problem = None if path is None else unwritable(path, f"{flag} {path!r}", f"{flag} plan.{flag[2:]}")
     if problem:
         error = PlanFileError(fix(*problem))
