@@ -366,8 +366,8 @@ def _without_layout(text: str) -> str:
     """
     out, i = [], 0
     while i < len(text):
-        start = next((i for r in _LAYOUT_REPRS if text.startswith(r, i) and (i == 0 or not text[i - 1].isalnum())), None)
-        if start is None:
+        at_repr = (i == 0 or not text[i - 1].isalnum()) and any(text.startswith(r, i) for r in _LAYOUT_REPRS)
+        if not at_repr:
             out.append(text[i])
             i += 1
             continue
