@@ -163,3 +163,27 @@ def test_a_pipeline_that_raises_mid_run_keeps_what_was_trained_and_resumes(tmp_p
     assert resumed.summary["resumed_from_step"] == 5
     for k in ("w", "b"):
         np.testing.assert_array_equal(resumed.params[k], _fit(good, steps=8).params[k])
+
+
+def _refilled(bs=16):
+    """A re-iterable that refills one buffer and yields it again for every batch, as a
+    pipeline with a preallocated batch does."""
+    class Refilled:
+        def __iter__(self):
+            buf = {"x": np.empty(bs, np.float32), "y": np.empty(bs, np.float32)}
+            for b in _batches(bs=bs):
+                buf["x"][...], buf["y"][...] = b["x"], b["y"]
+                yield buf
+    return Refilled()
+
+
+@pytest.mark.parametrize("strategy", ["data", "single"])
+def test_prefetch_of_a_pipeline_that_refills_one_buffer_trains_on_its_batches(strategy):
+    """The prefetch thread reads ahead: it held the buffer itself (or a device array sharing its
+    memory) while the pipeline refilled it, and the run trained on later rows, silently."""
+    make = spmdkit.DataParallel if strategy == "data" else spmdkit.Single
+    config = lambda prefetch: spmdkit.TrainConfig(steps=8, batch_size=16, prefetch=prefetch)  # noqa: E731
+    want = spmdkit.fit(_task(_batches()), make(), optax.sgd(0.3), config(0), progress=False)
+    got = spmdkit.fit(_task(_refilled()), make(), optax.sgd(0.3), config(3), progress=False)
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(got.params[k], want.params[k])

@@ -70,6 +70,11 @@ def local_block(sharding: Any, shape: tuple[int, ...]) -> tuple[int, int] | None
     return (lo, hi) if sum(e - s for s, e in spans) == hi - lo or len(spans) == 1 else None
 
 
+def own_copy(batch: Any) -> Any:
+    """``batch`` with its host arrays copied (JAX arrays are immutable: kept)."""
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x, copy=True), batch)
+
+
 def take_rows(x: Any, idx: np.ndarray) -> np.ndarray:
     """Rows ``idx`` of one leaf (a memory map pages in only those rows)."""
     return np.asarray(x[idx])
@@ -212,6 +217,10 @@ class PipelineFeed:
         self._saved: dict[str, Any] | None = None
         self._states: dict[int, Any] = {}
         self._epoch_start = 0
+        # Set when a thread reads ahead (prefetch): a pipeline that refills one buffer and yields
+        # it again overwrote the batches waiting in the queue (or on the devices, which may share
+        # a NumPy array's memory on CPU), and the run trained on other rows without a word.
+        self.copy_batches = False
 
     # ---- checking -----------------------------------------------------------
     def _expected(self) -> str:
@@ -364,7 +373,8 @@ class PipelineFeed:
                     "fix the pipeline, then resume with --resume (CheckpointConfig(resume=True)): a single process "
                     "saves a last checkpoint, summary and params here; with several, the last periodic checkpoint "
                     "is where the run resumes.")) from e
-            yield epoch, self._place(self._check(batch, k))
+            batch = self._check(batch, k)
+            yield epoch, self._place(own_copy(batch) if self.copy_batches else batch)
 
     def state(self, step: int) -> dict[str, Any]:
         """The data position after ``step`` batches. With several processes every process calls it

@@ -474,6 +474,8 @@ def _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint,
 def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int) -> Any:
     """``(epoch, batch)`` from global batch ``start``; ``config.prefetch`` of them read and
     placed ahead by a thread (placement only: the steps stay on this thread, synced)."""
+    if config.prefetch and hasattr(feed, "copy_batches"):
+        feed.copy_batches = True
     batches = feed.batches(start)
     if not config.prefetch:
         return batches
