@@ -4,6 +4,7 @@ of the eval set and the figure is the one process's."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -119,3 +120,45 @@ def test_an_eval_set_the_model_cannot_read_is_named_before_training():
     with pytest.raises(spmdkit.TaskError, match=r"fails on eval_data, whose examples are \['x'\] \(5,\), "
                                                 r"\['y'\] \(2,\) \(training examples: \['x'\] \(4,\)"):
         spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=8), progress=False)
+
+
+def test_an_eval_pipeline_the_model_cannot_read_is_named_before_training(tmp_path):
+    """Its first batch is checked as the arrays are: it failed at the first eval, after every step,
+    with the loss's raw KeyError and nothing written but metrics.jsonl."""
+    arrays = program.eval_arrays()
+    renamed = [{"x": arrays["x"][i:i + 8], "target": arrays["y"][i:i + 8]} for i in range(0, 45, 8)]
+    with pytest.raises(spmdkit.TaskError, match=r"fails on eval_data, whose examples are \['target'\] \(2,\), "
+                                                r"\['x'\] \(4,\).*KeyError: 'y'"):
+        spmdkit.fit(program.task(renamed), spmdkit.DataParallel(), optax.sgd(0.1),
+                    spmdkit.TrainConfig(steps=30, batch_size=8), out_dir=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # no step ran
+
+
+class _FailsOnSecondPass:
+    """An eval pipeline whose reader fails on its second pass (a network file system gone)."""
+
+    def __init__(self, batches):
+        self.batches, self.passes = batches, 0
+
+    def __iter__(self):
+        self.passes += 1
+        for i, batch in enumerate(self.batches):
+            if self.passes > 1 and i == 1:
+                raise OSError("the file server went away")
+            yield batch
+
+
+def test_an_eval_pipeline_that_raises_keeps_the_run(tmp_path):
+    """The pipeline's own error ended the run raw, with no summary or parameters written; a
+    None batch ended the eval set early, silently."""
+    arrays = program.eval_arrays()
+    batches = [{k: v[i:i + 8] for k, v in arrays.items()} for i in range(0, 45, 8)]
+    config = spmdkit.TrainConfig(steps=6, batch_size=8, eval_every=3)
+    with pytest.raises(spmdkit.DataError, match="eval_data raised OSError reading eval batch 1: the file server"):
+        spmdkit.fit(program.task(_FailsOnSecondPass(batches)), spmdkit.DataParallel(), optax.sgd(0.1), config,
+                    out_dir=tmp_path / "out", progress=False)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "OSError" in summary["error"]
+    assert (tmp_path / "out" / "params.npz").exists()
+    with pytest.raises(BatchError, match=r"eval_data batch 2 holds no arrays \(it is NoneType\)"):
+        _mean([*batches[:2], None, *batches[2:]])

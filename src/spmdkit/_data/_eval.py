@@ -163,12 +163,33 @@ class _Checked:
         return rows, jax.tree_util.tree_unflatten(treedef, [x for _, x in leaves])
 
 
+_END = object()
+
+
+def _read(data: Any, name: str) -> Iterator[Any]:
+    """The batches of an eval pipeline. The pipeline's own error (a reader that failed) is a
+    DataError naming the batch: raw, it ended the run with no summary or parameters written,
+    where the training pipeline's is kept."""
+    k = 0
+    try:
+        for batch in data:
+            yield batch
+            k += 1
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(fix(f"{name} raised {type(e).__name__} reading eval batch {k}: {e}",
+                            "fix the pipeline; the steps trained are kept (summary, params, the last checkpoint), "
+                            "and --resume (CheckpointConfig(resume=True)) continues from the last checkpoint.")) from e
+
+
 def _pipeline_chunks(data: Any, shards: int, sharding_for: ShardingFor | None, name: str
                      ) -> Iterator[tuple[int, Any]]:
-    check, it = _Checked(name), iter(data)
+    check, batches = _Checked(name), _read(data, name)
     for k in range(sys.maxsize):
-        batch = next(it, None)
-        rows, batch = check(batch, k) if batch is not None else (-1, None)
+        batch = next(batches, _END)
+        # A None batch is named as one (it holds no arrays), not taken for the end of the set.
+        rows, batch = check(batch, k) if batch is not _END else (-1, None)
         if jax.process_count() == 1:
             if batch is None:
                 if k == 0:

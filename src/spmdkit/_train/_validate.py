@@ -140,8 +140,32 @@ def _validate(task: Task, batch_size: int, example: Any) -> None:
             raise TaskError(fix(
                 f"task {task.name!r}: metric aux[{name!r}] has shape {getattr(value, 'shape', type(value))}; "
                 "metrics are scalar means over the batch.", f"return jnp.mean(...) for {name!r}."))
-    _check_eval(task, params, batch_size)
-    _check_predictor(task, params, batch_size)
+    eval_batch = _eval_example(task, batch_size)
+    _check_eval(task, params, eval_batch)
+    _check_predictor(task, params, eval_batch)
+
+
+def _eval_example(task: Task, batch_size: int) -> Any:
+    """An abstract eval batch: of the eval arrays, or a pipeline's first batch (an eval pipeline
+    starts over each time it is iterated, so reading one costs the eval nothing but the read).
+    Unchecked, a pipeline that did not fit the model failed at the first eval, after the steps,
+    with the loss's raw KeyError and no summary or parameters written. None when there is no
+    eval set, or the pipeline yields nothing or fails: evaluation says so, naming the batch."""
+    if task.eval_data is None:
+        return None
+    if not is_pipeline(task.eval_data):
+        n = min(batch_size, task.num_eval)
+        return jax.tree.map(lambda x: abstract_rows(x, n), task.eval_data)
+    try:
+        first = next(iter(task.eval_data))
+        leaves, treedef = jax.tree.flatten(first)
+        shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))
+                  for x in leaves]
+    except Exception:  # noqa: BLE001 - the user's pipeline: the eval's own checks name what is wrong
+        return None
+    if not leaves or any(s.ndim == 0 or s.dtype.kind not in "biufc" for s in shapes):
+        return None
+    return jax.tree.unflatten(treedef, shapes)
 
 
 def per_example_scores(scores: Any, rows: int, where: str) -> None:
@@ -160,12 +184,11 @@ def per_example_scores(scores: Any, rows: int, where: str) -> None:
                 "(jnp.argmax(probs, -1) == batch['label']).astype(jnp.float32)."))
 
 
-def _check_predictor(task: Task, params: Any, batch_size: int) -> None:
+def _check_predictor(task: Task, params: Any, batch: Any) -> None:
     """A predictor's score gives one value per example (abstractly, before training)."""
-    if task.predictor is None or task.eval_data is None or is_pipeline(task.eval_data):
+    if task.predictor is None or batch is None:
         return
-    n = min(batch_size, task.num_eval)
-    batch = jax.tree.map(lambda x: abstract_rows(x, n), task.eval_data)
+    n = jax.tree.leaves(batch)[0].shape[0]
     try:
         scores = jax.eval_shape(lambda p, b: task.predictor.score(task.predictor.predict(p, b), b), params, batch)
     except Exception as e:
@@ -187,13 +210,11 @@ def _check_metric_names(task: Task, aux: Mapping[str, Any], fn: str) -> None:
             f"rename them in aux, e.g. {reserved[0]!r} -> 'my_{reserved[0]}'."))
 
 
-def _check_eval(task: Task, params: Any, batch_size: int) -> None:
+def _check_eval(task: Task, params: Any, batch: Any) -> None:
     """The eval set fits the model (abstractly), so a mismatch is named before training,
-    not at the first eval. A pipeline's batches are checked as they are read."""
-    if task.eval_data is None or is_pipeline(task.eval_data):
+    not at the first eval. A pipeline's later batches are checked against its first as read."""
+    if batch is None:
         return
-    n = min(batch_size, task.num_eval)
-    batch = jax.tree.map(lambda x: abstract_rows(x, n), task.eval_data)
     model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0)) if task.stateful else None
     try:
         _, aux = jax.eval_shape(lambda p, s, b, k: task.eval_loss(p, s, b, k), params, model_state, batch,
