@@ -235,3 +235,26 @@ def test_grain_batches_names_arguments_that_are_not_whole_numbers(tmp_path, kw, 
     with pytest.raises(spmdkit.ConfigError, match=words):
         spmdkit.grain_batches(d, **kw)
     assert len(spmdkit.grain_batches(d, np.int64(4), seed=np.int32(1))) == 2
+
+
+def test_grain_batches_resumed_over_a_data_set_written_again_is_refused(tmp_path):
+    """Its order held only the example count: the same path written again with other rows (the
+    same count) resumed without a word, training on other data than the run it continued."""
+    import jax.numpy as jnp
+    import optax
+
+    d = spmdkit.write_dataset(tmp_path / "ds", {"x": X, "y": 3 * X + 1})
+
+    def fit(steps, resume):
+        task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+                            loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+                            train_data=spmdkit.grain_batches(d, 16, seed=2))
+        return spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.3), spmdkit.TrainConfig(steps=steps, batch_size=16,
+                           seed=2), progress=False,
+                           checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=3, resume=resume))
+
+    fit(3, False)
+    assert fit(6, True).summary["steps"] == 6  # the same data set resumes
+    spmdkit.write_dataset(d, {"x": X[::-1].copy(), "y": 3 * X + 1}, overwrite=True)
+    with pytest.raises(spmdkit.ConfigError, match=r"grain_batches whose data set differs .*manifest CRC-32 \w{8} then"):
+        fit(9, True)

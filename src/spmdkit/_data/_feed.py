@@ -387,13 +387,25 @@ class PipelineFeed:
         states = gather_json(self._states.get(step), "the data pipelines' positions for a checkpoint")
         return {**head, "iterators": {str(p): s for p, s in enumerate(states)}}
 
+    def _check_same_rows(self, saved_order: dict[str, Any] | None) -> None:
+        """A grain_batches data set written again with other rows (the same count) resumed without a
+        word: its order holds only the count, so the run trained on other data than it claimed to continue."""
+        then, now = (saved_order or {}).get("crc32"), (self.order or {}).get("crc32")
+        if then is not None and now is not None and then != now:
+            raise ConfigError(fix(
+                f"the checkpoint was written reading {saved_order.get('examples')} examples through grain_batches whose "
+                f"data set differs from this run's (manifest CRC-32 {then} then, {now} now): the data set was "
+                "written again since, or another one is at the path.",
+                "resume with the data set the run started with, or start a new run in another checkpoint directory."))
+
     def resume(self, saved: dict[str, Any] | None) -> None:
         if saved is not None and saved.get("kind") != self.kind:
             raise ConfigError(fix(f"the checkpoint was written training from {saved.get('kind')}; this run trains "
                                   "from a pipeline: the data order would differ.",
                                   "resume with the same training data, or start a new run elsewhere."))
         saved_order = (saved or {}).get("order")
-        if saved_order is not None and saved_order != self.order:
+        self._check_same_rows(saved_order)
+        if saved_order is not None and _without_crc(saved_order) != _without_crc(self.order):
             raise ConfigError(fix(
                 f"the checkpoint was written reading {saved_order}; this run's pipeline reads "
                 f"{self.order or 'another pipeline'}: the data order would differ.",
@@ -409,6 +421,11 @@ class PipelineFeed:
                 "(a Grain MapDataset whose global order spmdkit fixes) or from arrays or an on-disk data set "
                 "(--data DIR), whose order is the same on any number of processes."))
         self._saved = saved
+
+
+def _without_crc(order: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An order without its data set digest (checked on its own; a checkpoint may predate it)."""
+    return None if order is None else {k: v for k, v in order.items() if k != "crc32"}
 
 
 def open_feed(data: Any, batch_size: int, seed: int, drop_remainder: bool, strategy: Any = None) -> ArrayFeed | PipelineFeed:

@@ -40,7 +40,7 @@ import numpy as np
 
 from spmdkit._atomic import is_temporary, replace_text, replace_whole
 from spmdkit._data._errors import DatasetCorruptError, DatasetFileError, DatasetLayoutError, DatasetWriteError
-from spmdkit._crc import crc32_file
+from spmdkit._crc import crc32, crc32_file
 from spmdkit._errors import DataError, fix
 
 FORMAT = "spmdkit-dataset"
@@ -347,6 +347,13 @@ def load_dataset(directory: str | os.PathLike, *, verify: bool = False) -> dict[
     return out
 
 
+def manifest_digest(directory: Path) -> str:
+    """One CRC-32 over the manifest's leaves (their keys, files, shapes, dtypes and CRC-32s): it
+    changes when the data set is written again with other rows, without reading the rows."""
+    leaves = read_manifest(directory)["leaves"]
+    return f"{crc32(json.dumps(leaves, sort_keys=True).encode()):08x}"
+
+
 def unreadable(directory: Path, e: PermissionError) -> DatasetFileError:
     """A data set this user may not read: a bare PermissionError, or (for the manifest and the .npy
     files) "not valid JSON" / "cannot be read as .npy ... write the data set again", which is no fix."""
@@ -378,6 +385,7 @@ class DatasetSource:
     def __init__(self, directory: str | os.PathLike, *, verify: bool = False):
         self.directory = Path(directory)
         self.arrays = load_dataset(self.directory, verify=verify)
+        self.digest = manifest_digest(self.directory)
         self._leaves = _leaves(self.arrays)
         self._count = int(self._leaves[0][1].shape[0])
 

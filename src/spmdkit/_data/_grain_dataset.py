@@ -42,7 +42,7 @@ if grain is not None:
             self._order = ArrayFeed({"count": np.empty((len(source), 0), np.uint8)}, batch_size, seed, drop_remainder)
             # What fixes the global order: a checkpoint written with the same resumes on any process count.
             self.spmdkit_order = {"source": "spmdkit.grain_batches", "examples": len(source), "batch_size": batch_size,
-                                  "seed": seed, "drop_remainder": drop_remainder}
+                                  "seed": seed, "drop_remainder": drop_remainder, "crc32": source.digest}
 
         def __len__(self) -> int:
             return self._order.steps_per_epoch
