@@ -232,6 +232,11 @@ def test_overwriting_a_data_set_leaves_its_open_readers_the_old_rows(tmp_path):
     (lambda m: m.update(count=10.5), r"count 10.5 is not a whole number"),
     (lambda m: m["leaves"][0].update(file="../other/image.npy"), r"is not a file name inside the data set"),
     (lambda m: m["leaves"][0].pop("crc32"), r"lacks or mangles a field \(KeyError: 'crc32'\)"),
+    # a raw TypeError ('<' between int and str), and a "replaced" file of shape ('1', '0')
+    (lambda m: m["leaves"][0].update(bytes=str(m["leaves"][0]["bytes"])), r"bytes '\d+' is not a whole number"),
+    (lambda m: m["leaves"][0].update(bytes=-1), r"bytes -1 is not a whole number"),
+    (lambda m: m["leaves"][0].update(shape="10"), r"shape '10' is not a list of whole numbers"),
+    (lambda m: m["leaves"][0].update(shape=[10.0, 4]), r"shape \[10.0, 4\] is not a list of whole numbers"),
 ])
 def test_a_hand_edited_manifest_is_named_not_loaded_wrong(tmp_path, edit, words):
     # Two leaves under one key lost one silently; a key "xy" became the path x/y; an empty or

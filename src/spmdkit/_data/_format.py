@@ -270,6 +270,12 @@ def _entries_problem(manifest: dict[str, Any]) -> str | None:
             return f"leaf {'/'.join(key)}: file {name!r} is not a file name inside the data set directory."
         if not isinstance(e["crc32"], str):
             return f"leaf {'/'.join(key)}: crc32 {e['crc32']!r} is not a checksum string."
+        # A string where a number belongs ("bytes": "368256") was a raw TypeError comparing sizes, and a
+        # string shape ("1438") was reported as a file of shape ('1', '4', '3', '8'), "replaced".
+        if not _whole(e["bytes"]):
+            return f"leaf {'/'.join(key)}: bytes {e['bytes']!r} is not a whole number of bytes."
+        if not isinstance(e["shape"], list) or not all(_whole(d) for d in e["shape"]):
+            return f"leaf {'/'.join(key)}: shape {e['shape']!r} is not a list of whole numbers."
         keys.append(tuple(key))
     for a in keys:
         for b in keys:
@@ -280,6 +286,10 @@ def _entries_problem(manifest: dict[str, Any]) -> str | None:
     if len(set(files)) != len(files):
         return f"two leaves share one file ({sorted(f for f in set(files) if files.count(f) > 1)})."
     return None
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _open_leaf(directory: Path, entry: dict[str, Any], count: int, verify: bool) -> np.ndarray:
