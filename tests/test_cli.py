@@ -295,3 +295,15 @@ def test_ctrl_c_during_a_command_is_one_line_and_exit_code_130(own_group):
     assert first.startswith("compiling"), first + err[-2000:]
     assert proc.returncode == 130, err[-3000:]
     assert "spmdkit: interrupted" in err.splitlines() and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("argv", [
+    ["data", "write", "d" * 300, "--task", "digits"], ["train", "--task", "digits", "--data", "runs/" + "d" * 300],
+    ["train", "--out", "x" * 256], ["checkpoints", "c" * 400],
+])
+def test_a_path_with_a_name_past_255_bytes_is_refused_by_the_parser(argv, capsys):
+    """It was a raw OSError (File name too long) from the first look at the path, exit code 1."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "file systems take at most 255: shorten it" in capsys.readouterr().err

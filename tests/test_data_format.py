@@ -407,3 +407,20 @@ def test_keys_that_differ_only_in_case_get_files_that_differ_in_more(tmp_path):
     data = spmdkit.load_dataset(d, verify=True)
     np.testing.assert_array_equal(data["X"], arrays["X"])
     np.testing.assert_array_equal(data["x"], arrays["x"])
+
+
+def test_a_long_key_gets_a_file_name_the_disk_takes(tmp_path):
+    """A file name holds 255 bytes: a 300-character key failed as "File name too long", with
+    the fix "choose a directory you can write to, on a disk with free space" (exit 5)."""
+    long_a, long_b = "feature_" + "a" * 300, "feature_" + "a" * 299 + "b"  # one stem if only cut short
+    arrays = {long_a: np.arange(4.0), long_b: np.ones(4), "nested": {"n" * 200: np.zeros(4)}}
+    d = spmdkit.write_dataset(tmp_path / "ds", arrays)
+    files = [e["file"] for e in json.loads((d / "manifest.json").read_text())["leaves"]]
+    assert len(set(files)) == 3 and max(map(len, files)) <= 130, files
+    data = spmdkit.load_dataset(d, verify=True)
+    np.testing.assert_array_equal(data[long_a], arrays[long_a])
+    np.testing.assert_array_equal(data[long_b], arrays[long_b])
+    assert list(data["nested"]) == ["n" * 200]
+    with pytest.raises(spmdkit.DataError, match="a name in the path is longer than the file system allows") as e:
+        spmdkit.write_dataset(tmp_path / ("d" * 300), arrays)  # the directory's own name: bad input, not the disk
+    assert not isinstance(e.value, spmdkit.DatasetWriteError)

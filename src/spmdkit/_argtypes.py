@@ -17,6 +17,12 @@ def path_arg(text: str) -> str:
     """
     if text == "":
         raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset shell variable?)")
+    # A name past the file system's 255 bytes was a raw OSError (File name too long) from the
+    # first look at the path, exit code 1, in data write, train --data/--out and the rest.
+    longest = max(text.split("/"), key=lambda name: len(name.encode(errors="surrogateescape")))
+    if len(longest.encode(errors="surrogateescape")) > 255:
+        raise argparse.ArgumentTypeError(f"a name in the path is {len(longest.encode(errors='surrogateescape'))} "
+                                         f"bytes ({longest[:20]}...); file systems take at most 255: shorten it")
     return text
 
 

@@ -67,6 +67,8 @@ def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ..
 
 def _file_name(key: tuple[str, ...], used: set[str]) -> str:
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", "__".join(key)) or "leaf"
+    if len(stem) > 120:  # a file name holds 255 bytes: a long key failed as "File name too long", "free disk space"
+        stem = f"{stem[:100]}_{crc32(json.dumps(list(key)).encode()):08x}"  # the manifest keeps the whole key
     name, i = f"{stem}.npy", 1
     taken = {u.lower() for u in used}  # "X.npy" and "x.npy" are one file on macOS's and Windows' disks
     while name.lower() in taken:
@@ -162,9 +164,9 @@ def _not_a_data_set(directory: Path) -> str | None:
 def create_dir(directory: Path) -> None:
     """``directory`` made with its parents, or a DataError saying why it cannot be (exit code 5
     for a place that cannot be written, 2 for a file in the way)."""
-    if directory.exists() and not directory.is_dir():
-        raise DataError(fix(f"{directory} is a file, not a directory.", "choose a directory path for the data set."))
     try:
+        if directory.exists() and not directory.is_dir():
+            raise DataError(fix(f"{directory} is a file, not a directory.", "choose a directory path for the data set."))
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _cannot_write(directory, e) from None
@@ -205,6 +207,9 @@ def _cannot_write(directory: Path, e: OSError) -> DataError:
     if e.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a directory belongs: bad input, exit code 2
         return DataError(fix(f"cannot write the data set {directory}: {cause}; a file stands where a directory "
                              "is needed.", "choose a path whose parents are directories."))
+    if e.errno == errno.ENAMETOOLONG:  # bad input (exit code 2), not a disk to free
+        return DataError(fix(f"cannot write the data set {directory}: {cause}; a name in the path is longer than "
+                             "the file system allows (255 bytes a name here).", "choose a shorter directory name."))
     return DatasetWriteError(fix(f"cannot write the data set {directory}: {cause}.",
                                  "choose a directory you can write to, on a disk with free space."))
 
