@@ -187,3 +187,17 @@ def test_prefetch_of_a_pipeline_that_refills_one_buffer_trains_on_its_batches(st
     got = spmdkit.fit(_task(_refilled()), make(), optax.sgd(0.3), config(3), progress=False)
     for k in ("w", "b"):
         np.testing.assert_array_equal(got.params[k], want.params[k])
+
+
+def test_a_batch_of_another_dtype_or_example_shape_is_not_called_ragged():
+    """Each was "(a ragged batch?)" with the fix to drop an epoch's last batch."""
+    def changing(change):
+        for i, b in enumerate(_batches() * 2):
+            yield change(b) if i == 5 else b
+    retyped = lambda b: {"x": b["x"].astype(np.float64), "y": b["y"]}  # noqa: E731
+    with pytest.raises(BatchError, match=r"batch 5\['x'\] .* dtype float32 \(another dtype\)\.\n  Fix: yield one "
+                                         r"dtype per leaf .*x\.astype\(np\.float32\)"):
+        _fit(changing(retyped), steps=8)
+    widened = lambda b: {"x": np.stack([b["x"], b["x"]], 1), "y": b["y"]}  # noqa: E731
+    with pytest.raises(BatchError, match=r"batch 5\['x'\] has shape \(16, 2\).*\(another per-example shape\)"):
+        _fit(changing(widened), steps=8)

@@ -265,10 +265,9 @@ class PipelineFeed:
         for (where, shape, dtype), x in zip(spec, leaves):
             x = x if isinstance(x, jax.Array) else np.asarray(x)
             if x.shape != shape or x.dtype != dtype:
+                what, remedy = _what_changed(x, shape, dtype)
                 raise BatchError(fix(f"{self.name}: batch {k}{where} has shape {x.shape} dtype {x.dtype}; the first "
-                                     f"batch had shape {shape} dtype {dtype} (a ragged batch?).",
-                                     "yield equal batches (drop or pad the last one of an epoch, e.g. Grain's "
-                                     "batch(..., drop_remainder=True))."))
+                                     f"batch had shape {shape} dtype {dtype} ({what}).", remedy))
             out.append(x)
         return jax.tree.unflatten(treedef, out)
 
@@ -421,6 +420,19 @@ class PipelineFeed:
                 "(a Grain MapDataset whose global order spmdkit fixes) or from arrays or an on-disk data set "
                 "(--data DIR), whose order is the same on any number of processes."))
         self._saved = saved
+
+
+def _what_changed(x: Any, shape: tuple, dtype: Any) -> tuple[str, str]:
+    """What differs from the first batch, and its fix. Every change was called "a ragged batch?"
+    with the fix to drop the epoch's last batch, also a dtype that changed (int32 labels, then
+    int64) and a per-example shape that did."""
+    if x.shape[1:] != shape[1:]:
+        return "another per-example shape", "yield one per-example shape for the whole run (crop, pad or resize)."
+    if x.shape != shape:
+        return "a ragged batch?", ("yield equal batches (drop or pad the last one of an epoch, e.g. Grain's "
+                                   "batch(..., drop_remainder=True)).")
+    return "another dtype", (f"yield one dtype per leaf for the whole run (cast in the pipeline: "
+                             f"x.astype(np.{np.dtype(dtype).name})).")
 
 
 def _without_crc(order: dict[str, Any] | None) -> dict[str, Any] | None:
