@@ -136,6 +136,14 @@ def test_cli_writes_checks_and_trains_from_a_data_set(tmp_path, capsys):
     assert main(["data", "write", str(d), "--task", "linreg"]) == 0
     assert main(["data", "check", str(d), "--verify"]) == 0
     assert "intact (CRC-32 verified)" in capsys.readouterr().out
+    raw = bytearray((d / "train" / "x.npy").read_bytes())
+    raw[-1] ^= 1  # a flipped bit: every size, shape and dtype still as the manifest says
+    (d / "train" / "x.npy").write_bytes(bytes(raw))
+    assert main(["data", "check", str(d)]) == 0  # it was "intact", which --verify then refuted
+    assert "contents not checked (--verify reads every file" in capsys.readouterr().out
+    assert main(["data", "check", str(d), "--verify"]) == 2
+    assert "checksum" in capsys.readouterr().err
+    assert main(["data", "write", str(d), "--task", "linreg", "--overwrite"]) == 0
     out = tmp_path / "run"
     assert main(["train", "--task", "linreg", "--data", str(d), "--steps", "3", "--no-progress", "--out", str(out),
                  "--prefetch", "1"]) == 0
