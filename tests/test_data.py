@@ -201,3 +201,25 @@ def test_a_batch_of_another_dtype_or_example_shape_is_not_called_ragged():
     widened = lambda b: {"x": np.stack([b["x"], b["x"]], 1), "y": b["y"]}  # noqa: E731
     with pytest.raises(BatchError, match=r"batch 5\['x'\] has shape \(16, 2\).*\(another per-example shape\)"):
         _fit(changing(widened), steps=8)
+
+
+def test_a_list_of_batches_changed_between_runs_is_named_on_resume(tmp_path):
+    """Its bytes were not recorded: resumed with other batches (the same count), the run trained
+    on them without a word; other eval batches changed its eval figures without one."""
+    def fit(train, eval_data, steps, ck, resume=False):
+        task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())},
+                            loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] + p["b"] - b["y"]) ** 2), {}),
+                            train_data=train, eval_data=eval_data)
+        return spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.3), spmdkit.TrainConfig(steps=steps, batch_size=16),
+                           progress=False, checkpoint=spmdkit.CheckpointConfig(str(tmp_path / ck), every=3,
+                                                                               resume=resume))
+
+    batches, other = _batches(), _batches(order_seed=1)
+    whole = fit(batches, batches[:1], 6, "whole")
+    fit(batches, batches[:1], 3, "cut")
+    with pytest.raises(spmdkit.ConfigError, match=r"a list of 4 batches whose bytes differ .*CRC-32 \w{8} then"):
+        fit(other, batches[:1], 6, "cut", resume=True)
+    with pytest.warns(RuntimeWarning, match="written evaluating on other data"):
+        resumed = fit(batches, other[:1], 6, "cut", resume=True)
+    for k in ("w", "b"):  # the same batches resume the very same run
+        np.testing.assert_array_equal(resumed.params[k], whole.params[k])

@@ -88,13 +88,16 @@ def assemble(local: Any, rows: int, sharding: Any) -> Any:
 
 def arrays_digest(tree: Any) -> str | None:
     """The CRC-32 of a pytree's array bytes when every leaf is a numpy array in memory, else
-    None (a pipeline, a data set directory: its files are checksummed when loaded).
+    None (a pipeline, a data set directory: its files are checksummed when loaded). A list of
+    batches is in memory too: resumed with other batches it trained on them without a word.
 
     >>> arrays_digest({"x": np.zeros(3, np.float32)}), arrays_digest("data/eval")
     ('7bd5c66f', None)
     """
-    if isinstance(tree, (str, bytes, os.PathLike)) or is_pipeline(tree):
+    if isinstance(tree, (str, bytes, os.PathLike)) or (is_pipeline(tree) and not isinstance(tree, list)):
         return None  # flattened, a pipeline would be a leaf: JAX warns of that, and will refuse it
+    if isinstance(tree, list) and jax.process_count() > 1:
+        return None  # each process's list holds its own share: no digest of the whole to compare
     leaves = jax.tree.leaves(tree)
     if not leaves or not all(type(x) is np.ndarray and not x.dtype.hasobject for x in leaves):
         return None
@@ -380,11 +383,27 @@ class PipelineFeed:
         at the same step (a checkpoint is saved by all): each one's iterator state is gathered,
         keyed by process index, into the metadata process 0 writes."""
         order = {} if self.order is None else {"order": self.order}
+        if (digest := self.digest()) is not None:
+            order["crc32"] = digest
         head = {"kind": self.kind, "batches": step, "processes": self.processes, **order}
         if self.processes == 1 or self.indexable:  # one process, or read by global position: nothing per process
             return {**head, **self._states.get(step, {})}
         states = gather_json(self._states.get(step), "the data pipelines' positions for a checkpoint")
         return {**head, "iterators": {str(p): s for p, s in enumerate(states)}}
+
+    def digest(self) -> str | None:
+        """The CRC-32 of a list of in-memory batches (computed once), else None."""
+        if not hasattr(self, "_digest"):
+            self._digest = arrays_digest(self.source) if isinstance(self.source, list) else None
+        return self._digest
+
+    def _check_same_batches(self, saved: dict[str, Any] | None) -> None:
+        then, now = (saved or {}).get("crc32"), self.digest()
+        if then is not None and now is not None and then != now:
+            raise ConfigError(fix(
+                f"the checkpoint was written training on a list of {len(self.source)} batches whose bytes differ "
+                f"from this run's (CRC-32 {then} then, {now} now): the training data changed since.",
+                "resume with the batches the run started with, or start a new run in another checkpoint directory."))
 
     def _check_same_rows(self, saved_order: dict[str, Any] | None) -> None:
         """A grain_batches data set written again with other rows (the same count) resumed without a
@@ -404,6 +423,7 @@ class PipelineFeed:
                                   "resume with the same training data, or start a new run elsewhere."))
         saved_order = (saved or {}).get("order")
         self._check_same_rows(saved_order)
+        self._check_same_batches(saved)
         if saved_order is not None and _without_crc(saved_order) != _without_crc(self.order):
             raise ConfigError(fix(
                 f"the checkpoint was written reading {saved_order}; this run's pipeline reads "
