@@ -432,3 +432,11 @@ def test_a_long_key_gets_a_file_name_the_disk_takes(tmp_path):
     with pytest.raises(spmdkit.DataError, match="a name in the path is longer than the file system allows") as e:
         spmdkit.write_dataset(tmp_path / ("d" * 300), arrays)  # the directory's own name: bad input, not the disk
     assert not isinstance(e.value, spmdkit.DatasetWriteError)
+
+
+def test_a_directory_in_a_leaf_files_place_is_not_called_missing(tmp_path):
+    d = spmdkit.write_dataset(tmp_path / "ds", ARRAYS)
+    (d / "label.npy").unlink()
+    (d / "label.npy").mkdir()  # `ls` shows it: "is missing" sent the user looking for a file that is there
+    with pytest.raises(DatasetFileError, match=r"label.npy \(leaf label\) is not a file \(a directory stands"):
+        spmdkit.load_dataset(d)

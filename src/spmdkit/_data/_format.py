@@ -300,7 +300,10 @@ def _whole(value: Any) -> bool:
 def _open_leaf(directory: Path, entry: dict[str, Any], count: int, verify: bool) -> np.ndarray:
     path = directory / entry["file"]
     if not path.is_file():
-        raise DatasetFileError(fix(f"{path} (leaf {'/'.join(entry['key'])}) is missing.",
+        # A directory (or a socket...) in the file's place was reported "missing", beside it in `ls`.
+        what = "is missing" if not path.exists() else "is not a file (a directory stands in its place)" \
+            if path.is_dir() else "is not a regular file"
+        raise DatasetFileError(fix(f"{path} (leaf {'/'.join(entry['key'])}) {what}.",
                                    "restore the file, or write the data set again."))
     size = path.stat().st_size
     if size != entry["bytes"]:
