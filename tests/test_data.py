@@ -223,3 +223,13 @@ def test_a_list_of_batches_changed_between_runs_is_named_on_resume(tmp_path):
         resumed = fit(batches, other[:1], 6, "cut", resume=True)
     for k in ("w", "b"):  # the same batches resume the very same run
         np.testing.assert_array_equal(resumed.params[k], whole.params[k])
+
+
+def test_a_list_of_the_datas_arrays_is_told_apart_from_a_list_of_batches():
+    """[x, y] is read as two batches of 64 rows: "yield batches of 16 rows" did not say why."""
+    with pytest.raises(BatchError, match=r"shape \(64,\);.*train_data is a list, which spmdkit reads as a pipeline "
+                                         r"of batches.*pass them as a tuple \(x, y\)"):
+        _fit([X, 3 * X + 1])
+    with pytest.raises(spmdkit.ConfigError, match=r"or a data set directory \(train_data=DIR; --data DIR\)"):
+        spmdkit.fit(_task(_batches()), spmdkit.Ensemble(2, bagging=True), optax.sgd(0.3),
+                    spmdkit.TrainConfig(steps=2, batch_size=16), progress=False)

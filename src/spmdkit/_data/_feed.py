@@ -250,11 +250,20 @@ class PipelineFeed:
                                      "yield numbers (token ids, one-hot floats)."))
             if x.ndim == 0 or x.shape[0] != self.rows:
                 raise BatchError(fix(f"{where} has shape {x.shape}; its leading (batch) axis must hold "
-                                     f"{self._expected()}.",
+                                     f"{self._expected()}.{self._list_of_arrays(batch)}",
                                      f"yield batches of {self.rows} rows, or set batch_size to what the pipeline "
                                      "yields (--batch-size)."))
             spec.append((jax.tree_util.keystr(path), x.shape, x.dtype))
         return treedef, spec
+
+    def _list_of_arrays(self, batch: Any) -> str:
+        """A hint when the "pipeline" is a list of bare arrays: [x, y] meant as the data, each array
+        read as one batch of all the examples."""
+        if isinstance(self.source, list) and hasattr(batch, "shape") and len(self.source) <= 16:
+            return (f" {self.name} is a list, which spmdkit reads as a pipeline of batches, and its first item is "
+                    f"a bare array: if the list holds the data's arrays ([x, y]), pass them as a tuple (x, y) or a "
+                    "dict {'x': x, 'y': y}, which spmdkit shuffles and batches.")
+        return ""
 
     def _check(self, batch: Any, k: int) -> Any:
         if self._first is None:
@@ -470,6 +479,7 @@ def open_feed(data: Any, batch_size: int, seed: int, drop_remainder: bool, strat
     if is_pipeline(data):
         if streams != 1:
             raise ConfigError(fix(f"a bagged ensemble draws {streams} independent orders of the data; a pipeline "
-                                  "yields one.", "pass the training data as arrays, or turn bagging off."))
+                                  "yields one.", "pass the training data as arrays or a data set directory "
+                                  "(train_data=DIR; --data DIR), or turn bagging off."))
         return PipelineFeed(data, batch_size, sharding_for, shards)
     return ArrayFeed(data, batch_size, seed, drop_remainder, streams, sharding_for, shards)
