@@ -27,7 +27,8 @@ def grain_batches(data: str | os.PathLike | Any, batch_size: int, *, seed: int =
 
     ``data`` is a data set directory (:func:`write_dataset`) or a :class:`DatasetSource`.
     Element ``k`` is global batch ``k`` in the order ``fit`` gives the same data as
-    arrays with ``TrainConfig(seed=seed)`` (reshuffled each epoch; indices past the
+    arrays with ``TrainConfig(seed=seed, drop_remainder=drop_remainder)`` (``fit``'s own
+    default keeps an epoch's short last batch, this one's drops it; reshuffled each epoch; indices past the
     first epoch continue into the next, as Grain's do); with P processes (JAX's, unless
     given) process p gets rows ``[p * batch_size / P, (p + 1) * batch_size / P)``. Pass
     it as a task's ``train_data``: ``fit`` reads batch ``k`` by index, so nothing but the
