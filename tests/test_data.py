@@ -233,3 +233,15 @@ def test_a_list_of_the_datas_arrays_is_told_apart_from_a_list_of_batches():
     with pytest.raises(spmdkit.ConfigError, match=r"or a data set directory \(train_data=DIR; --data DIR\)"):
         spmdkit.fit(_task(_batches()), spmdkit.Ensemble(2, bagging=True), optax.sgd(0.3),
                     spmdkit.TrainConfig(steps=2, batch_size=16), progress=False)
+
+
+def test_a_run_reads_no_batch_past_its_last_step_from_a_one_shot_iterator():
+    """The prefetch thread read up to prefetch + 1 batches ahead: a run continued with the same
+    iterator skipped them without a word."""
+    def numbered():
+        for i in range(100):
+            yield {"x": X[:16] + i, "y": 3 * X[:16] + 1, "i": np.full(16, i)}
+    for prefetch in (0, 2):
+        it = numbered()
+        _fit(it, steps=5, prefetch=prefetch)
+        assert int(next(it)["i"][0]) == 5, prefetch

@@ -402,7 +402,7 @@ def fit(
     _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint, log, step_timeout)
     run = _Run(task, strategy, optimizer, config, out_dir, checkpoint, log, run_info, progress, step_timeout)
     step = strategy.step(task_train_step(task, optimizer, config.grad_accum))
-    batches = _feed_batches(run.feed, strategy, config, run.start_step)
+    batches = _feed_batches(run.feed, strategy, config, run.start_step, run.plan.total)
     state = run.state
     try:
         with run:  # Ctrl-C and SIGTERM stop at a step boundary; the watchdog; the progress bar
@@ -471,12 +471,17 @@ def _check_fit_arguments(task, strategy, optimizer, config, out_dir, checkpoint,
                     "pass step_timeout=100 (the default), or None.")
 
 
-def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int) -> Any:
+def _feed_batches(feed: Any, strategy: Any, config: TrainConfig, start: int, total: int) -> Any:
     """``(epoch, batch)`` from global batch ``start``; ``config.prefetch`` of them read and
     placed ahead by a thread (placement only: the steps stay on this thread, synced)."""
     if config.prefetch and hasattr(feed, "copy_batches"):
         feed.copy_batches = True
     batches = feed.batches(start)
+    if config.prefetch and getattr(feed, "one_shot", False):
+        # The thread read up to prefetch + 1 batches past the last step from the user's iterator, so
+        # a run continued with the same iterator skipped them without a word. Nothing reads past the
+        # last step of a one-shot iterator (the final probe skips it too).
+        batches = itertools.islice(batches, max(total - start, 0))
     if not config.prefetch:
         return batches
     sharding_for = getattr(strategy, "_batch_sharding_for", None)
