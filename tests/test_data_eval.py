@@ -162,3 +162,16 @@ def test_an_eval_pipeline_that_raises_keeps_the_run(tmp_path):
     assert (tmp_path / "out" / "params.npz").exists()
     with pytest.raises(BatchError, match=r"eval_data batch 2 holds no arrays \(it is NoneType\)"):
         _mean([*batches[:2], None, *batches[2:]])
+    # failing at its first read, it is named before training: it failed after every step
+    with pytest.raises(spmdkit.DataError, match="eval_data raised OSError reading its first batch"):
+        spmdkit.fit(program.task(_FailsFirst()), spmdkit.DataParallel(), optax.sgd(0.1), config,
+                    out_dir=tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2" / "summary.json").exists()
+    with pytest.raises(spmdkit.DataError, match="eval_data yielded no batch"):
+        spmdkit.fit(program.task([]), spmdkit.DataParallel(), optax.sgd(0.1), config, progress=False)
+
+
+class _FailsFirst:
+    def __iter__(self):
+        raise OSError("no such eval file")
+        yield

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from spmdkit._data import is_pipeline
-from spmdkit._errors import SpmdkitError, fix
+from spmdkit._errors import DataError, SpmdkitError, fix
 from spmdkit._tasks._base import Task
 from spmdkit._train._hooks import ROW_FIELDS
 from spmdkit._tree import abstract_rows
@@ -150,18 +150,18 @@ def _eval_example(task: Task, batch_size: int) -> Any:
     starts over each time it is iterated, so reading one costs the eval nothing but the read).
     Unchecked, a pipeline that did not fit the model failed at the first eval, after the steps,
     with the loss's raw KeyError and no summary or parameters written. None when there is no
-    eval set, or the pipeline yields nothing or fails: evaluation says so, naming the batch."""
+    eval set or the first batch's leaves are not arrays (evaluation names them)."""
     if task.eval_data is None:
         return None
     if not is_pipeline(task.eval_data):
         n = min(batch_size, task.num_eval)
         return jax.tree.map(lambda x: abstract_rows(x, n), task.eval_data)
+    first = _first_eval_batch(task.eval_data)
     try:
-        first = next(iter(task.eval_data))
         leaves, treedef = jax.tree.flatten(first)
         shapes = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))
                   for x in leaves]
-    except Exception:  # noqa: BLE001 - the user's pipeline: the eval's own checks name what is wrong
+    except Exception:  # noqa: BLE001 - leaves that are not arrays: the eval's own checks name them
         return None
     if not leaves or any(s.ndim == 0 or s.dtype.kind not in "biufc" for s in shapes):
         return None
@@ -182,6 +182,19 @@ def per_example_scores(scores: Any, rows: int, where: str) -> None:
                 f"{rows}; it must give one value per example, shape ({rows},) (spmdkit averages them over the eval set).",
                 f"return the per-example values for {name!r}, without the mean: e.g. "
                 "(jnp.argmax(probs, -1) == batch['label']).astype(jnp.float32)."))
+
+
+def _first_eval_batch(data: Any) -> Any:
+    """The first batch of an eval pipeline; one that is empty or fails to read is named now, not
+    at the first eval after the steps (a Grain loader's workers without absl's flags parsed, a
+    missing file)."""
+    try:
+        return next(iter(data))
+    except StopIteration:
+        raise DataError(fix("eval_data yielded no batch.", "pass an eval set with at least one example.")) from None
+    except Exception as e:
+        raise DataError(fix(f"eval_data raised {type(e).__name__} reading its first batch (read before training, "
+                            f"to check it fits the model): {e}", "fix the eval pipeline.")) from e
 
 
 def _check_predictor(task: Task, params: Any, batch: Any) -> None:
