@@ -1578,6 +1578,19 @@ def test_many_small_replicated_parameters_holding_most_of_the_memory_are_flagged
     assert all(r["shape"] == [32, 32] for r in row["replicated"])
 
 
+def test_a_state_with_no_logical_names_is_said_in_why():
+    # fsdp and tp ranked beside dp for a state that names nothing (the same programs but for the
+    # batch), and only the "replicated" flag hinted at why.
+    make_state = lambda rng: {"w": jnp.zeros((256, 256)), "b": jnp.zeros((256,))}  # noqa: E731
+    step = lambda s, b: ({"w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"]), "b": s["b"]}, {})  # noqa: E731
+    got = spmdkit.plan(make_state, step, {"x": jnp.ones((64, 256))}, rules=("dp", "fsdp"), target="h100x8")
+    note = [line for line in got["why"] if "carry no logical names" in line]
+    assert len(note) == 1 and "(state['w'])" in note[0] and "state_axes=" in note[0], got["why"]
+    named = spmdkit.plan(make_state, step, {"x": jnp.ones((64, 256))}, rules=("dp", "fsdp"), target="h100x8",
+                         state_axes={"w": ("embed", "hidden"), "b": ("hidden",)})
+    assert not any("carry no logical names" in line for line in named["why"]), named["why"]
+
+
 def test_parameters_of_an_nnx_optimizers_state_leave_its_moments_out():
     # nnx.split((model, nnx.Optimizer(model, adam))): no 'params' in the paths and no optax tuples (NNX keeps
     # its own Variables under opt_state), so the moments counted as parameters, 3x their bytes.

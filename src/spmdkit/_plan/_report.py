@@ -128,6 +128,14 @@ def explain(plan: dict[str, Any]) -> list[str]:
     # A while_loop whose condition reads data has no trip count in the program: its compute and
     # collectives are priced for one trip (a dp step's 20 all-reduces in such a loop read as 1), which
     # the plan held in "unknown_loops" and said nowhere.
+    # A state without logical names is left whole by every rules table: fsdp and tp then rank beside
+    # dp for the batch alone, and only their "replicated" flag hinted at why.
+    unnamed = sorted({e["path"] for r in ok for e in r.get("replicated") or [] if not e.get("logical")})
+    if unnamed:
+        lines.append(f"  note: {len(unnamed)} large parameter(s) ({', '.join(unnamed[:3])}"
+                     f"{', ...' if len(unnamed) > 3 else ''}) carry no logical names, so no rules table shards "
+                     "them and the layouts differ in the batch alone: name their axes (state_axes=..., "
+                     "nn.with_partitioning / nnx.with_partitioning in the model) to let fsdp or tp split them.")
     looped = [r["label"] for r in ok if r.get("unknown_loops")]
     if looped:
         lines.append(f"  note: {len(looped)} of {len(ok)} candidate(s) ({', '.join(looped[:3])}"
