@@ -489,6 +489,7 @@ def test_a_hung_process_is_named_and_every_process_exits(tmp_path):
     out = run([*CLI, "launch", "-n", "2", "--host-devices-per-process", "2", "--", "sh", "-c", script], timeout=180)
     assert out.returncode != 0
     assert "no step finished for" in out.stderr and "behind: process 1 not answering" in out.stderr
+    assert "(dead, stopped, or not training yet" in " ".join(out.stderr.split())
     idle = [int(s) for s in re.findall(r"no step finished for (\d+) s", out.stderr)]
     assert idle and max(idle) < 40, out.stderr[-2000:]
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "o")], capture_output=True, text=True).stdout.split()

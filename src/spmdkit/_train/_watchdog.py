@@ -180,7 +180,8 @@ class StepWatchdog:
                 if i == self.index:
                     continue
                 if after[i] is None or before[i] is None or after[i][1] == before[i][1]:
-                    reasons[i] = "not answering (dead or stopped)"
+                    # Its watchdog ticks only once it trains: one still starting or restoring is silent too.
+                    reasons[i] = "not answering (dead, stopped, or not training yet: starting or restoring)"
             started = {i: v[0] for i, v in after.items() if v is not None}
             top = max(started.values(), default=0)
             for i, s in started.items():
