@@ -101,6 +101,8 @@ def test_bad_flag_values_are_rejected_by_the_parser(capsys):
                                                                "--compile-cache"),
     # --rules "" and --mesh "" were taken as not given: a sharded run on the dp preset without a word.
     (["inspect", "--rules", ""], "--rules"), (["train", "--strategy", "sharded", "--mesh", " "], "--mesh"),
+    # Only blanks made a folder named " " without a word.
+    (["train", "--out", " "], "--out"), (["data", "write", "  ", "--task", "digits"], "DIR"),
 ])
 def test_an_empty_path_or_layout_is_refused_by_the_parser(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -108,6 +110,7 @@ def test_an_empty_path_or_layout_is_refused_by_the_parser(argv, flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert (f"argument {flag}: expected a path, got an empty string" in err
+            or f"argument {flag}: expected a path, got only blanks" in err
             or f"argument {flag}: expected a value, got " in err), err
 
 

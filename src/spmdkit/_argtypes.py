@@ -17,6 +17,8 @@ def path_arg(text: str) -> str:
     """
     if text == "":
         raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset shell variable?)")
+    if not text.strip():  # "$DIR " of an unset variable: a folder named by blanks, made without a word
+        raise argparse.ArgumentTypeError(f"expected a path, got only blanks {text!r} (an unset shell variable?)")
     # A name past the file system's 255 bytes was a raw OSError (File name too long) from the
     # first look at the path, exit code 1, in data write, train --data/--out and the rest.
     longest = max(text.split("/"), key=lambda name: len(name.encode(errors="surrogateescape")))
