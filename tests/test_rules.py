@@ -192,6 +192,8 @@ def test_rules_built_from_python_objects_are_checked_where_they_are_built():
         (lambda: AxisRules({"batch": "data", "hidden": ""}), r"(?s)rule 'hidden': '' names no mesh axis.*\"none\""),
         (lambda: AxisRules({"hidden": "data,model"}), r"(?s)'data,model' names no mesh axis.*\[\"data\", \"fsdp\"\]"),
         (lambda: AxisRules({"hidden": ["data", " "]}), r"rule 'hidden': ' ' names no mesh axis"),
+        # {1: "data"} was a rule for the name "1", which matches nothing, without a word
+        (lambda: AxisRules.from_mapping({1: "data"}), r"(?s)the key 1 \(int\) is not a logical name.*\{\"batch\": \"data\"\}"),
     ]
     for build, words in cases:
         with pytest.raises(LayoutError, match=words):

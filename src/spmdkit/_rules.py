@@ -131,7 +131,11 @@ class AxisRules:
         if not isinstance(mapping, Mapping):
             raise LayoutError(fix(f"AxisRules.from_mapping({mapping!r:.80}): needs a dict of logical name -> mesh axes.",
                                   'e.g. {"batch": "data", "hidden": "model"}; for pairs use spmdkit.AxisRules(pairs).'))
-        return cls(tuple((str(k), _norm(v, f"rule {k!r}")) for k, v in mapping.items()), name, replicate_unknown)
+        for k in mapping:
+            if not isinstance(k, str):  # str(k) made {1: "data"} a rule for the name "1", matching nothing
+                raise LayoutError(fix(f"rules: the key {k!r} ({type(k).__name__}) is not a logical name.",
+                                      'key the rules by the names the model uses, e.g. {"batch": "data"}.'))
+        return cls(tuple((k, _norm(v, f"rule {k!r}")) for k, v in mapping.items()), name, replicate_unknown)
 
     @classmethod
     def preset(cls, name: str) -> AxisRules:
