@@ -489,8 +489,8 @@ def test_a_held_out_text_too_short_names_its_files(tmp_path):
         lm.make(**{**SIZES, "text_bytes": 1000}, text_dir=str(tmp_path))
 
 
-def test_a_corpus_file_edited_between_runs_is_not_resumed_silently(tmp_path):
-    # The same number of windows (the edit keeps the size) was resumed on other text without a word.
+def _small_corpus_run(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A corpus of 3 equal files and the flags of a tiny checkpointed lm run over it."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(3):
@@ -498,6 +498,12 @@ def test_a_corpus_file_edited_between_runs_is_not_resumed_silently(tmp_path):
     flags = ["--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--text-dir",
              str(corpus), "--no-progress", "--no-compile-cache", "--out", str(tmp_path / "run"), "--checkpoint-dir",
              str(tmp_path / "ck"), "--batch-size", "8"]
+    return corpus, flags
+
+
+def test_a_corpus_file_edited_between_runs_is_not_resumed_silently(tmp_path):
+    # The same number of windows (the edit keeps the size) was resumed on other text without a word.
+    corpus, flags = _small_corpus_run(tmp_path)
     assert main(["train", *flags, "--steps", "2"]) == 0
     text = (corpus / "1.txt").read_bytes()
     (corpus / "1.txt").write_bytes(text.replace(b"a", b"b"))
@@ -509,13 +515,7 @@ def test_a_corpus_file_edited_between_runs_is_not_resumed_silently(tmp_path):
 def test_a_held_out_file_edited_between_runs_is_said_on_resume(tmp_path, capfd):
     # Editing the held-out file (sorted position 0) changed the eval figures of a resumed run
     # without a word; training resumes as it was, so it is a warning, not a refusal.
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(3):
-        (corpus / f"{i}.txt").write_bytes(bytes(range(32, 127)) * 20)
-    flags = ["--task", "lm", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--text-dir",
-             str(corpus), "--no-progress", "--no-compile-cache", "--out", str(tmp_path / "run"), "--checkpoint-dir",
-             str(tmp_path / "ck"), "--batch-size", "8"]
+    corpus, flags = _small_corpus_run(tmp_path)
     assert main(["train", *flags, "--steps", "2"]) == 0
     assert main(["train", *flags, "--steps", "3", "--resume"]) == 0
     assert "evaluating on other data" not in capfd.readouterr().err  # the same held-out text: no word

@@ -602,8 +602,7 @@ class Checkpointer:
         except OSError as e:
             # A place that refuses the write is an I/O failure (exit 5), as a refused save is; a
             # file in the way of the path is bad input (2).
-            kind = CheckpointSaveError if e.errno in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EDQUOT) \
-                else CheckpointError
+            kind = CheckpointSaveError if e.errno in _FS_ERRNOS else CheckpointError
             raise kind(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
                            "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
         _quiet_orbax()

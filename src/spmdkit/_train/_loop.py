@@ -328,7 +328,7 @@ def _with_options(error: E, saved: dict[str, Any] | None, run_info: dict[str, An
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
            ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
            run_info: dict[str, Any] | None = None, total: int | None = None,
-           feed: Any = None) -> tuple[Any, int]:
+           feed: Any = None, eval_crc: str | None = None) -> tuple[Any, int]:
     """The initial state and the steps already done: fresh, or the newest intact checkpoint
     (with ``feed`` moved to its data position; a refused resume logs no resume)."""
     if ckpt is not None and checkpoint.resume:
@@ -346,7 +346,7 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
                     feed.resume(meta.get("data"))
                 except ConfigError as e:
                     raise _with_options(e, meta.get("config"), run_info, EXAMPLE_OPTIONS) from None
-            _check_same_eval_data(meta, task)
+            _check_same_eval_data(meta, eval_crc)
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
@@ -579,8 +579,11 @@ class _Run:
         task, strategy, config, log = self.task, self.strategy, self.config, self.log
         init_key, _, self.eval_key = jax.random.split(jax.random.key(config.seed), 3)
         self.ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
+        # The eval arrays' CRC-32, read once: a resume compares it, every checkpoint records it.
+        self.eval_crc = arrays_digest(task.eval_data) if checkpoint is not None else None
         self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
-                                             self.ckpt, config, task, log, self.run_info, self.plan.total, self.feed)
+                                             self.ckpt, config, task, log, self.run_info, self.plan.total, self.feed,
+                                             self.eval_crc)
         if self.ckpt is not None:
             check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True)
         self.last = StepInfo(self.start_step, 0, self.state, {})
@@ -613,7 +616,8 @@ class _Run:
                                     self.watchdog.progressed)
         self.held = None if self.ckpt is None else HeldCheckpoints(
             self.ckpt, checkpoint.every,
-            _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed), self.known)
+            _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed, self.eval_crc),
+            self.known)
         optional = [_Each(self._stepped), self.held, _Each(self.metrics.add), self.metrics, self.evaluator, self.bar]
         self.guard = NaNGuard(hint=hint)
         return [self.guard, *[h for h in optional if h is not None], _Each(self._at_end)]
@@ -686,8 +690,7 @@ class _Run:
         errors: list[OSError] = []
         _attempt(errors, art.write_json, self.out / "summary.json", summary)
         if self.history:
-            _attempt(errors, art.plot_history, self.history, self.out / "loss.png",
-                     f"{self.task.name}, {summary['strategy']}, {summary['device_count']} device(s)")
+            _attempt(errors, art.plot_history, self.history, self.out / "loss.png", _plot_title(self.task, summary))
         if errors:
             self.log(f"{self.task.name}: {str(errors[0]).splitlines()[0].rstrip('.')} (a peer process was lost; "
                      "its error follows)")
@@ -817,9 +820,8 @@ def _eval_hook(task, strategy, config, plan, record, eval_key, on_chunk=None) ->
     return EvalHook(run_eval, record, every=plan.eval_every)
 
 
-def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Callable[[StepInfo], dict[str, Any]]:
+def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None, eval_crc=None) -> Callable[[StepInfo], dict[str, Any]]:
     """What a checkpoint records of the run, to resume it exactly (see ``_check_resumable``)."""
-    eval_crc = arrays_digest(task.eval_data)
 
     def meta(info: StepInfo) -> dict[str, Any]:
         return {"task": task.name, "seed": config.seed, "batch_size": config.batch_size,
@@ -834,12 +836,11 @@ def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None) -> Calla
     return meta
 
 
-def _check_same_eval_data(meta: dict[str, Any], task: Task) -> None:
+def _check_same_eval_data(meta: dict[str, Any], now: str | None) -> None:
     """Held-out data edited between runs: the resumed run trains as before, but its eval
     figures are over other examples than the ones logged before the resume."""
     then = (meta.get("eval_data") or {}).get("crc32")
-    now = arrays_digest(task.eval_data) if then is not None else None
-    if now is not None and now != then:
+    if then is not None and now is not None and now != then:
         warnings.warn(
             f"the checkpoint at step {meta.get('step')} was written evaluating on other data: the eval set's bytes "
             f"differ (CRC-32 {then} then, {now} now; the held-out file of --text-dir edited, another --eval-data). "
@@ -889,12 +890,16 @@ def _write_artifacts(out: Path, params: Any, summary: dict[str, Any], history: l
         summary["status"], summary["error"] = "failed", str(errors[0]).splitlines()[0]
     _attempt(errors, art.write_json, out / "summary.json", summary)
     if history:
-        title = f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)"
+        title = _plot_title(task, summary)
         _attempt(errors, art.plot_history, history, out / "loss.png", title)
         if any("member_accuracy" in r for r in history):
             _attempt(errors, art.plot_members, history, out / "ensemble.png", title)
     if errors:
         raise errors[0]
+
+
+def _plot_title(task: Task, summary: dict[str, Any]) -> str:
+    return f"{task.name}, {summary['strategy']}, {summary['device_count']} device(s)"
 
 
 def _attempt(errors: list[OSError], write: Callable[..., None], *args: Any) -> None:
