@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -440,3 +441,22 @@ def test_a_directory_in_a_leaf_files_place_is_not_called_missing(tmp_path):
     (d / "label.npy").mkdir()  # `ls` shows it: "is missing" sent the user looking for a file that is there
     with pytest.raises(DatasetFileError, match=r"label.npy \(leaf label\) is not a file \(a directory stands"):
         spmdkit.load_dataset(d)
+
+
+def test_non_finite_values_are_written_with_a_warning(tmp_path, capsys):
+    """NaN and inf were stored without a word; the run reading them stopped at its first step."""
+    from spmdkit._cli import main
+
+    x = np.ones((70_000, 2), np.float32)
+    x[3, 1], x[66_000, 0], x[66_001, 1] = np.nan, np.inf, -np.inf  # the last two in the second piece read
+    with pytest.warns(RuntimeWarning, match=r"x holds 1 NaN and 2 inf \(the first in row 3\).*nan_to_num") as w:
+        d = spmdkit.write_dataset(tmp_path / "ds", {"x": x, "y": np.arange(70_000)})
+    assert w[0].filename == __file__  # points at the caller's line
+    np.testing.assert_array_equal(spmdkit.load_dataset(d)["x"], x)  # written as they are
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # finite floats and integers: no warning
+        spmdkit.write_dataset(tmp_path / "ok", {"x": np.ones((4, 2), np.float16), "y": np.arange(4)})
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.array([[0.0, np.nan]], np.float32), y=np.array([1]))
+    assert main(["data", "write", str(tmp_path / "cli"), "--npz", str(bad)]) == 0
+    assert "warning: write_dataset: x holds 1 NaN and 0 inf (the first in row 0)" in capsys.readouterr().err

@@ -32,6 +32,7 @@ import errno
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,7 @@ def _write_files(directory: Path, leaves: list, count: int) -> set[str]:
     for key, x in leaves:
         name = _file_name(key, used)
         x = np.ascontiguousarray(np.asarray(x))
+        _warn_non_finite(key, x)
         if not x.dtype.isnative:  # JAX refuses other byte orders; the same values in this machine's are lossless
             x = x.astype(x.dtype.newbyteorder("="))
         _save_replacing(directory / name, x)
@@ -186,6 +188,30 @@ def _write_files(directory: Path, leaves: list, count: int) -> set[str]:
     manifest = {"format": FORMAT, "version": VERSION, "count": count, "leaves": entries}
     replace_text(directory / MANIFEST, json.dumps(manifest, indent=1))
     return used
+
+
+def _warn_non_finite(key: tuple[str, ...], x: np.ndarray, rows_per_piece: int = 1 << 16) -> None:
+    """A warning when a floating-point leaf holds NaN or inf: they were written without a word,
+    and the run that read them stopped at its first step with a non-finite loss, far from the
+    cause. Written anyway: a loss that masks them is the user's choice. Read in pieces of rows,
+    so a large leaf needs no second array of its size."""
+    if x.dtype.kind != "f" or x.size == 0:
+        return
+    nan = inf = 0
+    first = None
+    for start in range(0, x.shape[0], rows_per_piece):
+        piece = x[start:start + rows_per_piece]
+        bad = ~np.isfinite(piece)
+        if bad.any():
+            n = int(np.isnan(piece).sum())
+            nan, inf = nan + n, inf + int(bad.sum()) - n
+            if first is None:
+                first = start + int(np.argmax(bad.reshape(piece.shape[0], -1).any(axis=1)))
+    if first is not None:
+        warnings.warn(f"write_dataset: {'/'.join(key)} holds {nan} NaN and {inf} inf (the first in row {first}); "
+                      "they are written as they are, and a training run stops at the first step whose loss "
+                      "they make non-finite. Replace or drop those rows first (e.g. numpy.nan_to_num), unless "
+                      "the model's loss masks them.", RuntimeWarning, stacklevel=4)
 
 
 def _save_replacing(path: Path, x: Any) -> None:
