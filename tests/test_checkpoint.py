@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -387,6 +388,31 @@ def test_resume_with_another_grad_accum_is_refused_from_python_too(tmp_path):
     with pytest.raises(spmdkit.ConfigError, match="written with grad_accum=2, this run has grad_accum=1"):
         run(10, 1)
     assert run(10, 2).summary["steps"] == 10
+
+
+def test_resume_with_another_optimizer_is_said_from_python(tmp_path):
+    # spmdkit train refuses another --lr on resume; fit() from Python, given optax.adam(1e-2) for
+    # the run's 1e-3 (a script edited between runs), continued with it without a word.
+    def run(steps, optimizer, where="ck"):
+        return spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optimizer,
+                           spmdkit.TrainConfig(steps=steps, batch_size=32), progress=False,
+                           checkpoint=spmdkit.CheckpointConfig(str(tmp_path / where), every=5, resume=True),
+                           log=lambda m: None)
+
+    def schedule(lr):
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optax.cosine_decay_schedule(lr, 100)))
+
+    run(5, schedule(1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same optimizer, built again: no warning
+        assert run(10, schedule(1e-3)).summary["steps"] == 10
+    with pytest.warns(RuntimeWarning, match=r"step 10 was written by a run with another optimizer: init_value "
+                                            r"0\.001 -> 0\.01 \(in cosine_decay_schedule\)\. Training resumes"):
+        assert run(15, schedule(1e-2)).summary["steps"] == 15  # a warning: changing it may be meant
+    run(5, optax.sgd(0.01), "ck2")
+    with pytest.warns(RuntimeWarning, match=r"step_size -0\.01 -> -0\.02 \(in scale\) \(optax keeps a constant "
+                                            r"learning rate as scale\(step_size=-learning_rate\)\)"):
+        run(10, optax.sgd(0.02), "ck2")
 
 
 def test_resume_with_another_bagging_is_refused_from_python_too(tmp_path):

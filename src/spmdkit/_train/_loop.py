@@ -48,6 +48,7 @@ from spmdkit._train._hooks import (
     with_member_means,
 )
 from spmdkit._train._guards import KnownGood, state_is_finite
+from spmdkit._train._optimizer_record import changed_constants, optimizer_record
 from spmdkit._train._preempt import Preemption
 from spmdkit._train._steps import task_eval_step, task_state, task_train_step
 from spmdkit._train._validate import per_example_scores, validate_task
@@ -328,7 +329,8 @@ def _with_options(error: E, saved: dict[str, Any] | None, run_info: dict[str, An
 def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkpoint: CheckpointConfig | None,
            ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
            run_info: dict[str, Any] | None = None, total: int | None = None,
-           feed: Any = None, eval_crc: str | None = None) -> tuple[Any, int]:
+           feed: Any = None, eval_crc: str | None = None,
+           optimizer: list[list[str]] | None = None) -> tuple[Any, int]:
     """The initial state and the steps already done: fresh, or the newest intact checkpoint
     (with ``feed`` moved to its data position; a refused resume logs no resume)."""
     if ckpt is not None and checkpoint.resume:
@@ -347,6 +349,7 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
                 except ConfigError as e:
                     raise _with_options(e, meta.get("config"), run_info, EXAMPLE_OPTIONS) from None
             _check_same_eval_data(meta, eval_crc)
+            _check_same_optimizer(meta, optimizer)
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
             return state, int(meta["step"])
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
@@ -581,9 +584,10 @@ class _Run:
         self.ckpt = None if checkpoint is None else Checkpointer(checkpoint, log=log).claim()
         # The eval arrays' CRC-32, read once: a resume compares it, every checkpoint records it.
         self.eval_crc = arrays_digest(task.eval_data) if checkpoint is not None else None
+        self.optimizer_record = optimizer_record(optimizer) if checkpoint is not None else None
         self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
                                              self.ckpt, config, task, log, self.run_info, self.plan.total, self.feed,
-                                             self.eval_crc)
+                                             self.eval_crc, self.optimizer_record)
         if self.ckpt is not None:
             check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True)
         self.last = StepInfo(self.start_step, 0, self.state, {})
@@ -616,7 +620,8 @@ class _Run:
                                     self.watchdog.progressed)
         self.held = None if self.ckpt is None else HeldCheckpoints(
             self.ckpt, checkpoint.every,
-            _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed, self.eval_crc),
+            _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed, self.eval_crc,
+                             self.optimizer_record),
             self.known)
         optional = [_Each(self._stepped), self.held, _Each(self.metrics.add), self.metrics, self.evaluator, self.bar]
         self.guard = NaNGuard(hint=hint)
@@ -820,7 +825,8 @@ def _eval_hook(task, strategy, config, plan, record, eval_key, on_chunk=None) ->
     return EvalHook(run_eval, record, every=plan.eval_every)
 
 
-def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None, eval_crc=None) -> Callable[[StepInfo], dict[str, Any]]:
+def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None, eval_crc=None,
+                     optimizer=None) -> Callable[[StepInfo], dict[str, Any]]:
     """What a checkpoint records of the run, to resume it exactly (see ``_check_resumable``)."""
 
     def meta(info: StepInfo) -> dict[str, Any]:
@@ -831,7 +837,8 @@ def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None, eval_crc
                 "strategy": strategy.describe(), "config": run_info or {},
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **({"data": feed.state(info.step)} if feed is not None else {}),
-                **({"eval_data": {"crc32": eval_crc}} if eval_crc is not None else {})}
+                **({"eval_data": {"crc32": eval_crc}} if eval_crc is not None else {}),
+                **({"optimizer": optimizer} if optimizer is not None else {})}
 
     return meta
 
@@ -846,6 +853,23 @@ def _check_same_eval_data(meta: dict[str, Any], now: str | None) -> None:
             f"differ (CRC-32 {then} then, {now} now; the held-out file of --text-dir edited, another --eval-data). "
             "Training resumes as it was; eval figures from here on are not comparable with those logged before. "
             "To keep them comparable, resume with the eval data the run started with.", RuntimeWarning, stacklevel=4)
+
+
+def _check_same_optimizer(meta: dict[str, Any], now: list[list[str]] | None) -> None:
+    """Another optimizer given to a resumed ``fit`` (``optax.adam(1e-2)`` for the run's ``1e-3``):
+    the command line compares its --lr and --optimizer; from Python the optimizer's constants
+    are compared (``_optimizer_record``). A warning: a new learning rate is also set on purpose."""
+    then = meta.get("optimizer")
+    if not now or not isinstance(then, list) or not all(isinstance(e, list) and len(e) == 2 for e in then):
+        return  # a checkpoint of an older spmdkit, or a run without the record
+    changed = changed_constants(then, now)
+    if changed:
+        lr = (" (optax keeps a constant learning rate as scale(step_size=-learning_rate))"
+              if any("(in scale)" in c for c in changed) else "")
+        warnings.warn(
+            f"the checkpoint at step {meta.get('step')} was written by a run with another optimizer: "
+            f"{'; '.join(changed)}{lr}. Training resumes with the optimizer given now, from the restored optimizer "
+            "state. If that is not meant, pass fit the optimizer the run started with.", RuntimeWarning, stacklevel=4)
 
 
 def _summary(task, strategy, config, plan, status, done, start_step, history, last_train, params, elapsed,
