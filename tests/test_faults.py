@@ -662,6 +662,83 @@ def newest(ck):
     return max((parse_step(p.name) or 0 for p in ck.iterdir()), default=0) if ck.exists() else 0
 
 
+def _fit_killed_at(tmp_path, steps, resume, where, nth=1):
+    """``fit`` of linreg in a child process that SIGKILLs itself at the ``nth`` call of ``where``
+    (a function of ``spmdkit._train._artifacts``, or ``MetricsWriter.write``), as a kill fuzzer did."""
+    code = textwrap.dedent(f"""
+        import os, signal, optax, spmdkit
+        from spmdkit._tasks import linreg
+        from spmdkit._train import _artifacts
+        owner, name = ({where!r}.split(".") + [None])[:2] if "." in {where!r} else ("", {where!r})
+        holder = getattr(_artifacts, owner) if owner else _artifacts
+        name = name or {where!r}
+        real, calls = getattr(holder, name), []
+        def killed(*args, **kw):
+            calls.append(1)
+            if len(calls) == {nth}:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kw)
+        setattr(holder, name, killed)
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps={steps}, batch_size=16),
+                    progress=False, out_dir={str(tmp_path / "out")!r}, log=lambda m: None,
+                    checkpoint=spmdkit.CheckpointConfig({str(tmp_path / "ck")!r}, every=3, resume={resume}))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env())
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+
+
+def _fit_linreg_out(tmp_path, steps, resume, log=None):
+    return spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=steps, batch_size=16),
+                       progress=False, out_dir=tmp_path / "out", log=log or (lambda m: None),
+                       checkpoint=spmdkit.CheckpointConfig(tmp_path / "ck", every=3, resume=resume))
+
+
+def _train_steps(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["split"] == "train"]
+
+
+def test_a_resume_killed_while_it_rewrites_the_kept_metrics_loses_none_of_them(tmp_path):
+    _fit_linreg_out(tmp_path, 6, False)
+    # Killed at the resume's second row: the file was truncated and the kept rows written back one
+    # by one, so a kill there left step 1 alone, and the next resume kept only that.
+    _fit_killed_at(tmp_path, 9, True, "MetricsWriter.write", nth=2)
+    assert _train_steps(tmp_path / "out")[:6] == [1, 2, 3, 4, 5, 6]
+    _fit_linreg_out(tmp_path, 9, True)
+    assert _train_steps(tmp_path / "out") == list(range(1, 10))
+
+
+@pytest.mark.parametrize("where", ["plot_history", "params"])
+def test_a_complete_run_whose_files_were_not_all_written_gets_them_at_the_resume(tmp_path, monkeypatch, where):
+    from spmdkit._train import _artifacts
+
+    (tmp_path / "ref").mkdir()
+    reference = _fit_linreg_out(tmp_path / "ref", 6, False)
+    if where == "plot_history":  # killed while plotting, after params.npz (and, before, the summary)
+        _fit_killed_at(tmp_path, 6, False, "plot_history")
+    else:  # params.npz refused by a full disk: the summary says failed
+        def full(path, params):
+            raise _artifacts._cannot_write(path, OSError(errno.ENOSPC, "No space left on device"))
+        monkeypatch.setattr(_artifacts, "save_params", full)
+        with pytest.raises(spmdkit.ArtifactError):
+            _fit_linreg_out(tmp_path, 6, False)
+        monkeypatch.undo()
+    out = tmp_path / "out"
+    assert not (out / ("loss.png" if where == "plot_history" else "params.npz")).exists()
+    said = []
+    again = _fit_linreg_out(tmp_path, 6, True, log=said.append)
+    # Both were "already complete at step 6; ... left as it was": no plot, or no params.npz, for good.
+    assert not any("already complete" in m for m in said), said
+    assert (out / "loss.png").stat().st_size and (out / "params.npz").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == again.summary["status"] == "completed"
+    assert summary["params_digest"] == reference.summary["params_digest"]
+    assert summary["final_train_loss"] == reference.summary["final_train_loss"] is not None
+    assert _train_steps(out) == list(range(1, 7))
+    with np.load(out / "params.npz") as f:
+        np.testing.assert_array_equal(f["['weight']"], np.asarray(reference.params["weight"]))
+
+
 def test_killed_during_save_and_restore_then_sigterm_resumes_bit_equal(tmp_path, procs):
     ck, out, total = tmp_path / "ck", tmp_path / "o", 1000
     rng = random.Random(1)

@@ -72,19 +72,26 @@ def lock_out_dir(out: Path, log: Callable[[str], None]) -> DirLock:
 
 
 class MetricsWriter:
-    """Append-only JSON lines, flushed per line so a crash loses at most one."""
+    """Append-only JSON lines, flushed per line so a crash loses at most one.
 
-    def __init__(self, path: Path | None):
+    ``kept`` (a resumed run's rows up to its checkpoint) replaces the file whole, atomically,
+    before anything is appended: truncating it and writing them back one by one lost every row
+    not yet written back when the process was killed there, and the next resume found only those.
+    """
+
+    def __init__(self, path: Path | None, kept: list[dict[str, Any]] | None = None):
         self.path = path
         try:
-            self._fh = None if path is None else open(path, "w")
+            if path is not None and kept:
+                replace_text(path, "".join(_metrics_line(r) for r in kept))
+            self._fh = None if path is None else open(path, "a" if kept else "w")
         except OSError as e:
             raise _cannot_write(path, e) from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:
             try:
-                self._fh.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
+                self._fh.write(_metrics_line(record))
                 self._fh.flush()
             except OSError as e:
                 fh, self._fh = self._fh, None
@@ -97,6 +104,10 @@ class MetricsWriter:
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
+
+
+def _metrics_line(record: dict[str, Any]) -> str:
+    return json.dumps(finite_or_null(record), allow_nan=False) + "\n"
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -595,9 +595,8 @@ class _Run:
         self.known = KnownGood(self.state, self.start_step)  # checkpoints wait until their state's loss is seen finite
         # A resumed run keeps the history up to its checkpoint and drops what came after.
         self.history = _previous_history(self.out, self.start_step) if self.start_step else []
-        self.writer = art.MetricsWriter(None if self.out is None or not self.primary else self.out / "metrics.jsonl")
-        for row in self.history:
-            self.writer.write(row)
+        self.writer = art.MetricsWriter(None if self.out is None or not self.primary else self.out / "metrics.jsonl",
+                                        kept=self.history)
         self.bar = ProgressHook(self.plan.total, f"{task.name} / {strategy.name}", start=self.start_step) \
             if progress and self.primary else None
         if progress and self.primary:
@@ -616,6 +615,9 @@ class _Run:
         hint = ("lower the learning rate (optimizer=; --lr on the command line), or check the data for NaN/inf. "
                 "The parameters of the last finite loss are kept" + (f" in {self.out / 'params.npz'}." if self.out else "."))
         self.metrics = MetricsHook(self._record, every=self.config.log_every)
+        # A resume that trains no further step (its files to be written anew) reports the loss logged at its step.
+        self.metrics.last_row = next((r for r in reversed(self.history) if r.get("split") == "train"
+                                      and r.get("step") == self.start_step), None)
         self.evaluator = _eval_hook(self.task, self.strategy, self.config, self.plan, self._record, self.eval_key,
                                     self.watchdog.progressed)
         self.held = None if self.ckpt is None else HeldCheckpoints(
@@ -752,8 +754,11 @@ class _Run:
             previous = json.loads((self.out / "summary.json").read_text()) if self.out is not None else None
         except (OSError, ValueError):
             previous = None
-        if not isinstance(previous, dict) or previous.get("steps") != self.start_step:
-            return None  # another --out: written anew from the checkpoint
+        if not isinstance(previous, dict) or previous.get("steps") != self.start_step \
+                or previous.get("status") != "completed" or not (self.out / "params.npz").is_file():
+            # Another --out, or one whose files were not all written (a kill before the summary, which
+            # is written last; a params.npz the disk refused): written anew from the checkpoint.
+            return None
         self.log(f"{self.task.name}: already complete at step {self.start_step}; nothing to train, "
                  f"{self.out} is left as it was")
         return previous
@@ -907,17 +912,20 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
 def _write_artifacts(out: Path, params: Any, summary: dict[str, Any], history: list[dict[str, Any]], task: Task) -> None:
     """Every file is attempted, the first failure raised after them: params.npz, the large one, is
     what a small ``ulimit -f`` or a nearly full disk refuses, and stopping there lost the small
-    summary.json that says how the run went. params.npz goes first so that the summary can say it failed."""
+    summary.json that says how the run went. summary.json goes last, so that it can say a file
+    failed, and so that a completed summary of the last step vouches for the files before it: a
+    resume of a complete run keeps ``--out`` as it is only then (a run killed between the summary
+    and the plot left no loss.png, or an interrupted run's, for good)."""
     errors: list[OSError] = []
     _attempt(errors, art.save_params, out / "params.npz", params)
-    if errors and "error" not in summary:  # a run that had failed already keeps its own error
-        summary["status"], summary["error"] = "failed", str(errors[0]).splitlines()[0]
-    _attempt(errors, art.write_json, out / "summary.json", summary)
     if history:
         title = _plot_title(task, summary)
         _attempt(errors, art.plot_history, history, out / "loss.png", title)
         if any("member_accuracy" in r for r in history):
             _attempt(errors, art.plot_members, history, out / "ensemble.png", title)
+    if errors and "error" not in summary:  # a run that had failed already keeps its own error
+        summary["status"], summary["error"] = "failed", str(errors[0]).splitlines()[0]
+    _attempt(errors, art.write_json, out / "summary.json", summary)
     if errors:
         raise errors[0]
 
