@@ -151,6 +151,24 @@ def test_ensemble_of_a_task_without_predictor_reports_each_member():
     assert "ensemble_accuracy" not in result.summary
 
 
+def test_an_ensemble_with_no_eval_row_writes_its_files_and_exits_cleanly(tmp_path):
+    # Train rows carry member_accuracy: with no eval row (no eval data here; a run preempted by SIGTERM
+    # before its first eval, as a kill fuzzer found) ensemble.png's plot raised IndexError, exit 1.
+    x = np.linspace(-1, 1, 64, dtype=np.float32)
+
+    def loss_fn(p, b, rng):
+        err = p["w"] * b["x"] + p["b"] - b["y"]
+        return jnp.mean(err ** 2), {"accuracy": jnp.mean(jnp.abs(err) < 0.1)}
+
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(()), "b": jnp.zeros(())}, loss_fn=loss_fn,
+                        train_data={"x": x, "y": 3 * x + 1})
+    result = spmdkit.fit(task, spmdkit.Ensemble(4), optax.sgd(0.1), spmdkit.TrainConfig(steps=3, batch_size=16),
+                         out_dir=tmp_path, progress=False)
+    assert result.summary["status"] == "completed"
+    assert {p.name for p in tmp_path.iterdir()} >= {"summary.json", "params.npz", "loss.png", "metrics.jsonl"}
+    assert not (tmp_path / "ensemble.png").exists()
+
+
 @pytest.mark.parametrize("members, devices, used", [(8, 8, 8), (16, 8, 8), (3, 8, 3), (12, 8, 6), (7, 4, 1), (1, 8, 1)])
 def test_placement(members, devices, used):
     assert placement(members, devices) == used

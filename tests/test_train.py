@@ -329,6 +329,21 @@ def test_a_params_file_that_cannot_be_written_leaves_the_other_files(tmp_path, m
     assert summary["status"] == "failed" and "params.npz: File too large" in summary["error"]
 
 
+def test_a_plot_that_raises_still_leaves_the_summary(tmp_path, monkeypatch):
+    # summary.json is written after the plots: a plot's bug (not an OSError) must not take it along.
+    from spmdkit._train import _artifacts as art
+
+    def broken(*args):
+        raise ValueError("a plotting bug")
+
+    monkeypatch.setattr(art, "plot_history", broken)
+    with pytest.raises(ValueError, match="a plotting bug"):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=3, batch_size=16),
+                    progress=False, out_dir=tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    assert (tmp_path / "params.npz").is_file()
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_stop_request_while_the_final_files_are_written_waits_for_them(tmp_path, monkeypatch, sig):
     # It cut the plot short with a traceback, exiting 130/143 under a summary that said completed.

@@ -340,6 +340,10 @@ def plot_members(history: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     evals = [r for r in history if r["split"] == "eval" and "member_accuracy" in r]
+    if not evals:
+        # Train rows carry member_accuracy too: a task without eval data, or a run preempted before its
+        # first eval, has nothing to draw here (an IndexError, exit 1, after the run had finished).
+        return
     steps = [r["step"] for r in evals]
     members = np.array([r["member_accuracy"] for r in evals], dtype=float)  # null (non-finite) as NaN
     fig, ax = plt.subplots(figsize=(7, 4))

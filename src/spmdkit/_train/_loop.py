@@ -918,14 +918,20 @@ def _write_artifacts(out: Path, params: Any, summary: dict[str, Any], history: l
     and the plot left no loss.png, or an interrupted run's, for good)."""
     errors: list[OSError] = []
     _attempt(errors, art.save_params, out / "params.npz", params)
-    if history:
-        title = _plot_title(task, summary)
-        _attempt(errors, art.plot_history, history, out / "loss.png", title)
-        if any("member_accuracy" in r for r in history):
-            _attempt(errors, art.plot_members, history, out / "ensemble.png", title)
+    bug = None
+    try:
+        if history:
+            title = _plot_title(task, summary)
+            _attempt(errors, art.plot_history, history, out / "loss.png", title)
+            if any("member_accuracy" in r for r in history):
+                _attempt(errors, art.plot_members, history, out / "ensemble.png", title)
+    except Exception as e:  # a plot's bug: the summary of the run is still written, then it is raised
+        bug = e
     if errors and "error" not in summary:  # a run that had failed already keeps its own error
         summary["status"], summary["error"] = "failed", str(errors[0]).splitlines()[0]
     _attempt(errors, art.write_json, out / "summary.json", summary)
+    if bug is not None:
+        raise bug
     if errors:
         raise errors[0]
 
