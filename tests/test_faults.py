@@ -976,6 +976,45 @@ def test_sigterm_to_the_launcher_is_a_preemption_notice_for_every_process(tmp_pa
     assert reader(ck).problems(summary["steps"]) == []
 
 
+def _launched_process(launcher_pid: int, index: int) -> int | None:
+    """The pid of process ``index`` that ``spmdkit launch`` (``launcher_pid``) started, or None yet."""
+    marks = {f"SPMDKIT_LAUNCHER_PID={launcher_pid}".encode(), f"SPMDKIT_PROCESS_ID={index}".encode()}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marks <= set(f.read().split(b"\0")):
+                    return int(entry)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+@pytest.mark.parametrize("index", [1, 0])
+def test_ctrl_c_to_one_process_of_two_stops_both_at_one_step(tmp_path, procs, index):
+    # A SIGINT to one process alone (kill -INT of its pid, a terminal on one host) stopped that one:
+    # the other went on stepping and waited for it, it waited in its final save, both until the
+    # distributed timeout (116 s, exit 4, a native crash dump). Now it is a preemption notice for all.
+    ck, out = tmp_path / "ck", tmp_path / "o"
+    launcher = spawn(procs, [*CLI, "launch", "-n", "2", "--host-devices-per-process", "1", "--", *CLI, "train",
+                             "--task", "linreg", "--steps", "100000", "--checkpoint-dir", str(ck),
+                             "--checkpoint-every", "100", "--out", str(out), "--no-progress",
+                             "--distributed-timeout", "300"])
+    deadline = time.time() + 180
+    while newest(ck) < 100 and launcher.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    pid = _launched_process(launcher.pid, index)
+    assert pid is not None and launcher.poll() is None
+    os.kill(pid, signal.SIGINT)
+    stdout, stderr = launcher.communicate(timeout=120)  # far below the 300 s a process would wait
+    assert launcher.returncode == 130, stderr[-2000:]
+    assert f"[{index}] Ctrl-C: every process stops at one step agreed with the others" in stdout + stderr
+    summary = json.loads((out / "summary.json").read_text())
+    # Process 0 writes the summary: its own Ctrl-C is an interrupt, its peer's a preemption notice.
+    assert summary["status"] == ("interrupted" if index == 0 else "preempted")
+    assert newest(ck) == summary["steps"] > 100 and reader(ck).problems(summary["steps"]) == []
+    assert "Traceback" not in stderr and "timed out" not in stderr + stdout
+
+
 # ---- a resume must continue the same run -----------------------------------------------
 
 def test_a_resume_that_would_not_continue_the_run_is_refused_and_says_how(tmp_path, capsys):

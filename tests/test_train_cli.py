@@ -137,6 +137,17 @@ def test_a_signal_after_the_files_are_written_keeps_exit_code_0(tmp_path, sig):
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 
+def test_main_called_from_python_leaves_the_callers_signal_handlers(tmp_path):
+    # Ignoring a late SIGINT is for the program's own exit: a test or notebook calling main([...])
+    # went on with SIGINT ignored, and every process it started later inherited that.
+    from spmdkit._cli import main
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert main(["train", "--task", "linreg", "--steps", "2", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert main(["train", "--task", "linreg", "--steps", "2", "--out", str(tmp_path / "summary.json")]) == 2  # an error
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_divergence_exits_3_naming_the_step(tmp_path):
     out = run("train", "--task", "linreg", "--lr", "40", "--out", str(tmp_path), "--no-progress")
     assert out.returncode == 3

@@ -944,12 +944,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 code = _COMMANDS[args.command](args, console)
         # A command that handled the Ctrl-C itself (plan --measure prints the rounds so far) returns
         # its own code; one that ended as if nothing happened had the interrupt swallowed.
-        return _exit_on_signal(_interrupted() if _CTRL_C.seen and code == 0 else code)
+        return _exit_on_signal(_interrupted() if _CTRL_C.seen and code == 0 else code, argv is None)
     except SpmdkitError as e:
         stderr_console().print(Text("error: ", style="bold red") + Text(str(e)))
         code = getattr(e, "exit_code", 2)  # 2: bad input; I/O failures carry their own (see README)
         end_soon(code)  # in a group, peers may wait for this process in a collective
-        return _exit_on_signal(code)
+        return _exit_on_signal(code, argv is None)
     except KeyboardInterrupt:
         # Ctrl-C is the user's own act, not a bug: one line, not a traceback, and the shell's code.
         return _interrupted()
@@ -966,17 +966,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _exit_on_signal(code: int) -> int:
+def _exit_on_signal(code: int, program: bool) -> int:
     """The command is over and its exit code known; what is left is the interpreter's exit (JAX's
     clean-up, about a second after a training run). A SIGINT or SIGTERM there (a Ctrl-C or a
     preemption notice just too late) raised a KeyboardInterrupt traceback from JAX's exit handler,
     or ended the process as killed (130 or 143) after a run whose files said it completed. A lone
     process now ignores both from here (Python's own handlers are reset to the default when the
     interpreter finalizes, so only an ignored signal keeps the code); a process of a group keeps the
-    default, since its exit may wait for a peer that never comes."""
+    default, since its exit may wait for a peer that never comes. Only as the program itself
+    (``program``: ``main()`` of the console script or ``python -m spmdkit``, which read sys.argv):
+    a Python caller of ``main([...])`` (a test, a notebook) goes on after it, and its later
+    children inherited SIGINT ignored, so that a Ctrl-C no longer reached them."""
     from spmdkit._process import _JOINED
 
-    if not _JOINED and threading.current_thread() is threading.main_thread():
+    if program and not _JOINED and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             if signal.getsignal(sig) in (signal.default_int_handler, signal.SIG_DFL):
                 signal.signal(sig, signal.SIG_IGN)

@@ -80,16 +80,31 @@ def iterate_batches(
 
 
 class _StopRequest:
-    """First Ctrl-C: finish the current step, then stop. Second: stop at once."""
+    """First Ctrl-C: finish the current step, then stop. Second: stop at once.
 
-    def __init__(self) -> None:
+    With several processes a Ctrl-C may reach one of them only (``kill -INT`` of one pid, a
+    terminal attached to one host): stopping that one alone left the others waiting for it in
+    their next step, and it waiting for them in its final save, until the distributed timeout
+    (exit 4, a native crash dump). The first Ctrl-C is then made a preemption notice (SIGTERM to
+    this process, which JAX's preemption service hears), so that every process stops at one
+    agreed step and saves it together, as ``Preemption`` does for a SIGTERM.
+    """
+
+    def __init__(self, log: Callable[[str], None] = print) -> None:
         self.requested = False
         self._previous = None
+        self._multi = jax.process_count() > 1
+        self._log = log
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        if self._multi:
+            self._log("Ctrl-C: every process stops at one step agreed with the others, saves it and writes its files "
+                      "(a second Ctrl-C stops this process at once; the others then wait for it until "
+                      "--distributed-timeout)")
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def __enter__(self):
         # An ignored SIGINT stays ignored: `cmd &` in a script sets it so that the terminal's
@@ -650,13 +665,13 @@ class _Run:
             for hook in (self.metrics, self.evaluator):
                 if hook is not None and info.step % hook.every:
                     hook(info)
-        if self._stop.requested:
+        if self._stop.requested and jax.process_count() == 1:
             raise _StopRun("interrupted")
-        if self._preempt.reached(info.step):
+        if self._preempt.reached(info.step):  # with several processes a Ctrl-C arrives this way too
             raise _StopRun("preempted")
 
     def __enter__(self) -> _Run:
-        self._stop, self._preempt = _StopRequest(), Preemption()
+        self._stop, self._preempt = _StopRequest(self.log), Preemption()
         self._contexts = [c for c in (self._stop, self._preempt, self.bar, self.watchdog) if hasattr(c, "__enter__")]
         for c in self._contexts:
             c.__enter__()
@@ -736,6 +751,10 @@ class _Run:
         kept = self._already_complete()
         if kept is not None:
             return FitResult(state, params, kept, self.history)
+        if self.status == "preempted" and self._stop.requested:
+            # Several processes stopped together for this one's Ctrl-C (see _StopRequest); the
+            # collective work is done, so this one now reports the interrupt (exit code 130).
+            self.status = "interrupted"
         summary = self._summary(params)
         if self.out is not None and self.primary:
             self._write_out(params, state, summary)
