@@ -314,6 +314,54 @@ def test_apply_sees_the_exact_batch_never_padding(rows):
         np.testing.assert_allclose(np.asarray(strategy.apply(centred)(state, {"x": x})), want, atol=1e-5)
 
 
+class _Lookup(nn.Module):
+    """An embedding lookup whose activation names the batch axis, as a transformer's does."""
+
+    @nn.compact
+    def __call__(self, tok):
+        emb = self.param("emb", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("vocab", "embed")),
+                         (16, 8))
+        x = nn.with_logical_constraint(emb[tok], ("batch", "length", "embed"))
+        return jnp.einsum("bld,vd->blv", jnp.sin(x), emb)
+
+
+def _lookup_step(state, batch):
+    def loss(p):
+        return jnp.mean(_Lookup().apply({"params": p}, batch["tok"]))  # a mean: every row's cotangent 1/n
+    value, grads = jax.value_and_grad(loss)(state)
+    return jax.tree.map(lambda a, g: a - 0.5 * g, state, grads), {"loss": value}
+
+
+@pytest.mark.parametrize("rows", [13, 6])
+def test_an_uneven_batch_constrained_over_data_keeps_a_lookups_gradient_exact(rows):
+    # An uneven batch runs whole on every device, but the model's constraint ("batch" -> data)
+    # split its rows over data=4 inside the program, and on a mesh with a second axis XLA:CPU
+    # computed the gradient of the embedding gather wrong (off by more than its size, silently).
+    r = np.random.default_rng(0)
+    batch = {"tok": r.integers(0, 16, (rows, 5)).astype(np.int32)}
+    make = lambda rng: _Lookup().init(rng, jnp.zeros((1, 5), jnp.int32))["params"]  # noqa: E731
+    rules = {"batch": "data", "length": None, "embed": None, "vocab": None}
+    ref = spmdkit.Single()
+    want, _ = ref.step(_lookup_step)(ref.init(make, jax.random.key(0)), batch)
+    mesh = spmdkit.make_mesh(data=4, model=2)
+    for strategy in (spmdkit.Sharded(mesh, rules), spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), rules)):
+        got, _ = strategy.step(_lookup_step)(strategy.init(make, jax.random.key(0)), batch)
+        assert_close(got, want, f"{dict(strategy.mesh.shape)} rows={rows}")
+
+    def dp_step(state, batch):  # the same with a mesh-axis constraint, on DataParallel over a 2-D mesh
+        def loss(p):
+            x = jax.lax.with_sharding_constraint(p["emb"][batch["tok"]], jax.sharding.PartitionSpec("data"))
+            return jnp.mean(jnp.sin(x))
+        value, grads = jax.value_and_grad(loss)(state)
+        return jax.tree.map(lambda a, g: a - 0.5 * g, state, grads), {"loss": value}
+
+    plain = lambda rng: {"emb": jax.random.normal(rng, (16, 8))}  # noqa: E731
+    want, _ = ref.step(dp_step)(ref.init(plain, jax.random.key(0)), batch)
+    dp = spmdkit.DataParallel(mesh)
+    got, _ = dp.step(dp_step)(dp.init(plain, jax.random.key(0)), batch)
+    assert_close(got, want, f"DataParallel {dict(mesh.shape)} rows={rows}")
+
+
 @pytest.mark.parametrize("rows", [5, 7])
 def test_rowwise_apply_pads_an_uneven_batch_runs_split_and_equals_single(rows):
     # A rowwise function (here one that divides by row values) on a batch no device count

@@ -638,7 +638,7 @@ class CompiledStep:
 
         def run(state, batch):
             with context:
-                out = lifted(state, batch)
+                out = lifted(state, batch) if even else _split_evenly(lifted)(state, batch)
             if keep is None:
                 return out
             _check_per_example(out, batch_rows(batch), s._row_axis, padded_from=keep)
@@ -709,6 +709,64 @@ class CompiledStep:
         if self.kind == "step":
             s._check_step_output(out[0])
         return out
+
+
+def _split_evenly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose sharding constraints split every dimension evenly: a dimension that the mesh
+    axes of its constraint do not divide is left unconstrained (replicated) instead.
+
+    An uneven batch runs whole on every device, but the model's own activation constraints
+    (``nn.with_logical_constraint(x, ("batch", ...))``, ``with_sharding_constraint(x, P("data"))``)
+    still split its 13 rows over a ``data`` axis of 4 inside the program. XLA:CPU (jax 0.12) then
+    computes a gather's gradient and a scatter wrong when the mesh has a second axis (the
+    embedding lookup of a transformer under ``data=4, model=2``: its gradient off by more than its
+    own size), silently. A constraint only places values, so dropping it changes no result.
+    """
+    from jax.extend import core as jcore
+
+    def even(sharding: Any, shape: tuple[int, ...]) -> Any:
+        if not isinstance(sharding, NamedSharding):
+            return sharding
+        sizes = dict(sharding.mesh.shape)
+        spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+        new = []
+        for dim, axes in zip(shape, spec):
+            names = (() if axes is None or axes is P.UNCONSTRAINED else (axes,) if isinstance(axes, str)
+                     else tuple(axes))
+            split = int(np.prod([sizes.get(a, 1) for a in names]))
+            new.append(None if names and dim % split else axes)
+        if new == spec:
+            return sharding
+        return NamedSharding(sharding.mesh, P(*new), memory_kind=sharding.memory_kind)
+
+    def in_jaxpr(jaxpr: Any) -> Any:
+        eqns, changed = [], False
+        for eqn in jaxpr.eqns:
+            params = {k: sub(v) for k, v in eqn.params.items()}
+            if eqn.primitive.name == "sharding_constraint":
+                params["sharding"] = even(params["sharding"], tuple(eqn.invars[0].aval.shape))
+            if any(params[k] is not v for k, v in eqn.params.items()):
+                eqn, changed = eqn.replace(params=params), True
+            eqns.append(eqn)
+        return jaxpr.replace(eqns=eqns) if changed else jaxpr
+
+    def sub(value: Any) -> Any:
+        if isinstance(value, jcore.ClosedJaxpr):
+            inner = in_jaxpr(value.jaxpr)
+            return value if inner is value.jaxpr else jcore.ClosedJaxpr(inner, value.consts)
+        if isinstance(value, jcore.Jaxpr):
+            return in_jaxpr(value)
+        if isinstance(value, tuple) and any(isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)) for v in value):
+            new = tuple(sub(v) for v in value)
+            return value if all(a is b for a, b in zip(new, value)) else new
+        return value
+
+    def run(*args: Any) -> Any:
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = jcore.jaxpr_as_fun(sub(closed))(*jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+    return run
 
 
 def _stacked(state: State, mesh: Mesh) -> tuple[Any, jax.Array] | None:
