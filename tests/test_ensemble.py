@@ -261,3 +261,32 @@ def test_a_score_that_returns_a_mean_is_named_not_divided_by_the_rows(eval_data)
         spmdkit.fit(_scored_task(mean, eval_data), spmdkit.Ensemble(2), optax.sgd(0.1), config, progress=False)
     result = spmdkit.fit(_scored_task(rows, eval_data), spmdkit.Ensemble(2), optax.sgd(0.1), config, progress=False)
     assert 0.5 < result.summary["ensemble_accuracy"] <= 1.0
+
+
+def test_the_fix_for_one_models_state_works_as_written():
+    # The MembersMismatchError for single-model states said to stack them with
+    # jax.tree.map(lambda *xs: jnp.stack(xs), *states): done with states a strategy had placed,
+    # that raised the same error again (they stay on that strategy's devices). The message's code
+    # now places them too; run exactly as it is written, it gives the ensemble's own members.
+    import re
+
+    def make(rng):
+        return {"w": jax.random.normal(rng, (3, 2)), "b": jnp.zeros(2)}
+
+    def step(state, batch):
+        g = jax.grad(lambda s: jnp.mean((batch["x"] @ s["w"] + s["b"]) ** 2))(state)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), {}
+
+    single, ensemble = spmdkit.Single(), spmdkit.Ensemble(4)
+    states = [single.init(make, k) for k in jax.random.split(jax.random.key(0), 4)]
+    batch = {"x": np.ones((8, 3), np.float32)}
+    for state in (states[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states)):
+        with pytest.raises(spmdkit.MembersMismatchError) as e:
+            ensemble.step(step)(state, batch)
+        code = re.search(r"(ensemble\.place_state\(jax\.tree\.map\(lambda \*xs: jnp\.stack\(xs\), \*states\)\))",
+                         str(e.value))
+        assert code, str(e.value)
+        got, _ = ensemble.step(step)(eval(code.group(1)), batch)
+        want, _ = ensemble.step(step)(ensemble.init(make, jax.random.key(0)), batch)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

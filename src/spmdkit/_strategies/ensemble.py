@@ -422,8 +422,9 @@ class Ensemble(Placement):
                     f"size {self.members} ({lead}). Ensemble(members={self.members}) keeps its members' states "
                     "stacked on a leading axis; this looks like one model's state.",
                     f"build it with ensemble.init(make_state, rng) (member m from "
-                    f"jax.random.split(rng, {self.members})[m]), or stack {self.members} single-model states: "
-                    "jax.tree.map(lambda *xs: jnp.stack(xs), *states).")
+                    f"jax.random.split(rng, {self.members})[m]), or stack {self.members} single-model states "
+                    "onto the ensemble's devices: ensemble.place_state(jax.tree.map(lambda *xs: jnp.stack(xs), "
+                    "*states)).")
             )
 
     def _foreign_state(self, state: Any) -> None:
@@ -441,8 +442,9 @@ class Ensemble(Placement):
                     f"{self.members} members' states Ensemble(members={self.members}) keeps stacked on a "
                     "leading axis.",
                     f"build it with ensemble.init(make_state, rng), or stack {self.members} single-model "
-                    "states: jax.tree.map(lambda *xs: jnp.stack(xs), *states); an ensemble's state restored "
-                    "elsewhere goes back with ensemble.place_state(state).")
+                    "states onto the ensemble's devices: ensemble.place_state(jax.tree.map(lambda *xs: "
+                    "jnp.stack(xs), *states)) (stacked alone, states placed by a strategy stay on its devices); "
+                    "an ensemble's state restored elsewhere goes back with ensemble.place_state(state).")
             )
 
     def _check_members(self, state: Any) -> None:
