@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 
+import re
+
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -319,6 +322,12 @@ def test_error_mapped_size_above_device_count(traced):
     assert "8 local device(s)" in msg
     assert "spmdkit.shard" in msg and "use_host_devices(16)" in msg
     assert traced.calls == []
+    # The fix's code, run as written: it said "with spmdkit.shard(x)", whose result is a
+    # (data, mask) pair, so pmap(f)(spmdkit.shard(x)) handed f a pair, not x's rows.
+    scope = {"spmdkit": spmdkit, "x": np.arange(48.0).reshape(16, 3)}
+    exec(re.search(r"(x, mask = spmdkit\.shard\(x\))", msg).group(1), scope)
+    out = spmdkit.pmap(lambda rows: rows.sum(0))(scope["x"])
+    np.testing.assert_array_equal(np.asarray(out).sum(0), np.arange(48.0).reshape(16, 3).sum(0))
 
 
 def test_error_mapped_sizes_differ(traced):

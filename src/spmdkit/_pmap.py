@@ -372,9 +372,10 @@ class _ParallelMap:
             # The machine has enough: devices= is what limits the map.
             remedy = (f"pass as many devices as the mapped size in devices= (e.g. "
                       f"devices=jax.local_devices()[:{n}]), or map a smaller leading axis: reshape it to "
-                      f"[{available}, per_device, ...] with spmdkit.shard(x, {available}).")
+                      f"[{available}, per_device, ...]: x, mask = spmdkit.shard(x, {available}) (mask marks the real rows).")
         else:
-            remedy = (f"reshape it to [{available}, per_device, ...] with spmdkit.shard(x), or "
+            remedy = (f"reshape it to [{available}, per_device, ...]: x, mask = spmdkit.shard(x) (mask marks the real "
+                      "rows), or "
                       f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
                       f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
                       f"SPMDKIT_HOST_DEVICES={max(n, 1)}).")
