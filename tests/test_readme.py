@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
+
+import numpy as np
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -14,8 +17,42 @@ def test_readme_python_blocks_run():
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)
+        for expression, stated in _stated_values(block):
+            got = eval(expression, namespace)
+            np.testing.assert_equal(np.asarray(got).tolist(), np.asarray(stated).tolist(), err_msg=expression)
     assert namespace["out"][0].tolist() == [11.0, 20.0, 29.0]
     assert namespace["grads"].shape == (8, 3)
     assert int(namespace["mask"].sum()) == 13
     assert namespace["result"].summary["eval_loss"] < 0.05
     assert str(namespace["layout"].leaves[1].spec) == "P(None, 'data', 'model')"
+
+
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return None
+
+
+def _stated_values(block: str) -> list[tuple[str, object]]:
+    """An expression whose value the README states: ``expr  # 2`` (the whole comment a literal),
+    or ``expr`` with the literal on the next line's comment. The layout example's comment showed
+    the leaf at [1] as the list's first, where [0] is state.step: the block ran, the comment was
+    never compared."""
+    found = []
+    lines = block.splitlines()
+    for i, line in enumerate(lines):
+        code, _, comment = line.partition("  #")
+        code = code.strip()
+        if not code or line.startswith((" ", "#")) or re.match(r"^[\w.\[\]\"', ]+ =[^=]", code):
+            continue
+        try:
+            ast.parse(code, mode="eval")
+        except SyntaxError:
+            continue
+        stated = _literal(comment) if comment else None
+        if stated is None and i + 1 < len(lines) and lines[i + 1].startswith("# "):
+            stated = _literal(lines[i + 1][2:])
+        if stated is not None:
+            found.append((code, stated))
+    return found
