@@ -338,6 +338,15 @@ def test_cli_errors_name_the_flag(tmp_path, capsys):
     assert not (tmp_path / "t.json").exists()
 
 
+
+def test_host_devices_after_the_command_name_is_its_device_count():
+    # The README: every command but launch takes --host-devices N before or after its name;
+    # after `calibrate` it was "unrecognized arguments" (exit 2). It is --devices N there.
+    from spmdkit._cli import build_parser
+
+    for argv in (["calibrate", "--host-devices", "4"], ["--host-devices", "4", "calibrate"], ["calibrate", "--devices", "4"]):
+        assert build_parser().parse_args(argv).host_devices == 4, argv
+
 def test_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["calibrate", "--help"])

@@ -41,8 +41,9 @@ def add_calibrate_parser(sub) -> None:
         "needs about 3 x devices x size of memory. Take figures on an idle machine.",
     )
     p.add_argument("--out", type=path_arg, metavar="FILE", default=DEFAULT_OUT, help=f"the target file to write ({DEFAULT_OUT})")
-    p.add_argument("--devices", dest="host_devices", type=_positive_int, metavar="N", default=argparse.SUPPRESS,
-                   help="simulated CPU devices for the intra_host link (8)")
+    # --host-devices too: every command but launch takes it after its name (README), here the same count.
+    p.add_argument("--devices", "--host-devices", dest="host_devices", type=_positive_int, metavar="N",
+                   default=argparse.SUPPRESS, help="simulated CPU devices for the intra_host link (8)")
     p.add_argument("--processes", type=int, default=2, metavar="P",
                    help="1: intra_host only; 2: also inter_host, 2 processes x 1 device (2)")
     p.add_argument("--sizes", type=_size, nargs="+", metavar="BYTES",

@@ -107,7 +107,7 @@ def _device_options(default: object) -> argparse.ArgumentParser:
         metavar="DIR",
         default=default,
         help=f"keep compiled programs in DIR for the next start (default: ${ENV_COMPILE_CACHE}, else "
-        f"{default_cache_dir()}; on for train, demo and inspect, off for bench unless given)",
+        f"{default_cache_dir()}; on for train, demo, inspect and plan, off for bench unless given)",
     )
     common.add_argument(
         "--no-compile-cache",
