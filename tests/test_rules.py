@@ -130,7 +130,12 @@ def test_error_dimension_not_divisible():
     with pytest.raises(LayoutError) as e:
         plan(Annotated(shape=(8, 6)), AxisRules.preset("tp"), spmdkit.make_mesh(model=8))
     msg = str(e.value)
-    assert "state.params['w']: dimension 1 has size 6" in msg and "(size 8) cannot split evenly" in msg
+    assert "state.params['w']: dimension 1 (logical 'hidden') has size 6" in msg
+    assert "(size 8) cannot split evenly" in msg
+    # The fix names the name to map (it said "its logical name"), and the flags of the command line.
+    assert "map 'hidden' to none" in msg and "CLI: a --mesh whose model size divides 6" in msg
+    rules = AxisRules.from_mapping({**dict(AxisRules.preset("tp").table), "hidden": None})
+    plan(Annotated(shape=(8, 6)), rules, spmdkit.make_mesh(model=8))  # the fix, applied: it fits
 
 
 def test_error_rule_names_a_missing_mesh_axis():

@@ -321,12 +321,20 @@ def check_spec(spec: P, shape: tuple[int, ...], mesh: Mesh, where: str, logical:
         for axis in _as_tuple(axes):
             size *= mesh.shape[axis]
         if size > 1 and shape[dim] % size:
+            # The logical name, when the parameter has one: "map its logical name to none" did not
+            # say which, and the command line's user was given no flag.
+            name = logical[dim] if logical is not None and dim < len(logical) else None
+            named = "" if name is None else f" (logical {name!r})"
+            to_none = ("its logical name to none" if name is None
+                       else f"{name!r} to none (a rules entry {name}=none; a dict {{{name!r}: None}})")
             raise LayoutError(
                 fix(
-                    f"{where}: dimension {dim} has size {shape[dim]}, which mesh axes "
+                    f"{where}: dimension {dim}{named} has size {shape[dim]}, which mesh axes "
                     f"{_as_tuple(axes)} (size {size}) cannot split evenly.",
                     f"make that dimension a multiple of {size}, use a mesh axis whose size divides "
-                    f"{shape[dim]}, or map its logical name to none.",
+                    f"{shape[dim]}, or map {to_none}. CLI: a --mesh whose {'/'.join(_as_tuple(axes))} size "
+                    f"divides {shape[dim]} (--task lm: --heads a multiple of the model axis), or --rules that "
+                    "map it to none.",
                 )
             )
 
