@@ -181,6 +181,9 @@ def test_duplicate_mesh_axes_and_bare_rule_names_are_errors():
     assert "hidden=none to replicate" in str(e.value)
     with pytest.raises(LayoutError, match="'batch' is given twice"):
         AxisRules.load("batch=data,batch=model")
+    # Named as rules, as the other rules errors are: Sharded(mesh, "...") is given no --rules flag.
+    with pytest.raises(LayoutError, match=r"^rules 'batch=data,hidden': 'hidden' is not logical=axis"):
+        spmdkit.Sharded({"data": 8}, "batch=data,hidden")
 
 
 def test_rules_built_from_python_objects_are_checked_where_they_are_built():

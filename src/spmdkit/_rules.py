@@ -73,10 +73,10 @@ def _inline_pair(part: str, spec: str) -> tuple[str, str]:
     k, eq, v = (x.strip() for x in part.partition("="))
     if not eq or not k:
         name, axis = k or "hidden", (v if eq and v else "model")  # "=data" lacks the logical name, not the axis
-        raise LayoutError(fix(f"--rules {spec!r}: {part.strip()!r} is not logical=axis; a bare name would silently "
+        raise LayoutError(fix(f"rules {spec!r}: {part.strip()!r} is not logical=axis; a bare name would silently "
                               "mean nothing.", f"write {name}={axis} to shard it, or {name}=none to replicate it."))
     if not v or not v.replace("-", "_").isidentifier():
-        raise LayoutError(fix(f"--rules {spec!r}: {part.strip()!r} maps {k!r} to {v!r}, which is no mesh axis name.",
+        raise LayoutError(fix(f"rules {spec!r}: {part.strip()!r} maps {k!r} to {v!r}, which is no mesh axis name.",
                               f"write {k}=model to shard it, or {k}=none to replicate it (pairs are separated by "
                               "commas; a name over two axes needs a TOML file: name = [\"data\", \"fsdp\"])."))
     return k, v
@@ -88,7 +88,7 @@ def _inline_pairs(spec: str) -> dict[str, str]:
     for part in spec.split(","):
         k, v = _inline_pair(part, spec)
         if k in pairs:
-            raise LayoutError(fix(f"--rules {spec!r}: {k!r} is given twice.", "give each logical name once."))
+            raise LayoutError(fix(f"rules {spec!r}: {k!r} is given twice.", "give each logical name once."))
         pairs[k] = v
     return pairs
 
