@@ -635,10 +635,14 @@ class CompiledStep:
         batch_sh = s._batch_sharding_for(self.kind, even)
         lifted = s._lift(_checked(self.fn, self.kind), self.kind)
         context = s._context()
+        # On a mesh of two or more axes, XLA:CPU mis-partitions an unevenly split gather or scatter
+        # (see _split_evenly): an even batch meets it too, as a grad_accum micro-batch (24 rows, 4
+        # micro-batches of 6 over data=4) or a constraint on another dimension.
+        several_axes = sum(size > 1 for size in dict(getattr(s.mesh, "shape", {})).values()) > 1
 
         def run(state, batch):
             with context:
-                out = lifted(state, batch) if even else _split_evenly(lifted)(state, batch)
+                out = _split_evenly(lifted)(state, batch) if (several_axes or not even) else lifted(state, batch)
             if keep is None:
                 return out
             _check_per_example(out, batch_rows(batch), s._row_axis, padded_from=keep)
@@ -717,10 +721,11 @@ def _split_evenly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     An uneven batch runs whole on every device, but the model's own activation constraints
     (``nn.with_logical_constraint(x, ("batch", ...))``, ``with_sharding_constraint(x, P("data"))``)
-    still split its 13 rows over a ``data`` axis of 4 inside the program. XLA:CPU (jax 0.12) then
-    computes a gather's gradient and a scatter wrong when the mesh has a second axis (the
-    embedding lookup of a transformer under ``data=4, model=2``: its gradient off by more than its
-    own size), silently. A constraint only places values, so dropping it changes no result.
+    still split its 13 rows over a ``data`` axis of 4 inside the program; so do a ``grad_accum``
+    micro-batch's 6 rows of an even batch of 24. XLA:CPU (jax 0.12) then computes a gather's
+    gradient and a scatter wrong when the mesh has a second axis (the embedding lookup of a
+    transformer under ``data=4, model=2``: its gradient off by more than its own size), silently.
+    A constraint only places values, so dropping it changes no result.
     """
     from jax.extend import core as jcore
 
@@ -762,6 +767,7 @@ def _split_evenly(fn: Callable[..., Any]) -> Callable[..., Any]:
         return value
 
     def run(*args: Any) -> Any:
+        # Traced once (a function with side effects while tracing sees one trace, as before).
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
         out = jcore.jaxpr_as_fun(sub(closed))(*jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(shapes), out)
