@@ -318,7 +318,7 @@ def test_member_count_mismatch_names_the_leaf(task, tmp_path):
         fit(task, spmdkit.Ensemble(members=4, devices=jax.devices()[:4]), 10, tmp_path / "ck", resume=True)
     msg = str(e.value)
     assert "leaf state.params['Conv_0']['bias']" in msg or "leaf state.step" in msg
-    assert "8 members, this run 4; use --members 8" in msg
+    assert "8 members, this run 4; use --members 8 (Ensemble(8) from Python)" in msg  # fit's caller has no flag
 
 
 def test_optimizer_mismatch_says_so(task, tmp_path):

@@ -60,6 +60,7 @@ def test_train_config_default_length():
     "kwargs, match",
     [
         ({"lr": -0.1}, "lr=-0.1: the learning rate must be a finite number > 0"),
+        ({"lr": 0.0}, r"Fix: pass e\.g\. lr=0\.01 \(--lr 0\.01 on the command line"),  # was the flag alone
         ({"lr": 0.0}, "lr=0.0"),
         ({"lr": math.nan}, "lr=nan"),
         ({"name": "lion"}, r"optimizer='lion' is not known"),

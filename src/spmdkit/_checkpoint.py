@@ -554,7 +554,8 @@ def _members_hint(saved: tuple, shape: tuple, members: int | None) -> str:
                 "restored into an ensemble. Restore it into the single model's target.")
     if members is not None and saved and shape and saved[0] != shape[0]:
         return (f" The leading axis is the ensemble's member count: the checkpoint has "
-                f"{saved[0]} members, this run {shape[0]}; use --members {saved[0]}.")
+                f"{saved[0]} members, this run {shape[0]}; use --members {saved[0]} "
+                f"(Ensemble({saved[0]}) from Python).")
     return ""
 
 

@@ -113,7 +113,8 @@ class OptimizerConfig:
             raise ConfigError(
                 fix(
                     f"lr={reprlib.repr(lr)}: the learning rate must be a finite number > 0.",
-                    "pass e.g. --lr 0.01 (a negative rate would climb the loss, not descend it).",
+                    "pass e.g. lr=0.01 (--lr 0.01 on the command line; a negative rate would climb the loss, not "
+                    "descend it).",
                 )
             )
         momentum, decay = finite_float(self.momentum), finite_float(self.weight_decay)
