@@ -21,6 +21,13 @@ def test_out_axes_none_on_a_varying_value_is_an_error():
     msg = str(e.value)
     assert "out_axes=None at output" in msg and "8 devices" in msg and "pmean" in msg
     assert isinstance(e.value, ValueError)
+    # This map has no axis_name: "pmean over the axis name" named none to reduce over. The fix
+    # says how to give it one; applied as written, it returns the one copy.
+    assert "spmdkit.pmap(f, axis_name='i', ...), and return jax.lax.pmean(x, 'i')" in msg
+    out = spmdkit.pmap(lambda a: jax.lax.pmean(a * 2, "i"), axis_name="i", out_axes=None)(np.arange(24.0).reshape(8, 3))
+    np.testing.assert_allclose(np.asarray(out), np.arange(24.0).reshape(8, 3).mean(0) * 2)
+    with pytest.raises(spmdkit.ReplicationError, match=r"pmean / psum over 'i'\)"):  # a named map: its name
+        spmdkit.pmap(lambda a: a * 2, axis_name="i", out_axes=None)(np.arange(24.0).reshape(8, 3))
 
 
 def test_out_axes_none_names_the_output_path():

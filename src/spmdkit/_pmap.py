@@ -278,8 +278,12 @@ class _ParallelMap:
                 fix(
                     f"out_axes=None at {', '.join(bad)}, but that value differs between the "
                     f"{compiled.mesh.size} devices, so there is no single copy to return.",
-                    "reduce it across devices first (jax.lax.pmean / psum over the axis name), "
-                    "or return it per device with out_axes=0 there.",
+                    (f"reduce it across devices first (jax.lax.pmean / psum over {self._axis_name!r}), "
+                     if self._axis_name is not None else
+                     # the map binds no name to reduce over: say how to give it one
+                     "reduce it across devices first: name the axis, spmdkit.pmap(f, axis_name='i', ...), and "
+                     "return jax.lax.pmean(x, 'i') (or psum), ")
+                    + "or return it per device with out_axes=0 there.",
                 )
             )
         return out
