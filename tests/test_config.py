@@ -315,3 +315,12 @@ def test_a_second_config_file_is_refused_not_taken_alone(tmp_path, capsys):
     assert e.value.code == 2
     assert "--config is given twice (a.toml and b.toml); it takes one file" in capsys.readouterr().err
     assert build_parser().parse_args(["train", "--config", "a.toml"]).config == "a.toml"
+
+
+def test_a_flag_out_of_range_is_said_as_the_flag():
+    # `spmdkit train --seed -1` was "flags: seed = -1 (int) must be ...; Fix: write e.g. seed = 0 in a
+    # config file, or --seed on the command line": a file's line for a flag, and no value to pass.
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)^--seed -1 must be a whole number from 0 to 4294967295\..*"
+                                                  r"Fix: pass e\.g\. --seed 0\.$"):
+        resolve_options({"task": "linreg", "seed": -1})
+    assert resolve_options({"task": "linreg", "seed": 0})["seed"] == 0  # the fix, applied

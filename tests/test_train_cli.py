@@ -46,7 +46,7 @@ def test_config_file_and_flags(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--batch-size", "0"], "batch-size = 0 (int) must be a whole number >= 1"),
+        (["--batch-size", "0"], "--batch-size 0 must be a whole number >= 1.\n  Fix: pass e.g. --batch-size 8."),
         (["--batch-size", "500"], "larger than the training set"),
         (["--lr", "-0.1"], "the learning rate must be a finite number > 0"),
         (["--optimizer", "lion"], "optimizer='lion' is not known"),

@@ -284,6 +284,9 @@ def check_value(key: str, value: Any, source: str) -> None:
     else:
         return
     if not ok:
+        if source == "flags":  # given on the command line: said in flags ("flags: seed = -1 (int)" read as a file's line)
+            raise ConfigError(fix(f"{_flag(key)} {value!r} must be {want}.",
+                                  f"pass e.g. {_flag(key)} {example.split(' = ', 1)[1]}."))
         raise ConfigError(fix(
             f"{source}: {key.replace('_', '-')} = {value!r} ({type(value).__name__}) must be {want}.",
             f"write e.g. {example} in a config file, or {_flag(key)} on the command line."))
