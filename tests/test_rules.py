@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -171,6 +173,15 @@ def test_warning_lists_the_largest_replicated_parameters():
         spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp").init(
             lambda k: {"p": module.init(k, jnp.ones((2, 8)))["params"]}, 0)
     assert "parameters: state['p']['big'] (256, 256)" in str(record[0].message)
+    # Plain arrays: the warning named only Flax's annotation; Sharded's own state_axes= is their way.
+    plain = lambda k: {"w": jnp.zeros((64, 64))}  # noqa: E731
+    with pytest.warns(ReplicationWarning, match=r"Sharded\(\.\.\., state_axes=\) for plain arrays"):
+        spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp").init(plain, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicationWarning)  # the fix, applied: sharded, no warning
+        state = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp+tp",
+                                state_axes={"w": ("embed", "hidden")}).init(plain, 0)
+    assert state["w"].sharding.spec == P(None, "model")
 
 
 def test_duplicate_mesh_axes_and_bare_rule_names_are_errors():

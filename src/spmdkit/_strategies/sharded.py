@@ -160,8 +160,11 @@ def warn_if_mostly_replicated(layout: Layout, rules: AxisRules, mesh: Mesh) -> N
         warnings.warn(
             f"{fraction:.0%} of the train state's memory is replicated on every device under rules "
             f"{rules.name!r} on mesh {dict(mesh.shape)}; the largest replicated {what}: {listing}. "
-            "Annotate them with logical names (nn.with_logical_partitioning) or map their names to a "
-            "mesh axis.",
+            "Annotate them with logical names (nn.with_logical_partitioning"
+            # plain arrays have no model to annotate: Sharded's state_axes= names them
+            + (", or Sharded(..., state_axes=) for plain arrays, e.g. state_axes={'w': ('embed', 'hidden')}"
+               if any(leaf.logical is None for leaf in largest) else "")
+            + ") or map their names to a mesh axis.",
             ReplicationWarning,
             stacklevel=3,
         )
