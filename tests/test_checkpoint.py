@@ -153,6 +153,34 @@ def test_a_boxed_target_of_a_bare_checkpoint_names_unbox(tmp_path):
     assert restored["params"]["Dense_0"]["kernel"].sharding.spec == P(None, "model")
 
 
+
+def test_a_bare_target_of_a_boxed_checkpoint_names_the_boxed_target(tmp_path):
+    """The other way round: a state saved as strategy.init returns it (boxed) restored into
+    abstract(make_state, unbox=True), the README's recipe for one's own state, was "has no leaf ...;
+    resume with the model the checkpoint was written with", for the whole state and its .params."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                                        ("embed", "mlp")))(x)
+
+    make_state = lambda rng: {"params": Net().init(rng, jnp.zeros((1, 3)))["params"]}  # noqa: E731
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=4, model=2), "dp+tp")
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    ckpt.save(1, strategy.init(make_state, jax.random.key(0)), {})
+    ckpt.close()
+    for target in (strategy.abstract(make_state, unbox=True), strategy.abstract(make_state, unbox=True)["params"]):
+        with pytest.raises(spmdkit.CheckpointError, match=r"(?s)it holds state\['params'\]\['Dense_0'\]\['kernel'\]\.value, "
+                                                          r"the same array inside Flax's box.*without unbox=True"):
+            ckpt.restore(1, target)
+    restored, _ = ckpt.restore(1, strategy.abstract(make_state))  # the fix, applied
+    assert restored["params"]["Dense_0"]["kernel"].value.sharding.spec == P(None, "model")
+    part, _ = ckpt.restore(1, strategy.abstract(make_state)["params"])
+    np.testing.assert_array_equal(np.asarray(part["Dense_0"]["kernel"].value),
+                                  np.asarray(restored["params"]["Dense_0"]["kernel"].value))
+
 def test_a_part_under_a_list_index_is_named_as_such(tmp_path):
     # Two networks in a list: a target of one of them was "has no leaf state['w'] (the run being resumed
     # has it)", and part="['nets'][1]" was "not a place of the saved state ... (none does)".

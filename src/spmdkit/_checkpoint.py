@@ -244,6 +244,14 @@ def _missing_leaf(step: int, saved: dict[str, list], want: dict[str, list], at: 
         return fix(f"{head}; it holds state{at}{bare}, the same array without Flax's box around it.",
                    "restore into an unboxed target: strategy.abstract(make_state, unbox=True), or "
                    "flax.linen.meta.unbox(target).")
+    # The other way round: a state saved as strategy.init returned it, with Flax's boxes (any of the
+    # target's leaves, since an unannotated one, a bias, has no box to find).
+    boxed = [(p, w) for w in [path, *want] if not w.endswith(".value") for p in saved if p.endswith(w + ".value")]
+    if boxed:
+        return fix(f"{head}; it holds state{boxed[0][0]}, the same array inside Flax's box as the target's "
+                   f"{boxed[0][1]} (the state was saved boxed, as strategy.init returns a Flax model's state).",
+                   "restore into a boxed target: strategy.abstract(make_state) without unbox=True (or its "
+                   ".params), or save the state unboxed (flax.linen.meta.unbox(state)) as fit does.")
     if not set(want) & set(saved):  # another structure altogether (task.init's tree for fit's whole state)
         tops = sorted({m.group(0) for p in saved if (m := _TOP.match(p))})
         return fix(f"{head}, nor any other of the target's {len(want)} leaves: the saved state holds "
