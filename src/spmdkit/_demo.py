@@ -17,12 +17,23 @@ def convolve(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.array([jnp.dot(x[i - 1 : i + 2], w) for i in range(1, len(x) - 1)])
 
 
+# From this many training steps on, the demo also checks that the digits CNN learned (test accuracy
+# above 50%: 60 steps reach it on 8 devices, 20 do not).
+ACCURACY_CHECK_STEPS = 60
+
+
 def run_demo(console: Console | None = None, out: str = "runs/demo", steps: int = 120) -> dict[str, object]:
     """Seed 000 on every local device, then a short data-parallel digits run."""
     console = console or Console()
     evaluated = run_pmap_demo(console)
     trained = run_training_demo(console, out, steps)
-    ok = bool(evaluated["matches_vmap"] and trained["eval_accuracy"] > 0.5)
+    # The run learns, checked where it has had the steps to: `demo --steps 20` (30% test accuracy)
+    # printed "demo FAILED" and exited 1, the exit code of a crash, for a length its flag offers.
+    learned = trained["eval_accuracy"] > 0.5 if steps >= ACCURACY_CHECK_STEPS else True
+    if steps < ACCURACY_CHECK_STEPS:
+        console.print(f"(test accuracy not checked: {steps} steps; the > 50% check needs --steps "
+                      f"{ACCURACY_CHECK_STEPS} or more)")
+    ok = bool(evaluated["matches_vmap"] and learned)
     console.print("[bold green]demo OK[/]" if ok else "[bold red]demo FAILED[/]")
     return {**evaluated, **trained, "ok": ok}
 
