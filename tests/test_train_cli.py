@@ -186,6 +186,11 @@ def test_data_whose_examples_do_not_fit_the_model_options_is_named(tmp_path, cap
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2
     assert "each example of ['tokens'] has shape (65,); --task lm with" in err and "reads examples of shape (17,)" in err
+    assert "Fix: pass --seq-len 64 (the data set's windows are seq_len + 1 bytes)" in err  # was "the model options"
+    code = main(["train", "--task", "lm", "--data", str(tmp_path / "ds"), "--seq-len", "64", "--d-model", "16",
+                 "--heads", "2", "--layers", "1", "--text-bytes", "2000", "--steps", "1", "--no-progress",
+                 "--no-compile-cache", "--out", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err  # the fix, applied
 
 
 def test_lm_outputs_inside_the_text_dir_are_refused(tmp_path, monkeypatch, capsys):

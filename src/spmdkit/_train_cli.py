@@ -226,6 +226,9 @@ def _check_example_shapes(own: Any, train: Any, train_dir: Any, run: RunConfig) 
         if want != got:
             given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in task_options(run).items()) or "its defaults"
             options = "pass the model options the data set was written for, or " if task_options(run) else ""
+            if run.task == "lm" and key == "['tokens']" and len(got) == 1 and got[0] > 1:
+                # its windows are seq_len + 1 bytes: the flag's value is read off the shape
+                options = f"pass --seq-len {got[0] - 1} (the data set's windows are seq_len + 1 bytes), or "
             raise DatasetLayoutError(fix(
                 f"--data {train_dir}: each example of {key} has shape {got}; --task {run.task} with {given} reads "
                 f"examples of shape {want}.", f"{options}write it again with examples of shape {want}."))
