@@ -28,6 +28,20 @@ def test_shapes_and_order(axes, shape):
     assert mesh.devices.size == 8
 
 
+def test_axes_as_one_mapping():
+    # make_mesh({"data": 4, "model": 2}) (as dict(mesh.shape) and plan give a mesh) was a raw
+    # "make_mesh() takes 0 positional arguments" TypeError.
+    mesh = spmdkit.make_mesh({"model": 2, "data": -1}, devices=jax.devices()[:4])
+    assert dict(mesh.shape) == {"model": 2, "data": 2} and tuple(mesh.axis_names) == ("model", "data")
+    assert spmdkit.make_mesh({"devices": 8}).axis_names == ("devices",)  # a name the keywords cannot take
+    with pytest.raises(spmdkit.MeshError, match="either as one mapping of name to size or as keywords, not both"):
+        spmdkit.make_mesh({"data": 4}, model=2)
+    with pytest.raises(spmdkit.MeshError, match="not a tuple"):
+        spmdkit.make_mesh(("data", 8))
+    with pytest.raises(spmdkit.MeshError, match="axis names are strings"):
+        spmdkit.make_mesh({1: 8})
+
+
 def test_devices_subset():
     mesh = spmdkit.make_mesh(data=-1, model=2, devices=jax.devices()[:4])
     assert dict(mesh.shape) == {"data": 2, "model": 2}

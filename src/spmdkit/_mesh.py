@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -16,19 +16,35 @@ def _format(axes: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in axes.items())
 
 
-def make_mesh(*, devices: Sequence[jax.Device] | None = None, **axes: int) -> Mesh:
+def make_mesh(shape: Mapping[str, int] | None = None, /, *, devices: Sequence[jax.Device] | None = None,
+              **axes: int) -> Mesh:
     """A ``jax.sharding.Mesh`` from ordered ``name=size`` pairs; one size may be -1.
 
     The -1 axis takes whatever the others leave of the device count. Axes are of
     type ``Auto`` (the classic sharding-propagation behaviour the seeds rely on).
-    ``devices`` defaults to all devices (of every process).
+    ``devices`` defaults to all devices (of every process). The axes may also come as
+    one ordered mapping, as ``dict(mesh.shape)`` and ``plan`` give them (an axis named
+    like the ``devices`` keyword needs this form).
 
     Example:
         >>> import jax, spmdkit
         >>> mesh = spmdkit.make_mesh(data=-1)
         >>> dict(mesh.shape) == {"data": jax.device_count()}
         True
+        >>> spmdkit.make_mesh({"data": -1}).axis_names
+        ('data',)
     """
+    if shape is not None:
+        # make_mesh({"data": 4, "model": 2}) was a raw "takes 0 positional arguments" TypeError.
+        if not isinstance(shape, Mapping) or axes:
+            raise MeshError(fix(f"make_mesh({shape!r:.60}{', ...' if axes else ''}): the axes come either as one "
+                                "mapping of name to size or as keywords, not "
+                                + ("both." if axes else f"a {type(shape).__name__}."),
+                                "pass e.g. make_mesh({'data': 4, 'model': 2}) or make_mesh(data=4, model=2)."))
+        if not all(isinstance(k, str) for k in shape):
+            raise MeshError(fix(f"make_mesh({shape!r:.60}): axis names are strings.",
+                                "pass e.g. make_mesh({'data': 4, 'model': 2})."))
+        axes = dict(shape)
     devs = _checked_devices(devices)
     n = len(devs)
     _check_axes(axes, n)
