@@ -385,6 +385,10 @@ def test_error_unknown_axis_name():
     with pytest.raises(spmdkit.AxisNameError, match="without an axis_name") as e:
         spmdkit.pmap(lambda v: jax.lax.pmean(v, "batch"))(jnp.ones(4))
     assert "spmdkit.pmap(f, axis_name='batch')" in str(e.value)
+    for kwargs in ({}, {"axis_name": "i"}):  # None as the name: the fix was "axis_name='None'"
+        with pytest.raises(spmdkit.AxisNameError, match="was given None as its axis name") as e:
+            spmdkit.pmap(lambda v: jax.lax.pmean(v, None), **kwargs)(jnp.ones(4))
+        assert "'None'" not in str(e.value) and "jax.lax.pmean(x, 'i')" in str(e.value)
 
 
 def test_error_out_axes_mismatch():

@@ -205,6 +205,13 @@ def _merge_static(dyn_args, static, static_vals):
 
 
 def _unbound_message(name: str, bound: tuple[Any, ...]) -> str:
+    if name in (None, "None"):  # jax.lax.pmean(x, None): "axis_name='None'" was the fix offered
+        return fix(
+            "a collective in the mapped function was given None as its axis name; a collective "
+            "reduces over a named axis of the map.",
+            "name the map's axis and use that name: spmdkit.pmap(f, axis_name='i') with "
+            "jax.lax.pmean(x, 'i')" + (f" (this map binds axis_name={bound[-1]!r})." if bound else "."),
+        )
     if not bound:
         return fix(
             f"a collective in the mapped function names axis {name!r}, but this spmdkit.pmap was "
