@@ -488,6 +488,12 @@ def test_leftover_temporary_directory_is_removed(tmp_path):
     messages = []
     spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=messages.append).claim().close()
     assert not leftover.exists() and "left by an interrupted save" in messages[0]
+    # An old step's deletion (keep) renames it ..-deleting first; a kill there was "an interrupted save".
+    doomed = tmp_path / "ck" / "spmdkit_10.orbax-checkpoint-tmp-deleting"
+    (doomed / "state").mkdir(parents=True)
+    messages.clear()
+    spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=messages.append).claim().close()
+    assert not doomed.exists() and "left by the deletion of an old step (keep) cut short" in messages[0]
 
 
 def test_a_checkpoint_directory_that_is_not_utf8_is_refused_before_training(tmp_path, capsys):

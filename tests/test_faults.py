@@ -402,6 +402,11 @@ def test_checkpoints_verify_lists_an_interrupted_saves_temporary_directory_witho
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows[30]["status"].startswith("incomplete (an interrupted save") and rows[30]["temporary"]
     assert rows[10]["status"] == rows[20]["status"] == "complete, verified"
+    (ck / "spmdkit_10").rename(ck / "spmdkit_10.orbax-checkpoint-tmp-deleting")  # keep's deletion cut short
+    (ck / "manifests" / "10.json").unlink()
+    assert cli_main(["checkpoints", str(ck), "--verify", "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[10]["status"] == "incomplete (the deletion of an old step (keep) cut short; removed on the next start)"
 
 
 # ---- never a non-finite state; params and summary agree ------------------------------

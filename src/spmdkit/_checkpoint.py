@@ -753,7 +753,7 @@ class Checkpointer:
             if _TMP_MARK in p.name and p.name.startswith(f"{STEP_PREFIX}_"):
                 # An interrupted save of ours (a crash, a kill): never a checkpoint, safe to remove.
                 shutil.rmtree(p, ignore_errors=True)
-                self.log(f"checkpoints: removed {p.name}, left by an interrupted save")
+                self.log(f"checkpoints: removed {p.name}, left by {_interrupted_what(p.name)}")
 
     def _remove_step(self, step: int) -> None:
         """Delete one of our steps: renamed to a temporary name first, so a crash leaves no half step.
@@ -1238,6 +1238,13 @@ def _set_aside_rows(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _interrupted_what(name: str) -> str:
+    """What left a temporary step directory: a save, or the deletion of an old step (``keep``),
+    whose directory is renamed ``..-deleting`` first; both were "an interrupted save"."""
+    return ("the deletion of an old step (keep) cut short" if name.endswith(f"{_TMP_MARK}-deleting")
+            else "an interrupted save")
+
+
 def _step_row(root: Path, entry: Path, step: int, verify: bool, in_flight: bool = False,
               maybe_live: bool = False) -> dict[str, Any]:
     """One row of :func:`describe_directory`. ``in_flight``: the newest step while a run holds the
@@ -1246,7 +1253,7 @@ def _step_row(root: Path, entry: Path, step: int, verify: bool, in_flight: bool 
     row: dict[str, Any] = {"step": step, "bytes": sum(files.values()), "files": len(files)}
     if _TMP_MARK in entry.name:
         # Never a step: nothing restores it, so --verify does not count it against the directory.
-        row["status"] = "incomplete (an interrupted save; removed on the next start)"
+        row["status"] = f"incomplete ({_interrupted_what(entry.name)}; removed on the next start)"
         row["temporary"] = True
         return row
     manifest, bad = read_manifest(root, step)
