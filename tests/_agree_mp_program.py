@@ -37,6 +37,21 @@ def cases():
     yield "rows", lambda: data.step(lambda s, b: train_step(s, b))(same, {"x": x if me == 0 else np.ones((24, 8), np.float32)})
     yield "dtype", lambda: data.evaluate(lambda s, b: b["x"].sum())(same, {"x": x.astype(np.float32 if me == 0 else np.float64)})
     yield "leaf", lambda: data.apply(lambda s, b: b["x"] @ s["w"])(same, {"x": x, **({"y": x} if me == 1 else {})})
+    # fit draws each process's rows of every batch from its own copy of the arrays.
+    import optax
+
+    def fit_on(train, evaluate=None):
+        task = spmdkit.Task(name="agree", init=lambda key: {"w": jnp.zeros((8, 1))},
+                            loss_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), {}),
+                            train_data=train, eval_data=evaluate)
+        spmdkit.fit(task, data, optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=16), out_dir=None,
+                    progress=False)
+
+    xy = {"x": np.ones((32, 8), np.float32), "y": np.ones((32, 1), np.float32)}
+    yield "fit same data", lambda: fit_on(xy, xy)
+    yield "fit rows", lambda: fit_on({k: v[: 32 + 8 * me] for k, v in {k: np.ones((40, v.shape[1]), np.float32)
+                                                                       for k, v in xy.items()}.items()})
+    yield "fit eval values", lambda: fit_on(xy, {"x": xy["x"] + me, "y": xy["y"]})
     # A process's own one-device strategy runs its own program: its keys and batches may differ.
     own = spmdkit.Single(jax.local_devices()[0])
     yield "own device", lambda: own.step(train_step)(own.init(make_state, me), {"x": x[: 8 + 8 * me]})

@@ -65,6 +65,22 @@ def test_a_global_batch_that_differs_between_processes_is_refused_at_the_first_c
     assert "Fix: give every process the same global batch" in raised[case]
 
 
+def test_fit_on_the_same_arrays_passes(raised):
+    assert raised["fit same data"] is None
+
+
+@pytest.mark.parametrize("case, words", [
+    ("fit rows", "fit: task.train_data differs between processes: process 0 has 32 rows (CRC-32 "),
+    ("fit eval values", "fit: task.eval_data differs between processes: process 0 has 32 rows (CRC-32 "),
+])
+def test_fit_on_arrays_that_differ_between_processes_is_refused(raised, case, words):
+    # Each process took its rows of every global batch from its own copy: both trained to the end
+    # on a mix of the two (other lengths, other seeds), silently.
+    assert raised[case].startswith(words), raised[case]
+    assert ("process 1 has 40 rows" if case == "fit rows" else "process 1 has 32 rows") in raised[case]
+    assert "Fix: give every process the same task." in raised[case]
+
+
 def test_one_process_compares_nothing():
     assert not spans_processes(spmdkit.DataParallel().mesh)
     assert batch_signature({"x": np.zeros((4, 2), np.float32), "n": jax.numpy.zeros(4, jax.numpy.int32)}) == [

@@ -103,3 +103,49 @@ def check_same_batch(batch: Any, mesh: Mesh, call: str, argument: str = "batch")
         "different arrays, silently.",
         f"give every process the same global {argument} (the same rows, shapes and dtypes, e.g. drawn from a "
         "seed every process shares); each process's own rows are taken from it for you."))
+
+
+def check_same_data(data: dict[str, Any], mesh: Mesh | None, call: str) -> None:
+    """Refuse training or eval arrays that differ between the processes of ``mesh``'s program.
+
+    ``data`` maps a name (``task.train_data``) to what each process passes. Each process takes its
+    devices' rows of every global batch from its own copy, drawn in an order from the seed and
+    the row count: copies of other lengths or contents train on a mix of both, silently. Only
+    arrays in memory are compared (a pipeline or a list of batches is each process's own share; a
+    data set directory is checksummed when loaded); a process whose copy is not arrays compares
+    nothing.
+    """
+    if mesh is None or not spans_processes(mesh):
+        return
+    digests = {name: arrays_digest_and_rows(value) for name, value in data.items()}
+    every = disagreement(json.dumps(digests).encode(), lambda: digests)
+    if every is None:
+        return
+    for name in data:
+        seen = [e[name] for e in every]
+        if any(s is None for s in seen) or all(s == seen[0] for s in seen):
+            continue
+        p = next(p for p, s in enumerate(seen) if s != seen[0])
+
+        def has(process: int) -> str:
+            rows, crc = seen[process]
+            return f"process {process} has {rows} rows (CRC-32 {crc})"
+
+        raise ProcessMismatchError(fix(
+            f"{call}: {name} differs between processes: {has(0)}, {has(p)}. Each process takes its devices' rows "
+            "of every global batch from its own copy, in an order drawn from the seed and the row count: copies "
+            "that differ train on a mix of both, silently.",
+            f"give every process the same {name} (load the same files, or draw it from a seed every process "
+            "shares, not from jax.process_index()); for data of which each process holds only its share, pass a "
+            "pipeline that yields that share of every batch (batch_size / process_count rows)."))
+
+
+def arrays_digest_and_rows(tree: Any) -> list[Any] | None:
+    """``[rows, crc32]`` of arrays in memory, else None (see :func:`spmdkit._data._feed.arrays_digest`)."""
+    from spmdkit._data._feed import arrays_digest
+
+    crc = arrays_digest(tree)
+    if crc is None:
+        return None
+    leaves = jax.tree.leaves(tree)
+    return [int(np.shape(leaves[0])[0]) if np.ndim(leaves[0]) else 1, crc]

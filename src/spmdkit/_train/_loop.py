@@ -32,6 +32,7 @@ from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._data._feed import arrays_digest
 from spmdkit._errors import ConfigError, NonFiniteLossError, PeerLostError, fix
 from spmdkit._process import guarded, process_age_s
+from spmdkit._strategies._agree import check_same_data
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import LOSS_WEIGHT, Task
@@ -574,6 +575,10 @@ class _Run:
         # Read (and a bad SPMDKIT_HOST_ALLOCATOR refused) before any step, not in the summary after the last.
         self.host_memory = host_memory()
         self.feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
+        # Every process draws its rows from its own copy of the arrays: copies that differ mixed silently.
+        check_same_data({"task.train_data": task.train_data,
+                         **({"task.eval_data": task.eval_data} if task.eval_data is not None else {})},
+                        getattr(strategy, "mesh", None), "fit")
         self.plan = _plan(task, strategy, config, self.feed)
         validate_task(task, config.batch_size, self.feed.example())
         self.out = None if out_dir is None else Path(out_dir)
