@@ -740,3 +740,22 @@ def test_launch_help_states_the_signal_timing():
     assert out.returncode == 0
     assert "get 60 s to end, then SIGTERM again and SIGKILL 5 s later (65 s in all); launch exits 143" in text, text
     assert "SIGKILL 5 s later; launch exits 130" in text and "neither shortens nor repeats" in text
+
+
+def test_a_process_that_never_joins_is_named_with_the_fix():
+    # Process 1 left (exit 0) without spmdkit.initialize(); process 0 waited 100 s for it in
+    # jax.distributed.initialize and died of a native abort (exit 134, a stack dump), no word
+    # of why. Here process 0 prints JAX's words of that abort and aborts at once.
+    code = ("import os, signal, sys, time\n"
+            "if os.environ['SPMDKIT_PROCESS_ID'] == '1':\n"
+            "    sys.exit(0)\n"
+            "time.sleep(1)\n"
+            "print('F1206 client.h:86] Terminating process because the JAX distributed service detected fatal '\n"
+            "      'errors. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\\n\\n'\n"
+            "      'RPC: /xla.coordination.CoordinationService/RegisterTask', file=sys.stderr, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGABRT)\n")
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=90)
+    assert out.returncode == 134, out.stderr[-2000:]
+    assert "process 0 was killed by signal 6" in out.stderr
+    assert re.search(r"process 1 had exited with code 0 \d+ s before process 0 failed", out.stderr), out.stderr
+    assert "one did not join in time" in out.stderr and "Fix: call spmdkit.initialize() in every process" in out.stderr

@@ -265,6 +265,15 @@ KNOWN_FAILURES: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "before its first JAX operation, or give it longer: JAX_CPU_GET_LOCAL_TOPOLOGY_TIMEOUT_MINUTES=M "
      "in every process's environment (default 2; keep it below JAX_CPU_GET_GLOBAL_TOPOLOGY_TIMEOUT_MINUTES, "
      "default 5)"),
+    # JAX's words: a native abort ("Terminating process because the JAX distributed service detected
+    # fatal errors ... DEADLINE_EXCEEDED ... RegisterTask") and a stack dump, 100 s after the start.
+    (("DEADLINE_EXCEEDED", "RegisterTask"),
+     "a process waited for every process to join the job (jax.distributed.initialize, which "
+     "spmdkit.initialize() and spmdkit train call) and one did not join in time (spmdkit.initialize's "
+     "timeout_s, 100 s by default, at least 60): it exited or failed before joining, never called "
+     "spmdkit.initialize(), or did that much work before it",
+     "call spmdkit.initialize() in every process, first, before loading data (see the other processes' "
+     "output above)"),
 )
 
 
@@ -492,6 +501,13 @@ def _report_failure(group: _Group, processes: int, index: int, code: int, attemp
     a collective with the failed one); the launch's exit code when it gives up, None to restart."""
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     sys.stderr.write(f"spmdkit launch: process {index} {how}; stopped the other {processes - 1}\n")
+    # A process that left with 0 while the others still needed it (one that never joined the job):
+    # the failure is the others', the cause is its.
+    failed_at = group.ended.get(index)
+    for i, at in sorted(group.ended.items(), key=lambda ia: ia[1]):
+        if i != index and failed_at is not None and at < failed_at and group.procs[i].returncode == 0:
+            sys.stderr.write(f"spmdkit launch: process {i} had exited with code 0 {failed_at - at:.0f} s before "
+                             f"process {index} failed\n")
     for i in killed:
         sys.stderr.write(f"spmdkit launch: process {i} was still running {grace_s:g} s after SIGTERM "
                          f"(sent when process {index} failed); killed it (SIGKILL)\n")
