@@ -759,3 +759,21 @@ def test_a_process_that_never_joins_is_named_with_the_fix():
     assert "process 0 was killed by signal 6" in out.stderr
     assert re.search(r"process 1 had exited with code 0 \d+ s before process 0 failed", out.stderr), out.stderr
     assert "one did not join in time" in out.stderr and "Fix: call spmdkit.initialize() in every process" in out.stderr
+
+
+def test_initialize_again_with_another_place_in_the_job_is_refused():
+    # Joined as process i of 2, initialize("...", 3, 2) returned True: the script went on
+    # believing it was process 2 of 3.
+    code = ("import spmdkit\n"
+            "assert spmdkit.initialize(host_devices=1)\n"
+            "assert spmdkit.initialize()  # again, no arguments: still True\n"
+            "try:\n"
+            "    spmdkit.initialize('10.0.0.9:1234', 3, 2)\n"
+            "    print('ACCEPTED')\n"
+            "except spmdkit.DeviceSetupError as e:\n"
+            "    print('REFUSED', e)\n")
+    out = run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code], timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("REFUSED initialize(num_processes=3): this process has already joined a job as process") == 2, \
+        out.stdout
+    assert "ACCEPTED" not in out.stdout

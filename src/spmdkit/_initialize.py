@@ -58,7 +58,16 @@ def initialize(
                 "num_processes and process_id.",
                 "pass all three: initialize(coordinator, num_processes=N, process_id=I).")
         )
-    if jax.distributed.is_initialized():  # joined by the script's own jax.distributed.initialize
+    if jax.distributed.is_initialized():  # joined by the script's own jax.distributed.initialize, or a call before
+        # A second call asking for another place in another job was answered True, silently.
+        for name, given, actual in (("num_processes", num_processes, jax.process_count()),
+                                    ("process_id", process_id, jax.process_index())):
+            if given is not None and given != actual:
+                raise DeviceSetupError(fix(
+                    f"initialize({name}={given!r}): this process has already joined a job as process "
+                    f"{jax.process_index()} of {jax.process_count()}; a job cannot be joined twice.",
+                    "call spmdkit.initialize() once, first in the script (a second call without arguments "
+                    "returns True)."))
         note_joined(None, timeout_s)
         return True
     n = host_devices or host_devices_from_env()
