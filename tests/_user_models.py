@@ -376,3 +376,16 @@ def reference_run(model: UserModel, steps: int, batch_size: int, key: jax.Array 
             auxes.append(jax.block_until_ready(aux))
         out = jax.jit(model.predict)(state, model.batch(999, batch_size))
     return state, auxes, out
+
+
+class Lookup(nn.Module):
+    """An embedding lookup whose activation names the batch axis, as a transformer's does (the
+    gather whose gradient XLA:CPU got wrong when a constraint split its rows unevenly)."""
+
+    @nn.compact
+    def __call__(self, tok):
+        emb = self.param("emb", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("vocab", "embed")),
+                         (16, 8))
+        x = nn.with_logical_constraint(emb[tok], ("batch", "length", "embed"))
+        return jnp.einsum("bld,vd->blv", jnp.sin(x), emb)
+

@@ -129,9 +129,9 @@ def test_params_alone_restore_from_data_parallel_and_a_wrong_part_is_named(tmp_p
         ckpt.restore(2, halved)
 
 
-def test_a_boxed_target_of_a_bare_checkpoint_names_unbox(tmp_path):
-    """A model annotated since its run was saved (or a target built without unbox=True): its
-    leaves sit one level deeper, at .value, which was "has no leaf" and "resume with the model"."""
+def _annotated_net_checkpointer(tmp_path):
+    """A Flax net with a logically annotated kernel (its state boxed as strategy.init returns it),
+    Sharded dp+tp on data=4, model=2, and a Checkpointer in tmp_path/ck."""
     import flax.linen as nn
 
     class Net(nn.Module):
@@ -142,7 +142,13 @@ def test_a_boxed_target_of_a_bare_checkpoint_names_unbox(tmp_path):
 
     make_state = lambda rng: {"params": Net().init(rng, jnp.zeros((1, 3)))["params"]}  # noqa: E731
     strategy = spmdkit.Sharded(spmdkit.make_mesh(data=4, model=2), "dp+tp")
-    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    return make_state, strategy, spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+
+
+def test_a_boxed_target_of_a_bare_checkpoint_names_unbox(tmp_path):
+    """A model annotated since its run was saved (or a target built without unbox=True): its
+    leaves sit one level deeper, at .value, which was "has no leaf" and "resume with the model"."""
+    make_state, strategy, ckpt = _annotated_net_checkpointer(tmp_path)
     ckpt.save(1, strategy.init(make_state, jax.random.key(0), unbox=True), {})
     ckpt.close()
     with pytest.raises(spmdkit.CheckpointError, match=r"(?s)has no leaf state\['params'\]\['Dense_0'\]\['kernel'\]\.value "
@@ -158,17 +164,7 @@ def test_a_bare_target_of_a_boxed_checkpoint_names_the_boxed_target(tmp_path):
     """The other way round: a state saved as strategy.init returns it (boxed) restored into
     abstract(make_state, unbox=True), the README's recipe for one's own state, was "has no leaf ...;
     resume with the model the checkpoint was written with", for the whole state and its .params."""
-    import flax.linen as nn
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                                        ("embed", "mlp")))(x)
-
-    make_state = lambda rng: {"params": Net().init(rng, jnp.zeros((1, 3)))["params"]}  # noqa: E731
-    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=4, model=2), "dp+tp")
-    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    make_state, strategy, ckpt = _annotated_net_checkpointer(tmp_path)
     ckpt.save(1, strategy.init(make_state, jax.random.key(0)), {})
     ckpt.close()
     for target in (strategy.abstract(make_state, unbox=True), strategy.abstract(make_state, unbox=True)["params"]):

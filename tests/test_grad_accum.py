@@ -107,16 +107,9 @@ def test_micro_batches_split_unevenly_over_a_2d_mesh_keep_a_lookups_gradient():
     # 24 rows in 4 micro-batches of 6, each constrained ("batch" -> data) over data=4 of a
     # data=4, model=2 mesh: XLA:CPU computed the embedding gather's gradient wrong there, and fit
     # ended 0.4 away from Single's parameters without a word (an even batch: no uneven path).
-    import flax.linen as nn
     import jax.numpy as jnp
 
-    class Lookup(nn.Module):
-        @nn.compact
-        def __call__(self, tok):
-            emb = self.param("emb", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("vocab", "embed")),
-                             (16, 8))
-            x = nn.with_logical_constraint(emb[tok], ("batch", "length", "embed"))
-            return jnp.einsum("bld,vd->blv", jnp.sin(x), emb)
+    from tests._user_models import Lookup
 
     def loss_fn(params, batch, rng):
         logits = Lookup().apply({"params": params}, batch["tok"][:, :-1])

@@ -314,15 +314,7 @@ def test_apply_sees_the_exact_batch_never_padding(rows):
         np.testing.assert_allclose(np.asarray(strategy.apply(centred)(state, {"x": x})), want, atol=1e-5)
 
 
-class _Lookup(nn.Module):
-    """An embedding lookup whose activation names the batch axis, as a transformer's does."""
-
-    @nn.compact
-    def __call__(self, tok):
-        emb = self.param("emb", nn.with_logical_partitioning(nn.initializers.normal(0.1), ("vocab", "embed")),
-                         (16, 8))
-        x = nn.with_logical_constraint(emb[tok], ("batch", "length", "embed"))
-        return jnp.einsum("bld,vd->blv", jnp.sin(x), emb)
+from tests._user_models import Lookup as _Lookup  # noqa: E402  (an embedding lookup naming the batch axis)
 
 
 def _lookup_step(state, batch):
