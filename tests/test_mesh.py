@@ -63,6 +63,15 @@ def test_error_product_mismatch_names_numbers_and_suggests():
     msg = str(e.value)
     assert "make_mesh(data=4, model=4) needs 16 devices but 8 are available" in msg
     assert "make_mesh(data=-1, model=4)" in msg
+    # One way to simulate more devices, the exact one (it said use_host_devices(k), then (16)).
+    assert msg.count("use_host_devices") == 1 and "use_host_devices(16)" in msg and "--host-devices 16" in msg
+
+
+def test_error_product_mismatch_under_the_count_suggests_simulating_once():
+    with pytest.raises(spmdkit.MeshError) as e:
+        spmdkit.make_mesh(data=2, model=2)
+    msg = str(e.value)
+    assert "make_mesh(data=-1, model=2)" in msg and msg.count("use_host_devices(k)") == 1
 
 
 def test_error_product_mismatch_without_divisible_last_axis():

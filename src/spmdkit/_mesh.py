@@ -79,7 +79,7 @@ def make_mesh(shape: Mapping[str, int] | None = None, /, *, devices: Sequence[ja
         raise MeshError(
             fix(
                 f"make_mesh({_format(axes)}) needs {known} devices but {n} are available.",
-                _suggest(axes, n) + more,
+                _suggest(axes, n, simulate=not more) + more,
             )
         )
     return jax.make_mesh(
@@ -123,7 +123,9 @@ def _check_axes(axes: dict[str, int], n: int) -> None:
             )
 
 
-def _suggest(axes: dict[str, int], n: int) -> str:
+def _suggest(axes: dict[str, int], n: int, simulate: bool = True) -> str:
+    """The fix for sizes that do not fit ``n`` devices; ``simulate=False`` when the caller names
+    the exact simulation (use_host_devices(k)) itself."""
     names = list(axes)
     if len(names) == 1:
         return f"use make_mesh({names[0]}={n}) or make_mesh({names[0]}=-1)."
@@ -131,10 +133,9 @@ def _suggest(axes: dict[str, int], n: int) -> str:
     last = axes[names[-1]]
     if last != -1 and n % last == 0:
         alt = {names[0]: -1, **{k: (1 if k != names[-1] else last) for k in names[1:]}}
-        return (
-            f"make the sizes multiply to {n}, e.g. make_mesh({_format(alt)}); the devices "
-            f"can be simulated with spmdkit.use_host_devices(k) before any JAX work."
-        )
+        return f"make the sizes multiply to {n}, e.g. make_mesh({_format(alt)})" + (
+            "; the devices can be simulated with spmdkit.use_host_devices(k) before any JAX work." if simulate
+            else ".")
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     return (
         f"make the sizes multiply to {n} (axis sizes that divide {n}: {divisors}); one axis "
