@@ -629,10 +629,20 @@ def test_cli_mistakes_are_clear_errors_with_exit_code_2(tmp_path, capsys, args, 
     assert (code, message in err, "Traceback" in err) == (2, True, False), err
 
 
-def test_launch_of_a_missing_command():
-    out = subprocess.run([*CLI, "launch", "-n", "2", "--", "/no/such/command"], capture_output=True, text=True,
+@pytest.mark.parametrize("what, why", [
+    ("missing", "No such file or directory"),
+    # A directory and a script without the execute bit were both "Permission denied".
+    ("directory", "it is a directory, not a program"),
+    ("script", "the file is not executable (run a script as: python "),
+])
+def test_launch_of_a_command_that_cannot_start_says_why(tmp_path, what, why):
+    program = {"missing": "/no/such/command", "directory": str(tmp_path), "script": str(tmp_path / "train.py")}[what]
+    if what == "script":
+        (tmp_path / "train.py").write_text("print('ran')\n")
+    out = subprocess.run([*CLI, "launch", "-n", "2", "--", program], capture_output=True, text=True,
                          timeout=60, env=env())
-    assert out.returncode == 2 and "cannot start '/no/such/command'" in " ".join(out.stderr.split())
+    err = " ".join(out.stderr.split())
+    assert out.returncode == 2 and f"cannot start '{program}': {why}" in err, err
     assert "Traceback" not in out.stderr
 
 

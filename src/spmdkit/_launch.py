@@ -370,6 +370,16 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def _why_not_started(program: str, error: OSError) -> str:
+    """The OS says "Permission denied" for a directory as for a file without the execute bit."""
+    if os.path.isdir(program):
+        return "it is a directory, not a program"
+    if os.path.isfile(program) and not os.access(program, os.X_OK):
+        hint = f" (run a script as: python {program} ...)" if program.endswith(".py") else ""
+        return f"the file is not executable{hint}"
+    return str(error.strerror or error)
+
+
 class _Group:
     """One start of P processes: started together, watched, stopped together."""
 
@@ -404,7 +414,7 @@ class _Group:
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             except OSError as e:
                 self.stop(0.0)
-                raise LaunchError(fix(f"cannot start {command[0]!r}: {e.strerror or e}.",
+                raise LaunchError(fix(f"cannot start {command[0]!r}: {_why_not_started(command[0], e)}.",
                                       "check the command after -- (a path or a program on PATH).")) from None
             self.procs.append(proc)
         # Threads only once every child is forked: preexec_fn and threads do not mix.
