@@ -354,6 +354,32 @@ def test_an_uneven_batch_constrained_over_data_keeps_a_lookups_gradient_exact(ro
     assert_close(got, want, f"DataParallel {dict(mesh.shape)} rows={rows}")
 
 
+def test_a_constraint_inside_a_custom_linear_solve_or_root_on_an_uneven_batch_equals_single():
+    # The constraint-dropping rewrite of an uneven batch reaches the jaxprs of
+    # custom_linear_solve and custom_root, which JAX keeps in named tuples (read by field:
+    # jaxprs.solve); rebuilt as plain tuples they failed with AttributeError.
+    def step(state, batch):
+        def loss(a):
+            m = a @ a.T * 0.5 + jnp.eye(4)
+            matvec = lambda v: jax.lax.with_sharding_constraint(v @ m, jax.sharding.PartitionSpec("data"))  # noqa: E731
+            sol = jax.lax.custom_linear_solve(matvec, batch["x"], lambda mv, r: jnp.linalg.solve(m, r.T).T,
+                                              symmetric=True)
+            root = jax.lax.custom_root(lambda y: matvec(y) - batch["x"], jnp.zeros_like(batch["x"]),
+                                       lambda f, y0: jnp.linalg.solve(m, batch["x"].T).T,
+                                       lambda g, r: jnp.linalg.solve(m, r.T).T)
+            return jnp.mean(sol ** 2) + jnp.mean(root)
+        value, grads = jax.value_and_grad(loss)(state["a"])
+        return {"a": state["a"] - 0.1 * grads}, {"loss": value}
+
+    make = lambda rng: {"a": jnp.eye(4) + 0.1 * jax.random.normal(rng, (4, 4))}  # noqa: E731
+    batch = {"x": np.random.default_rng(0).normal(size=(13, 4)).astype(np.float32)}
+    ref = spmdkit.Single()
+    want = ref.step(step)(ref.init(make, 0), batch)
+    for strategy in (spmdkit.DataParallel(), spmdkit.DataParallel(spmdkit.make_mesh(data=4, model=2))):
+        got = strategy.step(step)(strategy.init(make, 0), batch)
+        assert_close(got, want, f"{dict(strategy.mesh.shape)}")
+
+
 @pytest.mark.parametrize("rows", [5, 7])
 def test_rowwise_apply_pads_an_uneven_batch_runs_split_and_equals_single(rows):
     # A rowwise function (here one that divides by row values) on a batch no device count

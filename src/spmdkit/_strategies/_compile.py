@@ -763,7 +763,11 @@ def _split_evenly(fn: Callable[..., Any]) -> Callable[..., Any]:
             return in_jaxpr(value)
         if isinstance(value, tuple) and any(isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)) for v in value):
             new = tuple(sub(v) for v in value)
-            return value if all(a is b for a, b in zip(new, value)) else new
+            if all(a is b for a, b in zip(new, value)):
+                return value
+            # a named tuple stays one: custom_linear_solve's and custom_root's jaxprs are read by
+            # field (jaxprs.solve), and a plain tuple failed with AttributeError
+            return type(value)(*new) if hasattr(value, "_fields") else new
         return value
 
     def run(*args: Any) -> Any:
