@@ -509,6 +509,18 @@ def test_a_step_that_changes_a_state_leafs_dtype_or_shape_is_refused(strategy):
         strategy.step(lambda s, b: ({"w": s["w"].T}, {}))(state, batch_of(16))
 
 
+def test_a_step_that_returns_a_keys_data_for_a_key_is_told_how_to_wrap_it():
+    # The fix said new.astype(key<fry>), which is no code: a key is no number type.
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(lambda rng: {"w": jnp.zeros(3), "key": rng}, 0)
+    with pytest.raises(spmdkit.StepOutputError, match=r"(?s)state\['key'\] with shape \(2,\) and dtype uint32.*"
+                                                      r"jax\.random\.wrap_key_data\(new\)"):
+        strategy.step(lambda s, b: ({**s, "key": jax.random.key_data(s["key"])}, {}))(state, batch_of(16))
+    raw = strategy.init(lambda rng: {"w": jnp.zeros(3), "key": jax.random.key_data(rng)}, 0)
+    with pytest.raises(spmdkit.StepOutputError, match=r"jax\.random\.key_data\(new\)"):
+        strategy.step(lambda s, b: ({**s, "key": jax.random.wrap_key_data(s["key"])}, {}))(raw, batch_of(16))
+
+
 @pytest.mark.parametrize("strategy", ["single", "data", "ensemble", "sharded"])
 def test_a_state_leaf_that_is_no_array_is_named_with_its_path(strategy):
     # JAX's own TypeError before; under an ensemble's vmap it named no path.

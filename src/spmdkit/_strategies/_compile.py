@@ -868,13 +868,18 @@ def _check_same_types(before: State, after: State, name: str) -> None:
     for (path, x), y in zip(old, jax.tree.leaves(after)):
         a, b = (np.shape(x), _dtype(x)), (np.shape(y), _dtype(y))
         if a != b:
+            # a PRNG key is no number type: new.astype(key<fry>) is no code to run
+            keys = [jax.dtypes.issubdtype(t, jax.dtypes.prng_key) for t in (a[1], b[1])]
+            how = ("jax.random.wrap_key_data(new) turns key data back into a key" if keys == [True, False]
+                   else "jax.random.key_data(new) is a key's raw uint32 data" if keys == [False, True]
+                   else f"new.astype({a[1]})")
             raise StepOutputError(
                 fix(f"train_step {name!r} returned state{jax.tree_util.keystr(path)} with shape {b[0]} and "
                     f"dtype {b[1]}, but got it with shape {a[0]} and dtype {a[1]}. The returned state is the "
                     "next step's input: a changed shape recompiles every step, a changed dtype silently "
                     "changes precision.",
-                    f"return that leaf with its input shape and dtype (e.g. new.astype({a[1]}), or create it "
-                    "with that dtype in make_state).")
+                    f"return that leaf with its input shape and dtype (e.g. {how}), or create it "
+                    "with that dtype in make_state.")
             )
 
 
