@@ -380,6 +380,20 @@ def test_a_constraint_inside_a_custom_linear_solve_or_root_on_an_uneven_batch_eq
         assert_close(got, want, f"{dict(strategy.mesh.shape)}")
 
 
+def test_lower_of_a_rowwise_apply_on_an_uneven_batch_is_the_padded_split_program_that_runs():
+    # lower() gave the whole-batch program (13 rows replicated), which a rowwise apply never runs:
+    # it pads 13 rows to 16 and splits them over data.
+    strategy = spmdkit.DataParallel()
+    state = strategy.init(lambda rng: {"w": jnp.ones(3)}, 0)
+    predict = strategy.apply(lambda s, b: b["x"] @ s["w"], rowwise=True)
+    x = np.arange(39, dtype=np.float32).reshape(13, 3)
+    compiled = predict.lower(state, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype)}).compile()
+    assert compiled.input_shardings[0][1]["x"].spec == jax.sharding.PartitionSpec("data")
+    out = compiled(state, {"x": jax.device_put(np.concatenate([x, x[-3:]]), compiled.input_shardings[0][1]["x"])})
+    np.testing.assert_allclose(np.asarray(out), np.asarray(predict(state, {"x": x})))
+    assert out.shape == (13,)
+
+
 @pytest.mark.parametrize("rows", [5, 7])
 def test_rowwise_apply_pads_an_uneven_batch_runs_split_and_equals_single(rows):
     # A rowwise function (here one that divides by row values) on a batch no device count

@@ -659,9 +659,13 @@ class CompiledStep:
         s = self.strategy
         rows = batch_rows(batch)
         s._check_batch(self.kind, rows, batch)
-        even = rows % s.batch_shards == 0
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-        return s._traced(lambda: self._build(state, even).lower(state, shapes))
+        even, keep, placed = rows % s.batch_shards == 0, None, rows
+        if not even and self.rowwise:
+            # as __call__ runs it: padded to a multiple of the data axis and split, the padding cut
+            # (lowered as given, it was the whole-batch program, which never runs here)
+            placed, keep, even = -(-rows // s.batch_shards) * s.batch_shards, rows, True
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((placed, *np.shape(x)[1:]), x.dtype), batch)
+        return s._traced(lambda: self._build(state, even, keep).lower(state, shapes))
 
     def __call__(self, state: State, batch: Batch):
         s = self.strategy
