@@ -509,6 +509,22 @@ def test_a_step_that_changes_a_state_leafs_dtype_or_shape_is_refused(strategy):
         strategy.step(lambda s, b: ({"w": s["w"].T}, {}))(state, batch_of(16))
 
 
+@pytest.mark.parametrize("build", ["step", "evaluate", "apply"])
+def test_a_function_that_does_not_take_state_and_batch_is_refused_when_built(build):
+    # A step written like a Task's loss_fn(params, batch, rng) failed inside the trace with
+    # Python's bare TypeError (missing 1 required positional argument: 'rng').
+    strategy = spmdkit.DataParallel()
+
+    def loss_like(params, batch, rng):
+        return params, {}
+
+    with pytest.raises(spmdkit.SignatureError, match=r"(?s)must take two arguments, the state and the batch.*"
+                                                     r"loss_like\(params, batch, rng\) does not.*jax\.random\.split"):
+        getattr(strategy, build)(loss_like)
+    getattr(strategy, build)(lambda state, batch, scale=2.0: (state, {}))  # defaults are fine
+    getattr(strategy, build)(jax.jit(lambda state, batch: (state, {})))
+
+
 def test_a_step_that_returns_a_keys_data_for_a_key_is_told_how_to_wrap_it():
     # The fix said new.astype(key<fry>), which is no code: a key is no number type.
     strategy = spmdkit.DataParallel()

@@ -335,6 +335,27 @@ def check_make_state(make_state: Any) -> None:
                                  "pass make_state=lambda rng: {...}, e.g. lambda rng: model.init(rng, x).")) from None
 
 
+def check_state_batch(fn: Any, argument: str, signature: str) -> None:
+    """``fn`` a function called as ``fn(state, batch)``: checked when the step is built, since a
+    step written like a Task's ``loss_fn(params, batch, rng)`` failed inside the trace with
+    Python's bare TypeError (``missing 1 required positional argument: 'rng'``)."""
+    check_callable(fn, argument, signature)
+    try:
+        found = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): calling it will tell
+    try:
+        found.bind(0, 0)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise SignatureError(fix(
+            f"{argument} must take two arguments, the state and the batch, as the strategy calls it "
+            f"{argument}(state, batch); {name}{found} does not.",
+            "write it as def f(state, batch): ...; keep a PRNG key in the state and split it in the step "
+            "(key, sub = jax.random.split(state['key'])), and bind other values beforehand "
+            "(functools.partial(f, config=...)).")) from None
+
+
 class Placement:
     """``init``/``step``/``apply``/``shardings``, on top of a strategy's placement hooks.
 
@@ -527,7 +548,7 @@ class Placement:
         in (it is the next step's input), and ``aux`` arrays or numbers only; both are
         checked while tracing, at no cost per step.
         """
-        check_callable(train_step, "train_step", "(state, batch) -> (state, aux)")
+        check_state_batch(train_step, "train_step", "(state, batch) -> (state, aux)")
         return self._compiled(train_step, "step", donate)
 
     def _compiled(self, fn: Callable[..., Any], kind: str, donate: bool, rowwise: bool = False) -> CompiledStep:
@@ -543,7 +564,7 @@ class Placement:
         """``fn(state, batch) -> values`` (metrics of any shape), compiled like ``step``:
         the program ``jax.jit(fn)`` runs on one device, on the exact global batch
         (nothing padded), without returning a state. Ensembles: one value per member."""
-        check_callable(fn, "fn", "(state, batch) -> values")
+        check_state_batch(fn, "fn", "(state, batch) -> values")
         return self._compiled(fn, "eval", False)
 
     def apply(self, fn: ApplyFn, *, rowwise: bool | str = False) -> Callable[[State, Batch], Any]:
@@ -575,7 +596,7 @@ class Placement:
             >>> predict(state, {"x": np.ones((5, 3), np.float32)}).shape   # 5 rows on 8 devices
             (5,)
         """
-        check_callable(fn, "fn", "(state, batch) -> outputs [B, ...]")
+        check_state_batch(fn, "fn", "(state, batch) -> outputs [B, ...]")
         if rowwise == "check":
             return _RowwiseCheck(self._compiled(fn, "apply", False, True), self._compiled(fn, "apply", False, False))
         if not isinstance(rowwise, bool):
