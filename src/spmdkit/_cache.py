@@ -94,7 +94,50 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
+    _BY_DEFAULT[0] = False
     return path
+
+
+_BY_DEFAULT = [False]  # the cache is on because the CLI turns it on, not because it was asked for
+
+
+def enable_default_cache() -> Path:
+    """The CLI's own cache (no flag, no variable): as ``enable_compile_cache()``, but where it
+    must go off (several processes) it goes off without a word."""
+    path = enable_compile_cache()
+    _BY_DEFAULT[0] = True
+    return path
+
+
+def cache_hangs_several_processes() -> bool:
+    """jax 0.12.1 on CPU: process 0 of a job of several processes waits forever in the first
+    collective of a program of several processes that it loaded from the persistent cache (the
+    entry it wrote itself at an earlier start; its peers may compile or load theirs). jax 0.10.2
+    to 0.12.0.1 run it; tests/test_launch.py checks the installed jax against this."""
+    import jax
+
+    return jax.__version_info__ >= (0, 12, 1) and jax.default_backend() == "cpu"
+
+
+def off_for_several_processes(processes: int) -> None:
+    """Called once a process has joined a job of ``processes``: where loading a program of several
+    processes from the cache hangs, the cache goes off for this process (results are unchanged, every
+    program is compiled afresh); a cache that was asked for says so."""
+    import warnings
+
+    import jax
+
+    directory = jax.config.jax_compilation_cache_dir
+    if processes < 2 or not directory or not cache_hangs_several_processes():
+        return
+    disable_compile_cache()
+    if not _BY_DEFAULT[0]:
+        warnings.warn(
+            f"the compile cache ({directory}) is off in this job of {processes} processes: with jax "
+            f"{jax.__version__} on CPU, process 0 waits forever in the first collective of a program that it "
+            "loads from the cache. Every program is compiled afresh; results are unchanged. To say so "
+            "yourself: --no-compile-cache (SPMDKIT_COMPILE_CACHE=off), or in Python no "
+            "spmdkit.enable_compile_cache() in a job of several processes.", RuntimeWarning, stacklevel=3)
 
 
 def check_private(path: Path) -> None:

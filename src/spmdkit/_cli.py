@@ -39,7 +39,8 @@ from spmdkit._devices import (
     suggest_mesh,
     use_host_devices,
 )
-from spmdkit._cache import ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_dir, enable_compile_cache
+from spmdkit._cache import (ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_dir, enable_compile_cache,
+                            enable_default_cache)
 from spmdkit._errors import SpmdkitError
 from spmdkit._host_memory import _apply as _reuse_host_memory
 from spmdkit._host_memory import host_memory
@@ -432,7 +433,7 @@ def _setup_compile_cache(args: argparse.Namespace) -> None:
     if choice is False or (not asked and args.command not in _CACHED_COMMANDS):
         return
     try:
-        enable_compile_cache(choice if asked else None)
+        enable_compile_cache(choice) if asked else enable_default_cache()
     except SpmdkitError as e:
         if asked:
             raise

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import jax
 
+from spmdkit._cache import off_for_several_processes
 from spmdkit._errors import DeviceSetupError, SpmdkitError, fix
 from spmdkit._process import EXIT_GRACE_S, end_soon, joined_as
 
@@ -199,6 +200,7 @@ def initialize_distributed(
                                    **bind)
         if count > 1:
             note_joined(index, timeout_s)
+            off_for_several_processes(count)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
@@ -206,6 +208,7 @@ def initialize_distributed(
     if _cluster_detected():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout(timeout_s))
         note_joined(None, timeout_s)
+        off_for_several_processes(jax.process_count())
         return True
     return False
 
