@@ -208,3 +208,18 @@ def test_a_job_of_two_processes_starts_twice_over_one_cache(tmp_path, asked):
         assert out.returncode == 0, (start, out.stderr[-3000:])
         said = "is off in this job of 2 processes" in " ".join(out.stderr.split())
         assert said == (asked and cache_hangs_several_processes()), out.stderr[-2000:]
+
+
+def test_enable_after_joining_a_job_of_two_processes_goes_off_where_jax_hangs(tmp_path):
+    # spmdkit.initialize() first, then enable_compile_cache(): the cache was on in the job.
+    code = (f"import spmdkit, jax, warnings; spmdkit.initialize(); warnings.simplefilter('always'); "
+            f"spmdkit.enable_compile_cache({str(tmp_path / 'c')!r}); "
+            f"print('cache', jax.config.jax_compilation_cache_dir is not None, flush=True)")
+    env = {**os.environ, "SPMDKIT_HOST_DEVICES": "1"}
+    out = subprocess.run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=120, env=env)
+    from spmdkit._cache import cache_hangs_several_processes
+
+    on = not cache_hangs_several_processes()
+    assert out.returncode == 0 and out.stdout.count(f"cache {on}") == 2, out.stdout + out.stderr[-2000:]
+    assert ("is off in this job of 2 processes" in " ".join(out.stderr.split())) == (not on)

@@ -95,6 +95,8 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
     _BY_DEFAULT[0] = False
+    if jax.distributed.is_initialized():  # joined already: off again where it would hang
+        off_for_several_processes(jax.process_count())
     return path
 
 
@@ -113,7 +115,7 @@ def cache_hangs_several_processes() -> bool:
     """jax 0.12.1 on CPU: process 0 of a job of several processes waits forever in the first
     collective of a program of several processes that it loaded from the persistent cache (the
     entry it wrote itself at an earlier start; its peers may compile or load theirs). jax 0.10.2
-    to 0.12.0.1 run it; tests/test_launch.py checks the installed jax against this."""
+    to 0.12.0.1 run it; tests/test_cache.py checks the installed jax against this."""
     import jax
 
     return jax.__version_info__ >= (0, 12, 1) and jax.default_backend() == "cpu"
