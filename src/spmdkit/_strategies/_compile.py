@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -656,14 +657,17 @@ class CompiledStep:
         batch_sh = s._batch_sharding_for(self.kind, even)
         lifted = s._lift(_checked(self.fn, self.kind), self.kind)
         context = s._context()
-        # On a mesh of two or more axes, XLA:CPU mis-partitions an unevenly split gather or scatter
-        # (see _split_evenly): an even batch meets it too, as a grad_accum micro-batch (24 rows, 4
-        # micro-batches of 6 over data=4) or a constraint on another dimension.
+        # On a mesh of two or more axes, XLA:CPU before jax 0.12.1 mis-partitions an unevenly split
+        # gather (see _split_evenly): an even batch meets it too, as a grad_accum micro-batch (24
+        # rows, 4 micro-batches of 6 over data=4) or a constraint on another dimension.
         several_axes = sum(size > 1 for size in dict(getattr(s.mesh, "shape", {})).values()) > 1
+        rewrite = UNEVEN_CONSTRAINTS_MISCOMPILE and (several_axes or not even)
+        if UNEVEN_CONSTRAINTS_MISCOMPILE and several_axes:
+            _warn_old_xla(s.mesh)
 
         def run(state, batch):
             with context:
-                out = _split_evenly(lifted)(state, batch) if (several_axes or not even) else lifted(state, batch)
+                out = _split_evenly(lifted)(state, batch) if rewrite else lifted(state, batch)
             if keep is None:
                 return out
             _check_per_example(out, batch_rows(batch), s._row_axis, padded_from=keep)
@@ -740,6 +744,32 @@ class CompiledStep:
         return out
 
 
+# XLA:CPU of jax 0.10.2 to 0.12.0.1 computes the gradient of a gather wrong when a sharding
+# constraint splits its rows unevenly on a mesh of two or more axes (_split_evenly); jax 0.12.1
+# computes it right (tests/test_step.py checks this flag against the installed jax).
+UNEVEN_CONSTRAINTS_MISCOMPILE = jax.__version_info__ < (0, 12, 1)
+_WARNED_OLD_XLA = [False]
+
+
+def _warn_old_xla(mesh: Any) -> None:
+    """Once per process: on those versions XLA:CPU also splits a batch unevenly where no
+    constraint asks for it (a step that slices its rows, tok[1:]), and a gather or scatter over
+    those rows comes out wrong, silently; _split_evenly cannot reach that. Only Python 3.11 still
+    installs such a jax (pyproject requires 0.12.1 elsewhere)."""
+    devices = getattr(mesh, "devices", None)
+    if _WARNED_OLD_XLA[0] or devices is None or {d.platform for d in np.ravel(devices)} != {"cpu"}:
+        return
+    _WARNED_OLD_XLA[0] = True
+    warnings.warn(
+        f"jax {jax.__version__}: on a CPU mesh of two or more axes ({dict(mesh.shape)}), XLA of this "
+        "version computes a gather's gradient or a scatter-add wrong, without an error, when the step "
+        "slices the batch's rows to a count the data axis does not divide (tok[1:] of 16 rows on data=4, "
+        "then an embedding lookup or counts.at[y[1:]].add(1)). Fix: jax >= 0.12.1 (Python >= 3.12: pip "
+        "install -U 'jax>=0.12.1'), a mesh of one axis, or replicate the slice in the step: "
+        "jax.lax.with_sharding_constraint(tok[1:], jax.sharding.PartitionSpec()). README: 'Uneven batches'.",
+        RuntimeWarning, stacklevel=2)
+
+
 def _split_evenly(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` whose sharding constraints split every dimension evenly: a dimension that the mesh
     axes of its constraint do not divide is left unconstrained (replicated) instead.
@@ -747,10 +777,11 @@ def _split_evenly(fn: Callable[..., Any]) -> Callable[..., Any]:
     An uneven batch runs whole on every device, but the model's own activation constraints
     (``nn.with_logical_constraint(x, ("batch", ...))``, ``with_sharding_constraint(x, P("data"))``)
     still split its 13 rows over a ``data`` axis of 4 inside the program; so do a ``grad_accum``
-    micro-batch's 6 rows of an even batch of 24. XLA:CPU (jax 0.12) then computes a gather's
-    gradient and a scatter wrong when the mesh has a second axis (the embedding lookup of a
-    transformer under ``data=4, model=2``: its gradient off by more than its own size), silently.
-    A constraint only places values, so dropping it changes no result.
+    micro-batch's 6 rows of an even batch of 24. XLA:CPU (jax 0.10.2 to 0.12.0.1) then computes a
+    gather's gradient wrong when the mesh has a second axis (the embedding lookup of a transformer
+    under ``data=4, model=2``: its gradient off by more than its own size), silently. A constraint
+    only places values, so dropping it changes no result. Used only where
+    ``UNEVEN_CONSTRAINTS_MISCOMPILE`` holds.
     """
     from jax.extend import core as jcore
 
