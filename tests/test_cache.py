@@ -223,3 +223,49 @@ def test_enable_after_joining_a_job_of_two_processes_goes_off_where_jax_hangs(tm
     on = not cache_hangs_several_processes()
     assert out.returncode == 0 and out.stdout.count(f"cache {on}") == 2, out.stdout + out.stderr[-2000:]
     assert ("is off in this job of 2 processes" in " ".join(out.stderr.split())) == (not on)
+
+
+@pytest.mark.parametrize("processes, hangs, by_default, off, warned", [
+    (2, True, False, True, True),     # asked for: off, with the reason
+    (2, True, True, True, False),     # the CLI's default: off without a word
+    (1, True, False, False, False),   # one process: nothing to hang on
+    (2, False, False, False, False),  # a jax that runs it: kept
+])
+def test_off_for_several_processes_turns_off_and_speaks_only_where_it_must(tmp_path, monkeypatch, processes, hangs,
+                                                                          by_default, off, warned):
+    import warnings
+
+    from spmdkit import _cache
+
+    monkeypatch.setattr(_cache, "cache_hangs_several_processes", lambda: hangs)
+    path = _cache._enable(tmp_path / "c", _cache.DEFAULT_MAX_BYTES, by_default=by_default)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _cache.off_for_several_processes(processes)
+        assert (jax.config.jax_compilation_cache_dir is None) == off
+        said = [str(w.message) for w in seen if "is off in this job" in str(w.message)]
+        assert bool(said) == warned
+        if warned:
+            assert str(path) in said[0] and "--no-compile-cache" in said[0] and "JAX_COMPILATION_CACHE_DIR" in said[0]
+    finally:
+        spmdkit.disable_compile_cache()
+    _cache.off_for_several_processes(2)  # no cache at all: nothing to do, nothing said
+
+
+def test_a_job_joined_by_plain_jax_then_spmdkit_initialize_goes_off_where_jax_hangs(tmp_path):
+    # enable_compile_cache(), the script's own jax.distributed.initialize, then spmdkit.initialize():
+    # the already-joined path returned True and left the cache on.
+    from spmdkit._cache import cache_hangs_several_processes
+    from spmdkit._launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+    code = ("import os, spmdkit, jax, warnings; warnings.simplefilter('always'); "
+            f"spmdkit.enable_compile_cache({str(tmp_path / 'c')!r}); "
+            f"jax.distributed.initialize(os.environ[{ENV_COORDINATOR!r}], int(os.environ[{ENV_NUM_PROCESSES!r}]), "
+            f"int(os.environ[{ENV_PROCESS_ID!r}])); spmdkit.initialize(); "
+            "print('cache', jax.config.jax_compilation_cache_dir is not None, flush=True)")
+    env = {k: v for k, v in os.environ.items() if k != ENV_COMPILE_CACHE}
+    out = subprocess.run([*CLI, "launch", "-n", "2", "--", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=120, env=env)
+    on = not cache_hangs_several_processes()
+    assert out.returncode == 0 and out.stdout.count(f"cache {on}") == 2, out.stdout + out.stderr[-2000:]

@@ -634,13 +634,17 @@ def test_cli_mistakes_are_clear_errors_with_exit_code_2(tmp_path, capsys, args, 
     # A directory and a script without the execute bit were both "Permission denied".
     ("directory", "it is a directory, not a program"),
     ("script", "the file is not executable (run a script as: python "),
+    # Looked up on PATH, not in the working directory, which holds a directory of that name.
+    ("name of a directory here", "No such file or directory"),
 ])
 def test_launch_of_a_command_that_cannot_start_says_why(tmp_path, what, why):
-    program = {"missing": "/no/such/command", "directory": str(tmp_path), "script": str(tmp_path / "train.py")}[what]
+    program = {"missing": "/no/such/command", "directory": str(tmp_path), "script": str(tmp_path / "train.py"),
+               "name of a directory here": "spmdkit-no-such-tool"}[what]
     if what == "script":
         (tmp_path / "train.py").write_text("print('ran')\n")
+    (tmp_path / "spmdkit-no-such-tool").mkdir()
     out = subprocess.run([*CLI, "launch", "-n", "2", "--", program], capture_output=True, text=True,
-                         timeout=60, env=env())
+                         timeout=60, env=env(), cwd=tmp_path)
     err = " ".join(out.stderr.split())
     assert out.returncode == 2 and f"cannot start '{program}': {why}" in err, err
     assert "Traceback" not in out.stderr

@@ -1119,6 +1119,9 @@ def test_plan_takes_the_memory_budget_as_the_command_line_writes_it():
     ((None, None, None), {}, "BatchSizeError", r"plan\(batch=None\) holds no arrays"),
     ((None, None, {"x": np.zeros((0, 16), np.float32)}), {}, "BatchSizeError", r"batch\['x'\] has shape \(0, 16\): no examples"),
     ((None, None, None), {"progress": True}, "SignatureError", "progress must be a function"),
+    # A step written like a Task's loss_fn: each candidate's reason (one: a "pruned" line), not the error.
+    ((None, lambda params, batch, rng: (params, {}), None), {}, "SignatureError",
+     r"train_step must take two arguments, the state and the batch"),
     ((None, None, None), {"target": {"peak_flops": 1}}, "ConfigError", r"plan\(target=\{'peak_flops': 1\}\)"),
 ])
 def test_plan_names_a_function_batch_or_target_of_the_wrong_kind(args, kwargs, error, words):

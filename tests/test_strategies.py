@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import flax.linen as nn
@@ -524,6 +525,14 @@ def test_a_function_that_does_not_take_state_and_batch_is_refused_when_built(bui
     getattr(strategy, build)(lambda state, batch, scale=2.0: (state, {}))  # defaults are fine
     getattr(strategy, build)(jax.jit(lambda state, batch: (state, {})))
 
+    @functools.wraps(loss_like)  # a decorator that supplies the key: its __wrapped__ takes three
+    def keyed(state, batch):
+        return loss_like(state, batch, jax.random.key(0))
+    getattr(strategy, build)(keyed)
+    getattr(strategy, build)(jax.checkpoint(lambda state, batch: (state, {})))  # (*args, **kwargs) outside
+    with pytest.raises(spmdkit.SignatureError, match="loss_like"):
+        getattr(strategy, build)(jax.checkpoint(loss_like))
+
 
 def test_a_step_that_returns_a_keys_data_for_a_key_is_told_how_to_wrap_it():
     # The fix said new.astype(key<fry>), which is no code: a key is no number type.
@@ -532,6 +541,12 @@ def test_a_step_that_returns_a_keys_data_for_a_key_is_told_how_to_wrap_it():
     with pytest.raises(spmdkit.StepOutputError, match=r"(?s)state\['key'\] with shape \(2,\) and dtype uint32.*"
                                                       r"jax\.random\.wrap_key_data\(new\)"):
         strategy.step(lambda s, b: ({**s, "key": jax.random.key_data(s["key"])}, {}))(state, batch_of(16))
+    rbg = strategy.init(lambda rng: {"w": jnp.zeros(3), "key": jax.random.key(0, impl="rbg")}, 0)
+    with pytest.raises(spmdkit.StepOutputError, match=r"jax\.random\.wrap_key_data\(new, impl='rbg'\)"):
+        strategy.step(lambda s, b: ({**s, "key": jax.random.key_data(s["key"])}, {}))(rbg, batch_of(16))
+    # Two keys where one came in: no astype can mend that.
+    with pytest.raises(spmdkit.StepOutputError, match="one key as it came in: index or split it"):
+        strategy.step(lambda s, b: ({**s, "key": jax.random.split(s["key"])}, {}))(state, batch_of(16))
     raw = strategy.init(lambda rng: {"w": jnp.zeros(3), "key": jax.random.key_data(rng)}, 0)
     with pytest.raises(spmdkit.StepOutputError, match=r"jax\.random\.key_data\(new\)"):
         strategy.step(lambda s, b: ({**s, "key": jax.random.wrap_key_data(s["key"])}, {}))(raw, batch_of(16))

@@ -53,12 +53,20 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
     warning comes back on every start. JAX's warning names the program, not the file:
     delete the cache directory (it holds nothing that is not compiled again).
 
+    In a job of several processes on CPU with jax 0.12.1 the cache goes off again once the
+    process has joined the job (with a warning): loading a program of several processes from it
+    hangs there (README "Compile cache").
+
     >>> import tempfile, spmdkit
     >>> path = spmdkit.enable_compile_cache(tempfile.mkdtemp())
     >>> path.is_dir()
     True
     >>> spmdkit.disable_compile_cache()
     """
+    return _enable(directory, max_bytes, by_default=False)
+
+
+def _enable(directory: str | os.PathLike | None, max_bytes: int, by_default: bool) -> Path:
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
@@ -94,9 +102,9 @@ def enable_compile_cache(directory: str | os.PathLike | None = None, *,
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
-    _BY_DEFAULT[0] = False
+    _BY_DEFAULT[0] = by_default
     if jax.distributed.is_initialized():  # joined already: off again where it would hang
-        off_for_several_processes(jax.process_count())
+        off_for_several_processes(jax.process_count(), stacklevel=4)
     return path
 
 
@@ -106,9 +114,7 @@ _BY_DEFAULT = [False]  # the cache is on because the CLI turns it on, not becaus
 def enable_default_cache() -> Path:
     """The CLI's own cache (no flag, no variable): as ``enable_compile_cache()``, but where it
     must go off (several processes) it goes off without a word."""
-    path = enable_compile_cache()
-    _BY_DEFAULT[0] = True
-    return path
+    return _enable(None, DEFAULT_MAX_BYTES, by_default=True)
 
 
 def cache_hangs_several_processes() -> bool:
@@ -121,7 +127,7 @@ def cache_hangs_several_processes() -> bool:
     return jax.__version_info__ >= (0, 12, 1) and jax.default_backend() == "cpu"
 
 
-def off_for_several_processes(processes: int) -> None:
+def off_for_several_processes(processes: int, stacklevel: int = 3) -> None:
     """Called once a process has joined a job of ``processes``: where loading a program of several
     processes from the cache hangs, the cache goes off for this process (results are unchanged, every
     program is compiled afresh); a cache that was asked for says so."""
@@ -139,7 +145,8 @@ def off_for_several_processes(processes: int) -> None:
             f"{jax.__version__} on CPU, process 0 waits forever in the first collective of a program that it "
             "loads from the cache. Every program is compiled afresh; results are unchanged. To say so "
             "yourself: --no-compile-cache (SPMDKIT_COMPILE_CACHE=off), or in Python no "
-            "spmdkit.enable_compile_cache() in a job of several processes.", RuntimeWarning, stacklevel=3)
+            "spmdkit.enable_compile_cache() in a job of several processes (and no JAX_COMPILATION_CACHE_DIR "
+            "or jax_compilation_cache_dir of your own).", RuntimeWarning, stacklevel=stacklevel)
 
 
 def check_private(path: Path) -> None:

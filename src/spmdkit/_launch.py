@@ -200,7 +200,7 @@ def initialize_distributed(
                                    **bind)
         if count > 1:
             note_joined(index, timeout_s)
-            off_for_several_processes(count)
+            off_for_several_processes(count, stacklevel=4)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
@@ -208,7 +208,7 @@ def initialize_distributed(
     if _cluster_detected():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout(timeout_s))
         note_joined(None, timeout_s)
-        off_for_several_processes(jax.process_count())
+        off_for_several_processes(jax.process_count(), stacklevel=4)
         return True
     return False
 
@@ -374,7 +374,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _why_not_started(program: str, error: OSError) -> str:
-    """The OS says "Permission denied" for a directory as for a file without the execute bit."""
+    """The OS says "Permission denied" for a directory as for a file without the execute bit.
+    A name without a slash is looked up on PATH: what sits in the working directory is no cause."""
+    if error.errno not in (errno.EACCES, errno.EISDIR) or os.sep not in program:
+        return str(error.strerror or error)
     if os.path.isdir(program):
         return "it is a directory, not a program"
     if os.path.isfile(program) and not os.access(program, os.X_OK):

@@ -26,7 +26,8 @@ from spmdkit._plan._processes import (agreed_target, check_device_order, check_p
 from spmdkit._plan._search import plan as _plan
 from spmdkit._strategies._agree import batch_signature
 from spmdkit._strategies._base import put_global
-from spmdkit._strategies._compile import batch_rows, check_batch_dtypes, check_callable, check_make_state
+from spmdkit._strategies._compile import (batch_rows, check_batch_dtypes, check_callable, check_make_state,
+                                         check_state_batch)
 from spmdkit._strategies.sharded import Sharded
 from spmdkit._target import Target
 
@@ -149,7 +150,11 @@ def _check_arity(fn: Callable, name: str) -> None:
 def _check_inputs(make_state: Any, train_step: Any, batch: Any, target: Any, **callbacks: Any) -> None:
     """The functions, batch and target ``plan`` takes, checked before anything is traced."""
     check_make_state(make_state)
-    for name, fn in (("train_step", train_step), *callbacks.items()):
+    # As every strategy's step(train_step) checks it: a loss_fn(params, batch, rng) was each
+    # candidate's reason, and with one candidate a "pruned" line instead of the error.
+    if train_step is not None:  # None: step_for builds the steps
+        check_state_batch(train_step, "train_step", "(state, batch) -> (state, aux)")
+    for name, fn in callbacks.items():
         if fn is not None:
             check_callable(fn, name, "(see spmdkit.plan)")
             _check_arity(fn, name)

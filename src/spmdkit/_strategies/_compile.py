@@ -25,6 +25,7 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from spmdkit._cache import off_for_several_processes
 from spmdkit._errors import (AxisNameError, BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
                              StepOutputError, TreeMismatchError, fix)
 from spmdkit._mesh import make_mesh
@@ -342,12 +343,15 @@ def check_state_batch(fn: Any, argument: str, signature: str) -> None:
     Python's bare TypeError (``missing 1 required positional argument: 'rng'``)."""
     check_callable(fn, argument, signature)
     try:
+        # A decorator's own signature first: functools.wraps around f(params, batch, rng) that
+        # supplies the key is (state, batch) itself, though __wrapped__ says otherwise.
+        outer = inspect.signature(fn, follow_wrapped=False)
+        if _takes_two(outer) and not _only_varargs(outer):
+            return
         found = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # no signature to read (a builtin): calling it will tell
-    try:
-        found.bind(0, 0)
-    except TypeError:
+    if not _takes_two(found):
         name = getattr(fn, "__name__", type(fn).__name__)
         raise SignatureError(fix(
             f"{argument} must take two arguments, the state and the batch, as the strategy calls it "
@@ -355,6 +359,19 @@ def check_state_batch(fn: Any, argument: str, signature: str) -> None:
             "write it as def f(state, batch): ...; keep a PRNG key in the state and split it in the step "
             "(key, sub = jax.random.split(state['key'])), and bind other values beforehand "
             "(functools.partial(f, config=...)).")) from None
+
+
+def _takes_two(sig: inspect.Signature) -> bool:
+    try:
+        sig.bind(0, 0)
+        return True
+    except TypeError:
+        return False
+
+
+def _only_varargs(sig: inspect.Signature) -> bool:
+    """(*args, **kwargs): a wrapper that says nothing of what it passes on (jax.checkpoint)."""
+    return all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values())
 
 
 class Placement:
@@ -658,12 +675,14 @@ class CompiledStep:
         lifted = s._lift(_checked(self.fn, self.kind), self.kind)
         context = s._context()
         # On a mesh of two or more axes, XLA:CPU before jax 0.12.1 mis-partitions an unevenly split
-        # gather (see _split_evenly): an even batch meets it too, as a grad_accum micro-batch (24
+        # gather or scatter (see _split_evenly): an even batch meets it too, as a grad_accum micro-batch (24
         # rows, 4 micro-batches of 6 over data=4) or a constraint on another dimension.
         several_axes = sum(size > 1 for size in dict(getattr(s.mesh, "shape", {})).values()) > 1
         rewrite = UNEVEN_CONSTRAINTS_MISCOMPILE and (several_axes or not even)
         if UNEVEN_CONSTRAINTS_MISCOMPILE and several_axes:
             _warn_old_xla(s.mesh)
+        if jax.process_count() > 1:  # a job joined by the script's own jax.distributed.initialize
+            off_for_several_processes(jax.process_count(), stacklevel=6)  # the caller of step(...)(state, batch)
 
         def run(state, batch):
             with context:
@@ -744,9 +763,10 @@ class CompiledStep:
         return out
 
 
-# XLA:CPU of jax 0.10.2 to 0.12.0.1 computes the gradient of a gather wrong when a sharding
-# constraint splits its rows unevenly on a mesh of two or more axes (_split_evenly); jax 0.12.1
-# computes it right (tests/test_step.py checks this flag against the installed jax).
+# XLA:CPU of jax 0.10.2 to 0.12.0.1 computes the gradient of a gather (a scatter) wrong when a
+# sharding constraint splits its rows unevenly on a mesh of two or more axes (_split_evenly); jax
+# 0.12.1 computes it right (tests/test_step.py checks this flag against the installed jax). The
+# flag holds on every backend: dropping a constraint changes no result, so it errs on the safe side.
 UNEVEN_CONSTRAINTS_MISCOMPILE = jax.__version_info__ < (0, 12, 1)
 _WARNED_OLD_XLA = [False]
 
@@ -754,8 +774,9 @@ _WARNED_OLD_XLA = [False]
 def _warn_old_xla(mesh: Any) -> None:
     """Once per process: on those versions XLA:CPU also splits a batch unevenly where no
     constraint asks for it (a step that slices its rows, tok[1:]), and a gather or scatter over
-    those rows comes out wrong, silently; _split_evenly cannot reach that. Only Python 3.11 still
-    installs such a jax (pyproject requires 0.12.1 elsewhere)."""
+    those rows comes out wrong, silently; _split_evenly cannot reach that. It warns for any step on
+    such a mesh: whether a step slices its rows is not something spmdkit can see. Only Python 3.11
+    still installs such a jax (pyproject requires 0.12.1 elsewhere)."""
     devices = getattr(mesh, "devices", None)
     if _WARNED_OLD_XLA[0] or devices is None or {d.platform for d in np.ravel(devices)} != {"cpu"}:
         return
@@ -767,7 +788,7 @@ def _warn_old_xla(mesh: Any) -> None:
         "then an embedding lookup or counts.at[y[1:]].add(1)). Fix: jax >= 0.12.1 (Python >= 3.12: pip "
         "install -U 'jax>=0.12.1'), a mesh of one axis, or replicate the slice in the step: "
         "jax.lax.with_sharding_constraint(tok[1:], jax.sharding.PartitionSpec()). README: 'Uneven batches'.",
-        RuntimeWarning, stacklevel=2)
+        RuntimeWarning, stacklevel=6)  # the caller of step(...)(state, batch) or .lower
 
 
 def _split_evenly(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -926,9 +947,11 @@ def _check_same_types(before: State, after: State, name: str) -> None:
         if a != b:
             # a PRNG key is no number type: new.astype(key<fry>) is no code to run
             keys = [jax.dtypes.issubdtype(t, jax.dtypes.prng_key) for t in (a[1], b[1])]
-            how = ("jax.random.wrap_key_data(new) turns key data back into a key" if keys == [True, False]
+            how = (f"jax.random.wrap_key_data(new{_impl_argument(x)}) turns key data back into a key"
+                   if keys == [True, False]
                    else "jax.random.key_data(new) is a key's raw uint32 data" if keys == [False, True]
-                   else f"new.astype({a[1]})")
+                   else "one key as it came in: index or split it before the return, and keep its impl"
+                   if keys == [True, True] else f"new.astype({a[1]})")
             raise StepOutputError(
                 fix(f"train_step {name!r} returned state{jax.tree_util.keystr(path)} with shape {b[0]} and "
                     f"dtype {b[1]}, but got it with shape {a[0]} and dtype {a[1]}. The returned state is the "
@@ -937,6 +960,16 @@ def _check_same_types(before: State, after: State, name: str) -> None:
                     f"return that leaf with its input shape and dtype (e.g. {how}), or create it "
                     "with that dtype in make_state.")
             )
+
+
+def _impl_argument(key: Any) -> str:
+    """``, impl='rbg'`` for a key of another impl than the default one wrap_key_data assumes."""
+    try:
+        impl = str(jax.random.key_impl(key))
+    except (TypeError, ValueError):
+        return ""
+    default = str(jax.random.key_impl(jax.random.key(0)))
+    return "" if impl == default else f", impl={impl!r}"
 
 
 def _call(fn: Callable[..., Any], state: State, batch: Batch, what: str) -> Any:
