@@ -11,7 +11,6 @@ import os
 
 import jax
 
-from spmdkit._cache import off_for_several_processes
 from spmdkit._devices import host_devices_from_env, use_host_devices
 from spmdkit._errors import DeviceSetupError, fix
 from spmdkit._launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, initialize_distributed, note_joined
@@ -70,7 +69,6 @@ def initialize(
                     "call spmdkit.initialize() once, first in the script (a second call without arguments "
                     "returns True)."))
         note_joined(None, timeout_s)
-        off_for_several_processes(jax.process_count())
         return True
     n = host_devices or host_devices_from_env()
     if n is not None:

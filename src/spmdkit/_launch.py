@@ -200,7 +200,6 @@ def initialize_distributed(
                                    **bind)
         if count > 1:
             note_joined(index, timeout_s)
-            off_for_several_processes(count, stacklevel=4)
         return True
     if num_processes is not None or process_id is not None:
         raise DeviceSetupError(fix("--num-processes/--process-id need --coordinator HOST:PORT.",
@@ -208,7 +207,6 @@ def initialize_distributed(
     if _cluster_detected():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout(timeout_s))
         note_joined(None, timeout_s)
-        off_for_several_processes(jax.process_count(), stacklevel=4)
         return True
     return False
 
@@ -244,10 +242,12 @@ def end_soon_on_uncaught_exception() -> None:
 
 
 def note_joined(index: int | None, timeout_s: float) -> None:
-    """This process is one of several: failures that only it meets end it soon (see end_soon)."""
+    """This process is one of several: failures that only it meets end it soon (see end_soon), and
+    the compile cache goes off where loading a program of several processes hangs."""
     # Half the step watchdog's timeout at most: a peer's watchdog must not end first and be named.
     joined_as("this process" if index is None else f"process {index}", min(EXIT_GRACE_S, timeout_s / 2))
     end_soon_on_uncaught_exception()
+    off_for_several_processes(jax.process_count(), stacklevel=4)  # the compile cache, where it hangs
 
 
 # Failures of JAX's runtime whose own words do not say what to do: (marks that must all be on
