@@ -125,7 +125,7 @@ def main() -> None:
                 res = (lm_plan(LM_SIZES[i], (remat,), accum, a.scan_unroll, a.precision) if model == "lm"
                        else mlp_plan(MLP_SIZES[i], accum))
                 key = {"precision": a.precision} if model == "lm" else {}
-                got = rows_of(res, model=model, size=i, unroll=a.scan_unroll, **key)
+                got = rows_of(res, model=model, size=i, unroll=a.scan_unroll, jax=jax.__version__, **key)
                 rows += got
                 worst = max(got, key=lambda r: abs(r["margin"]))
                 print(f"{model} size {i} ({(LM_SIZES if model == 'lm' else MLP_SIZES)[i]}) remat {remat}: "
@@ -144,6 +144,12 @@ def main() -> None:
 def precision(row: dict) -> str:
     """The compute dtype a stored lm candidate was compiled at (files before --precision: f32)."""
     return row.get("precision", "f32")
+
+
+def jax_release(row: dict) -> str:
+    """The jax release a stored candidate was compiled with (files before this field: 0.12.0.1,
+    the release of every sweep before it)."""
+    return row.get("jax", "0.12.0.1")
 
 
 def lm_count_args(row: dict) -> tuple:
@@ -165,10 +171,13 @@ def state_and_batch(row: dict) -> int:
 
 def recount(row: dict) -> dict:
     from spmdkit._plan._candidates import rules_table
-    from spmdkit._plan._memory import held_in_new_parameters, lm_memory, mlp_memory
+    from spmdkit._plan._memory import held_in_new_parameters, lm_counts, lm_memory, mlp_memory
 
     if row["model"] == "lm":
-        parts = held_in_new_parameters(lm_memory(*lm_count_args(row)))
+        # the counts of the release that compiled the row, not of the running jax
+        args = lm_count_args(row)
+        release = tuple(int(part) for part in jax_release(row).split("."))
+        parts = held_in_new_parameters(lm_memory(*args, counts=lm_counts(args[0], row["remat"], release)))
     else:
         size = MLP_SIZES[row["size"]]
         parts = mlp_memory(size["layers"], size["depth"], size["embed"], size["batch"] // row["accum"], row["accum"],
