@@ -47,6 +47,8 @@ def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
 # Mixed precision (bfloat16 compute, float32 parameters) makes other programs: XLA:CPU computes
 # most bfloat16 operations in float32 and keeps both, so the float32 counts at bfloat16's 2
 # bytes were up to 44% under (38% at this size). It has counts of its own.
+@pytest.mark.skipif(jax.__version_info__ < (0, 12, 0, 1), reason="the lm's counts have no fit for jax before 0.12.0.1: "
+                    "on 0.10.2 up to 45% under the compiled figure (README, 'Memory counts per jax release')")
 @pytest.mark.parametrize(("remat", "accum", "within", "precision"),
                          [("none", "1,2", 0.10, "f32"), ("full", "1", 0.11, "f32"), ("dots", "1", 0.10, "f32"),
                           ("none", "1,2", 0.10, "bf16")])
@@ -179,12 +181,18 @@ def test_lm_counts_are_those_of_the_running_jax_release():
     from spmdkit._plan._memory import LM_FITS, fitted_release, lm_counts
     from spmdkit._tasks.lm import LMConfig
 
+    # every form fitted to the same releases, each with every policy and term the count reads
+    assert {frozenset(fits) for fits in LM_FITS.values()} == {frozenset({(0, 12, 0, 1), (0, 12, 1)})}
+    for (rolled, _), fits in LM_FITS.items():
+        for counts in fits.values():
+            assert set(counts) == {"none", "full", "dots"}
+            keys = {"saved", "working", "top", "kv_gathered", "outputs"} | (set() if rolled else {"gathered", "micro"})
+            assert all(keys <= set(c) for c in counts.values())
     unrolled = LM_FITS[(False, "f32")]
-    assert (0, 12, 0, 1) in unrolled and (0, 12, 1) in unrolled
     assert unrolled[(0, 12, 1)]["none"] != unrolled[(0, 12, 0, 1)]["none"]
     cfg = LMConfig(layers=4)
-    for version, release in (((0, 10, 2), (0, 12, 0, 1)), ((0, 12, 0, 1), (0, 12, 0, 1)), ((0, 12, 1), (0, 12, 1)),
-                             ((0, 13, 0), (0, 12, 1))):
+    for version, release in (((0, 10, 2), (0, 12, 0, 1)), ((0, 12, 0), (0, 12, 0, 1)), ((0, 12, 0, 1), (0, 12, 0, 1)),
+                             ((0, 12, 1), (0, 12, 1)), ((0, 13, 0), (0, 12, 1))):
         assert fitted_release(unrolled, version) == release
         assert lm_counts(cfg, "full", version) is unrolled[release]["full"]
     assert lm_counts(cfg, "none") is unrolled[fitted_release(unrolled, jax.__version_info__)]["none"]

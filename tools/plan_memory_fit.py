@@ -30,7 +30,7 @@ from scipy.optimize import linprog
 TERMS = [("saved", "embed"), ("saved", "heads"), ("saved", "scores"), ("working", "embed"), ("working", "heads"),
          ("working", "scores"), ("top", "vocab"), ("kv_gathered", None), ("gathered", 0), ("gathered", 1),
          ("outputs", None), ("micro", None)]
-# LM_COUNTS_ROLLED: the loop gathers one layer at a time, counted by the layout (not fitted)
+# The rolled form's (LM_FITS[(True, ...)]): the loop gathers one layer at a time, counted by the layout (not fitted)
 TERMS_ROLLED = [("saved", "embed"), ("saved", "heads"), ("saved", "scores"), ("saved", "mlp"), ("working", "embed"),
                 ("working", "heads"), ("working", "scores"), ("working", "mlp"), ("top", "vocab"), ("kv_gathered", None),
                 ("outputs", None)]
@@ -89,7 +89,7 @@ def fit(basis: np.ndarray, fixed: np.ndarray, compiled: np.ndarray, bound: list)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+")
-    p.add_argument("--rolled", action="store_true", help="fit LM_COUNTS_ROLLED to the rolled programs "
+    p.add_argument("--rolled", action="store_true", help="fit the rolled form's counts to the rolled programs "
                    "(tools/plan_memory_table.py --scan-unroll 1)")
     p.add_argument("--precision", choices=("f32", "bf16"), default="f32",
                    help="fit the counts of this compute dtype's programs (f32)")
@@ -149,8 +149,7 @@ def counts_name(rolled: bool, precision: str, release: str) -> str:
         >>> counts_name(False, "bf16", "0.12.1")
         'LM_FITS[(False, "bf16")][(0, 12, 1)]'
     """
-    key = tuple(int(part) for part in release.split("."))
-    return f'LM_FITS[({rolled}, "{precision}")][{key}]'
+    return f'LM_FITS[({rolled}, "{precision}")][{table_tool.release_key(release)}]'
 
 
 def looped(row: dict) -> bool:

@@ -19,6 +19,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -152,6 +153,24 @@ def jax_release(row: dict) -> str:
     return row.get("jax", "0.12.0.1")
 
 
+def release_key(release: str) -> tuple[int, ...]:
+    """A jax version string as ``LM_FITS`` keys it: its leading numeric parts, as
+    ``jax.__version_info__`` reads them (a dev or rc build counts as its release).
+
+        >>> release_key("0.12.1"), release_key("0.12.0.1"), release_key("0.12.2.dev20261201"), release_key("0.13.0rc1")
+        ((0, 12, 1), (0, 12, 0, 1), (0, 12, 2), (0, 13, 0))
+    """
+    key = []
+    for part in release.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        key.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(key)
+
+
 def lm_count_args(row: dict) -> tuple:
     """``lm_memory``'s arguments for a stored lm candidate: (config, rows, remat, accum, rules table, mesh)."""
     from spmdkit._plan._candidates import rules_table
@@ -176,7 +195,7 @@ def recount(row: dict) -> dict:
     if row["model"] == "lm":
         # the counts of the release that compiled the row, not of the running jax
         args = lm_count_args(row)
-        release = tuple(int(part) for part in jax_release(row).split("."))
+        release = release_key(jax_release(row))
         parts = held_in_new_parameters(lm_memory(*args, counts=lm_counts(args[0], row["remat"], release)))
     else:
         size = MLP_SIZES[row["size"]]

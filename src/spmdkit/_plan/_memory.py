@@ -299,7 +299,7 @@ LM_COUNTS_ROLLED_BF16 = {
 
 # XLA's buffer assignment changes between jax releases: jax 0.12.1's XLA:CPU keeps 7-21% fewer
 # temporaries than 0.12.0.1's for the same lm steps (arguments and outputs byte-equal), which
-# put the counts above, fitted to 0.12.0.1, up to 18% over. So each form has counts per release
+# put the counts above, fitted to 0.12.0.1, up to 20.2% over. So each form has counts per release
 # whose programs they were fitted to, and :func:`lm_counts` takes the newest release not after
 # the running jax (the oldest for an older one). Keyed by (rolled, compute dtype), then by
 # release. The 0.12.1 counts, fitted as above at the same seven sizes (the unrolled form with
