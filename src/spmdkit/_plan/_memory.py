@@ -412,8 +412,8 @@ def fitted_release(fits: Iterable[tuple[int, ...]], jax_version: tuple[int, ...]
         >>> fitted_release([(0, 12, 0, 1), (0, 12, 1)], (0, 10, 2)), fitted_release([(0, 12, 0, 1), (0, 12, 1)], (0, 13))
         ((0, 12, 0, 1), (0, 12, 1))
     """
-    fits = sorted(fits)
-    return max((r for r in fits if r <= tuple(jax_version)), default=fits[0])
+    fits = list(fits)
+    return max((r for r in fits if r <= tuple(jax_version)), default=min(fits))
 
 
 def lm_memory(cfg: Any, rows: int, remat: str, accum: int, table: Iterable[tuple[str, Any]],
