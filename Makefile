@@ -12,13 +12,14 @@ STAMP_OLDEST := $(VENV_OLDEST)/.installed
 # The oldest environment runs the modules that call JAX, Flax and Orbax the most directly: pmap on
 # shard_map, devices, meshes, rules and the sharded layout (Flax's partitioning), every strategy's
 # init/step/evaluate (test_strategies, test_step, test_step_fit, test_train), the compile cache,
-# the data formats, and the docstring examples. The strategies' numerics at many device counts
+# the data formats, the planner's memory counts (fitted per jax release: test_plan_memory, under
+# a minute), and the docstring examples. The strategies' numerics at many device counts
 # (test_data_parallel, test_ensemble, test_grad_accum: 11 of its 21 minutes) and the
 # subprocess-heavy modules run in the default environment only.
 OLDEST_TESTS := tests/test_pmap.py tests/test_pmap_nested.py tests/test_pmap_api.py tests/test_pmap_conformance.py \
 	tests/test_devices.py tests/test_mesh.py tests/test_rules.py tests/test_config.py tests/test_tasks.py \
 	tests/test_sharded.py tests/test_train.py tests/test_cache.py tests/test_step.py tests/test_strategies.py \
-	tests/test_step_fit.py tests/test_data.py tests/test_data_format.py src/spmdkit
+	tests/test_step_fit.py tests/test_data.py tests/test_data_format.py tests/test_plan_memory.py src/spmdkit
 
 .PHONY: demo env env-oldest test test-oldest bench lock lock-oldest clean
 

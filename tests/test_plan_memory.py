@@ -44,13 +44,16 @@ def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
 # tools/plan_memory_table.py, outside the tests: it compiles ~220 candidates.
 # Under remat full the fitted count's worst over the seven sizes of the fit is 10.3% on jax
 # 0.12.0.1 and 10.95% on 0.12.1 (BENCHMARKS.md): that policy is held to 11%, the others to 10%.
+# On jax 0.10.2 it is 17.5%: that XLA keeps remat's savings in the unrolled lm under some layouts
+# and not others (README, "Memory counts per jax release"), which a count per layer cannot follow.
 # Mixed precision (bfloat16 compute, float32 parameters) makes other programs: XLA:CPU computes
 # most bfloat16 operations in float32 and keeps both, so the float32 counts at bfloat16's 2
 # bytes were up to 44% under (38% at this size). It has counts of its own.
-@pytest.mark.skipif(jax.__version_info__ < (0, 12, 0, 1), reason="the lm's counts have no fit for jax before 0.12.0.1: "
-                    "on 0.10.2 up to 45% under the compiled figure (README, 'Memory counts per jax release')")
+FULL_WITHIN = 0.18 if jax.__version_info__ < (0, 12) else 0.11
+
+
 @pytest.mark.parametrize(("remat", "accum", "within", "precision"),
-                         [("none", "1,2", 0.10, "f32"), ("full", "1", 0.11, "f32"), ("dots", "1", 0.10, "f32"),
+                         [("none", "1,2", 0.10, "f32"), ("full", "1", FULL_WITHIN, "f32"), ("dots", "1", 0.10, "f32"),
                           ("none", "1,2", 0.10, "bf16")])
 def test_lm_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys, remat, accum, within, precision):
     plan, printed = _plan(tmp_path, capsys, "--task", "lm", "--layers", "2", "--d-model", "32", "--heads", "8",
@@ -80,15 +83,19 @@ def test_lm_count_holds_fsdp_gathers_at_many_rows_per_device(tmp_path, capsys):
 # activations, and the plan showed a negative count of them (-412 kB at 8 layers).
 def test_lm_activation_count_is_never_negative():
     from spmdkit._plan._candidates import Candidate
-    from spmdkit._plan._memory import lm_activations, lm_memory
+    from spmdkit._plan._memory import LM_FITS, held_in_new_parameters, lm_activations, lm_memory
     from spmdkit._tasks.lm import LMConfig
 
     cfg = LMConfig(layers=8, d_model=64)
-    raw = lm_memory(cfg, 8, "full", 2, list(rules_table("dp").table), {"data": 8})
-    assert sum(raw.values()) < 0  # the fitted count alone
-    parts = lm_activations(cfg, 16)(Candidate((("data", 8),), "dp", "full", 2), 8, 8)
+    table = list(rules_table("dp").table)
+    raw = lm_memory(cfg, 8, "full", 2, table, {"data": 8}, counts=LM_FITS[(False, "f32")][(0, 12, 1)]["full"])
+    assert sum(raw.values()) < 0  # the fitted count alone (jax 0.12.1's)
+    parts = held_in_new_parameters(raw)
     assert sum(parts.values()) == 0 and parts["in_new_parameters"] < 0
     assert all(v >= 0 for k, v in parts.items() if k != "in_new_parameters")
+    # what the planner counts with the running jax's fit
+    parts = lm_activations(cfg, 16)(Candidate((("data", 8),), "dp", "full", 2), 8, 8)
+    assert sum(parts.values()) >= 0 and all(v >= 0 for k, v in parts.items() if k != "in_new_parameters")
 
 
 def test_mlp_analytic_memory_within_10_percent_of_compiled(tmp_path, capsys):
@@ -160,7 +167,7 @@ def test_lm_count_follows_the_program_form():
     got = lm_memory(unrolled, 8, "none", 1, table, mesh)
     assert got["gathered"] == int(lm_counts(unrolled, "none")["gathered"][0] * (whole - whole // 8))
     layer = lm_memory(rolled, 8, "none", 1, table, mesh)["gathered"]
-    assert 0 < layer < got["gathered"] / 2
+    assert 0 < layer < (whole - whole // 8) / 2  # one layer and the embeddings, not four layers
     assert lm_counts(rolled, "none") != lm_counts(unrolled, "none")
 
 
@@ -182,7 +189,7 @@ def test_lm_counts_are_those_of_the_running_jax_release():
     from spmdkit._tasks.lm import LMConfig
 
     # every form fitted to the same releases, each with every policy and term the count reads
-    assert {frozenset(fits) for fits in LM_FITS.values()} == {frozenset({(0, 12, 0, 1), (0, 12, 1)})}
+    assert {frozenset(fits) for fits in LM_FITS.values()} == {frozenset({(0, 10, 2), (0, 12, 0, 1), (0, 12, 1)})}
     for (rolled, _), fits in LM_FITS.items():
         for counts in fits.values():
             assert set(counts) == {"none", "full", "dots"}
@@ -191,7 +198,9 @@ def test_lm_counts_are_those_of_the_running_jax_release():
     unrolled = LM_FITS[(False, "f32")]
     assert unrolled[(0, 12, 1)]["none"] != unrolled[(0, 12, 0, 1)]["none"]
     cfg = LMConfig(layers=4)
-    for version, release in (((0, 10, 2), (0, 12, 0, 1)), ((0, 12, 0), (0, 12, 0, 1)), ((0, 12, 0, 1), (0, 12, 0, 1)),
+    # an older jax takes the oldest fit; a post-release (0.12.0.1) counts as its release (0.12.0)
+    for version, release in (((0, 10, 1), (0, 10, 2)), ((0, 10, 2), (0, 10, 2)), ((0, 11, 0), (0, 10, 2)),
+                             ((0, 12, 0), (0, 12, 0, 1)), ((0, 12, 0, 1), (0, 12, 0, 1)), ((0, 12, 0, 2), (0, 12, 0, 1)),
                              ((0, 12, 1), (0, 12, 1)), ((0, 13, 0), (0, 12, 1))):
         assert fitted_release(unrolled, version) == release
         assert lm_counts(cfg, "full", version) is unrolled[release]["full"]
