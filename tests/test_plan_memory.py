@@ -45,7 +45,8 @@ def _check_margins(plan: dict, rules: set[str], within: float = 0.10,
 # Under remat full the fitted count's worst over the seven sizes of the fit is 10.3% on jax
 # 0.12.0.1 and 10.95% on 0.12.1 (BENCHMARKS.md): that policy is held to 11%, the others to 10%.
 # On jax 0.10.2 it is 17.5%: that XLA keeps remat's savings in the unrolled lm under some layouts
-# and not others (README, "Memory counts per jax release"), which a count per layer cannot follow.
+# and not others (README, "Remat on jax 0.10.2 saves little in the unrolled lm"), which a count
+# per layer cannot follow.
 # Mixed precision (bfloat16 compute, float32 parameters) makes other programs: XLA:CPU computes
 # most bfloat16 operations in float32 and keeps both, so the float32 counts at bfloat16's 2
 # bytes were up to 44% under (38% at this size). It has counts of its own.

@@ -309,7 +309,8 @@ LM_COUNTS_ROLLED_BF16 = {
 # fitted the same way: 8.2% / 6.4% / 17.5% unrolled, 4.7% / 8.3% / 12.7% rolled; in bfloat16
 # 8.0% / 6.7% / 17.9% and 8.1% / 12.4% / 11.2%. Its XLA keeps little of remat's saving in the
 # unrolled program under the layouts without tensor parallelism (dp, fsdp, fsdp+sp: remat full
-# 0.95-1.19 of none's memory, 0.49-0.95 with tp), which counts per layer cannot follow; the plan's
+# 1.00-1.04 of none's memory without accumulation, 0.49-0.95 with tp), which counts per layer
+# cannot follow (README, "Remat on jax 0.10.2 saves little in the unrolled lm"); the plan's
 # per-device figure is the larger of the count and the compiled figure, so the budget holds.
 LM_FITS: dict[tuple[bool, str], dict[tuple[int, ...], Mapping[str, Any]]] = {
     (False, "f32"): {(0, 10, 2): {
