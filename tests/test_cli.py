@@ -262,6 +262,41 @@ def test_task_option_for_the_wrong_task_is_an_error():
     assert out.returncode == 2 and "task 'digits' does not take option(s) ['layers']" in out.stderr
 
 
+@pytest.mark.parametrize("command", [["train", "--task", "lm"], ["inspect", "--task", "lm"],
+                                     ["plan", "--task", "lm", "--devices", "2"]])
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_scan_unroll_takes_a_whole_number_of_layers(command, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--scan-unroll", value])
+    assert e.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    shown = repr(value) if value == "x" else value
+    assert (f"argument --scan-unroll: expected a whole number >= 1, got {shown}: pass --scan-unroll 1 for a rolled "
+            "loop over the layers, or --scan-unroll N with N = --layers for no loop") in err, err
+
+
+def test_scan_unroll_for_the_mlp_is_named_as_the_flag(capsys):
+    assert main(["train", "--task", "mlp", "--scan-unroll", "1", "--no-progress", "--no-compile-cache"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "task 'mlp' does not take option(s) ['scan_unroll'] (--scan-unroll). Fix: drop them" in err, err
+
+
+def test_inspect_builds_the_lm_with_the_scan_unroll_given(monkeypatch):
+    import spmdkit._tasks
+    from spmdkit._cli import _cmd_inspect, build_parser
+
+    asked = {}
+
+    def get_task(name, data_dir=None, **options):
+        asked.update(options, task=name)
+        raise RuntimeError("built")  # what inspect asked for is all this test reads: nothing compiles
+
+    monkeypatch.setattr(spmdkit._tasks, "get_task", get_task)
+    with pytest.raises(RuntimeError, match="built"):
+        _cmd_inspect(build_parser().parse_args(["inspect", "--task", "lm", "--scan-unroll", "1"]), None)
+    assert asked["task"] == "lm" and asked["scan_unroll"] == 1
+
+
 def test_data_write_takes_lm_corpus_options(tmp_path, capsys):
     # `data write --task lm` took no --text-dir or --seq-len: only the stdlib at --seq-len 64 could be written.
     import spmdkit

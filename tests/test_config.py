@@ -215,6 +215,9 @@ def test_wrongly_typed_value():
         ('out = ""\n', "out = '' (str) must be a path (a non-empty string)"),
         ('text-dir = ""\n', "text-dir = '' (str) must be a path"),
         ('rules = ""\n', "rules = '' (str) must be a non-empty string"),
+        ("scan-unroll = 0\n", "scan-unroll = 0 (int) must be a whole number >= 1"),
+        # 8, every number key's example, would not roll the loop the key is there for.
+        ('scan-unroll = "1"\n', "write e.g. scan-unroll = 1 in a config file, or --scan-unroll on the command line"),
     ],
 )
 def test_config_values_are_typed_strictly(tmp_path, text, message):
@@ -240,12 +243,23 @@ def test_overwrite_and_resume_together_are_refused():
     ("digits", "layers", 3, "--layers", "none of the model options"),
     ("linreg", "scan", False, "--no-scan", "none of the model options"),
     ("mlp", "text_dir", "/tmp", "--text-dir", "--layers, --depth, --embed, --no-scan"),
+    ("mlp", "scan_unroll", 1, "--scan-unroll", "--layers, --depth, --embed, --no-scan"),
 ])
 def test_another_tasks_model_flag_is_named_as_a_flag(task, key, value, flag, takes):
     with pytest.raises(spmdkit.ConfigError) as e:
         build_run_config(resolve_options({"task": task, key: value}))
     assert str(e.value).startswith(f"task {task!r} does not take option(s) [{key!r}] ({flag}).")
     assert f"Fix: drop them; --task {task} takes {takes}." in str(e.value)
+
+
+def test_scan_unroll_from_a_config_file_is_an_lm_option_a_flag_overrides(tmp_path):
+    # A rolled scan (remat's memory saving on jax 0.10.2) had neither a key nor a flag: Python only.
+    from spmdkit._config import task_options
+
+    path = tmp_path / "run.toml"
+    path.write_text('task = "lm"\nscan-unroll = 1\n')
+    assert task_options(build_run_config(resolve_options({"config": str(path)}))) == {"scan_unroll": 1}
+    assert task_options(build_run_config(resolve_options({"config": str(path), "scan_unroll": 4}))) == {"scan_unroll": 4}
 
 
 def test_a_config_file_with_a_utf8_byte_order_mark_is_read(tmp_path):

@@ -131,6 +131,30 @@ def test_train_and_sample_from_the_command_line(tmp_path, capsys):
     assert "params.npz' is a file, not a directory" in " ".join(capsys.readouterr().err.split())
 
 
+def test_scan_unroll_from_the_command_line_is_trained_saved_resumed_and_sampled(tmp_path, capsys, monkeypatch):
+    # --scan-unroll had no flag: a rolled scan, which remat needs to save memory on jax 0.10.2, was Python's only.
+    # It changes the program, not the parameters: a checkpoint without it (as one written before the
+    # flag) resumes with it, and sample builds the form the newest checkpoint saved.
+    built = []
+    functions = lm.lm_functions
+    monkeypatch.setattr(lm, "lm_functions", lambda cfg: (built.append(cfg), functions(cfg))[1])
+    flags = ["--task", "lm", "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8",
+             "--text-bytes", "4000", "--no-progress", "--no-compile-cache", "--out", str(tmp_path / "run"),
+             "--checkpoint-dir", str(tmp_path / "ck")]
+    sample = ["sample", "--checkpoint-dir", str(tmp_path / "ck"), "--length", "3", "--no-compile-cache"]
+    assert main(["train", *flags, "--steps", "2"]) == 0
+    assert built[-1].scan_unroll is None and built[-1].unroll == 2  # the default: 2 layers unrolled
+    assert "scan_unroll" not in json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
+    assert main(sample) == 0 and built[-1].scan_unroll is None
+    capsys.readouterr()
+    assert main(["train", *flags, "--steps", "4", "--resume", "--scan-unroll", "1"]) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert built[-1].scan_unroll == 1 and built[-1].unroll == 1  # a loop of 2 iterations
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["config"]["scan_unroll"] == 1
+    assert main(sample) == 0 and built[-1].unroll == 1
+
+
 @pytest.mark.parametrize("optimizer", [optax.sgd(0.1), optax.adam(1e-3)], ids=["sgd", "adam"])
 def test_sample_from_a_python_run_with_any_optimizer(task, tmp_path, optimizer):
     # sample rebuilt the whole state with the saved optimizer, AdamW by default, and a run from Python

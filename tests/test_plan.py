@@ -1353,6 +1353,7 @@ def test_cli_plan_json_in_a_place_that_refuses_the_write_is_an_io_failure(tmp_pa
 @pytest.mark.parametrize("task, args, wrong", [
     ("mlp", ["--d-model", "32", "--heads", "3", "--precision", "bf16", "--text-dir", "/nonexistent"],
      "['d_model', 'heads', 'precision', 'text_dir'] (--d-model, --heads, --precision, --text-dir)"),
+    ("mlp", ["--scan-unroll", "1"], "['scan_unroll'] (--scan-unroll)"),
     ("lm", ["--depth", "7"], "['depth'] (--depth)"),
 ])
 def test_cli_plan_refuses_another_tasks_options_as_train_does(task, args, wrong, capsys):

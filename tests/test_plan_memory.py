@@ -172,6 +172,32 @@ def test_lm_count_follows_the_program_form():
     assert lm_counts(rolled, "none") != lm_counts(unrolled, "none")
 
 
+def test_cli_scan_unroll_plans_and_counts_the_rolled_program(tmp_path, capsys):
+    # --scan-unroll 1: the planner must compile the rolled program the run will train, and count it
+    # with the rolled fit (the two keep different activations), not the default's unrolled one.
+    from spmdkit._plan._candidates import Candidate
+    from spmdkit._plan._memory import lm_activations, lm_looped
+    from spmdkit._tasks.lm import LMConfig
+
+    sizes = {"layers": 2, "d_model": 32, "heads": 8, "seq_len": 32}
+    flags = ["--task", "lm", *(f for k, v in sizes.items() for f in (f"--{k.replace('_', '-')}", str(v))),
+             "--batch-size", "16"]
+    rows = {}
+    for form, extra in (("rolled", ["--scan-unroll", "1"]), ("unrolled", [])):
+        out = tmp_path / f"{form}.json"
+        assert main(["plan", "--devices", "8", "--rules", "fsdp", "--target", "h100x8", "--json", str(out),
+                     *flags, *extra]) == 0
+        plan = json.loads(out.read_text())
+        _check_margins(plan, {"fsdp"}, accum=frozenset({1}))
+        rows[form] = plan["candidates"][0]["memory"]
+    rolled = LMConfig(**sizes, scan_unroll=1)
+    assert lm_looped(rolled) and not lm_looped(LMConfig(**sizes))
+    want = lm_activations(rolled, 16)(Candidate((("data", 8),), "fsdp", "none", 1), 8, 8)
+    assert rows["rolled"]["analytic"]["activation_parts"] == want != rows["unrolled"]["analytic"]["activation_parts"]
+    # the compiled programs differ too: the flag reached the step compiled, not the count alone
+    assert rows["rolled"]["compiled"]["temp"] != rows["unrolled"]["compiled"]["temp"]
+
+
 def test_lm_counts_follow_the_compute_dtype():
     from spmdkit._plan._memory import LM_FITS, fitted_release, lm_counts
     from spmdkit._tasks.lm import LMConfig

@@ -60,6 +60,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _scan_unroll(text: str) -> int:
+    """``--scan-unroll``: layers per iteration of the lm's scan; 0 or less has no loop form to name."""
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}: pass --scan-unroll 1 for a rolled loop over the layers, or "
+                                         "--scan-unroll N with N = --layers for no loop") from None
+
+
 def _restart_count(text: str) -> int:
     try:
         value = int(text)
@@ -272,6 +281,9 @@ def _add_lm_options(p: argparse.ArgumentParser) -> None:
                    "state stay float32 (f32)")
     p.add_argument("--remat", nargs="?", const="full", choices=REMAT,
                    help="lm: recompute each layer in the backward pass (full), all but its matmuls (dots) (none)")
+    p.add_argument("--scan-unroll", type=_scan_unroll, metavar="N", help="lm: layers per iteration of the scan's "
+                   "loop: 1 rolls it (remat then saves memory on every jax), --layers unrolls it (default: unrolled "
+                   "up to 8 layers, rolled from 9)")
     p.add_argument("--text-dir", type=path_arg, metavar="DIR", help="lm: train on every file under DIR (default: the "
                    "standard library's *.py files)")
     p.add_argument("--text-bytes", type=_positive_int, help="lm: training bytes read (1000000; held out: a tenth)")
@@ -730,7 +742,8 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     from spmdkit._tasks import get_task, task_defaults
 
     options = {k: getattr(args, k, None) for k in ("layers", "depth", "embed", "scan", "d_model", "heads",
-                                                  "seq_len", "precision", "remat", "text_dir", "text_bytes")}
+                                                  "seq_len", "precision", "remat", "scan_unroll", "text_dir",
+                                                  "text_bytes")}
     task = get_task(args.task, data_dir=args.data_dir, **options)
     strategy = get_strategy("sharded", mesh=args.mesh, rules=args.rules, replicate_unknown=args.replicate_unknown)
     defaults = task_defaults(args.task)

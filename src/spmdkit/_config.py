@@ -172,6 +172,7 @@ class RunConfig:
     seq_len: int | None = None
     precision: str | None = None
     remat: str | None = None
+    scan_unroll: int | None = None
     text_dir: str | None = None
     text_bytes: int | None = None
     host_devices: int | None = None
@@ -201,7 +202,8 @@ _KEYS: dict[str, tuple[str | None, str]] = {
     "depth": (None, "depth"),
     "embed": (None, "embed"),
     "scan": (None, "scan"),
-    **{k: (None, k) for k in ("d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")},
+    **{k: (None, k) for k in ("d_model", "heads", "seq_len", "precision", "remat", "scan_unroll", "text_dir",
+                              "text_bytes")},
     "host_devices": (None, "host_devices"),
     "out": (None, "out"),
     "progress": (None, "progress"),
@@ -223,7 +225,7 @@ CONFIG_KEYS = tuple(_KEYS)
 _BOOLS = {"bagging", "replicate_unknown", "scan", "progress", "verify_data", "drop_remainder", "resume", "overwrite_checkpoints"}
 _POSITIVE = {"members", "layers", "depth", "embed", "host_devices", "steps", "epochs", "batch_size", "eval_every",
              "eval_batch_size", "log_every", "grad_accum", "checkpoint_every", "keep",
-             "d_model", "heads", "seq_len", "text_bytes"}
+             "d_model", "heads", "seq_len", "scan_unroll", "text_bytes"}
 _NON_NEGATIVE = {"prefetch"}
 _FLOATS = {"lr", "momentum", "weight_decay"}
 _STRINGS = {"task", "strategy", "impl", "data_dir", "data", "eval_data", "mesh", "rules", "out", "optimizer", "checkpoint_dir",
@@ -231,11 +233,12 @@ _STRINGS = {"task", "strategy", "impl", "data_dir", "data", "eval_data", "mesh",
 # Strings that name a file or directory: an empty one wrote the run's files into the current
 # directory (out = "") as a flag's empty value did (see _argtypes.path_arg).
 _PATHS = {"data_dir", "data", "eval_data", "out", "checkpoint_dir", "text_dir"}
-# A real value of each string key: a placeholder like "name" in a fix would be refused in turn.
+# A real value of each string key: a placeholder like "name" in a fix would be refused in turn. A
+# number key's example is 8 unless named here (scan-unroll = 8 would not roll the loop it is for).
 _EXAMPLES = {"mesh": '"data=2,model=4"', "rules": '"dp+tp"', "out": '"runs/a"', "data_dir": '"data/mnist"',
              "checkpoint_dir": '"ck"', "remat": '"full"', "precision": '"bf16"', "optimizer": '"adam"',
              "task": '"digits"', "strategy": '"data"', "impl": '"jit"', "data": '"data/ds"', "eval_data": '"data/ds2"',
-             "text_dir": '"texts"'}
+             "text_dir": '"texts"', "scan_unroll": "1"}
 
 
 # Keys whose flag turns them off (on by default).
@@ -264,7 +267,7 @@ def check_value(key: str, value: Any, source: str) -> None:
         ok, want, example = isinstance(value, bool), "true or false", f"{key.replace('_', '-')} = true"
     elif key in _POSITIVE:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-        want, example = "a whole number >= 1", f"{key.replace('_', '-')} = 8"
+        want, example = "a whole number >= 1", f"{key.replace('_', '-')} = {_EXAMPLES.get(key, 8)}"
     elif key == "seed":
         ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < SEEDS
         want, example = f"a whole number from 0 to {SEEDS - 1}{_seed_why(value)}", f"{key} = 0"
@@ -294,7 +297,8 @@ def check_value(key: str, value: Any, source: str) -> None:
 
 # Options that change what a run computes beyond what a checkpoint checks itself (the task,
 # seed, batch size and every leaf's shape): a resume with another value would not continue
-# the run it claims to continue. The layout (strategy, mesh, rules, devices) may change.
+# the run it claims to continue. The layout (strategy, mesh, rules, devices) may change, and so
+# may lm's program form (remat, scan_unroll: the same state, recomputed or looped otherwise).
 RESULT_OPTIONS = {"optimizer": OptimizerConfig.name, "lr": OptimizerConfig.lr, "momentum": OptimizerConfig.momentum,
                   "weight_decay": OptimizerConfig.weight_decay, "grad_accum": TrainConfig.grad_accum,
                   # lm's own default, not RunConfig's None ("not given"): a resume with --precision f32 of a run
@@ -488,7 +492,7 @@ def _check_optimizer_flags(opt: dict[str, Any]) -> None:
             f"drop {_flag(key)} (or `{key.replace('_', '-')} = ...` in the --config file), or pass {users}."))
 
 
-LM_OPTIONS = ("d_model", "heads", "seq_len", "precision", "remat", "text_dir", "text_bytes")
+LM_OPTIONS = ("d_model", "heads", "seq_len", "precision", "remat", "scan_unroll", "text_dir", "text_bytes")
 TASK_FLAGS = ("layers", "depth", "embed", "scan", *LM_OPTIONS)  # the model options of the built-in tasks
 
 

@@ -170,7 +170,9 @@ def _lm(args: argparse.Namespace, batch_size: int):
     from spmdkit._tasks import lm
     from spmdkit._train._steps import task_state, task_train_step
 
-    sizes = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "precision") if getattr(args, k)}
+    # scan_unroll too: the rolled and unrolled programs keep different activations (their memory fits differ).
+    sizes = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "precision", "scan_unroll")
+             if getattr(args, k)}
     cfg = lm.LMConfig(**sizes)
     # Enough text for one global batch: the planner needs shapes, --measure a real batch.
     need = max(batch_size * (cfg.seq_len + 1) * 2, 20_000)

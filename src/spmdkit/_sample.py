@@ -21,7 +21,9 @@ from spmdkit._tasks import lm, task_defaults
 from spmdkit._tasks._base import Task
 from spmdkit._train._steps import task_state
 
-_MODEL_KEYS = ("layers", "d_model", "heads", "seq_len", "precision", "remat")
+# remat and scan_unroll change the program, not the parameters' shapes: sample builds the form the run
+# trained with, and a checkpoint that saved neither (one written before --scan-unroll) gets lm's defaults.
+_MODEL_KEYS = ("layers", "d_model", "heads", "seq_len", "precision", "remat", "scan_unroll")
 _PARAMS = ".params"  # where TrainState keeps the parameters, as the checkpoint names the place
 _READ_ATTEMPTS = 3  # steps deleted while read (a live run's retention) before the error stands
 

@@ -92,7 +92,8 @@ class LMConfig:
         if unroll is not None and (isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1):
             raise ConfigError(fix(f"lm: scan_unroll={unroll!r} must be a whole number >= 1 (layers per iteration of "
                                   "the scan's loop) or None (the default).",
-                                  f"pass scan_unroll=1 (a rolled loop) or scan_unroll={self.layers} (all layers, no loop)."))
+                                  f"pass scan_unroll=1 (a rolled loop; --scan-unroll 1) or scan_unroll={self.layers} (all "
+                                  "layers, no loop)."))
 
     @property
     def head_dim(self) -> int:
