@@ -31,7 +31,7 @@ from spmdkit._calibrate import (
     steps_and_wire,
 )
 from spmdkit._calibrate_measure import choose_reps, pair_case, per_collective
-from spmdkit._target import CACHE_CURVE_BYTES, TargetError, collective_time, load_target
+from spmdkit._target import CACHE_CURVE_BYTES, TRANSPOSE_CURVE_BYTES, TargetError, collective_time, load_target
 from spmdkit._cli import main
 
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
@@ -296,6 +296,9 @@ def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_pat
     # and the warm bytes' rates: one point a size, 32 KiB to 32 MiB read and written
     assert [b for b, _ in loaded.cache_bandwidth] == [2 * b for b in CACHE_CURVE_BYTES]
     assert all(r > 0 for _, r in loaded.cache_bandwidth)
+    # and the transpositions' (32 KiB to 8 MiB), which the planner charges sequence parallelism's layout changes
+    assert [b for b, _ in loaded.transpose_bandwidth] == [2 * b for b in TRANSPOSE_CURVE_BYTES]
+    assert all(r > 0 for _, r in loaded.transpose_bandwidth)
 
 
 # ---- bad input: named errors before anything is measured -----------------------------

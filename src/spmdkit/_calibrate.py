@@ -48,7 +48,8 @@ import numpy as np
 from spmdkit._atomic import replace_text
 from spmdkit._errors import SpmdkitError, fix, unwritable, wrong_output_path
 from spmdkit._target import (  # the cost model shared with the planner, and its readers of a file's fields
-    TargetError, _collectives, _finite, _link, _measurements, measure_cache_curve, measure_op_overhead, steps_and_wire)
+    TRANSPOSE_CURVE_BYTES, TargetError, _collectives, _finite, _link, _measurements, measure_cache_curve,
+    measure_op_overhead, steps_and_wire)
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -490,6 +491,8 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
         target["op_overhead"] = compute["op_overhead"]
     if compute.get("cache_bandwidth"):
         target["cache_bandwidth"] = [list(p) for p in compute["cache_bandwidth"]]
+    if compute.get("transpose_bandwidth"):
+        target["transpose_bandwidth"] = [list(p) for p in compute["transpose_bandwidth"]]
     if ratio is not None:  # optional: the evidence for inter_host's per_operand
         target["per_operand_ratio"] = ratio
     rows = prediction_errors(target, points)
@@ -607,6 +610,9 @@ def calibrate(
     compute["op_overhead"] = measure_op_overhead(len(devs))
     # Small elementwise operations run from the caches; the planner prices their warm bytes by it.
     compute["cache_bandwidth"] = measure_cache_curve(len(devs), repeats=3 if quick else 5)
+    # Transpositions (sequence parallelism's layout changes) run slower still, by their own curve.
+    compute["transpose_bandwidth"] = measure_cache_curve(len(devs), TRANSPOSE_CURVE_BYTES, repeats=3,
+                                                         transpose=True)
     if processes == 2:
         log("inter_host: starting 2 processes x 1 device")
         inter_rounds, _ = _defaults(quick, given_rounds, "inter_host")

@@ -17,7 +17,9 @@ computation, where its devices wait for each other, in units of the step's mean 
 operation; the planner adds it per execution, loop trips included, and never overlaps it with
 compute). A file without them prices neither. A third, ``cache_bandwidth`` (``[[bytes,
 bytes/s], ...]``), is the rate of an elementwise operation moving that many bytes of data the
-step just made; without it such bytes move at ``memory_bandwidth``. A link's optional ``per_operand`` (default
+step just made; without it such bytes move at ``memory_bandwidth``. A fourth,
+``transpose_bandwidth`` (the same pairs), is the rate of a transposition (a copy that moves the
+minor dimension) of that many bytes; without it a transposition moves as other warm data. A link's optional ``per_operand`` (default
 false) says that the runtime runs a collective of several operands as one call per operand
 (gloo between processes does), so alpha is paid per operand.
 
@@ -118,6 +120,12 @@ class Target:
     # operation just touched, on every device at once. Small ones run from the caches, many
     # times faster than memory on a CPU; the planner prices such warm bytes by this curve.
     cache_bandwidth: tuple[tuple[float, float], ...] = ()
+    # Optional (default none: no dearer than other warm data): ``(bytes, bytes/s)`` pairs, the
+    # rate of a transposition (a copy that moves the minor dimension) that reads and writes
+    # ``bytes``, on every device at once. On a CPU one of a few MiB runs several times slower
+    # than an elementwise pass over as many bytes: each element lands on another cache line.
+    # Sequence parallelism transposes activations between its layouts.
+    transpose_bandwidth: tuple[tuple[float, float], ...] = ()
 
     def sync_ops_for(self, n: int) -> float:
         """:attr:`collective_sync_ops` for a group of ``n`` devices: the measured figure,
@@ -157,18 +165,24 @@ class Target:
         """
         if not self.cache_bandwidth:
             return self.memory_bandwidth
-        return max(self._curve_at(nbytes), self.memory_bandwidth)
+        return max(_curve_at(self.cache_bandwidth, nbytes), self.memory_bandwidth)
 
-    def _curve_at(self, nbytes: float) -> float:
-        points = sorted(self.cache_bandwidth)
-        x = math.log(max(nbytes, 1.0))
-        xs = [math.log(b) for b, _ in points]
-        if x <= xs[0]:
-            return points[0][1]
-        for (x0, (_, r0)), (x1, (_, r1)) in zip(zip(xs, points), zip(xs[1:], points[1:])):
-            if x <= x1:
-                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
-        return points[-1][1]
+    def transpose_bandwidth_for(self, nbytes: float) -> float:
+        """Bytes/s of a transposition that moves ``nbytes`` of warm data:
+        :attr:`transpose_bandwidth` interpolated in log(bytes), never above
+        :meth:`bandwidth_for` (a transposition costs no less than an elementwise pass); that
+        rate itself without a curve.
+
+        Example:
+            >>> t = Target("t", "example", 8, {"float32": 1e12}, 1e9, {}, cache_bandwidth=((1e4, 8e9), (1e6, 2e9)),
+            ...            transpose_bandwidth=((1e4, 9e9), (1e6, 5e8)))
+            >>> [round(t.transpose_bandwidth_for(b) / 1e9, 3) for b in (1e4, 1e5, 1e6)]  # 9 capped at 8
+            [8.0, 4.75, 0.5]
+        """
+        warm = self.bandwidth_for(nbytes)
+        if not self.transpose_bandwidth:
+            return warm
+        return min(_curve_at(self.transpose_bandwidth, nbytes), warm)
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype (``"float32"``, ``"bfloat16"``), else float32's."""
@@ -218,7 +232,23 @@ class Target:
             out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
         if self.cache_bandwidth:
             out["cache_bandwidth"] = [[b, r] for b, r in self.cache_bandwidth]
+        if self.transpose_bandwidth:
+            out["transpose_bandwidth"] = [[b, r] for b, r in self.transpose_bandwidth]
         return out
+
+
+def _curve_at(curve: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """A ``(bytes, bytes/s)`` curve's rate at ``nbytes``, linear in log(bytes) between its
+    points, its nearest end beyond them."""
+    points = sorted(curve)
+    x = math.log(max(nbytes, 1.0))
+    xs = [math.log(b) for b, _ in points]
+    if x <= xs[0]:
+        return points[0][1]
+    for (x0, (_, r0)), (x1, (_, r1)) in zip(zip(xs, points), zip(xs[1:], points[1:])):
+        if x <= x1:
+            return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def _link_json(v: Link) -> dict[str, Any]:
@@ -386,7 +416,7 @@ def _sync(data: Any, where: str) -> dict[int, float]:
 # What a target file may hold: the fields read, and what spmdkit calibrate adds for reading.
 _FIELDS = ("format", "version", "name", "source", "devices_per_host", "peak_flops", "memory_bandwidth", "links",
            "memory_per_device", "collectives", "measurements", "op_overhead", "collective_sync_ops", "warnings",
-           "cache_bandwidth")
+           "cache_bandwidth", "transpose_bandwidth")
 _NOTES = ("per_operand_ratio", "fit_quality", "compute_detail", "notes", "calibration_seconds")
 
 
@@ -431,6 +461,7 @@ def from_json(data: Any, where: str = "target") -> Target:
         collective_sync_ops=_sync(data.get("collective_sync_ops"), where),
         warnings=tuple(str(w) for w in data.get("warnings") or () if isinstance(data.get("warnings"), list)),
         cache_bandwidth=_curve(data.get("cache_bandwidth"), where),
+        transpose_bandwidth=_curve(data.get("transpose_bandwidth"), where, "transpose_bandwidth"),
     )
 
 
@@ -497,21 +528,23 @@ def _measurements(data: Any, where: str) -> list[Any]:
     return list(data)
 
 
-def _curve(data: Any, where: str) -> tuple[tuple[float, float], ...]:
+def _curve(data: Any, where: str, key: str = "cache_bandwidth") -> tuple[tuple[float, float], ...]:
     if data is None:
         return ()
+    without = {"cache_bandwidth": "memory_bandwidth at every size",
+               "transpose_bandwidth": "transpositions priced as other warm data"}[key]
     how = ('write [bytes, bytes/s] pairs of finite positive numbers, one per size, e.g. '
-           '"cache_bandwidth": [[65536, 15e9], [16777216, 2e9]], or leave it out (memory_bandwidth at every size).')
+           f'"{key}": [[65536, 15e9], [16777216, 2e9]], or leave it out ({without}).')
     if not isinstance(data, list):
-        raise TargetError(fix(f"{where}: cache_bandwidth is {data!r}.", how))
+        raise TargetError(fix(f"{where}: {key} is {data!r}.", how))
     for i, p in enumerate(data):
         ok = isinstance(p, list) and len(p) == 2 and all(_finite(v) and _in_range(float(v), True) for v in p)
         if not ok:
-            raise TargetError(fix(f"{where}: cache_bandwidth[{i}] is {p!r} (in {data!r}).", how))
+            raise TargetError(fix(f"{where}: {key}[{i}] is {p!r} (in {data!r}).", how))
     sizes = [float(b) for b, _ in data]
     twice = sorted({b for b in sizes if sizes.count(b) > 1})
     if twice:
-        raise TargetError(fix(f"{where}: cache_bandwidth gives the size {twice[0]:g} bytes more than once.", how))
+        raise TargetError(fix(f"{where}: {key} gives the size {twice[0]:g} bytes more than once.", how))
     return tuple((float(b), float(r)) for b, r in data)
 
 
@@ -672,17 +705,21 @@ def measure_op_overhead(n: int, loops: int = 200) -> float:
 # Per-device bytes of the array :func:`measure_cache_curve` rewrites: 16 KiB (the first-level
 # caches) to 16 MiB (past a typical last-level cache's share of a device).
 CACHE_CURVE_BYTES = tuple(16 * 4**k * 1024 for k in range(6))
+# Up to 4 MiB arrays: a 16 MiB transposition takes seconds to time, and the planner prices
+# larger ones at the curve's end.
+TRANSPOSE_CURVE_BYTES = CACHE_CURVE_BYTES[:5]
 
 
-def measure_cache_curve(n: int, sizes: tuple[int, ...] = CACHE_CURVE_BYTES, repeats: int = 5
-                        ) -> tuple[tuple[float, float], ...]:
+def measure_cache_curve(n: int, sizes: tuple[int, ...] = CACHE_CURVE_BYTES, repeats: int = 5,
+                        transpose: bool = False) -> tuple[tuple[float, float], ...]:
     """:attr:`Target.cache_bandwidth` of ``n`` devices of this process running at once: a loop
     of one elementwise operation (read an array, write it) per trip, an array of each of
     ``sizes`` bytes per device; ``(bytes read and written, bytes/s per device)``, the median of
     ``repeats`` calls. A barrier between trips keeps XLA from fusing them into one pass. The
     trip's fixed cost (the same loop over 16 bytes) is taken off, at most half of a trip's time
     (a noisy empty loop must not make a rate out of nothing): the planner charges it as
-    ``op_overhead``."""
+    ``op_overhead``. ``transpose``: :attr:`Target.transpose_bandwidth`, each trip also
+    transposing a square float32 array (a loop's carry keeps one layout, so XLA moves the data)."""
     import statistics
 
     import jax
@@ -698,11 +735,14 @@ def measure_cache_curve(n: int, sizes: tuple[int, ...] = CACHE_CURVE_BYTES, repe
         loops = max(4, min(400, int(2e8 // (size * n))))  # about 0.2 GB per call: tens of ms
 
         def body(v, loops=loops):
-            trip = lambda i, v: jax.lax.optimization_barrier(v * 1.0001 + 1e-3)  # noqa: E731
+            step = (lambda v: (v * 1.0001 + 1e-3).T) if transpose else (lambda v: v * 1.0001 + 1e-3)
+            trip = lambda i, v: jax.lax.optimization_barrier(step(v))  # noqa: E731
             return jax.lax.fori_loop(0, loops, trip, v)
 
         program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("link"), out_specs=P("link"), check_vma=False))
-        x = jax.device_put(jnp.ones((n * size // 4,), jnp.float32), NamedSharding(mesh, P("link")))
+        side = max(math.isqrt(size // 4), 1)
+        shape = (n * side, side) if transpose else (n * size // 4,)
+        x = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P("link")))
         jax.block_until_ready(program(x))
         times = []
         for _ in range(repeats):
@@ -808,6 +848,7 @@ def cpu_target(devices: int = 1) -> Target:
     link = measured["all_reduce"]
     overhead = measure_op_overhead(n)
     curve = measure_cache_curve(n)
+    transposing = measure_cache_curve(n, TRANSPOSE_CURVE_BYTES, repeats=3, transpose=True)
     # Again, seconds later: a core taken away for longer than one window halved the GEMM rate in
     # 1 of 39 measurements; two windows apart rarely both miss.
     flops, bandwidth = (max(a, b) for a, b in zip(first, measure_cpu()))
@@ -819,7 +860,8 @@ def cpu_target(devices: int = 1) -> Target:
         source=f"measured at plan time on {platform.node()}, jax {jax.__version__}: f32 matmul {flops / 1e9:.1f} "
                f"GFLOP/s, read {bandwidth / 1e9:.1f} GB/s per process, divided among {n} device(s); {how}; "
                f"{overhead * 1e6:.2f} us per operation; warm elementwise data "
-               + ", ".join(f"{_kib(b)} {r / 1e9:.1f}" for b, r in curve) + " GB/s per device",
+               + ", ".join(f"{_kib(b)} {r / 1e9:.1f}" for b, r in curve) + " GB/s per device; transposed "
+               + ", ".join(f"{_kib(b)} {r / 1e9:.1f}" for b, r in transposing) + " GB/s per device",
         devices_per_host=n,
         peak_flops={"float32": flops / n},
         memory_bandwidth=bandwidth / n,
@@ -827,6 +869,7 @@ def cpu_target(devices: int = 1) -> Target:
         collectives={kind: {"intra_host": ab} for kind, ab in measured.items() if ab},
         op_overhead=overhead,
         cache_bandwidth=curve,
+        transpose_bandwidth=transposing,
     )
     seen = measure_collective_sync(n)
     if not seen.extra or seen.op_seconds <= 0:

@@ -4,6 +4,7 @@ target's alpha-beta links, plus each collective's wait between computation (the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -32,8 +33,9 @@ def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str
     time to the matmuls' instead of hiding under the program's total FLOPs. An operation
     without matmuls reads and writes its cold bytes (the step's inputs and outputs) at the
     target's memory bandwidth and the rest, which an operation just made, at
-    :meth:`Target.bandwidth_for` its size: a CPU's caches hold small ones. Without kernels,
-    one roofline over the program's totals.
+    :meth:`Target.bandwidth_for` its size: a CPU's caches hold small ones; the part a
+    transposition moves (``Kernel.strided``) at :meth:`Target.transpose_bandwidth_for` its
+    size. Without kernels, one roofline over the program's totals.
 
     Example:
         >>> from spmdkit._plan._hlo import Kernel
@@ -41,6 +43,10 @@ def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str
         >>> warm, cold = Kernel(0.0, 1000, 1), Kernel(0.0, 1000, 1, cold=1000)
         >>> [round(compute_time(0, 0, t, "float32", kernels=[k]) * 1e9) for k in (warm, cold)]  # ns
         [250, 1000]
+        >>> slow = Target("t", "example", 1, {"float32": 1e12}, 1e9, {}, cache_bandwidth=((1e3, 4e9), (1e9, 1e9)),
+        ...               transpose_bandwidth=((1e3, 1e9),))
+        >>> round(compute_time(0, 0, slow, "float32", kernels=[Kernel(0.0, 1000, 1, strided=1000)]) * 1e9)  # transposed
+        1000
     """
     if kernels:
         peak, bandwidth = target.flops_for(dtype), target.memory_bandwidth
@@ -49,9 +55,29 @@ def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str
             if k.flops > 0:
                 total += k.count * max(k.flops / peak, k.bytes / bandwidth)
             else:
-                total += k.count * (k.cold / bandwidth + (k.bytes - k.cold) / target.bandwidth_for(k.bytes))
+                # by a transposition, at its own rate (a target without the curve prices it as before)
+                moved = min(k.strided, k.bytes - k.cold) if target.transpose_bandwidth else 0
+                total += k.count * (k.cold / bandwidth + (k.bytes - k.cold - moved) / target.bandwidth_for(k.bytes)
+                                    + (moved / target.transpose_bandwidth_for(moved) if moved else 0.0))
         return total + ops * target.op_overhead
     return max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
+
+
+def transposition_time(target: Target, dtype: str, kernels: Sequence[Kernel]) -> float:
+    """What the transpositions of ``kernels`` (``Kernel.strided``) add to :func:`compute_time`
+    over pricing their bytes as other warm data: the reason sequence parallelism's layouts run
+    slower on a CPU than their FLOPs say. 0 for a target without ``transpose_bandwidth``.
+
+    Example:
+        >>> t = Target("t", "example", 1, {"float32": 1e12}, 1e9, {}, cache_bandwidth=((1e3, 4e9),),
+        ...            transpose_bandwidth=((1e3, 1e9),))
+        >>> round(transposition_time(t, "float32", [Kernel(0.0, 1000, 1, strided=1000)]) * 1e9)  # 1000 - 250 ns
+        750
+    """
+    if not target.transpose_bandwidth:
+        return 0.0
+    plain = dataclasses.replace(target, transpose_bandwidth=())
+    return compute_time(0, 0, target, dtype, 0, kernels) - compute_time(0, 0, plain, dtype, 0, kernels)
 
 
 def collective_costs(program: Program, target: Target, devices_per_host: int, op_seconds: float = 0.0,

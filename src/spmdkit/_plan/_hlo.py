@@ -63,6 +63,10 @@ class Kernel(NamedTuple):
     bytes: int
     count: int
     cold: int = 0
+    # Bytes of it that a transposition moves (read and written): a copy into another layout
+    # whose contiguous runs are shorter than a cache line touches a new line for every few
+    # elements, several times slower on a CPU than an elementwise pass (see :func:`transposed`).
+    strided: int = 0
 
 
 def shape_bytes(text: str) -> int:
@@ -73,6 +77,68 @@ def shape_bytes(text: str) -> int:
 def _dims(text: str) -> list[int]:
     m = _SHAPE.search(text)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+_LAYOUT = re.compile(r"^\s*[a-z]+[0-9a-z]*\[([0-9,]*)\](?:\{([0-9,]*))?")
+CACHE_LINE = 64  # bytes: a transposition whose contiguous runs are shorter pays a line per run
+
+
+def _dims_and_order(text: str) -> tuple[list[int], list[int]] | None:
+    """An array type's dimensions and its layout's minor-to-major order (row-major when the
+    type gives none); None for a tuple or a scalar."""
+    m = _LAYOUT.match(text)
+    if not m:
+        return None
+    dims = [int(d) for d in m.group(1).split(",") if d]
+    order = [int(d) for d in m.group(2).split(",") if d] if m.group(2) else list(range(len(dims)))[::-1]
+    return (dims, order) if len(order) == len(dims) else None
+
+
+def contiguous_run(out_type: str, in_type: str, perm: list[int]) -> int | None:
+    """Elements a copy from ``in_type`` to ``out_type`` (output dimension ``i`` is input
+    dimension ``perm[i]``) moves in one contiguous run: the product of the output's minor
+    dimensions, as long as the input keeps them minor in the same order (dimensions of size
+    1 aside). The whole array: no data moves out of order (a bitcast); 1: every element
+    lands away from its neighbour. None when the types do not say.
+
+    Example:
+        >>> contiguous_run("f32[512,8,64]{2,1,0}", "f32[512,8,64]{0,2,1}", [0, 1, 2])  # the minor dim changes
+        1
+        >>> contiguous_run("f32[8,4,64,16]{3,2,1,0}", "f32[8,64,4,16]{3,2,1,0}", [0, 2, 1, 3])  # heads to front
+        16
+        >>> contiguous_run("f32[512,8,64]{0,2,1}", "f32[8,64,512]{2,1,0}", [2, 0, 1])  # a relabelling
+        262144
+    """
+    out, src = _dims_and_order(out_type), _dims_and_order(in_type)
+    if out is None or src is None or len(out[0]) != len(src[0]) or len(perm) != len(out[0]):
+        return None
+    (dims, order), (in_dims, in_order) = out, src
+    out_minor = [d for d in order if dims[d] != 1]
+    in_minor = [d for d in in_order if in_dims[d] != 1]
+    run = 1
+    for o, i in zip(out_minor, in_minor):
+        if perm[o] != i:
+            return run
+        run *= dims[o]
+    return run
+
+
+def transposed(ins: _Instr, shapes: dict[str, str]) -> int:
+    """Bytes a ``copy`` or ``transpose`` reads and writes out of order (its runs shorter than
+    :data:`CACHE_LINE`), 0 when it moves whole lines or changes no layout."""
+    if ins.op not in ("copy", "transpose") or not ins.operands:
+        return 0
+    ranked = _dims_and_order(ins.type)
+    if ranked is None or len(ranked[0]) < 2:
+        return 0
+    perm = list(range(len(ranked[0])))
+    if ins.op == "transpose":
+        m = re.search(r"dimensions=\{([0-9,]*)\}", ins.attrs)
+        perm = [int(d) for d in m.group(1).split(",") if d] if m else []
+    run = contiguous_run(ins.type, shapes.get(ins.operands[0], ""), perm)
+    out = shape_bytes(ins.type)
+    itemsize = out // max(math.prod(ranked[0]), 1)
+    return 2 * out if run is not None and run * itemsize < CACHE_LINE else 0
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -538,5 +604,11 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
             if comp == entry:
                 cold += sum(b for x, b in zip(ins.operands, moves.reads) if x in inputs)
                 cold += min(outputs.get(ins.name, 0), moves.written)
-            merged[(flops, moves.total, min(cold, moves.total))] += t
-    return [Kernel(f, b, n, c) for (f, b, c), n in merged.items()]
+            strided = transposed(ins, shapes[comp])
+            if ins.op == "fusion" and any(transposed(j, shapes[callee]) for j in inner):
+                # a fusion computes only its output's elements, in its output's order, so the
+                # transposition there moves what it writes and one operand's worth read across
+                # lines, not the whole of an intermediate it slices or concatenates
+                strided = 2 * moves.written
+            merged[(flops, moves.total, min(cold, moves.total), min(strided, moves.total))] += t
+    return [Kernel(f, b, n, c, s) for (f, b, c, s), n in merged.items()]

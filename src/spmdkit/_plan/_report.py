@@ -76,6 +76,13 @@ def _no_fit_hints(plan: dict[str, Any]) -> list[str]:
     return hints
 
 
+def _transposition_gap(run: dict[str, Any], win: dict[str, Any]) -> str:
+    """`` (transpositions +X ms)`` when the runner-up's transpositions cost a tenth of a
+    millisecond or more than the winner's (sequence parallelism's layout changes), else ``""``."""
+    gap = run.get("transposed_s", 0.0) - win.get("transposed_s", 0.0)
+    return f" (transpositions {'+' if gap >= 0 else ''}{_ms(gap)} ms)" if abs(gap) >= 1e-4 else ""
+
+
 def explain(plan: dict[str, Any]) -> list[str]:
     """Why the winner wins: what it pays, what it avoids, what the runner-up costs more."""
     ok = [r for r in plan["candidates"] if r["status"] == "ok"]
@@ -90,7 +97,9 @@ def explain(plan: dict[str, Any]) -> list[str]:
                 + (f" Fix: {'; or '.join(hints)}." if hints else "")]
     win = ok[0]
     lines = [f"winner: {win['label']}: {_ms_range(win['step_s_overlapped'], win['step_s_serial'])} ms per step "
-             f"(compute {_ms(win['compute_s'])} ms, collectives {_ms(win['comm_s'])} ms"
+             f"(compute {_ms(win['compute_s'])} ms"
+             + (f" ({_ms(win['transposed_s'])} ms of it transpositions)" if win.get("transposed_s") else "")
+             + f", collectives {_ms(win['comm_s'])} ms"
              + (f", {_ms(win['sync_s'])} ms of it waiting at them" if win.get("sync_s") else "")
              + (f", {_ms(win['prefetched_s'])} ms of it parameter gathers that can run during compute"
                 if win.get("prefetched_s") else "") + "), "
@@ -117,7 +126,8 @@ def explain(plan: dict[str, Any]) -> list[str]:
         comm = run["comm_s"] - win["comm_s"]
         lines.append(
             f"  runner-up {run['label']}: +{_ms(run['step_s'] - win['step_s'])} ms per step (compute "
-            f"{'+' if run['compute_s'] >= win['compute_s'] else ''}{_ms(run['compute_s'] - win['compute_s'])} ms, "
+            f"{'+' if run['compute_s'] >= win['compute_s'] else ''}{_ms(run['compute_s'] - win['compute_s'])} ms"
+            + _transposition_gap(run, win) + ", "
             f"collectives {'+' if run['comm_s'] >= win['comm_s'] else ''}{_ms(run['comm_s'] - win['comm_s'])} ms"
             + ((f", most of it {worst[0][0]} over {worst[0][1]} +{_ms(worst[1])} ms" if worst[1] <= comm else
                 f", {worst[0][0]} over {worst[0][1]} +{_ms(worst[1])} ms"

@@ -19,7 +19,7 @@ from spmdkit._console import readable_bytes
 from spmdkit._errors import ConfigError, SignatureError, SpmdkitError, StepOutputError, fix
 from spmdkit._mesh import make_mesh
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, enumerate_candidates, rules_table
-from spmdkit._plan._cost import collective_costs, compute_time, parameter_gathers, step_time
+from spmdkit._plan._cost import collective_costs, compute_time, parameter_gathers, step_time, transposition_time
 from spmdkit._plan._hlo import analyse
 from spmdkit._plan._memory import analytic_bytes, compiled_bytes, param_leaves
 from spmdkit._rules import _PARAMETER, PRESETS, AxisRules, LayoutError, ReplicationWarning, _as_tuple
@@ -265,6 +265,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
                   if program.ops else 0.0)
     comms = collective_costs(program, target, devices_per_host, op_seconds, strategy.batch_axes,
                              parameter_gathers(param_leaves(layout), dict(strategy.mesh.shape), strategy.batch_axes))
+    transposed = transposition_time(target, dtype, ops_priced)
     act = _activation_bytes(activations, cand, strategy) if activations else None
     analytic = analytic_bytes(layout, batch, strategy.batch_shards, act, cand.accum)
     measured = compiled_bytes(compiled)
@@ -273,7 +274,7 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
         "memory": {"per_device": memory, "analytic": analytic, "compiled": measured,
                    "margin": analytic["total"] / measured["total"] - 1 if measured["total"] else None},
         "flops": flops, "bytes_accessed": accessed, "unknown_loops": program.unknown_loops,
-        "collectives": comms, "ops": program.ops,
+        "collectives": comms, "ops": program.ops, "transposed_s": transposed,
         **step_time(flops, accessed, sum(c["seconds"] for c in comms), target, dtype, program.ops,
                     sum(c["sync_seconds"] for c in comms), ops_priced,
                     sum(c["seconds"] for c in comms if c["prefetched"])),
