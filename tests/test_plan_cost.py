@@ -51,6 +51,32 @@ def test_transposed_counts_runs_shorter_than_a_cache_line():
     assert transposed(by_name["r"], shapes[entry]) == 0  # a plain copy
 
 
+def test_a_fusion_is_charged_its_transposition_not_its_whole_output():
+    # a small transposed operand broadcast over a large output: 16 KiB moved out of order, not 256 KiB
+    text = """%fused (p0: f32[64,32], p1: f32[512,64]) -> f32[512,64] {
+  %p0 = f32[64,32]{0,1} parameter(0)
+  %c = f32[64,32]{1,0} copy(%p0)
+  %s = f32[64,1]{1,0} slice(%c), slice={[0:64], [0:1]}
+  %b = f32[64]{0} bitcast(%s)
+  %bb = f32[512,64]{1,0} broadcast(%b), dimensions={1}
+  %p1 = f32[512,64]{1,0} parameter(1)
+  ROOT %r = f32[512,64]{1,0} add(%p1, %bb)
+}
+
+ENTRY %main (a: f32[64,32], x: f32[512,64]) -> f32[512,64] {
+  %a = f32[64,32]{0,1} parameter(0)
+  %x = f32[512,64]{1,0} parameter(1)
+  ROOT %f = f32[512,64]{1,0} fusion(%a, %x), kind=kLoop, calls=%fused
+}
+"""
+    (k,) = kernels(text)
+    assert k.strided == 2 * 64 * 32 * 4
+    # and a large transposed intermediate sliced to a small output: at most twice what it writes
+    sliced = text.replace("f32[512,64]", "f32[8,64]")
+    (k,) = kernels(sliced)
+    assert k.strided == min(2 * 64 * 32 * 4, 2 * 8 * 64 * 4) == 4096
+
+
 def _step_kernels(fn, x):
     return kernels(jax.jit(fn).lower(x).compile().as_text())
 

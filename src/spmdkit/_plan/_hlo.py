@@ -605,10 +605,11 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
                 cold += sum(b for x, b in zip(ins.operands, moves.reads) if x in inputs)
                 cold += min(outputs.get(ins.name, 0), moves.written)
             strided = transposed(ins, shapes[comp])
-            if ins.op == "fusion" and any(transposed(j, shapes[callee]) for j in inner):
-                # a fusion computes only its output's elements, in its output's order, so the
-                # transposition there moves what it writes and one operand's worth read across
-                # lines, not the whole of an intermediate it slices or concatenates
-                strided = 2 * moves.written
+            if ins.op == "fusion":
+                # a fusion computes only its output's elements, in its output's order: a
+                # transposition there moves at most what it writes and as much read across lines,
+                # not the whole of an intermediate it slices or concatenates; a small one (a
+                # transposed bias broadcast over a large output) moves only its own bytes
+                strided = min(sum(transposed(j, shapes[callee]) for j in inner), 2 * moves.written)
             merged[(flops, moves.total, min(cold, moves.total), min(strided, moves.total))] += t
     return [Kernel(f, b, n, c, s) for (f, b, c, s), n in merged.items()]
