@@ -103,17 +103,27 @@ def test_a_transposition_is_priced_by_its_curve_the_rest_of_the_kernel_as_before
     rate = slow.transpose_bandwidth_for(2**24)
     assert 1e8 < rate < 1e9
     assert compute_time(0, 0, slow, "float32", 0, [k]) == pytest.approx(2**24 / 2e9 + 2**24 / rate)
-    # never more than the warm part: the step's inputs and outputs stay at memory bandwidth
-    cold = Kernel(0.0, 2**20, 1, cold=2**20, strided=2**20)
-    assert compute_time(0, 0, slow, "float32", 0, [cold]) == pytest.approx(2**20 / 1e9)
+    # the step's own state transposed (cold bytes, read and written in memory) pays it too
+    cold = Kernel(0.0, 2**23, 1, cold=2**23, strided=2**23)
+    assert compute_time(0, 0, plain, "float32", 0, [cold]) == pytest.approx(2**23 / 1e9)
+    assert compute_time(0, 0, slow, "float32", 0, [cold]) == pytest.approx(2**23 / slow.transpose_bandwidth_for(2**23))
     # a matmul keeps its roofline
     mm = Kernel(1e12, 2**20, 1, strided=2**20)
     assert compute_time(0, 0, slow, "float32", 0, [mm]) == pytest.approx(1.0)
 
 
 def test_a_transposition_never_costs_less_than_warm_data():
+    from spmdkit._plan._cost import transposition_time
+
     fast = _target(transpose_bandwidth=((2**15, 1e12),))
     assert fast.transpose_bandwidth_for(2**15) == fast.bandwidth_for(2**15) == 8e9
+    # a small transposition inside a large operation: the curve's rate at its own small size
+    # (faster than the large operation's warm rate) must not make the operation cheaper
+    slow = _target(transpose_bandwidth=((2**15, 6e9), (2**25, 1e8)))
+    for k in (Kernel(0.0, 2**25, 1, strided=2**15), Kernel(0.0, 2**25, 1, cold=2**24, strided=2**15),
+              Kernel(0.0, 2**16, 1, cold=2**16, strided=2**15)):
+        assert transposition_time(slow, "float32", [k]) >= 0.0
+        assert compute_time(0, 0, slow, "float32", 0, [k]) >= compute_time(0, 0, _target(), "float32", 0, [k])
 
 
 def test_transpose_curve_goes_through_a_target_file_and_a_bad_one_names_the_fix():
@@ -127,6 +137,13 @@ def test_transpose_curve_goes_through_a_target_file_and_a_bad_one_names_the_fix(
         from_json({**t.to_json(), "transpose_bandwidth": [[32768, 0]]})
     with pytest.raises(TargetError, match=r"transpose_bandwidth is 'fast'"):
         from_json({**t.to_json(), "transpose_bandwidth": "fast"})
+    # a rate in GB/s, as a datasheet gives it, is an error naming the unit (both curves); a size under a byte too
+    for key in ("transpose_bandwidth", "cache_bandwidth"):
+        with pytest.raises(TargetError, match=rf"(?s){key}\[0\] is \[65536, 15\]: 15 bytes/s, below 1e\+06.*"
+                                              r"Fix: write the rate in bytes/s: e.g. \[65536, 15e9\]"):
+            from_json({**t.to_json(), key: [[65536, 15]]})
+    with pytest.raises(TargetError, match=r"transpose_bandwidth\[0\] is \[0.5, 1000000000.0\]"):
+        from_json({**t.to_json(), "transpose_bandwidth": [[0.5, 1e9]]})
 
 
 def test_transpose_curve_is_measured_on_every_device_at_once_and_slower_than_a_plain_pass():
@@ -183,3 +200,22 @@ def test_the_plan_names_what_transpositions_cost_and_a_target_without_the_curve_
     for label, r in rows["with"].items():
         assert r["compute_s"] - rows["without"][label]["compute_s"] == pytest.approx(r["transposed_s"])
     assert "of it transpositions" in why and "(transpositions +" in why, why
+
+
+def test_a_step_that_transposes_its_state_is_priced_for_it():
+    import spmdkit
+
+    t = _target(transpose_bandwidth=((2**15, 2e9), (2**23, 1e8)))
+    make_state = lambda rng: {"w": jnp.ones((512, 512))}  # noqa: E731 - 1 MiB, transposed whole every step
+    batch = {"x": jnp.ones((8, 1))}
+    rows = {}
+    for name, step in (("copy", lambda s, b: ({"w": s["w"] * b["x"][0, 0]}, {})),
+                       ("transpose", lambda s, b: ({"w": s["w"].T * b["x"][0, 0]}, {}))):
+        result = spmdkit.plan(make_state, step, batch, target=t, rules=("dp",))
+        rows[name] = next(r for r in result["candidates"] if r["status"] == "ok")
+    assert rows["copy"]["transposed_s"] == 0.0
+    # 1 MiB read and 1 MiB written out of order, at the curve's rate for 2 MiB rather than memory's 1e9 B/s
+    moved = 2 * 512 * 512 * 4
+    extra = moved / t.transpose_bandwidth_for(moved) - moved / t.memory_bandwidth
+    assert rows["transpose"]["transposed_s"] == pytest.approx(extra, rel=0.05) and extra > 1e-3
+    assert rows["transpose"]["compute_s"] > 1.5 * rows["copy"]["compute_s"]

@@ -539,8 +539,12 @@ def _curve(data: Any, where: str, key: str = "cache_bandwidth") -> tuple[tuple[f
         raise TargetError(fix(f"{where}: {key} is {data!r}.", how))
     for i, p in enumerate(data):
         ok = isinstance(p, list) and len(p) == 2 and all(_finite(v) and _in_range(float(v), True) for v in p)
-        if not ok:
+        if not ok or float(p[0]) < 1:
             raise TargetError(fix(f"{where}: {key}[{i}] is {p!r} (in {data!r}).", how))
+        if float(p[1]) < 1e6:  # GB/s (15 for 15 GB/s) would price every byte a billion times too slow
+            raise TargetError(fix(f"{where}: {key}[{i}] is {p!r}: {p[1]:g} bytes/s, below 1e+06: no device is that "
+                                  "slow; a figure in another unit?",
+                                  f"write the rate in bytes/s: e.g. [{p[0]!r}, 15e9] for 15 GB/s."))
     sizes = [float(b) for b, _ in data]
     twice = sorted({b for b in sizes if sizes.count(b) > 1})
     if twice:

@@ -55,12 +55,26 @@ def compute_time(flops: float, bytes_accessed: float, target: Target, dtype: str
             if k.flops > 0:
                 total += k.count * max(k.flops / peak, k.bytes / bandwidth)
             else:
-                # by a transposition, at its own rate (a target without the curve prices it as before)
-                moved = min(k.strided, k.bytes - k.cold) if target.transpose_bandwidth else 0
-                total += k.count * (k.cold / bandwidth + (k.bytes - k.cold - moved) / target.bandwidth_for(k.bytes)
-                                    + (moved / target.transpose_bandwidth_for(moved) if moved else 0.0))
+                total += k.count * _elementwise_time(k, target)
         return total + ops * target.op_overhead
     return max(flops / target.flops_for(dtype), bytes_accessed / target.memory_bandwidth) + ops * target.op_overhead
+
+
+def _elementwise_time(k: Kernel, target: Target) -> float:
+    """One operation without matmuls: cold bytes at memory bandwidth, warm ones at
+    :meth:`Target.bandwidth_for` its size, and what a transposition moves (cold or warm: the
+    step's own state transposed counts) at :meth:`Target.transpose_bandwidth_for` that size,
+    never faster than the operation's other bytes, so the price never drops below the one
+    without the curve (a target without it prices as before)."""
+    plain = k.cold / target.memory_bandwidth + (k.bytes - k.cold) / target.bandwidth_for(k.bytes)
+    moved = min(k.strided, k.bytes) if target.transpose_bandwidth else 0
+    if not moved:
+        return plain
+    rest = k.bytes - moved
+    cold = min(k.cold, rest)
+    rate = min(target.transpose_bandwidth_for(moved), target.bandwidth_for(k.bytes))
+    priced = cold / target.memory_bandwidth + (rest - cold) / target.bandwidth_for(k.bytes) + moved / rate
+    return max(priced, plain)
 
 
 def transposition_time(target: Target, dtype: str, kernels: Sequence[Kernel]) -> float:
