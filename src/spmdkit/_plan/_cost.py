@@ -88,10 +88,11 @@ def transposition_time(target: Target, dtype: str, kernels: Sequence[Kernel]) ->
         >>> round(transposition_time(t, "float32", [Kernel(0.0, 1000, 1, strided=1000)]) * 1e9)  # 1000 - 250 ns
         750
     """
-    if not target.transpose_bandwidth:
+    moving = [k for k in kernels if k.strided]  # the others cost the same either way
+    if not target.transpose_bandwidth or not moving:
         return 0.0
     plain = dataclasses.replace(target, transpose_bandwidth=())
-    return compute_time(0, 0, target, dtype, 0, kernels) - compute_time(0, 0, plain, dtype, 0, kernels)
+    return compute_time(0, 0, target, dtype, 0, moving) - compute_time(0, 0, plain, dtype, 0, moving)
 
 
 def collective_costs(program: Program, target: Target, devices_per_host: int, op_seconds: float = 0.0,

@@ -593,10 +593,11 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
             base = ins.op[: -len("-start")] if ins.op.endswith("-start") else ins.op
             if ins.op in _NO_TRAFFIC or ins.op.endswith("-done") or base in KINDS:
                 continue
-            flops = _matmul_flops(ins, shapes[comp])
+            flops, strided = _matmul_flops(ins, shapes[comp]), transposed(ins, shapes[comp])
             if ins.op == "fusion":
                 callee, inner = _fused_body(ins, comps)
                 flops = sum(_matmul_flops(j, shapes[callee]) for j in inner)
+                strided = sum(transposed(j, shapes[callee]) for j in inner)
             moves = _moves(ins, shapes[comp], comps)
             # a slice at a run-time offset (a loop's layer of a stacked array) was last touched
             # a whole loop ago, or is the step's input: cold wherever it runs
@@ -604,12 +605,9 @@ def _kernels(comps: dict[str, list[_Instr]], shapes: dict[str, dict[str, str]], 
             if comp == entry:
                 cold += sum(b for x, b in zip(ins.operands, moves.reads) if x in inputs)
                 cold += min(outputs.get(ins.name, 0), moves.written)
-            strided = transposed(ins, shapes[comp])
-            if ins.op == "fusion":
-                # a fusion computes only its output's elements, in its output's order: a
-                # transposition there moves at most what it writes and as much read across lines,
-                # not the whole of an intermediate it slices or concatenates; a small one (a
-                # transposed bias broadcast over a large output) moves only its own bytes
-                strided = min(sum(transposed(j, shapes[callee]) for j in inner), 2 * moves.written)
-            merged[(flops, moves.total, min(cold, moves.total), min(strided, moves.total))] += t
+            # a fusion computes only its output's elements, in its output's order: a transposition
+            # there moves at most what it writes and as much read across lines, not the whole of an
+            # intermediate it slices or concatenates (a lone copy moves exactly that much)
+            strided = min(strided, 2 * moves.written, moves.total)
+            merged[(flops, moves.total, min(cold, moves.total), strided)] += t
     return [Kernel(f, b, n, c, s) for (f, b, c, s), n in merged.items()]
