@@ -281,6 +281,14 @@ def test_scan_unroll_for_the_mlp_is_named_as_the_flag(capsys):
     assert "task 'mlp' does not take option(s) ['scan_unroll'] (--scan-unroll). Fix: drop them" in err, err
 
 
+@pytest.mark.parametrize("task, flag, key", [("mlp", ["--scan-unroll", "1"], "scan_unroll"),
+                                             ("mlp", ["--remat"], "remat"), ("lm", ["--depth", "8"], "depth")])
+def test_inspect_names_another_tasks_option_by_its_flag(task, flag, key, capsys):
+    assert main(["inspect", "--task", task, *flag, "--no-compile-cache"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"task {task!r} does not take option(s) [{key!r}] ({flag[0]}). Fix: drop them" in err, err
+
+
 def test_inspect_builds_the_lm_with_the_scan_unroll_given(monkeypatch):
     import spmdkit._tasks
     from spmdkit._cli import _cmd_inspect, build_parser

@@ -931,6 +931,26 @@ def test_cli_plan_lm_json(tmp_path, capsys):
     assert abs(mem["per_device"] / mem["compiled"]["total"] - 1) <= 0.10
     assert rows["tp [model=8]"]["status"] == "pruned" and "cannot split evenly" in rows["tp [model=8]"]["reason"]
     assert "winner: fsdp [data=8]" in capsys.readouterr().out
+    # What it planned, every size resolved (the defaults too), and the figures it priced with as a
+    # target file: passed back with --target, the same prices.
+    assert plan["model"] == {"layers": 1, "d_model": 16, "heads": 2, "seq_len": 8, "mlp_ratio": 4, "precision": "f32",
+                             "scan_unroll": 1, "text_dir": None}, plan["model"]
+    (tmp_path / "target.json").write_text(json.dumps(plan["target"]["file"]))
+    assert main(["plan", "--task", "lm", "--devices", "8", "--layers", "1", "--d-model", "16", "--heads", "2",
+                 "--seq-len", "8", "--batch-size", "8", "--rules", "fsdp,tp", "--target", str(tmp_path / "target.json"),
+                 "--memory-per-device", "64MiB", "--json", str(out)]) == 0
+    again = {r["label"]: r for r in json.loads(out.read_text())["candidates"]}
+    assert {k: r.get("step_s") for k, r in again.items()} == {k: r.get("step_s") for k, r in rows.items()}
+    assert again["fsdp [data=8]"]["step_s"] > 0
+
+
+def test_cli_plan_records_the_mlp_sizes_it_planned_with_their_defaults():
+    from argparse import Namespace
+
+    from spmdkit._plan_cli import _model
+
+    assert _model(Namespace(task="mlp", layers=None, depth=None, embed=None)) == {"layers": 4, "depth": 512, "embed": 128}
+    assert _model(Namespace(task="mlp", layers=2, depth=None, embed=8)) == {"layers": 2, "depth": 512, "embed": 8}
 
 
 def test_cli_plan_bad_target_names_the_fix(tmp_path, capsys):
@@ -1484,7 +1504,9 @@ def test_cli_plan_inline_rules_stay_one_table(capsys, tmp_path, monkeypatch):
                  "--devices", "8", "--target", "h100x8", "--json", "plan.json", "--rules",
                  "dp,batch=data,layer=none,embed=none,hidden=none"])
     capsys.readouterr()
-    labels = [c["label"] for c in json.load(open("plan.json"))["candidates"] if c["status"] == "ok"]
+    plan = json.load(open("plan.json"))
+    assert plan["model"] == {"layers": 1, "depth": 16, "embed": 8}
+    labels = [c["label"] for c in plan["candidates"] if c["status"] == "ok"]
     assert code == 0 and sorted(labels) == ["batch=data,layer=none,embed=none,hidden=none [data=8]", "dp [data=8]"], labels
 
 

@@ -736,7 +736,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
-    from spmdkit._config import OptimizerConfig
+    from spmdkit._config import OptimizerConfig, check_task_flags
     from spmdkit._inspect import array_layout, layout_report, print_array_layout, print_report
     from spmdkit._strategies import get_strategy
     from spmdkit._tasks import get_task, task_defaults
@@ -744,6 +744,8 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     options = {k: getattr(args, k, None) for k in ("layers", "depth", "embed", "scan", "d_model", "heads",
                                                   "seq_len", "precision", "remat", "scan_unroll", "text_dir",
                                                   "text_bytes")}
+    # As train and plan do: another task's option named by its flag, not by get_task's keyword.
+    check_task_flags(args.task, [k for k, v in options.items() if v is not None], list(options))
     task = get_task(args.task, data_dir=args.data_dir, **options)
     strategy = get_strategy("sharded", mesh=args.mesh, rules=args.rules, replicate_unknown=args.replicate_unknown)
     defaults = task_defaults(args.task)

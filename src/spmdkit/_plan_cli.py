@@ -163,6 +163,12 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
     lm_options(p)
 
 
+def _lm_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    # scan_unroll too: the rolled and unrolled programs keep different activations (their memory fits differ).
+    return {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "precision", "scan_unroll")
+            if getattr(args, k)}
+
+
 def _lm(args: argparse.Namespace, batch_size: int):
     import optax
 
@@ -170,9 +176,7 @@ def _lm(args: argparse.Namespace, batch_size: int):
     from spmdkit._tasks import lm
     from spmdkit._train._steps import task_state, task_train_step
 
-    # scan_unroll too: the rolled and unrolled programs keep different activations (their memory fits differ).
-    sizes = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "precision", "scan_unroll")
-             if getattr(args, k)}
+    sizes = _lm_sizes(args)
     cfg = lm.LMConfig(**sizes)
     # Enough text for one global batch: the planner needs shapes, --measure a real batch.
     need = max(batch_size * (cfg.seq_len + 1) * 2, 20_000)
@@ -303,17 +307,31 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         # what there is (the ranking, the whole rounds measured), then exit as interrupted.
         if stop.plan is None:
             raise
-        stop.plan["task"] = args.task
+        stop.plan.update(task=args.task, model=_model(args))
         if lead:
             _write(stop.plan, args, console)
             console.print(f"interrupted: {stop}" + ("" if stop.measured else " (nothing measured: the ranking above "
                           "is the prediction alone)"), highlight=False)
         # In a group, JAX's exit may wait for a peer: leave within end_soon's grace (nothing alone).
         return end_soon(130, "Ctrl-C")  # the shell's code for a SIGINT
-    result["task"] = args.task
+    result.update(task=args.task, model=_model(args))
     if lead:
         _write(result, args, console)
     return _exit_code(result)
+
+
+def _model(args: argparse.Namespace) -> dict[str, Any]:
+    """The model the plan is for, every size resolved (the flags given, else the task's defaults),
+    so that a saved plan says what it planned."""
+    import inspect
+
+    from spmdkit._tasks import lm, mlp
+
+    if args.task == "lm":
+        cfg = lm.LMConfig(**_lm_sizes(args))
+        sizes = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "remat"}  # remat: a candidate's
+        return {**sizes, "scan_unroll": cfg.unroll, "text_dir": args.text_dir}
+    return {k: getattr(args, k) or inspect.signature(mlp.make).parameters[k].default for k in ("layers", "depth", "embed")}
 
 
 def _exit_code(result: dict[str, Any]) -> int:

@@ -500,7 +500,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["step_s"])
     for rank, r in enumerate(ok, 1):
         r["rank"] = rank
-    about = {"name": target.name, "source": target.source}
+    # "file": the figures it priced with, as a target file: --target that file prices the same way.
+    about = {"name": target.name, "source": target.source, "file": target.to_json()}
     if target.warnings:
         about["warnings"] = list(target.warnings)
     return {"target": about, "devices": n, "processes": processes,
