@@ -825,6 +825,17 @@ def test_two_leaves_stored_under_one_name_are_refused_not_mixed(tmp_path, state,
     assert np.array_equal(got["a.b"], np.ones(3)) and np.array_equal(got["c"]["b"], np.zeros(3))
 
 
+def test_orbax_is_imported_only_when_a_checkpoint_is_opened(tmp_path):
+    # Importing it cost every start ~0.2 s, also the many that never checkpoint.
+    code = ("import sys, spmdkit, spmdkit._cli\n"
+            "assert not [m for m in sys.modules if m.startswith('orbax')], 'imported at import time'\n"
+            f"spmdkit.Checkpointer(spmdkit.CheckpointConfig({str(tmp_path / 'ck')!r})).close()\n"
+            "assert 'orbax.checkpoint' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_opening_a_directory_a_live_run_changes_is_taken_again(tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
 
@@ -838,7 +849,7 @@ def test_opening_a_directory_a_live_run_changes_is_taken_again(tmp_path, monkeyp
             raise ValueError("No step path found with name=spmdkit_106")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_checkpoint.ocp, "CheckpointManager", flaky)
+    monkeypatch.setattr(ocp, "CheckpointManager", flaky)
     failures = 2
     assert spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "a"))).steps() == [] and len(calls) == 3
     failures = 99

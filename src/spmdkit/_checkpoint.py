@@ -30,11 +30,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from spmdkit import _checkpoint_read as _read
 from spmdkit._atomic import is_temporary, replace_text
@@ -42,6 +41,17 @@ from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._lockfile import OUT_LOCK, DirLock, held_now, refusal
 from spmdkit._process import broadcast, exit_now, gather_json
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
+
+def _orbax():
+    """Orbax, imported when a checkpoint directory is first opened: at import time it cost every
+    start ~0.15 s, also the many that never checkpoint (``spmdkit train`` without --checkpoint-dir)."""
+    import orbax.checkpoint as ocp
+
+    return ocp
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 STEP_PREFIX = "spmdkit"
@@ -615,13 +625,14 @@ class Checkpointer:
             raise kind(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
                            "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
         _quiet_orbax()
-        self._names = _ReadableSteps(ocp.step.standard_name_format(step_prefix=STEP_PREFIX))
+        self._names = _ReadableSteps(_orbax().step.standard_name_format(step_prefix=STEP_PREFIX))
         self.manager = self._open_manager()
 
     def _open_manager(self) -> ocp.CheckpointManager:
         """Orbax's manager of the directory. Opening lists the steps and reads the newest one's
         metadata: in a directory a live run saves to, its retention may delete a step in between
         (Orbax then raised a bare ValueError), so the listing is taken again."""
+        ocp = _orbax()
         for attempt in range(_OPEN_ATTEMPTS):
             try:
                 return ocp.CheckpointManager(
@@ -793,6 +804,7 @@ class Checkpointer:
         self._finish_pending()
         self._check_newest(step)
         meta = {**meta, "step": step, "run_id": self.run_id, "leaves": leaf_table(state), "key_impls": key_impls(state)}
+        ocp = _orbax()
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(keys_as_data(state)),
                                                             meta=ocp.args.JsonSave(meta)), force=True)
@@ -1048,6 +1060,7 @@ class Checkpointer:
         problems = self.problems(step)
         if problems:
             raise self._damaged(step, problems)
+        ocp = _orbax()
         try:
             restored = self.manager.restore(
                 step,
