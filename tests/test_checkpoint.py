@@ -829,6 +829,7 @@ def test_orbax_is_imported_only_when_a_checkpoint_is_opened(tmp_path):
     # Importing it cost every start ~0.2 s, also the many that never checkpoint.
     code = ("import sys, spmdkit, spmdkit._cli\n"
             "assert not [m for m in sys.modules if m.startswith('orbax')], 'imported at import time'\n"
+            "import warnings; warnings.simplefilter('error')\n"  # Orbax's own deprecation warnings are not the caller's
             f"spmdkit.Checkpointer(spmdkit.CheckpointConfig({str(tmp_path / 'ck')!r})).close()\n"
             "assert 'orbax.checkpoint' in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

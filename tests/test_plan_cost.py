@@ -219,3 +219,17 @@ def test_a_step_that_transposes_its_state_is_priced_for_it():
     extra = moved / t.transpose_bandwidth_for(moved) - moved / t.memory_bandwidth
     assert rows["transpose"]["transposed_s"] == pytest.approx(extra, rel=0.05) and extra > 1e-3
     assert rows["transpose"]["compute_s"] > 1.5 * rows["copy"]["compute_s"]
+
+
+def test_a_target_built_in_python_reads_dtype_aliases_as_a_file_does():
+    from spmdkit._target import Target, TargetError, from_json
+
+    base = dict(name="py", source="test", devices_per_host=8, memory_bandwidth=1e11,
+                links={"intra_host": Link(alpha=1e-5, beta=1e-10)})
+    t = Target(peak_flops={"float32": 1e9, "bf16": 1e12}, **base)
+    assert t.peak_flops == {"float32": 1e9, "bfloat16": 1e12} and t.flops_for("bfloat16") == 1e12
+    assert from_json(t.to_json()).peak_flops == t.peak_flops  # the plan's target.file prices the same
+    with pytest.raises(TargetError, match=r"Target\('py'\): peak_flops has the key 'fast'"):
+        Target(peak_flops={"fast": 1e12}, **base)
+    with pytest.raises(TargetError, match="gives bfloat16 twice"):
+        Target(peak_flops={"bf16": 1e12, "bfloat16": 1e12}, **base)

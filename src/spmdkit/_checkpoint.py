@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,10 +47,19 @@ if TYPE_CHECKING:
     import orbax.checkpoint as ocp
 
 
+_ORBAX_IMPORT = threading.Lock()
+
+
 def _orbax():
     """Orbax, imported when a checkpoint directory is first opened: at import time it cost every
-    start ~0.15 s, also the many that never checkpoint (``spmdkit train`` without --checkpoint-dir)."""
-    import orbax.checkpoint as ocp
+    start ~0.28 s, also the many that never checkpoint (``spmdkit train`` without --checkpoint-dir).
+    Its import warns of JAX deprecations it uses; imported late, under a caller's
+    ``warnings.simplefilter("error")``, that warning became an error opening a checkpoint."""
+    if "orbax.checkpoint" not in sys.modules:
+        with _ORBAX_IMPORT, warnings.catch_warnings():  # the lock: catch_warnings is process-wide
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import orbax.checkpoint  # noqa: F401
+    import orbax.checkpoint as ocp  # waits for another thread's import to finish
 
     return ocp
 
