@@ -488,15 +488,16 @@ def _dtype_name(key: Any) -> str | None:
         return None
 
 
-def _peak_names(flops: dict, where: str) -> dict:
+def _peak_names(flops: dict, where: str, how: str = "") -> dict:
     """``flops`` keyed by canonical dtype names (values as given); a key that names no dtype, or
-    one dtype named twice, is an error."""
+    one dtype named twice, is an error (``how``: the fix's example, for a file)."""
     out: dict = {}
     for key, value in flops.items():
         name = _dtype_name(key)
         if name is None:
             raise TargetError(fix(f"{where}: peak_flops has the key {key!r}, which is no dtype name.",
-                                  f"use dtype names (float32, bfloat16, float16) or aliases {sorted(DTYPE_ALIASES)}."))
+                                  f"use dtype names (float32, bfloat16, float16) or aliases {sorted(DTYPE_ALIASES)}"
+                                  + (f"; {how}" if how else ".")))
         if name in out:
             raise TargetError(fix(f"{where}: peak_flops gives {name} twice (as {key!r} and another name).",
                                   "keep one of them."))
@@ -511,17 +512,9 @@ def _peak(flops: Any, where: str) -> dict[str, float]:
     how = 'write e.g. "peak_flops": {"float32": 67e12, "bfloat16": 989e12}.'
     if not isinstance(flops, dict) or not flops:
         raise TargetError(fix(f"{where}: peak_flops is {flops!r}.", how))
-    peak: dict[str, float] = {}
-    for key in flops:
-        name = _dtype_name(key)
-        if name is None:
-            raise TargetError(fix(f"{where}: peak_flops has the key {key!r}, which is no dtype name.",
-                                  f"use dtype names (float32, bfloat16, float16) or aliases {sorted(DTYPE_ALIASES)}; {how}"))
-        if name in peak:
-            raise TargetError(fix(f"{where}: peak_flops gives {name} twice (as {key!r} and another name).",
-                                  "keep one of them."))
-        peak[name] = _number(flops, key, f"{where} peak_flops")
-    return peak
+    names = _peak_names(flops, where, how)
+    # Each rate checked under the key as written (an error names what the file says).
+    return {name: _number(flops, key, f"{where} peak_flops") for key, name in zip(flops, names)}
 
 
 def _collectives(data: Any, where: str) -> dict[str, dict[str, Link]]:
