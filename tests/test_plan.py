@@ -916,6 +916,19 @@ def test_cli_plan_rules_that_name_nothing_are_refused_in_flag_terms(value, capsy
     assert "e.g. --rules dp,fsdp+tp" in err and "plan(rules" not in err
 
 
+def test_plan_json_records_the_corpus_as_read(tmp_path, monkeypatch):
+    # A relative --text-dir was recorded as typed (meaningless from another directory) and
+    # --text-bytes not at all.
+    from spmdkit._plan_cli import _model
+
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(task="lm", layers=1, d_model=16, heads=2, seq_len=8, precision=None, scan_unroll=None,
+                              text_dir="corpus", text_bytes=None, batch_size=None)
+    model = _model(args)
+    assert model["text_dir"] == str(tmp_path / "corpus") and model["text_bytes"] == 20_000
+    assert _model(argparse.Namespace(**{**vars(args), "text_bytes": 123_456}))["text_bytes"] == 123_456
+
+
 def test_cli_plan_lm_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     code = main(["plan", "--task", "lm", "--devices", "8", "--layers", "1", "--d-model", "16", "--heads", "2",
@@ -934,7 +947,7 @@ def test_cli_plan_lm_json(tmp_path, capsys):
     # What it planned, every size resolved (the defaults too), and the figures it priced with as a
     # target file: passed back with --target, the same prices.
     assert plan["model"] == {"layers": 1, "d_model": 16, "heads": 2, "seq_len": 8, "mlp_ratio": 4, "precision": "f32",
-                             "scan_unroll": 1, "text_dir": None}, plan["model"]
+                             "scan_unroll": 1, "text_dir": None, "text_bytes": 20_000}, plan["model"]
     (tmp_path / "target.json").write_text(json.dumps(plan["target"]["file"]))
     assert main(["plan", "--task", "lm", "--devices", "8", "--layers", "1", "--d-model", "16", "--heads", "2",
                  "--seq-len", "8", "--batch-size", "8", "--rules", "fsdp,tp", "--target", str(tmp_path / "target.json"),
@@ -1091,6 +1104,96 @@ def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp
     assert plan["candidates"][0]["status"] == "ok"
     if "measured" in plan:  # whole rounds were measured before the Ctrl-C
         assert plan["measured"]["interrupted"]["rounds_done"] >= 1 and plan["measured"]["processes"] == 2
+
+
+def _environ(pid: str) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_cli_plan_two_processes_shows_the_ranking_when_process_0_dies_while_measuring(tmp_path, own_group):
+    """Process 0 killed while the processes measure (SIGKILL, out of memory): it printed and wrote
+    the plan only at the end, so minutes of compiling and pricing were lost with it. It saves the
+    priced plan before measuring; the command prints it, then the failure, and --json holds it."""
+    import signal
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
+               "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
+               "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
+               "--no-compile-cache", "--json", str(out)]
+    with own_group(command, env=env, cwd=tmp_path) as proc:
+        lines = []
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            if line.startswith("measuring every candidate(s): 100000 round(s)"):
+                break
+        assert out.exists() and "wrote " in "".join(lines), "".join(lines)[-2000:]
+        deadline = time.monotonic() + 30
+        zero = []
+        while not zero and time.monotonic() < deadline:
+            zero = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == str(tmp_path)
+                    and _environ(pid).get("SPMDKIT_PROCESS_ID") == "0"]
+        assert zero, "process 0 not found"
+        time.sleep(1)
+        os.kill(int(zero[0]), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    stdout = " ".join(("".join(lines) + stdout).split())
+    assert proc.returncode not in (0, 130), stdout[-2000:] + stderr[-3000:]
+    assert "nothing measured: the processes stopped before process 0 reported" in stdout, stdout[-2000:]
+    assert f"the ranking above (in {out})" in stdout and "winner:" in stdout
+    assert "failed" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    plan = json.loads(out.read_text())
+    assert [c["status"] for c in plan["candidates"]] == ["ok"] * 3 and "measured" not in plan
+    assert plan["task"] == "mlp" and plan["model"] == {"layers": 1, "depth": 16, "embed": 8}
+
+
+def test_plan_outcome_shows_the_saved_ranking_after_a_ctrl_c_that_process_0_did_not_survive(capsys):
+    # A Ctrl-C while a candidate compiled in several processes: the launcher's grace ran out before
+    # process 0 reached a point all processes agree to stop at; it was killed, and nothing was shown.
+    from rich.console import Console
+
+    from spmdkit._plan_cli import _outcome
+
+    make_state, step, batch = _tiny()
+    ranking = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")
+    args = argparse.Namespace(json="plan.json", processes=2)
+    assert _outcome(None, ranking, True, 130, [], args, Console(width=200)) == 130
+    out = " ".join(capsys.readouterr().out.split())
+    assert "winner: dp [data=8]" in out and "the ranking above (in plan.json) is the prediction alone" in out
+    with pytest.raises(KeyboardInterrupt):  # nothing to show: main() says "interrupted"
+        _outcome(None, None, True, 130, [], args, Console(width=200))
+    assert _outcome({"candidates": [{"status": "ok"}]}, ranking, True, 130, [], args, Console()) == 130
+    assert "nothing measured" not in capsys.readouterr().out  # process 0 reported: not shown twice
+
+
+def test_plan_gives_on_ranked_the_priced_plan_before_measuring(monkeypatch):
+    # A run killed while measuring (minutes, for every candidate) lost its ranking with it.
+    from spmdkit import _plan
+
+    seen = []
+
+    def fake_measure(result, *args, **kwargs):
+        assert seen, "measured before on_ranked"
+        return {"runs": [], "rounds": 0}
+
+    monkeypatch.setattr(_plan, "_measure", fake_measure)
+    make_state, step, batch = _tiny()
+    result = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1, on_ranked=seen.append)
+    assert len(seen) == 1 and "measured" not in seen[0] and "measured" in result
+    assert seen[0]["candidates"] == result["candidates"] and seen[0] is not result
+    seen.clear()
+    spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", on_ranked=seen.append)
+    assert seen == []  # nothing measured: the plan is returned at once
+    with pytest.raises(spmdkit.SignatureError, match="on_ranked"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1, on_ranked=lambda: None)
 
 
 def _cwd(pid: str) -> str | None:

@@ -27,8 +27,10 @@ from spmdkit._errors import ConfigError, SpmdkitError, fix, unwritable, wrong_ou
 from spmdkit._process import end_soon
 from spmdkit._tasks.lm import REMAT
 
-# Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there.
+# Set by a ``plan --processes P --measure K`` for the processes it starts: process 0 writes the plan there,
+# and the priced plan before measuring (ENV_PLAN_RANKED), which the command shows if the processes die.
 ENV_PLAN_RESULT = "SPMDKIT_PLAN_RESULT"
+ENV_PLAN_RANKED = "SPMDKIT_PLAN_RANKED"
 _ENV_STRIP = ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -178,9 +180,7 @@ def _lm(args: argparse.Namespace, batch_size: int):
 
     sizes = _lm_sizes(args)
     cfg = lm.LMConfig(**sizes)
-    # Enough text for one global batch: the planner needs shapes, --measure a real batch.
-    need = max(batch_size * (cfg.seq_len + 1) * 2, 20_000)
-    task = lm.make(**sizes, text_dir=args.text_dir, text_bytes=args.text_bytes or need)
+    task = lm.make(**sizes, text_dir=args.text_dir, text_bytes=_text_bytes(args, cfg.seq_len, batch_size))
     optimizer = optax.adamw(lm.DEFAULTS["lr"])
 
     def step_for(remat: str, accum: int):
@@ -191,6 +191,11 @@ def _lm(args: argparse.Namespace, batch_size: int):
     remat = args.remat_options or ((args.remat,) if args.remat else ("none",))
     dtype = "bfloat16" if cfg.precision == "bf16" else "float32"
     return task, task_state(task, optimizer), step_for, activations, remat, dtype
+
+
+def _text_bytes(args: argparse.Namespace, seq_len: int, batch_size: int) -> int:
+    """--text-bytes, else enough text for one global batch: the planner needs shapes, --measure a real batch."""
+    return args.text_bytes or max(batch_size * (seq_len + 1) * 2, 20_000)
 
 
 def _mlp(args: argparse.Namespace, batch_size: int):
@@ -301,7 +306,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                       rules=args.rules, remat=tuple(remat), accum=args.grad_accum, step_for=step_for,
                       processes=args.processes, dtype=dtype, activations=activations, measure=args.measure,
                       measure_steps=args.measure_steps, measure_rounds=args.measure_rounds,
-                      progress=_progress(console) if lead else None)
+                      progress=_progress(console) if lead else None, on_ranked=_save_ranked(args, console) if lead else None)
     except MeasureInterrupted as stop:
         # Ctrl-C while measuring lost the compiled and priced plan to a traceback: show and write
         # what there is (the ranking, the whole rounds measured), then exit as interrupted.
@@ -325,13 +330,40 @@ def _model(args: argparse.Namespace) -> dict[str, Any]:
     so that a saved plan says what it planned."""
     import inspect
 
-    from spmdkit._tasks import lm, mlp
+    from spmdkit._tasks import lm, mlp, task_defaults
 
     if args.task == "lm":
         cfg = lm.LMConfig(**_lm_sizes(args))
         sizes = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "remat"}  # remat: a candidate's
-        return {**sizes, "scan_unroll": cfg.unroll, "text_dir": args.text_dir}
+        # The corpus as read (a relative --text-dir means nothing from another directory; None: the
+        # standard library's source) and how much of it.
+        text_dir = os.path.abspath(args.text_dir) if args.text_dir else None
+        batch_size = args.batch_size or task_defaults("lm")["batch_size"]
+        return {**sizes, "scan_unroll": cfg.unroll, "text_dir": text_dir,
+                "text_bytes": _text_bytes(args, cfg.seq_len, batch_size)}
     return {k: getattr(args, k) or inspect.signature(mlp.make).parameters[k].default for k in ("layers", "depth", "embed")}
+
+
+def _save_ranked(args: argparse.Namespace, console: Console) -> Callable[[dict[str, Any]], None]:
+    """Before measuring: the priced plan to --json and --png, and to the file of the command that
+    started these processes. Measuring may take minutes; a process killed meanwhile (SIGKILL, out of
+    memory, a Ctrl-C while a candidate compiles in several processes) left nothing of the ranking."""
+
+    def save(result: dict[str, Any]) -> None:
+        from spmdkit._plan import save_png
+
+        result.update(task=args.task, model=_model(args))
+        if args.json:
+            write_whole(args.json, "--json", _dump(result, 2))
+        if args.png:
+            write_whole(args.png, "--png", lambda tmp: save_png(result, tmp))
+        if os.environ.get(ENV_PLAN_RANKED):
+            write_whole(os.environ[ENV_PLAN_RANKED], "the plan's ranking file", _dump(result, None))
+        written = " and ".join(p for p in (args.json, args.png) if p)
+        if written:
+            console.print(f"wrote {written}: the ranking, written again with the measurements", highlight=False)
+
+    return save
 
 
 def _exit_code(result: dict[str, Any]) -> int:
@@ -402,9 +434,9 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
     console.print(f"measuring over {args.processes} processes x {per} devices: spmdkit launch -n {args.processes} "
                   f"--host-devices-per-process {per} -- spmdkit {' '.join(given)}", highlight=False, markup=False)
     with tempfile.TemporaryDirectory(prefix="spmdkit-plan-") as tmp:
-        done = os.path.join(tmp, "plan.json")
+        done, ranked = os.path.join(tmp, "plan.json"), os.path.join(tmp, "ranked.json")
         env = {k: v for k, v in os.environ.items() if k not in _ENV_STRIP}
-        env[ENV_PLAN_RESULT] = done
+        env[ENV_PLAN_RESULT], env[ENV_PLAN_RANKED] = done, ranked
         # Not a session of its own: a SIGKILL to this command's process group reaches the launcher.
         proc = subprocess.Popen(launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         errors: deque = deque(maxlen=200)
@@ -415,8 +447,9 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
         try:
             interrupted = _wait_launcher(proc, args)
         except subprocess.TimeoutExpired:
+            kept = f" The ranking, priced before measuring, is in {args.json}." if args.json and os.path.exists(ranked) else ""
             raise PlanRunError(fix(f"the {args.processes} processes measuring the plan did not finish in "
-                                   f"{args.measure_timeout} s; killed.",
+                                   f"{args.measure_timeout} s; killed.{kept}",
                                    "measure fewer candidates (--measure, --rules), fewer --measure-steps or "
                                    "--measure-rounds, or raise --measure-timeout.")) from None
         finally:
@@ -427,18 +460,38 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
                 t.join(timeout=10)
         if interrupted:  # which processes the launcher had to kill, in its own words
             sys.stderr.writelines(line for line in errors if line.startswith("spmdkit launch: "))
-        result = None
-        if os.path.exists(done):
-            with open(done) as fh:
-                result = json.load(fh)
-    if interrupted or proc.returncode == 130:
-        if result is None:  # process 0 printed nothing: main() says "interrupted", exit code 130
+        result, ranking = _read_json(done), _read_json(ranked)
+    return _outcome(result, ranking, interrupted or proc.returncode == 130, proc.returncode, list(errors), args, console)
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, interrupted: bool, code: int,
+             errors: list[str], args: argparse.Namespace, console: Console) -> int:
+    """The exit code of a ``plan`` run in several processes. ``result``: process 0's plan, which it
+    printed and wrote; ``ranking``: the priced plan it saved before measuring. Without ``result``
+    (process 0 stopped or died before reporting) this command shows ``ranking``, then the
+    interruption or the failure."""
+    from spmdkit._plan import print_plan
+
+    if result is None and ranking is not None:
+        print_plan(ranking, console)
+        where = f" (in {args.json})" if args.json else ""
+        console.print(f"nothing measured: the processes stopped before process 0 reported; the ranking above{where} is "
+                      "the prediction alone", highlight=False)
+    if interrupted:
+        if result is None and ranking is None:  # nothing printed: main() says "interrupted", exit code 130
             raise KeyboardInterrupt
         return 130
     if result is not None:
         return _exit_code(result)
-    _raise_failure(proc.returncode, list(errors), args.processes)
-    return proc.returncode  # not reached
+    _raise_failure(code, errors, args.processes)
+    return code  # not reached
 
 
 def _wait_launcher(proc: subprocess.Popen, args: argparse.Namespace) -> bool:

@@ -9,6 +9,7 @@ machine; or a target file: peak FLOP/s, memory bandwidth, alpha-beta links).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from collections.abc import Callable
@@ -130,6 +131,7 @@ _CALLS = {
     "step_for": (("none", 1), "step_for=lambda remat, accum: make_train_step(remat=remat, accum=accum)"),
     "activations": ((None, 1, 1), "activations=lambda candidate, batch_shards, mesh_size: 2**20"),
     "progress": (("",), "progress=print"),
+    "on_ranked": (({},), "on_ranked=lambda plan: Path('plan.json').write_text(json.dumps(plan))"),
 }
 
 
@@ -186,7 +188,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
          processes: int | None = None, dtype: str = "float32", rng: Any = 0, measure: int | str = 0, measure_steps: int = 3,
          measure_rounds: int = 14,
          activations: Callable[[Candidate, int, int], int | dict[str, int]] | None = None,
-         state_axes: Any = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+         state_axes: Any = None, progress: Callable[[str], None] | None = None,
+         on_ranked: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Rank the sharded layouts of ``make_state``/``train_step`` on the devices of every process.
 
     Candidates are the factorisations of ``jax.device_count()`` over the mesh axes each
@@ -220,6 +223,11 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     ``replicated``/``conflicts``; then ``pruned`` and ``over_budget`` ones with a
     ``reason``), ``frontier`` (memory vs time Pareto labels) and ``why`` (lines).
 
+    ``on_ranked(plan)``, with ``measure``: called on every process with the priced plan (the
+    dict above, without ``"measured"``) before the measurement starts, which may take
+    minutes: save it there (as ``spmdkit plan --json`` does), and a run killed while measuring
+    still leaves its ranking.
+
     Example:
         >>> import jax, jax.numpy as jnp, spmdkit
         >>> make_state = lambda rng: {"w": jnp.zeros((16, 32))}
@@ -234,7 +242,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     accum = (accum,) if isinstance(accum, (int, np.integer)) else tuple(accum)
     memory_per_device = _budget(memory_per_device)
     _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds, remat)
-    _check_inputs(make_state, train_step, batch, target, step_for=step_for, progress=progress, activations=activations)
+    _check_inputs(make_state, train_step, batch, target, step_for=step_for, progress=progress, activations=activations,
+                  on_ranked=on_ranked)
     rules = rules_names(rules)
     processes = check_processes(processes, measure)
     if jax.process_count() > 1:
@@ -252,6 +261,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     result["why"] = explain(result)
     result = from_process_0(result)  # several processes: all measure process 0's ranking, in its order
     if measure:
+        if on_ranked is not None:
+            on_ranked(copy.deepcopy(result))  # the caller may keep or change it; measuring adds to ours
         if progress:  # minutes may pass before the table: say what runs and how to stop it
             progress(f"measuring {'every' if measure == 'all' else f'the {measure} best'} candidate(s): "
                      f"{measure_rounds} round(s) of {measure_steps} step(s) each (Ctrl-C stops and shows the rounds "
