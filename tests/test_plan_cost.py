@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdkit._plan._cost import compute_time
 from spmdkit._plan._hlo import Kernel, contiguous_run, kernels, parse, transposed
-from spmdkit._target import Link, Target, TargetError, from_json, measure_cache_curve
+from spmdkit._target import Link, Target, TargetError, collective_time, from_json, measure_cache_curve
 
 
 def _target(**kw) -> Target:
@@ -233,3 +233,24 @@ def test_a_target_built_in_python_reads_dtype_aliases_as_a_file_does():
         Target(peak_flops={"fast": 1e12}, **base)
     with pytest.raises(TargetError, match="gives bfloat16 twice"):
         Target(peak_flops={"bf16": 1e12, "bfloat16": 1e12}, **base)
+
+
+def test_a_target_built_with_numpy_figures_writes_a_file_that_prices_the_same():
+    # Its figures were written as strings (json's default=str), which a target file refuses: the
+    # plan's target.file could not be passed back with --target.
+    import numpy as np
+
+    t = Target("np", "example", np.int64(8), {"float32": np.float32(1e12), "bf16": np.float64(2e12)},
+               np.float32(1e11), {"intra_host": Link(np.float32(1e-5), np.float32(1e-10),
+                                                     pieces=((np.int64(4096), Link(np.float32(2e-5), 0.0)),
+                                                             (None, Link(1e-5, 1e-10))))},
+               memory_per_device=np.int64(2**30), op_overhead=np.float32(1e-6), collective_sync_ops={2: np.float32(1.5)},
+               cache_bandwidth=((np.int64(32768), np.float32(2e10)),), transpose_bandwidth=((32768, np.float32(5e9)),))
+    back = from_json(json.loads(json.dumps(t.to_json())))  # no default=: every figure a JSON number
+    kernels = [Kernel(1e6, 4096, 2), Kernel(0.0, 65536, 3, cold=1000, strided=8192)]
+    for dtype in ("float32", "bfloat16"):
+        assert compute_time(0, 0, back, dtype, 5, kernels) == pytest.approx(compute_time(0, 0, t, dtype, 5, kernels))
+    for n in (1024, 1 << 20):
+        assert collective_time(back, "all_reduce", n, 8, "intra_host") == pytest.approx(
+            collective_time(t, "all_reduce", n, 8, "intra_host"))
+    assert back.memory_per_device == 2**30 and back.sync_ops_for(2) == 1.5

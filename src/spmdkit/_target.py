@@ -217,29 +217,32 @@ class Target:
         raise TargetError(fix(f"target {self.name!r} has no {link!r} link.", f'add "{link}" to its "links".'))
 
     def to_json(self) -> dict[str, Any]:
+        # Figures as Python floats: a Target built in Python with NumPy scalars (np.float32(67e12))
+        # was written as strings, which a target file refuses when passed back.
         out: dict[str, Any] = {
             "format": FORMAT, "version": VERSION, "name": self.name, "source": self.source,
-            "devices_per_host": self.devices_per_host,
-            "peak_flops": dict(self.peak_flops), "memory_bandwidth": self.memory_bandwidth,
+            "devices_per_host": int(self.devices_per_host),
+            "peak_flops": {k: float(v) for k, v in self.peak_flops.items()},
+            "memory_bandwidth": float(self.memory_bandwidth),
             "links": {k: _link_json(v) for k, v in self.links.items()},
         }
         if self.memory_per_device is not None:
-            out["memory_per_device"] = self.memory_per_device
+            out["memory_per_device"] = float(self.memory_per_device)
         if self.collectives:
             out["collectives"] = {kind: {k: _link_json(v) for k, v in links.items()}
                                   for kind, links in self.collectives.items()}
         if self.measurements:
             out["measurements"] = list(self.measurements)
         if self.op_overhead:
-            out["op_overhead"] = self.op_overhead
+            out["op_overhead"] = float(self.op_overhead)
         if self.warnings:
             out["warnings"] = list(self.warnings)
         if self.collective_sync_ops:
-            out["collective_sync_ops"] = {str(n): s for n, s in sorted(self.collective_sync_ops.items())}
+            out["collective_sync_ops"] = {str(n): float(s) for n, s in sorted(self.collective_sync_ops.items())}
         if self.cache_bandwidth:
-            out["cache_bandwidth"] = [[b, r] for b, r in self.cache_bandwidth]
+            out["cache_bandwidth"] = [[float(b), float(r)] for b, r in self.cache_bandwidth]
         if self.transpose_bandwidth:
-            out["transpose_bandwidth"] = [[b, r] for b, r in self.transpose_bandwidth]
+            out["transpose_bandwidth"] = [[float(b), float(r)] for b, r in self.transpose_bandwidth]
         return out
 
 
@@ -258,11 +261,11 @@ def _curve_at(curve: tuple[tuple[float, float], ...], nbytes: float) -> float:
 
 
 def _link_json(v: Link) -> dict[str, Any]:
-    out: dict[str, Any] = {"alpha": v.alpha, "beta": v.beta}
+    out: dict[str, Any] = {"alpha": float(v.alpha), "beta": float(v.beta)}
     if v.per_operand:
         out["per_operand"] = True
     if v.pieces:
-        out["pieces"] = [{**({} if m is None else {"max_bytes": m}), **_link_json(p)} for m, p in v.pieces]
+        out["pieces"] = [{**({} if m is None else {"max_bytes": float(m)}), **_link_json(p)} for m, p in v.pieces]
     return out
 
 
