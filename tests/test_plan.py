@@ -1155,23 +1155,113 @@ def test_cli_plan_two_processes_shows_the_ranking_when_process_0_dies_while_meas
     assert plan["task"] == "mlp" and plan["model"] == {"layers": 1, "depth": 16, "embed": 8}
 
 
-def test_plan_outcome_shows_the_saved_ranking_after_a_ctrl_c_that_process_0_did_not_survive(capsys):
-    # A Ctrl-C while a candidate compiled in several processes: the launcher's grace ran out before
-    # process 0 reached a point all processes agree to stop at; it was killed, and nothing was shown.
+def test_plan_outcome_shows_the_saved_ranking_when_process_0_did_not_report(capsys):
+    # A Ctrl-C while a candidate compiled in several processes (the launcher's grace ran out before
+    # process 0 reached a point all processes agree to stop at), a second Ctrl-C, or
+    # --measure-timeout: process 0 was killed, and nothing was shown.
     from rich.console import Console
 
+    from spmdkit._plan._processes import PlanRunError
     from spmdkit._plan_cli import _outcome
 
     make_state, step, batch = _tiny()
     ranking = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")
-    args = argparse.Namespace(json="plan.json", processes=2)
-    assert _outcome(None, ranking, True, 130, [], args, Console(width=200)) == 130
+    args = argparse.Namespace(json="plan.json", png=None, processes=2, measure_timeout=30)
+    wide = Console(width=200)
+    assert _outcome(None, ranking, "interrupted", 130, [], args, wide, ["plan.json"]) == 130
     out = " ".join(capsys.readouterr().out.split())
-    assert "winner: dp [data=8]" in out and "the ranking above (in plan.json) is the prediction alone" in out
+    assert "winner: dp [data=8]" in out
+    assert "nothing measured: interrupted (Ctrl-C) before process 0 reported; the ranking above (in plan.json)" in out
+    assert _outcome(None, ranking, "stopped", -9, [], args, wide) == 130
+    assert "interrupted (Ctrl-C twice) before" in capsys.readouterr().out
+    with pytest.raises(PlanRunError, match="did not finish in 30 s"):
+        _outcome(None, ranking, "timeout", -9, [], args, wide)
+    assert "killed at --measure-timeout before process 0 reported" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(KeyboardInterrupt):  # nothing to show: main() says "interrupted"
-        _outcome(None, None, True, 130, [], args, Console(width=200))
-    assert _outcome({"candidates": [{"status": "ok"}]}, ranking, True, 130, [], args, Console()) == 130
-    assert "nothing measured" not in capsys.readouterr().out  # process 0 reported: not shown twice
+        _outcome(None, None, "interrupted", 130, [], args, wide)
+    assert _outcome({"candidates": [{"status": "ok"}]}, None, "interrupted", 130, [], args, wide) == 130
+    # Process 0 reported (and removed its saved ranking), then failed writing --png or was killed:
+    # the failure alone, not its ranking again under "nothing measured".
+    with pytest.raises(PlanRunError, match="exit code 4"):
+        _outcome(None, None, "done", 4, ["[0] error: --png cannot be written\n"], args, wide)
+    assert "nothing measured" not in capsys.readouterr().out
+
+
+def test_plan_failure_names_the_first_error_and_a_kill_from_outside():
+    from spmdkit._plan._processes import PlanRunError
+    from spmdkit._plan_cli import _raise_failure
+
+    noise = [f"[1] @ 0x7f{i} absl::LogMessage::Flush()\n" for i in range(30)]
+    with pytest.raises(PlanRunError) as err:
+        _raise_failure(5, ["[0] error: --json 'x/p.json' cannot be written: No such file or directory.\n", *noise], 2)
+    assert "--json 'x/p.json' cannot be written" in str(err.value)  # not pushed out by process 1's trace
+    killed = [*noise, "spmdkit launch: process 0 was killed by signal 9; stopped the other 1\n"]
+    with pytest.raises(PlanRunError) as err:
+        _raise_failure(1, killed, 2)
+    assert "killed from outside" in str(err.value) and "can join here" not in str(err.value)
+
+
+def test_the_ranking_saved_before_measuring_skips_a_fifo_and_survives_a_file_it_cannot_write(tmp_path, capsys):
+    # A FIFO's reader took the early ranking and left: the final write then blocked forever. A
+    # --json that could not be written then stopped the plan: no table, no measurement, no --png.
+    from rich.console import Console
+
+    from spmdkit._plan_cli import _save_ranked
+
+    make_state, step, batch = _tiny()
+    ranking = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = argparse.Namespace(task="mlp", layers=1, depth=16, embed=8, json=str(fifo), png=str(tmp_path / "p.png"))
+    _save_ranked(args, Console(width=200))(dict(ranking))  # would block on the FIFO
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {tmp_path / 'p.png'}: the ranking" in " ".join(capsys.readouterr().out.split())
+    gone = argparse.Namespace(**{**vars(args), "json": str(tmp_path / "gone" / "p.json"), "png": str(tmp_path / "q.png")})
+    _save_ranked(gone, Console(width=200))(dict(ranking))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "warning: the ranking was not saved before measuring: --json" in out and (tmp_path / "q.png").exists()
+
+
+def test_process_0_removes_its_saved_ranking_when_it_reports(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from spmdkit._plan_cli import ENV_PLAN_RANKED, _write
+
+    make_state, step, batch = _tiny()
+    ranking = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")
+    saved = tmp_path / "ranked.json"
+    saved.write_text("{}")
+    monkeypatch.setenv(ENV_PLAN_RANKED, str(saved))
+    _write(ranking, argparse.Namespace(json=None, png=None), Console(width=200))
+    assert not saved.exists()
+
+
+def test_cli_plan_two_processes_end_when_the_command_alone_is_killed(tmp_path, own_group):
+    """kill -9 of the command's pid alone (not its group): the launcher and both processes ran on,
+    measuring for --measure-timeout and more."""
+    import signal
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
+               "--embed", "8", "--batch-size", "16", "--rules", "dp", "--devices", "8", "--processes", "2",
+               "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
+               "--no-compile-cache"]
+    with own_group(command, env=env, cwd=tmp_path) as proc:
+        for line in iter(proc.stdout.readline, ""):
+            if line.startswith("measuring every candidate(s)"):
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while True:
+            left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == str(tmp_path)]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert not left, f"processes left running in {tmp_path}: {left}"
 
 
 def test_plan_gives_on_ranked_the_priced_plan_before_measuring(monkeypatch):
@@ -1181,7 +1271,7 @@ def test_plan_gives_on_ranked_the_priced_plan_before_measuring(monkeypatch):
     seen = []
 
     def fake_measure(result, *args, **kwargs):
-        assert seen, "measured before on_ranked"
+        assert seen or not any(r["status"] == "ok" for r in result["candidates"]), "measured before on_ranked"
         return {"runs": [], "rounds": 0}
 
     monkeypatch.setattr(_plan, "_measure", fake_measure)
@@ -1192,6 +1282,9 @@ def test_plan_gives_on_ranked_the_priced_plan_before_measuring(monkeypatch):
     seen.clear()
     spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", on_ranked=seen.append)
     assert seen == []  # nothing measured: the plan is returned at once
+    spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1, memory_per_device=16,
+                 on_ranked=seen.append)
+    assert seen == []  # nothing fits: nothing to measure
     with pytest.raises(spmdkit.SignatureError, match="on_ranked"):
         spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1, on_ranked=lambda: None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
@@ -335,8 +337,8 @@ def _model(args: argparse.Namespace) -> dict[str, Any]:
     if args.task == "lm":
         cfg = lm.LMConfig(**_lm_sizes(args))
         sizes = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "remat"}  # remat: a candidate's
-        # The corpus as read (a relative --text-dir means nothing from another directory; None: the
-        # standard library's source) and how much of it.
+        # The corpus (a relative --text-dir means nothing from another directory; None: the standard
+        # library's source) and the most bytes read from it (a smaller corpus gives fewer).
         text_dir = os.path.abspath(args.text_dir) if args.text_dir else None
         batch_size = args.batch_size or task_defaults("lm")["batch_size"]
         return {**sizes, "scan_unroll": cfg.unroll, "text_dir": text_dir,
@@ -347,21 +349,30 @@ def _model(args: argparse.Namespace) -> dict[str, Any]:
 def _save_ranked(args: argparse.Namespace, console: Console) -> Callable[[dict[str, Any]], None]:
     """Before measuring: the priced plan to --json and --png, and to the file of the command that
     started these processes. Measuring may take minutes; a process killed meanwhile (SIGKILL, out of
-    memory, a Ctrl-C while a candidate compiles in several processes) left nothing of the ranking."""
+    memory, a Ctrl-C while a candidate compiles in several processes) left nothing of the ranking.
+    A FIFO or device is left for the final write (its reader takes one document); a file that
+    cannot be written now is said and measuring goes on (the final write tries again)."""
 
     def save(result: dict[str, Any]) -> None:
         from spmdkit._plan import save_png
 
         result.update(task=args.task, model=_model(args))
-        if args.json:
-            write_whole(args.json, "--json", _dump(result, 2))
-        if args.png:
-            write_whole(args.png, "--png", lambda tmp: save_png(result, tmp))
+        written = []
+        for path, flag, write in ((args.json, "--json", _dump(result, 2)),
+                                  (args.png, "--png", lambda tmp: save_png(result, tmp))):
+            if not path or (os.path.exists(path) and not os.path.isfile(path)):
+                continue
+            try:
+                write_whole(path, flag, write)
+                written.append(path)
+            except PlanFileError as e:
+                console.print(f"warning: the ranking was not saved before measuring: {e}", highlight=False,
+                              markup=False)
         if os.environ.get(ENV_PLAN_RANKED):
             write_whole(os.environ[ENV_PLAN_RANKED], "the plan's ranking file", _dump(result, None))
-        written = " and ".join(p for p in (args.json, args.png) if p)
         if written:
-            console.print(f"wrote {written}: the ranking, written again with the measurements", highlight=False)
+            console.print(f"wrote {' and '.join(written)}: the ranking, written again with the measurements",
+                          highlight=False, markup=False)
 
     return save
 
@@ -394,6 +405,9 @@ def _dump(result: dict[str, Any], indent: int | None) -> Callable[[str], None]:
 def _write(result: dict[str, Any], args: argparse.Namespace, console: Console) -> None:
     from spmdkit._plan import print_plan, save_png
 
+    if os.environ.get(ENV_PLAN_RANKED):  # from here on this process reports: the command must not show it again
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.environ[ENV_PLAN_RANKED])
     print_plan(result, console)
     if args.json:
         write_whole(args.json, "--json", _dump(result, 2))
@@ -424,8 +438,6 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
     """This command again, in ``--processes`` processes of ``--devices / --processes`` devices each
     under ``spmdkit launch``; process 0's output shown here. A hard ``--measure-timeout``: then the
     launcher is killed with SIGKILL, and its processes with it (they die with the launcher)."""
-    from spmdkit._plan._processes import PlanRunError
-
     per = args.devices // args.processes
     given = list(getattr(args, "raw_argv", sys.argv[1:]))
     argv = [*given, "--host-devices", str(per)]  # the last one given counts
@@ -433,35 +445,39 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
                 "--host-devices-per-process", str(per), "--", sys.executable, "-m", "spmdkit._cli", *argv]
     console.print(f"measuring over {args.processes} processes x {per} devices: spmdkit launch -n {args.processes} "
                   f"--host-devices-per-process {per} -- spmdkit {' '.join(given)}", highlight=False, markup=False)
+    from spmdkit._launch import _die_with_parent
+
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="spmdkit-plan-") as tmp:
         done, ranked = os.path.join(tmp, "plan.json"), os.path.join(tmp, "ranked.json")
         env = {k: v for k, v in os.environ.items() if k not in _ENV_STRIP}
         env[ENV_PLAN_RESULT], env[ENV_PLAN_RANKED] = done, ranked
-        # Not a session of its own: a SIGKILL to this command's process group reaches the launcher.
-        proc = subprocess.Popen(launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        # Not a session of its own: a SIGKILL to this command's process group reaches the launcher;
+        # one to this command alone reaches it through PR_SET_PDEATHSIG (it ran on unbounded).
+        proc = subprocess.Popen(launcher, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                preexec_fn=_die_with_parent)
         errors: deque = deque(maxlen=200)
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, None), daemon=True),
                  threading.Thread(target=_pump, args=(proc.stderr, None, errors), daemon=True)]
         for t in pumps:
             t.start()
         try:
-            interrupted = _wait_launcher(proc, args)
+            how = "interrupted" if _wait_launcher(proc, args) else "done"
         except subprocess.TimeoutExpired:
-            kept = f" The ranking, priced before measuring, is in {args.json}." if args.json and os.path.exists(ranked) else ""
-            raise PlanRunError(fix(f"the {args.processes} processes measuring the plan did not finish in "
-                                   f"{args.measure_timeout} s; killed.{kept}",
-                                   "measure fewer candidates (--measure, --rules), fewer --measure-steps or "
-                                   "--measure-rounds, or raise --measure-timeout.")) from None
+            how = "timeout"
+        except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+            how = "stopped"
         finally:
             if proc.poll() is None:
                 proc.kill()  # the launcher; its processes get SIGKILL when it dies
                 proc.wait()
             for t in pumps:
                 t.join(timeout=10)
-        if interrupted:  # which processes the launcher had to kill, in its own words
+        if how == "interrupted":  # which processes the launcher had to kill, in its own words
             sys.stderr.writelines(line for line in errors if line.startswith("spmdkit launch: "))
         result, ranking = _read_json(done), _read_json(ranked)
-    return _outcome(result, ranking, interrupted or proc.returncode == 130, proc.returncode, list(errors), args, console)
+    saved = [p for p in (args.json, args.png) if p and os.path.isfile(p) and os.path.getmtime(p) >= started - 1]
+    return _outcome(result, ranking, how, proc.returncode, list(errors), args, console, saved)
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
@@ -471,21 +487,33 @@ def _read_json(path: str) -> dict[str, Any] | None:
         return json.load(fh)
 
 
-def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, interrupted: bool, code: int,
-             errors: list[str], args: argparse.Namespace, console: Console) -> int:
-    """The exit code of a ``plan`` run in several processes. ``result``: process 0's plan, which it
-    printed and wrote; ``ranking``: the priced plan it saved before measuring. Without ``result``
-    (process 0 stopped or died before reporting) this command shows ``ranking``, then the
-    interruption or the failure."""
-    from spmdkit._plan import print_plan
+_STOPPED = {"done": "the processes stopped", "timeout": "the processes were killed at --measure-timeout",
+            "interrupted": "interrupted (Ctrl-C)", "stopped": "interrupted (Ctrl-C twice)"}
 
-    if result is None and ranking is not None:
+
+def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, how: str, code: int,
+             errors: list[str], args: argparse.Namespace, console: Console, saved: list[str] = ()) -> int:
+    """The exit code of a ``plan`` run in several processes. ``result``: process 0's plan, which it
+    printed and wrote; ``ranking``: the priced plan it saved before measuring, removed once it
+    reports. Without either, process 0 is reporting or did: nothing more to show. ``how`` the
+    launcher ended: ``done``, ``timeout`` (--measure-timeout), ``interrupted`` (Ctrl-C),
+    ``stopped`` (Ctrl-C twice); ``saved``: the --json/--png files holding the ranking."""
+    from spmdkit._plan import print_plan
+    from spmdkit._plan._processes import PlanRunError
+
+    shown = result is None and ranking is not None
+    if shown:
         print_plan(ranking, console)
-        where = f" (in {args.json})" if args.json else ""
-        console.print(f"nothing measured: the processes stopped before process 0 reported; the ranking above{where} is "
-                      "the prediction alone", highlight=False)
-    if interrupted:
-        if result is None and ranking is None:  # nothing printed: main() says "interrupted", exit code 130
+        where = f" (in {' and '.join(saved)})" if saved else ""
+        console.print(f"nothing measured: {_STOPPED[how]} before process 0 reported; the ranking above{where} is the "
+                      "prediction alone", highlight=False, markup=False)
+    if how == "timeout":
+        raise PlanRunError(fix(f"the {args.processes} processes measuring the plan did not finish in "
+                               f"{args.measure_timeout} s; killed.",
+                               "measure fewer candidates (--measure, --rules), fewer --measure-steps or "
+                               "--measure-rounds, or raise --measure-timeout."))
+    if how in ("interrupted", "stopped") or code == 130:
+        if result is None and not shown:  # nothing printed: main() says "interrupted", exit code 130
             raise KeyboardInterrupt
         return 130
     if result is not None:
@@ -530,6 +558,12 @@ def _raise_failure(code: int, lines: list[str], processes: int) -> None:
         start = next(i for i, text in enumerate(ours) if text.startswith("error: "))
         raise ConfigError("".join(ours[start:]).strip()[len("error: "):])
     tail = "".join(mine[-15:]).rstrip()
+    if first is not None:  # the first error a process reported, before the others' noise at losing it
+        ours = [text for who, text in split if who == first]
+        start = next(i for i, text in enumerate(ours) if text.startswith("error: "))
+        tail = "".join(ours[start:start + 15]).rstrip() + "\n" + tail
+    killed = any(text.startswith("spmdkit launch: ") and "killed by signal" in text for text in mine)
+    how = ("a process was killed from outside (out of memory? a kill command?): run again" if killed else
+           f"check that {processes} processes can join here (spmdkit launch -n {processes} -- spmdkit devices)")
     raise PlanRunError(fix(f"the {processes} processes measuring the plan failed (exit code {code}):\n{tail}",
-                           f"check that {processes} processes can join here (spmdkit launch -n {processes} -- "
-                           "spmdkit devices), or leave --measure out to price only."))
+                           f"{how}, or leave --measure out to price only."))

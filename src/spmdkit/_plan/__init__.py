@@ -226,7 +226,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     ``on_ranked(plan)``, with ``measure``: called on every process with the priced plan (the
     dict above, without ``"measured"``) before the measurement starts, which may take
     minutes: save it there (as ``spmdkit plan --json`` does), and a run killed while measuring
-    still leaves its ranking.
+    still leaves its ranking. Not called when no candidate is ranked (nothing to measure); an
+    exception it raises stops the plan there.
 
     Example:
         >>> import jax, jax.numpy as jnp, spmdkit
@@ -260,10 +261,11 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     result["frontier"] = [r["label"] for r in pareto(result["candidates"])]
     result["why"] = explain(result)
     result = from_process_0(result)  # several processes: all measure process 0's ranking, in its order
+    ranked = any(r["status"] == "ok" for r in result["candidates"])
     if measure:
-        if on_ranked is not None:
+        if on_ranked is not None and ranked:
             on_ranked(copy.deepcopy(result))  # the caller may keep or change it; measuring adds to ours
-        if progress:  # minutes may pass before the table: say what runs and how to stop it
+        if progress and ranked:  # minutes may pass before the table: say what runs and how to stop it
             progress(f"measuring {'every' if measure == 'all' else f'the {measure} best'} candidate(s): "
                      f"{measure_rounds} round(s) of {measure_steps} step(s) each (Ctrl-C stops and shows the rounds "
                      "done)")
