@@ -1199,6 +1199,9 @@ def test_plan_failure_names_the_first_error_and_a_kill_from_outside():
     with pytest.raises(PlanRunError) as err:
         _raise_failure(1, killed, 2)
     assert "killed from outside" in str(err.value) and "can join here" not in str(err.value)
+    with pytest.raises(PlanRunError) as err:  # a crash of its own (SIGSEGV) is not "from outside"
+        _raise_failure(1, ["spmdkit launch: process 1 was killed by signal 11; stopped the other 1\n"], 2)
+    assert "killed from outside" not in str(err.value)
 
 
 def test_the_ranking_saved_before_measuring_skips_a_fifo_and_survives_a_file_it_cannot_write(tmp_path, capsys):

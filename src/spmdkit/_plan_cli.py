@@ -547,22 +547,24 @@ def _wait_launcher(proc: subprocess.Popen, args: argparse.Namespace) -> bool:
 
 def _raise_failure(code: int, lines: list[str], processes: int) -> None:
     """A process's own error as this command's (bad input: exit code 2), else the failure with
-    the last lines the processes wrote."""
+    the first error a process reported (before the others' noise at losing it) and the last
+    lines the processes wrote."""
     from spmdkit._plan._processes import PlanRunError
 
     split = [re.match(r"(?:\[(\d+)\] )?(.*)", line, re.S).groups() for line in lines]  # (process or None, text)
     mine = [text for _, text in split]
     first = next((who for who, text in split if text.startswith("error: ")), None)
-    if code == 2 and first is not None:  # the first process to report an error, its lines only
+    error = ""
+    if first is not None:  # the first process to report an error, its lines from there
         ours = [text for who, text in split if who == first]
-        start = next(i for i, text in enumerate(ours) if text.startswith("error: "))
-        raise ConfigError("".join(ours[start:]).strip()[len("error: "):])
+        error = "".join(ours[next(i for i, text in enumerate(ours) if text.startswith("error: ")):])
+    if code == 2 and error:
+        raise ConfigError(error.strip()[len("error: "):])
     tail = "".join(mine[-15:]).rstrip()
-    if first is not None:  # the first error a process reported, before the others' noise at losing it
-        ours = [text for who, text in split if who == first]
-        start = next(i for i, text in enumerate(ours) if text.startswith("error: "))
-        tail = "".join(ours[start:start + 15]).rstrip() + "\n" + tail
-    killed = any(text.startswith("spmdkit launch: ") and "killed by signal" in text for text in mine)
+    if error:
+        tail = "".join(error.splitlines(keepends=True)[:15]).rstrip() + "\n" + tail
+    # SIGKILL (9) or SIGTERM (15) from outside: the out-of-memory killer, a kill, a scheduler.
+    killed = any(re.match(r"spmdkit launch: .*killed by signal (9|15)\b", text) for text in mine)
     how = ("a process was killed from outside (out of memory? a kill command?): run again" if killed else
            f"check that {processes} processes can join here (spmdkit launch -n {processes} -- spmdkit devices)")
     raise PlanRunError(fix(f"the {processes} processes measuring the plan failed (exit code {code}):\n{tail}",
