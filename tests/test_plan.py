@@ -1199,9 +1199,14 @@ def test_plan_failure_names_the_first_error_and_a_kill_from_outside():
     with pytest.raises(PlanRunError) as err:
         _raise_failure(1, killed, 2)
     assert "killed from outside" in str(err.value) and "can join here" not in str(err.value)
+    assert str(err.value).split("\n")[1].startswith("spmdkit launch: process 0 was killed by signal 9")  # the cause first
+    survivor = ["[0] error: another process of the job ended while this one gathered a digest\n", *noise]
     with pytest.raises(PlanRunError) as err:  # a crash of its own (SIGSEGV) is not "from outside"
-        _raise_failure(1, ["spmdkit launch: process 1 was killed by signal 11; stopped the other 1\n"], 2)
-    assert "killed from outside" not in str(err.value)
+        _raise_failure(1, [*survivor, "spmdkit launch: process 1 was killed by signal 11; stopped the other 1\n"], 2)
+    message = str(err.value)
+    assert message.split("\n")[1].startswith("spmdkit launch: process 1 was killed by signal 11")  # not the symptom
+    assert "process 1 crashed (signal 11)" in message and "killed from outside" not in message
+    assert "can join here" not in message and message.count("killed by signal 11") == 1
 
 
 def test_the_ranking_saved_before_measuring_skips_a_fifo_and_survives_a_file_it_cannot_write(tmp_path, capsys):

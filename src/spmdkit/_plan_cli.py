@@ -560,12 +560,18 @@ def _raise_failure(code: int, lines: list[str], processes: int) -> None:
         error = "".join(ours[next(i for i, text in enumerate(ours) if text.startswith("error: ")):])
     if code == 2 and error:
         raise ConfigError(error.strip()[len("error: "):])
-    tail = "".join(mine[-15:]).rstrip()
-    if error:
-        tail = "".join(error.splitlines(keepends=True)[:15]).rstrip() + "\n" + tail
-    # SIGKILL (9) or SIGTERM (15) from outside: the out-of-memory killer, a kill, a scheduler.
-    killed = any(re.match(r"spmdkit launch: .*killed by signal (9|15)\b", text) for text in mine)
-    how = ("a process was killed from outside (out of memory? a kill command?): run again" if killed else
-           f"check that {processes} processes can join here (spmdkit launch -n {processes} -- spmdkit devices)")
+    # A process that died by a signal is the cause; its peers' errors at losing it are the symptom.
+    died = next((m for m in (re.match(r"spmdkit launch: (process \d+) was killed by signal (\d+)", t) for t in mine)
+                 if m), None)
+    head = died.string.strip() if died else "".join(error.splitlines(keepends=True)[:15]).rstrip()
+    shown = {line.strip() for line in head.splitlines()}
+    rest = "".join(t for t in mine[-15:] if t.strip() not in shown).rstrip()  # the last lines, the head not again
+    tail = head + ("\n...\n" + rest if rest else "") if head else rest
+    if died and died.group(2) in ("9", "15"):  # SIGKILL, SIGTERM: the out-of-memory killer, a kill, a scheduler
+        how = "a process was killed from outside (out of memory? a kill command?): run again"
+    elif died:
+        how = f"{died.group(1)} crashed (signal {died.group(2)}): see its output above; run again"
+    else:
+        how = f"check that {processes} processes can join here (spmdkit launch -n {processes} -- spmdkit devices)"
     raise PlanRunError(fix(f"the {processes} processes measuring the plan failed (exit code {code}):\n{tail}",
                            f"{how}, or leave --measure out to price only."))
