@@ -1006,8 +1006,7 @@ def test_cli_plan_measures_over_two_processes(tmp_path):
     import sys
 
     out = tmp_path / "plan.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    env = _unjoined_env()
     command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
                "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
                "--measure", "all", "--measure-steps", "1", "--measure-rounds", "1", "--measure-timeout", "200",
@@ -1043,10 +1042,8 @@ def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path)
     import signal
     import subprocess
     import sys
-    import time
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    env = _unjoined_env()
     base = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16", "--embed",
             "8", "--batch-size", "16", "--rules", "dp", "--devices", "8", "--processes", "2", "--measure", "1"]
     for extra, code, words in ((["--target", "nope.json"], 2, "'nope.json' is neither a file"),
@@ -1062,12 +1059,7 @@ def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path)
         assert proc.returncode == code and words in " ".join(stderr.split()), stderr[-2000:]
         assert "Traceback" not in stderr
     # SIGKILL is delivered at once; a busy kernel may take a while to reap (up to 15 s allowed)
-    deadline = time.monotonic() + 15
-    while True:
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == str(tmp_path)]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    left = _left_running(tmp_path, 15)
     assert not left, f"processes left running in {tmp_path}: {left}"
 
 
@@ -1076,22 +1068,13 @@ def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp
     the command killed the launcher at once, and its processes with it: no ranking, no rounds,
     only a traceback. Now process 0 prints what it has and the command exits 130."""
     import signal
-    import sys
     import time
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    env = _unjoined_env()
     out = tmp_path / "plan.json"
-    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
-               "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
-               "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
-               "--no-compile-cache", "--json", str(out)]
+    command = _measuring_for_ever("dp,dp+tp", "--json", str(out))
     with own_group(command, sigint=True, env=env) as proc:
-        lines = []
-        for line in iter(proc.stdout.readline, ""):
-            lines.append(line)
-            if line.startswith("measuring every candidate(s): 100000 round(s)"):
-                break
+        lines = _until_measuring(proc)
         time.sleep(5)  # into the measurement (its candidates compiling, or rounds)
         os.killpg(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
@@ -1119,22 +1102,13 @@ def test_cli_plan_two_processes_shows_the_ranking_when_process_0_dies_while_meas
     the plan only at the end, so minutes of compiling and pricing were lost with it. It saves the
     priced plan before measuring; the command prints it, then the failure, and --json holds it."""
     import signal
-    import sys
     import time
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+    env = _unjoined_env()
     out = tmp_path / "plan.json"
-    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
-               "--embed", "8", "--batch-size", "16", "--rules", "dp,dp+tp", "--devices", "8", "--processes", "2",
-               "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
-               "--no-compile-cache", "--json", str(out)]
+    command = _measuring_for_ever("dp,dp+tp", "--json", str(out))
     with own_group(command, env=env, cwd=tmp_path) as proc:
-        lines = []
-        for line in iter(proc.stdout.readline, ""):
-            lines.append(line)
-            if line.startswith("measuring every candidate(s): 100000 round(s)"):
-                break
+        lines = _until_measuring(proc)
         assert out.exists() and "wrote " in "".join(lines), "".join(lines)[-2000:]
         deadline = time.monotonic() + 30
         zero = []
@@ -1248,27 +1222,14 @@ def test_cli_plan_two_processes_end_when_the_command_alone_is_killed(tmp_path, o
     """kill -9 of the command's pid alone (not its group): the launcher and both processes ran on,
     measuring for --measure-timeout and more."""
     import signal
-    import sys
-    import time
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
-    command = [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
-               "--embed", "8", "--batch-size", "16", "--rules", "dp", "--devices", "8", "--processes", "2",
-               "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
-               "--no-compile-cache"]
+    env = _unjoined_env()
+    command = _measuring_for_ever("dp")
     with own_group(command, env=env, cwd=tmp_path) as proc:
-        for line in iter(proc.stdout.readline, ""):
-            if line.startswith("measuring every candidate(s)"):
-                break
+        _until_measuring(proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while True:
-            left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == str(tmp_path)]
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        left = _left_running(tmp_path, 20)
     assert not left, f"processes left running in {tmp_path}: {left}"
 
 
@@ -1295,6 +1256,45 @@ def test_plan_gives_on_ranked_the_priced_plan_before_measuring(monkeypatch):
     assert seen == []  # nothing fits: nothing to measure
     with pytest.raises(spmdkit.SignatureError, match="on_ranked"):
         spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1, on_ranked=lambda: None)
+
+
+def _unjoined_env() -> dict[str, str]:
+    """This environment without a job's variables: the command starts its own processes."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID", "SPMDKIT_HOST_DEVICES")}
+
+
+def _measuring_for_ever(rules: str, *flags: str) -> list[str]:
+    """A tiny mlp plan over 2 processes whose measurement outlasts any test (a signal ends it)."""
+    import sys
+
+    return [sys.executable, "-m", "spmdkit._cli", "plan", "--task", "mlp", "--layers", "1", "--depth", "16",
+            "--embed", "8", "--batch-size", "16", "--rules", rules, "--devices", "8", "--processes", "2",
+            "--measure", "all", "--measure-steps", "1", "--measure-rounds", "100000", "--measure-timeout", "200",
+            "--no-compile-cache", *flags]
+
+
+def _until_measuring(proc) -> list[str]:
+    """The command's lines up to process 0's "measuring every candidate(s): ..."."""
+    lines = []
+    for line in iter(proc.stdout.readline, ""):
+        lines.append(line)
+        if line.startswith("measuring every candidate(s): 100000 round(s)"):
+            break
+    return lines
+
+
+def _left_running(path: Path, seconds: float) -> list[str]:
+    """Processes whose working directory is ``path``, waited for up to ``seconds`` (SIGKILL is
+    delivered at once; a busy kernel may take a while to reap)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == str(path)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _cwd(pid: str) -> str | None:

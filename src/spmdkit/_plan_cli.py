@@ -354,13 +354,10 @@ def _save_ranked(args: argparse.Namespace, console: Console) -> Callable[[dict[s
     cannot be written now is said and measuring goes on (the final write tries again)."""
 
     def save(result: dict[str, Any]) -> None:
-        from spmdkit._plan import save_png
-
         result.update(task=args.task, model=_model(args))
         written = []
-        for path, flag, write in ((args.json, "--json", _dump(result, 2)),
-                                  (args.png, "--png", lambda tmp: save_png(result, tmp))):
-            if not path or (os.path.exists(path) and not os.path.isfile(path)):
+        for path, flag, write in _outputs(result, args):
+            if os.path.exists(path) and not os.path.isfile(path):
                 continue
             try:
                 write_whole(path, flag, write)
@@ -402,19 +399,28 @@ def _dump(result: dict[str, Any], indent: int | None) -> Callable[[str], None]:
     return lambda tmp: Path(tmp).write_text(text)
 
 
+def _outputs(result: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, str, Callable[[str], None]]]:
+    """(path, flag, write) for each of --json and --png given."""
+    from spmdkit._plan import save_png
+
+    out: list[tuple[str, str, Callable[[str], None]]] = []
+    if args.json:
+        out.append((args.json, "--json", _dump(result, 2)))
+    if args.png:
+        out.append((args.png, "--png", lambda tmp: save_png(result, tmp)))
+    return out
+
+
 def _write(result: dict[str, Any], args: argparse.Namespace, console: Console) -> None:
-    from spmdkit._plan import print_plan, save_png
+    from spmdkit._plan import print_plan
 
     if os.environ.get(ENV_PLAN_RANKED):  # from here on this process reports: the command must not show it again
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.environ[ENV_PLAN_RANKED])
     print_plan(result, console)
-    if args.json:
-        write_whole(args.json, "--json", _dump(result, 2))
-        console.print(f"wrote {args.json}", highlight=False)
-    if args.png:
-        write_whole(args.png, "--png", lambda tmp: save_png(result, tmp))
-        console.print(f"wrote {args.png}", highlight=False)
+    for path, flag, write in _outputs(result, args):
+        write_whole(path, flag, write)
+        console.print(f"wrote {path}", highlight=False)
     if os.environ.get(ENV_PLAN_RESULT):  # the command that started these processes reads it
         write_whole(os.environ[ENV_PLAN_RESULT], "the plan's result file", _dump(result, None))
 
