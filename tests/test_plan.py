@@ -185,6 +185,34 @@ def test_per_operand_link_pays_alpha_per_operand_and_round_trips(tmp_path):
         from_json(data)
 
 
+def test_link_groups_price_their_group_size_and_round_trip():
+    """A link measured over a group of 2 (a pair of one process's devices, which the ring's step
+    count prices at a third of the whole process's group) prices groups of 2; other sizes scale
+    from the link itself; the file format keeps it and refuses a bad one by its path."""
+    pair = Link(3e-4, 2e-9, per_operand=True)
+    t = Target("t", "test", 4, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-4, 1e-9, per_operand=True,
+                                                                            groups=((2, pair),))})
+    plain = Target("t", "test", 4, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-4, 1e-9, per_operand=True)})
+    b = 1000.0
+    assert collective_time(t, "all_reduce", b, 2, "intra_host") == pytest.approx(2 * 3e-4 + b * 2e-9)
+    assert collective_time(t, "all_reduce", b, 2, "intra_host", operands=3) == pytest.approx(3 * 2 * 3e-4 + b * 2e-9)
+    assert collective_time(t, "all_gather", b, 4, "intra_host") == collective_time(plain, "all_gather", b, 4, "intra_host")
+    data = json.loads(json.dumps(t.to_json()))
+    assert data["links"]["intra_host"]["groups"] == {"2": {"alpha": 3e-4, "beta": 2e-9, "per_operand": True}}
+    assert from_json(data) == t and "groups" not in plain.to_json()["links"]["intra_host"]
+    for bad, words in (({"1": {"alpha": 1e-4, "beta": 0.0}}, "not a group size >= 2"),
+                       ({"two": {"alpha": 1e-4, "beta": 0.0}}, "not a group size >= 2"),
+                       ([1e-4], "not an object"),
+                       ({"2": {"alpha": 1e-4, "beta": 0.0, "groups": {}}}, "has groups of its own"),
+                       ({"2": {"alpha": -1.0, "beta": 0.0}}, r"groups\['2'\]")):
+        data["links"]["intra_host"]["groups"] = bad
+        with pytest.raises(TargetError, match=words):
+            from_json(data)
+    data["links"]["intra_host"] = {"alpha": 1e-4, "beta": 0.0, "pieces": [{"alpha": 1e-4, "beta": 0.0, "groups": {}}]}
+    with pytest.raises(TargetError, match="pieces.0. has groups"):
+        from_json(data)
+
+
 def test_combined_all_reduce_counts_its_operands_and_is_priced_per_operand():
     from spmdkit._plan._cost import collective_costs
 
@@ -1035,6 +1063,18 @@ def test_cli_plan_measures_over_two_processes(tmp_path):
     # The links were measured in the 2 processes at plan start, as their runtime routes them.
     assert "links measured at plan start in this 2-process program" in plan["target"]["source"], plan["target"]
     assert plan["target"]["links_note"].startswith("measured at plan start")
+    # Pairs of one process's devices (model=2) have their own link, measured between computation,
+    # and the plan priced every collective by the file it wrote.
+    target = from_json(plan["target"]["file"])
+    assert [g for g, _ in target.link("all_reduce", "intra_host").groups] == [2]
+    assert "over 2 of a process's devices, between computation" in plan["target"]["source"]
+    pairs = 0
+    for r in ok:
+        for c in r["collectives"]:
+            each = collective_time(target, c["kind"], c["bytes"], c["group_size"], c["link"], c["operands"])
+            assert (c["seconds"] - c["sync_seconds"]) / c["count"] == pytest.approx(each), (r["label"], c)
+            pairs += c["link"] == "intra_host" and c["group_size"] == 2
+    assert pairs, "dp+tp [data=4,model=2] has collectives over pairs of one process's devices"
 
 
 def test_cli_plan_two_processes_report_a_process_error_and_the_timeout(tmp_path):

@@ -21,7 +21,9 @@ step just made; without it such bytes move at ``memory_bandwidth``. A fourth,
 ``transpose_bandwidth`` (the same pairs), is the rate of a transposition (a copy that moves the
 minor dimension) of that many bytes; without it a transposition moves as other warm data. A link's optional ``per_operand`` (default
 false) says that the runtime runs a collective of several operands as one call per operand
-(gloo between processes does), so alpha is paid per operand.
+(gloo between processes does), so alpha is paid per operand. A link's optional ``groups``
+(``{"<devices in the group>": link}``) prices collectives over groups of that size by their own
+alpha-beta, where the ring's step count does not scale the link to them.
 
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},
@@ -80,6 +82,11 @@ class Link:
     # a step's gradient all-reduces into one) as one call per operand, so ``alpha`` is paid per
     # operand (gloo between processes does); False: once per collective.
     per_operand: bool = False
+    # Optional: ((devices in the group, Link), ...), alpha-beta measured over a group of that
+    # many devices on this link, for groups the ring's step count prices wrongly (a pair of one
+    # process's devices in a multi-process CPU program costs most of what all its devices do);
+    # other sizes scale from this link by the ring's steps.
+    groups: tuple = ()
 
     def at(self, nbytes: float) -> Link:
         """The (alpha, beta) for a payload of ``nbytes``: its piece, or this link without pieces."""
@@ -87,6 +94,15 @@ class Link:
             if limit is None or nbytes <= limit:
                 return piece
         return self
+
+    def for_group(self, n: int) -> Link:
+        """The link for a group of ``n`` devices: its own measured one (:attr:`groups`), else this.
+
+        Example:
+            >>> Link(1e-4, 1e-9, groups=((2, Link(3e-4, 2e-9)),)).for_group(2).alpha
+            0.0003
+        """
+        return next((link for size, link in self.groups if size == n), self)
 
 
 @dataclass(frozen=True)
@@ -266,6 +282,8 @@ def _link_json(v: Link) -> dict[str, Any]:
         out["per_operand"] = True
     if v.pieces:
         out["pieces"] = [{**({} if m is None else {"max_bytes": float(m)}), **_link_json(p)} for m, p in v.pieces]
+    if v.groups:
+        out["groups"] = {str(int(n)): _link_json(g) for n, g in v.groups}
     return out
 
 
@@ -301,7 +319,7 @@ def collective_time(target: Target, kind: str, nbytes: float, n: int, link: str,
     if n <= 1:
         return 0.0
     base = target.link(kind, link)
-    ab = base.at(nbytes)
+    ab = base.for_group(n).at(nbytes)
     return steps * ab.alpha * (max(int(operands), 1) if base.per_operand else 1) + wire * ab.beta
 
 
@@ -364,7 +382,7 @@ def _check_unit(key: str, value: float, where: str) -> None:
                               f'write it in {unit}: e.g. "{key}": {example}.'))
 
 
-_LINK_FIELDS = ("alpha", "beta", "per_operand", "pieces")
+_LINK_FIELDS = ("alpha", "beta", "per_operand", "pieces", "groups")
 _PIECES_HOW = ('write pieces in increasing max_bytes, each size range once, the last one without max_bytes (the '
                'rest): [{"max_bytes": 2097152, "alpha": ..., "beta": ...}, {"alpha": ..., "beta": ...}].')
 
@@ -378,6 +396,8 @@ def _pieces(pieces: Any, where: str) -> tuple:
     parsed: list = []
     for i, p in enumerate(pieces):
         at = f"{where}.pieces[{i}]"
+        if isinstance(p, dict) and "groups" in p:  # a piece's groups would never be used
+            raise TargetError(fix(f"{at} has groups.", "put groups on the link itself, beside its pieces."))
         piece = _link(p, at, ("max_bytes",))
         limit = None if p.get("max_bytes") is None else _number(p, "max_bytes", at)
         if parsed and (parsed[-1][0] is None or (limit is not None and limit <= parsed[-1][0])):
@@ -389,19 +409,39 @@ def _pieces(pieces: Any, where: str) -> tuple:
     return tuple(parsed)
 
 
+_GROUPS_HOW = ('write groups as {"<devices in the group>": {"alpha": ..., "beta": ...}}, e.g. "groups": {"2": '
+               '{"alpha": 2e-4, "beta": 1e-9}}, or leave it out (every group size scales from the link by ring steps).')
+
+
+def _groups(groups: Any, where: str) -> tuple:
+    """``groups``: a link per group size, each a plain link (its own pieces allowed, no groups)."""
+    if not isinstance(groups, dict):
+        raise TargetError(fix(f"{where}.groups is {groups!r}, not an object.", _GROUPS_HOW))
+    out = []
+    for key, value in groups.items():
+        if not str(key).isdigit() or int(key) < 2:
+            raise TargetError(fix(f"{where}.groups has the key {key!r}, not a group size >= 2.", _GROUPS_HOW))
+        at = f"{where}.groups[{key!r}]"
+        if isinstance(value, dict) and "groups" in value:
+            raise TargetError(fix(f"{at} has groups of its own.", _GROUPS_HOW))
+        out.append((int(key), _link(value, at)))
+    return tuple(sorted(out))
+
+
 def _link(data: Any, where: str, extra: tuple[str, ...] = ()) -> Link:
     if not isinstance(data, dict):
         raise TargetError(fix(f"{where} is {data!r}, not an object.", 'write {"alpha": 5e-6, "beta": 2e-12}.'))
     # A misspelt "max_byte" made its piece the one for every size, "per_operands" was dropped: name it.
     _unknown(data, _LINK_FIELDS + extra, where, what="a link")
     parsed = _pieces(data.get("pieces") or [], where)
+    groups = _groups(data["groups"], where) if "groups" in data else ()
     per_operand = data.get("per_operand", False)
     if not isinstance(per_operand, bool):
         raise TargetError(fix(f"{where}.per_operand is {per_operand!r}, not true or false.",
                               'write "per_operand": true (alpha paid per operand of a combined collective) or leave '
                               "it out."))
     return Link(alpha=_number(data, "alpha", where, positive=False), beta=_number(data, "beta", where, positive=False),
-                pieces=parsed, per_operand=per_operand)
+                pieces=parsed, per_operand=per_operand, groups=groups)
 
 
 def _sync(data: Any, where: str) -> dict[int, float]:

@@ -12,6 +12,7 @@ with it: each step's time is the largest over the processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
@@ -234,6 +235,52 @@ def _link_case(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, lo
     return run
 
 
+def _subgroup_case(kind: str | None, group: int, nbytes: int, loops: int = 10):
+    """Like :func:`_link_case`, over groups of ``group`` devices within each process, between
+    computation: each trip a small matmul on every device, then the collective (``None``: the
+    same arithmetic without it) on an array that waits for the matmul, the next matmul waiting
+    for the collective, as the collectives of a step sit between its operations."""
+    import time
+
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from spmdkit._target import SYNC_SHAPE
+
+    local = jax.local_device_count()
+    mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), local // group, group), ("proc", "rest", "sub"))
+    if kind == "all_reduce":
+        one = lambda v: jax.lax.psum(v, "sub") * (1.0 / group)  # noqa: E731
+    elif kind == "all_gather":
+        one = lambda v: jax.lax.all_gather(v[: v.shape[0] // group], "sub", tiled=True)  # noqa: E731
+    else:
+        one = lambda v: v * (1.0 / group)  # noqa: E731
+
+    def trip(i, carry):
+        h, v, w = carry
+        h = jnp.tanh(h @ w + v[0] * 1e-6)
+        return h, one(v + h[0, 0] * 1e-6), w
+
+    body = lambda h, v, w: jax.lax.fori_loop(0, loops, trip, (h, v, w))[:2]  # noqa: E731
+    spec = P(("proc", "rest", "sub"))
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec),
+                                    check_vma=False))
+    rows, width = SYNC_SHAPE
+    per = max(nbytes // 4 // group, 1) * group
+    h = jax.make_array_from_callback((mesh.size * rows, width), NamedSharding(mesh, spec),
+                                     lambda idx: np.full((rows, width), 0.01, np.float32))
+    v = jax.make_array_from_callback((mesh.size * per,), NamedSharding(mesh, spec), lambda idx: np.ones((per,), np.float32))
+    w = jax.make_array_from_callback((width, width), NamedSharding(mesh, P()), lambda idx: np.eye(width, dtype=np.float32))
+    jax.block_until_ready(program(h, v, w))  # compile and warm up
+
+    def run() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(program(h, v, w))
+        return (time.perf_counter() - start) / loops
+
+    return run
+
+
 def _interleaved(cases: dict, rounds: int = 5) -> dict:
     """The median seconds of each case over ``rounds`` rounds in rotating order: a drift of the
     machine's load hits the small and the large payload alike (their difference is beta)."""
@@ -256,11 +303,17 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     the in-process path a lone process uses. Alpha-beta of each from two payloads
     (:data:`LINK_SIZES`); ``per_operand`` on every link when an all-reduce of
     :data:`LINK_OPERANDS` small arrays costs more than half a small one's time per extra array
-    (``r``: that extra over the one-array time, largest of the two links). All cases interleaved."""
+    (``r``: that extra over the one-array time, largest of the two links). Each smaller group of
+    a process's devices (2 of 4) gets its own ``intra_host`` link (``Link.groups``), timed between
+    computation (:func:`_subgroup_case`): as a step runs them, such a pair costs most of what
+    the whole process's group does (a bare loop of them sometimes shows it, sometimes a fifth),
+    where the ring's step count prices it at a third. All cases interleaved."""
     from spmdkit._target import Link, steps_and_wire
 
     groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", jax.local_device_count())}
     groups = {k: v for k, v in groups.items() if v[1] > 1}
+    local = jax.local_device_count()
+    subgroups = [g for g in range(2, local) if local % g == 0]
     small, large = LINK_SIZES
     cases = {}
     for link, (axis, group) in groups.items():
@@ -268,6 +321,11 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
         for kind in kinds:
             for size in (small, large):
                 cases[(link, kind, size)] = _link_case(kind, axis, group, size)
+    for group in subgroups:
+        for size in (small, large):
+            cases[("sub", group, None, size)] = _subgroup_case(None, group, size)
+            for kind in kinds:
+                cases[("sub", group, kind, size)] = _subgroup_case(kind, group, size)
     seen = _interleaved(cases)
     ratio = 0.0
     for link in groups:
@@ -281,8 +339,23 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
             steps, wire = steps_and_wire(kind, group, large - small)
             fitted[kind][link] = Link(alpha=t_small / steps, beta=max(t_large - t_small, 0.0) / wire,
                                       per_operand=per_operand)
+        if subgroups and "intra_host" in fitted[kind]:
+            fitted[kind]["intra_host"] = dataclasses.replace(
+                fitted[kind]["intra_host"], groups=tuple((g, _subgroup_link(seen, kind, g, per_operand)) for g in subgroups))
     base = fitted.get("all_reduce") or next(iter(fitted.values()), {})
     return {"links": dict(base), "collectives": fitted, "per_operand_ratio": ratio}
+
+
+def _subgroup_link(seen: dict, kind: str, group: int, per_operand: bool) -> Any:
+    """The alpha-beta of ``kind`` over ``group`` devices of one process from its between-computation
+    cases: what the collective added to the trip, at the two payloads."""
+    from spmdkit._target import Link, steps_and_wire
+
+    small, large = LINK_SIZES
+    t_small, t_large = (max(seen[("sub", group, kind, size)] - seen[("sub", group, None, size)], 0.0)
+                        for size in (small, large))
+    steps, wire = steps_and_wire(kind, group, large - small)
+    return Link(alpha=t_small / steps, beta=max(t_large - t_small, 0.0) / wire, per_operand=per_operand)
 
 
 def links_note(target: Any, source: str) -> str:
@@ -307,8 +380,6 @@ def links_note(target: Any, source: str) -> str:
 def with_process_links(target: Any) -> Any:
     """``target`` with the links :func:`measure_process_links` measures in this multi-process
     program (every process must call it), its source saying so; unchanged in a lone process."""
-    import dataclasses
-
     if jax.process_count() == 1:
         return target
     seen = measure_process_links()
@@ -316,8 +387,9 @@ def with_process_links(target: Any) -> Any:
     collectives = {kind: {**target.collectives.get(kind, {}), **per} for kind, per in seen["collectives"].items()}
     for kind in set(target.collectives) - set(collectives):  # a kind not measured over processes: the base links
         collectives[kind] = {k: v for k, v in target.collectives[kind].items() if k not in seen["links"]}
-    how = "; ".join(f"{kind} " + ", ".join(f"{link} {ab.alpha:.3g} s + {ab.beta:.3g} s/B" for link, ab in per.items())
-                    for kind, per in seen["collectives"].items())
+    how = "; ".join(f"{kind} " + ", ".join(f"{link} {ab.alpha:.3g} s + {ab.beta:.3g} s/B" + "".join(
+        f" (over {g} of a process's devices, between computation: {sub.alpha:.3g} s + {sub.beta:.3g} s/B)"
+        for g, sub in ab.groups) for link, ab in per.items()) for kind, per in seen["collectives"].items())
     note = (f"; links measured at plan start in this {jax.process_count()}-process program ({how}); alpha paid "
             f"{'per operand' if seen['links'] and next(iter(seen['links'].values())).per_operand else 'once'} "
             f"(an all-reduce of {LINK_OPERANDS} arrays: {seen['per_operand_ratio']:.2f} of a one-array time per "
