@@ -213,6 +213,21 @@ def test_link_groups_price_their_group_size_and_round_trip():
         from_json(data)
 
 
+def test_a_group_priced_by_its_own_link_adds_no_wait():
+    """A group's own link is timed between computation, its waits in it: collective_sync_ops is
+    added to the other group sizes only."""
+    from spmdkit._plan._cost import collective_costs
+    from spmdkit._plan._hlo import Collective, Program
+
+    t = Target("t", "test", 4, {"float32": 1e12}, 1e11,
+               {"intra_host": Link(1e-4, 1e-9, groups=((2, Link(3e-4, 2e-9)),))}, collective_sync_ops={2: 5.0, 4: 5.0})
+    pair = Collective("all_reduce", 1000, 2, ("model",), 3, ((0, 1), (2, 3)), "ar.1")
+    whole = Collective("all_reduce", 1000, 4, ("model",), 1, ((0, 1, 2, 3),), "ar.2")
+    a, b = collective_costs(Program([pair, whole], 0.0, 0.0, 0.0, 0), t, 4, op_seconds=1e-3)
+    assert a["sync_seconds"] == 0 and a["seconds"] == pytest.approx(3 * (2 * 3e-4 + 1000 * 2e-9))
+    assert b["sync_seconds"] == pytest.approx(5e-3) and b["seconds"] == pytest.approx(6e-4 + 1500e-9 + 5e-3)
+
+
 def test_combined_all_reduce_counts_its_operands_and_is_priced_per_operand():
     from spmdkit._plan._cost import collective_costs
 

@@ -23,7 +23,8 @@ minor dimension) of that many bytes; without it a transposition moves as other w
 false) says that the runtime runs a collective of several operands as one call per operand
 (gloo between processes does), so alpha is paid per operand. A link's optional ``groups``
 (``{"<devices in the group>": link}``) prices collectives over groups of that size by their own
-alpha-beta, where the ring's step count does not scale the link to them.
+alpha-beta, where the ring's step count does not scale the link to them: what such a collective
+costs between computation, its devices' waits included (no ``collective_sync_ops`` is added).
 
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},

@@ -101,7 +101,8 @@ def collective_costs(program: Program, target: Target, devices_per_host: int, op
     """Each collective of ``program`` priced per step (``count`` executions, loop trips
     included): ``seconds`` is its alpha-beta time plus ``sync_seconds``, the wait of its group's
     devices for each other at every execution, ``Target.sync_ops_for(group)`` times
-    ``op_seconds`` (the step's mean time per operation). ``prefetched``: FSDP's gather of a
+    ``op_seconds`` (the step's mean time per operation), none for a group priced by its own
+    link (``Link.groups``: timed between computation, the waits are in it). ``prefetched``: FSDP's gather of a
     parameter, an all-gather over mesh axes that split the batch (``batch_axes``) whose size is
     a parameter's gathered whole, or one layer's of a stacked one, or 2-4 of those concatenated
     (``parameter_gathers``, bytes; see :func:`parameter_gathers`): it needs nothing the step
@@ -112,7 +113,9 @@ def collective_costs(program: Program, target: Target, devices_per_host: int, op
     for c in program.collectives:
         link = link_of(c, devices_per_host)
         each = collective_time(target, c.kind, c.bytes, c.group_size, link, c.operands)
-        sync = target.sync_ops_for(c.group_size) * op_seconds
+        base = target.link(c.kind, link)
+        # A group's own link is timed between computation, its waits in it (Link.groups).
+        sync = 0.0 if base.for_group(c.group_size) is not base else target.sync_ops_for(c.group_size) * op_seconds
         out.append({"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "group_size": c.group_size,
                     "count": c.count, "operands": c.operands, "link": link, "seconds": (each + sync) * c.count,
                     "sync_seconds": sync * c.count,
