@@ -198,7 +198,7 @@ def test_link_groups_price_their_group_size_and_round_trip():
     assert collective_time(t, "all_reduce", b, 2, "intra_host", operands=3) == pytest.approx(3 * 2 * 3e-4 + b * 2e-9)
     assert collective_time(t, "all_gather", b, 4, "intra_host") == collective_time(plain, "all_gather", b, 4, "intra_host")
     data = json.loads(json.dumps(t.to_json()))
-    assert data["links"]["intra_host"]["groups"] == {"2": {"alpha": 3e-4, "beta": 2e-9, "per_operand": True}}
+    assert data["links"]["intra_host"]["groups"] == {"2": {"alpha": 3e-4, "beta": 2e-9}}  # per_operand: the link's
     assert from_json(data) == t and "groups" not in plain.to_json()["links"]["intra_host"]
     for bad, words in (({"1": {"alpha": 1e-4, "beta": 0.0}}, "not a group size >= 2"),
                        ({"two": {"alpha": 1e-4, "beta": 0.0}}, "not a group size >= 2"),
@@ -208,9 +208,53 @@ def test_link_groups_price_their_group_size_and_round_trip():
         data["links"]["intra_host"]["groups"] = bad
         with pytest.raises(TargetError, match=words):
             from_json(data)
+    for bad, words in (({"2": {"alpha": 1e-4, "beta": 0.0}, "02": {"alpha": 2e-4, "beta": 0.0}}, "size 2 twice"),
+                       ({"\u00b2": {"alpha": 1e-4, "beta": 0.0}}, "not a group size"),  # '2' superscript: isdigit()
+                       ({"2": {"alpha": 1e-4, "beta": 0.0, "per_operand": True}}, "group pays alpha as its link")):
+        data["links"]["intra_host"]["groups"] = bad
+        with pytest.raises(TargetError, match=words):
+            from_json(data)
     data["links"]["intra_host"] = {"alpha": 1e-4, "beta": 0.0, "pieces": [{"alpha": 1e-4, "beta": 0.0, "groups": {}}]}
     with pytest.raises(TargetError, match="pieces.0. has groups"):
         from_json(data)
+    # Groups under links apply to every kind whose collectives entry has none; its own win.
+    kinds = Target("t", "test", 4, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-4, 1e-9, groups={2: Link(3e-4, 2e-9)})},
+                   collectives={"all_gather": {"intra_host": Link(2e-4, 0.0)},
+                                "all_reduce": {"intra_host": Link(2e-4, 0.0, groups={2: Link(5e-4, 0.0)})}})
+    assert collective_time(kinds, "all_gather", b, 2, "intra_host") == pytest.approx(3e-4 + 0.5 * b * 2e-9)
+    assert collective_time(kinds, "all_gather", b, 4, "intra_host") == pytest.approx(3 * 2e-4)
+    assert collective_time(kinds, "all_reduce", b, 2, "intra_host") == pytest.approx(2 * 5e-4)
+
+
+def test_link_groups_from_python_are_checked():
+    """A Target built in Python: a group given as {"2": link} was priced without it (and its file
+    with it); sizes and links are checked, NumPy and float sizes taken as whole numbers."""
+    g = Link(3e-4, 0.0)
+    assert Link(1e-5, 0.0, groups={np.int64(2): g, 4.0: g}).groups == ((2, g), (4, g))
+    assert Link(1e-5, 0.0, groups=None).groups == () and Link(1e-5, 0.0, groups=[[2, g]]).groups == ((2, g),)
+    assert Link(1e-5, 0.0, per_operand=True, groups={2: g}).groups[0][1].per_operand  # the link's
+    for bad, words in (({"2": g}, "not a group size"), ({1: g}, "not a group size"), ((2, g), "not .group size, Link"),
+                       (5, "not .group size, Link"), ({2: Link(1e-4, 0.0, groups={2: g})}, "without groups"),
+                       (((2, g), (2.0, g)), "given twice"), ({2: Link(1e-4, 0.0, per_operand=True)}, "per_operand")):
+        with pytest.raises(TargetError, match=words):
+            Link(1e-5, 0.0, groups=bad)
+
+
+def test_a_subgroup_measured_at_nothing_keeps_the_ring_price():
+    """The between-computation figures are differences of noisy times: a group whose collective
+    added nothing at the small payload gets no link of its own, and a large payload that cost no
+    more takes the whole group's beta (no wire is free)."""
+    from spmdkit._plan._processes import LINK_SIZES, _subgroup_link
+
+    small, large = LINK_SIZES
+    whole = Link(6e-4, 2e-9)
+    seen = lambda a, b, c, d: {("sub", 2, "all_reduce", small): a, ("sub", 2, None, small): b,  # noqa: E731
+                               ("sub", 2, "all_reduce", large): c, ("sub", 2, None, large): d}
+    assert _subgroup_link(seen(1e-3, 1e-3, 5e-3, 1e-3), "all_reduce", 2, whole) is None
+    flat = _subgroup_link(seen(4e-3, 1e-3, 3e-3, 1e-3), "all_reduce", 2, whole)
+    assert flat.alpha == pytest.approx(3e-3 / 2) and flat.beta == whole.beta
+    fit = _subgroup_link(seen(4e-3, 1e-3, 6e-3, 1e-3), "all_reduce", 2, whole)
+    assert fit.beta == pytest.approx(2e-3 / (large - small))
 
 
 def test_a_group_priced_by_its_own_link_adds_no_wait():

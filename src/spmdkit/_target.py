@@ -25,6 +25,8 @@ false) says that the runtime runs a collective of several operands as one call p
 (``{"<devices in the group>": link}``) prices collectives over groups of that size by their own
 alpha-beta, where the ring's step count does not scale the link to them: what such a collective
 costs between computation, its devices' waits included (no ``collective_sync_ops`` is added).
+Groups on a link of ``links`` apply to every kind whose entry in ``collectives`` has none of its
+own; a group pays alpha per operand as its link does.
 
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},
@@ -39,8 +41,10 @@ import difflib
 import glob
 import json
 import math
+import numbers
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -89,6 +93,10 @@ class Link:
     # other sizes scale from this link by the ring's steps.
     groups: tuple = ()
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.groups, tuple) and not self.groups):
+            object.__setattr__(self, "groups", _group_links(self.groups, self.per_operand))
+
     def at(self, nbytes: float) -> Link:
         """The (alpha, beta) for a payload of ``nbytes``: its piece, or this link without pieces."""
         for limit, piece in self.pieces:
@@ -104,6 +112,47 @@ class Link:
             0.0003
         """
         return next((link for size, link in self.groups if size == n), self)
+
+
+_GROUP_LINKS_HOW = ("pass groups=((2, Link(alpha, beta)), ...) or {2: Link(alpha, beta)}: each group size (a whole "
+                    "number >= 2) once, with a link of its own without groups.")
+
+
+def _group_size(size: Any) -> int | None:
+    if isinstance(size, bool):
+        return None
+    if isinstance(size, numbers.Integral):  # NumPy's integers too
+        return int(size)
+    if isinstance(size, numbers.Real) and float(size).is_integer():
+        return int(size)
+    return None
+
+
+def _group_links(groups: Any, per_operand: bool) -> tuple:
+    """``Link.groups`` as sorted ``((size, Link), ...)``, checked: a Target built in Python priced
+    a group given as ``{"2": link}`` without it, and wrote a file that priced with it. A group's
+    link pays alpha per operand as its link does."""
+    where = "Link(groups=...)"
+    if groups is None:
+        return ()
+    try:
+        pairs = [tuple(p) for p in (groups.items() if isinstance(groups, dict) else groups)]
+    except TypeError:
+        raise TargetError(fix(f"{where}: {groups!r} is not (group size, Link) pairs.", _GROUP_LINKS_HOW)) from None
+    out: dict[int, Link] = {}
+    for pair in pairs:
+        size = _group_size(pair[0]) if len(pair) == 2 else None
+        if size is None or size < 2 or not isinstance(pair[1], Link) or pair[1].groups:
+            raise TargetError(fix(f"{where}: {pair!r} is not a group size >= 2 and a Link without groups.",
+                                  _GROUP_LINKS_HOW))
+        if size in out:
+            raise TargetError(fix(f"{where}: the group size {size} is given twice.", _GROUP_LINKS_HOW))
+        if pair[1].per_operand and not per_operand:
+            raise TargetError(fix(f"{where}: the link of group size {size} has per_operand=True, the link itself "
+                                  "not; a group pays alpha as its link does.",
+                                  "set per_operand on the link, not on a group's."))
+        out[size] = dataclasses.replace(pair[1], per_operand=per_operand)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -223,7 +272,10 @@ class Target:
     def link(self, kind: str, link: str) -> Link:
         per_kind = self.collectives.get(kind, {})
         if link in per_kind:
-            return per_kind[link]
+            own, shared = per_kind[link], self.links.get(link)
+            if not own.groups and shared is not None and shared.groups:  # groups given for every kind
+                return dataclasses.replace(own, groups=shared.groups)
+            return own
         if link in self.links:
             return self.links[link]
         if link == "inter_host" and "intra_host" in self.links:
@@ -283,8 +335,9 @@ def _link_json(v: Link) -> dict[str, Any]:
         out["per_operand"] = True
     if v.pieces:
         out["pieces"] = [{**({} if m is None else {"max_bytes": float(m)}), **_link_json(p)} for m, p in v.pieces]
-    if v.groups:
-        out["groups"] = {str(int(n)): _link_json(g) for n, g in v.groups}
+    if v.groups:  # a group pays alpha per operand as its link does: the flag is the link's
+        out["groups"] = {str(int(n)): {k: x for k, x in _link_json(g).items() if k != "per_operand"}
+                         for n, g in v.groups}
     return out
 
 
@@ -418,15 +471,21 @@ def _groups(groups: Any, where: str) -> tuple:
     """``groups``: a link per group size, each a plain link (its own pieces allowed, no groups)."""
     if not isinstance(groups, dict):
         raise TargetError(fix(f"{where}.groups is {groups!r}, not an object.", _GROUPS_HOW))
-    out = []
+    out: dict[int, tuple[str, Link]] = {}
     for key, value in groups.items():
-        if not str(key).isdigit() or int(key) < 2:
+        if not (key.isascii() and key.isdigit()) or int(key) < 2:
             raise TargetError(fix(f"{where}.groups has the key {key!r}, not a group size >= 2.", _GROUPS_HOW))
         at = f"{where}.groups[{key!r}]"
         if isinstance(value, dict) and "groups" in value:
             raise TargetError(fix(f"{at} has groups of its own.", _GROUPS_HOW))
-        out.append((int(key), _link(value, at)))
-    return tuple(sorted(out))
+        if isinstance(value, dict) and "per_operand" in value:
+            raise TargetError(fix(f"{at} has per_operand: a group pays alpha as its link does.",
+                                  f"set per_operand on {where} itself, and leave it out of its groups."))
+        if int(key) in out:
+            raise TargetError(fix(f"{where}.groups has the group size {int(key)} twice ({out[int(key)][0]!r} and "
+                                  f"{key!r}).", _GROUPS_HOW))
+        out[int(key)] = (key, _link(value, at))
+    return tuple((n, link) for n, (_, link) in sorted(out.items()))
 
 
 def _link(data: Any, where: str, extra: tuple[str, ...] = ()) -> Link:

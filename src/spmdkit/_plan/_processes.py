@@ -339,23 +339,29 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
             steps, wire = steps_and_wire(kind, group, large - small)
             fitted[kind][link] = Link(alpha=t_small / steps, beta=max(t_large - t_small, 0.0) / wire,
                                       per_operand=per_operand)
-        if subgroups and "intra_host" in fitted[kind]:
+        whole = fitted[kind].get("intra_host")
+        if whole is not None and subgroups:
+            own = {g: _subgroup_link(seen, kind, g, whole) for g in subgroups}
             fitted[kind]["intra_host"] = dataclasses.replace(
-                fitted[kind]["intra_host"], groups=tuple((g, _subgroup_link(seen, kind, g, per_operand)) for g in subgroups))
+                whole, groups=tuple((g, link) for g, link in own.items() if link is not None))
     base = fitted.get("all_reduce") or next(iter(fitted.values()), {})
     return {"links": dict(base), "collectives": fitted, "per_operand_ratio": ratio}
 
 
-def _subgroup_link(seen: dict, kind: str, group: int, per_operand: bool) -> Any:
+def _subgroup_link(seen: dict, kind: str, group: int, whole: Any) -> Any:
     """The alpha-beta of ``kind`` over ``group`` devices of one process from its between-computation
-    cases: what the collective added to the trip, at the two payloads."""
+    cases: what the collective added to the trip, at the two payloads. None when it added nothing
+    measurable at the small one (the ring's price of ``whole``, the process's whole group, then
+    stands); ``whole``'s beta when the large one did not cost more (noise: no wire is free)."""
     from spmdkit._target import Link, steps_and_wire
 
     small, large = LINK_SIZES
-    t_small, t_large = (max(seen[("sub", group, kind, size)] - seen[("sub", group, None, size)], 0.0)
-                        for size in (small, large))
+    t_small, t_large = (seen[("sub", group, kind, size)] - seen[("sub", group, None, size)] for size in (small, large))
+    if t_small <= 0:
+        return None
     steps, wire = steps_and_wire(kind, group, large - small)
-    return Link(alpha=t_small / steps, beta=max(t_large - t_small, 0.0) / wire, per_operand=per_operand)
+    beta = (t_large - t_small) / wire
+    return Link(alpha=t_small / steps, beta=beta if beta > 0 else whole.beta)
 
 
 def links_note(target: Any, source: str) -> str:
