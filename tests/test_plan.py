@@ -240,6 +240,18 @@ def test_link_groups_from_python_are_checked():
             Link(1e-5, 0.0, groups=bad)
 
 
+def test_operand_cost_is_paired_round_by_round():
+    """Each round's 8-array all-reduce against its own one-array call: a slow spell of the
+    one-array case in some rounds does not read as a cost per operand."""
+    from spmdkit._plan._processes import LINK_OPERANDS, _operand_ratio
+
+    one = [1e-3, 1e-3, 1e-3, 3e-3, 3e-3]  # a 3x slow spell from round 3 on, which the 8 arrays met first
+    many = [1.1e-3, 1.1e-3, 3.3e-3, 3.3e-3, 3.3e-3]  # +10% in every round but that one
+    assert _operand_ratio(one, many) == pytest.approx(0.1 / (LINK_OPERANDS - 1))  # medians apart would say 0.33
+    per = [o * (1 + 0.8 * (LINK_OPERANDS - 1)) for o in one]
+    assert _operand_ratio(one, per) == pytest.approx(0.8)
+
+
 def test_a_subgroup_measured_at_nothing_keeps_the_ring_price():
     """The between-computation figures are differences of noisy times: a group whose collective
     added nothing at the small payload gets no link of its own, and a large payload that cost no

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import statistics
 import signal
 import threading
 from collections.abc import Iterator
@@ -282,16 +283,20 @@ def _subgroup_case(kind: str | None, group: int, nbytes: int, loops: int = 10):
 
 
 def _interleaved(cases: dict, rounds: int = 5) -> dict:
-    """The median seconds of each case over ``rounds`` rounds in rotating order: a drift of the
+    """The seconds of each case in each of ``rounds`` rounds in rotating order: a drift of the
     machine's load hits the small and the large payload alike (their difference is beta)."""
-    import statistics
-
     names = list(cases)
     times: dict = {k: [] for k in names}
     for r in range(rounds):
         for k in names[r % len(names):] + names[: r % len(names)]:
             times[k].append(cases[k]())
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def _operand_ratio(one: list[float], many: list[float]) -> float:
+    """What each extra array of a :data:`LINK_OPERANDS`-array all-reduce costs, as a share of a
+    one-array call: the median over rounds of each round's pair (the two ran seconds apart)."""
+    return statistics.median((m - o) / (LINK_OPERANDS - 1) / o if o > 0 else 0.0 for o, m in zip(one, many))
 
 
 def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather")) -> dict[str, Any]:
@@ -303,7 +308,8 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     the in-process path a lone process uses. Alpha-beta of each from two payloads
     (:data:`LINK_SIZES`); ``per_operand`` on every link when an all-reduce of
     :data:`LINK_OPERANDS` small arrays costs more than half a small one's time per extra array
-    (``r``: that extra over the one-array time, largest of the two links). Each smaller group of
+    on both links (``r``: that extra over the one-array time, paired round by round, the
+    smaller of the two links'). Each smaller group of
     a process's devices (2 of 4) gets its own ``intra_host`` link (``Link.groups``), timed between
     computation (:func:`_subgroup_case`): as a step runs them, such a pair costs most of what
     the whole process's group does (a bare loop of them sometimes shows it, sometimes a fifth),
@@ -326,11 +332,12 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
             cases[("sub", group, None, size)] = _subgroup_case(None, group, size)
             for kind in kinds:
                 cases[("sub", group, kind, size)] = _subgroup_case(kind, group, size)
-    seen = _interleaved(cases)
-    ratio = 0.0
-    for link in groups:
-        one, many = seen[(link, "all_reduce", small)], seen[(link, "operands")]
-        ratio = max(ratio, (many - one) / (LINK_OPERANDS - 1) / one if one > 0 else 0.0)
+    rounds = _interleaved(cases)
+    seen = {k: statistics.median(v) for k, v in rounds.items()}
+    # Both links run through one library: a real cost per operand shows on both, where one
+    # link's slow spell (a ratio of 0.63 among 0.0-0.3) priced a 17-operand all-reduce at 4x.
+    ratio = min((_operand_ratio(rounds[(link, "all_reduce", small)], rounds[(link, "operands")]) for link in groups),
+                default=0.0)
     per_operand = ratio > PER_OPERAND_RATIO
     fitted: dict[str, dict[str, Link]] = {kind: {} for kind in kinds}
     for kind in kinds:
