@@ -217,13 +217,14 @@ def test_link_groups_price_their_group_size_and_round_trip():
     data["links"]["intra_host"] = {"alpha": 1e-4, "beta": 0.0, "pieces": [{"alpha": 1e-4, "beta": 0.0, "groups": {}}]}
     with pytest.raises(TargetError, match="pieces.0. has groups"):
         from_json(data)
-    # Groups under links apply to every kind whose collectives entry has none; its own win.
+    # Like alpha and beta, a kind's own entry replaces the link whole: a kind whose sub-group
+    # added nothing measurable at plan start keeps its ring price, not another kind's group.
     kinds = Target("t", "test", 4, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-4, 1e-9, groups={2: Link(3e-4, 2e-9)})},
                    collectives={"all_gather": {"intra_host": Link(2e-4, 0.0)},
                                 "all_reduce": {"intra_host": Link(2e-4, 0.0, groups={2: Link(5e-4, 0.0)})}})
-    assert collective_time(kinds, "all_gather", b, 2, "intra_host") == pytest.approx(3e-4 + 0.5 * b * 2e-9)
-    assert collective_time(kinds, "all_gather", b, 4, "intra_host") == pytest.approx(3 * 2e-4)
+    assert collective_time(kinds, "all_gather", b, 2, "intra_host") == pytest.approx(2e-4)
     assert collective_time(kinds, "all_reduce", b, 2, "intra_host") == pytest.approx(2 * 5e-4)
+    assert collective_time(kinds, "reduce_scatter", b, 2, "intra_host") == pytest.approx(3e-4 + 0.5 * b * 2e-9)
 
 
 def test_link_groups_from_python_are_checked():
@@ -233,9 +234,11 @@ def test_link_groups_from_python_are_checked():
     assert Link(1e-5, 0.0, groups={np.int64(2): g, 4.0: g}).groups == ((2, g), (4, g))
     assert Link(1e-5, 0.0, groups=None).groups == () and Link(1e-5, 0.0, groups=[[2, g]]).groups == ((2, g),)
     assert Link(1e-5, 0.0, per_operand=True, groups={2: g}).groups[0][1].per_operand  # the link's
+    both = Link(1e-5, 0.0, per_operand=True, groups={2: g})
+    assert not dataclasses.replace(both, per_operand=False).groups[0][1].per_operand  # carried along
     for bad, words in (({"2": g}, "not a group size"), ({1: g}, "not a group size"), ((2, g), "not .group size, Link"),
                        (5, "not .group size, Link"), ({2: Link(1e-4, 0.0, groups={2: g})}, "without groups"),
-                       (((2, g), (2.0, g)), "given twice"), ({2: Link(1e-4, 0.0, per_operand=True)}, "per_operand")):
+                       (((2, g), (2.0, g)), "given twice")):
         with pytest.raises(TargetError, match=words):
             Link(1e-5, 0.0, groups=bad)
 

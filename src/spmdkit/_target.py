@@ -25,8 +25,8 @@ false) says that the runtime runs a collective of several operands as one call p
 (``{"<devices in the group>": link}``) prices collectives over groups of that size by their own
 alpha-beta, where the ring's step count does not scale the link to them: what such a collective
 costs between computation, its devices' waits included (no ``collective_sync_ops`` is added).
-Groups on a link of ``links`` apply to every kind whose entry in ``collectives`` has none of its
-own; a group pays alpha per operand as its link does.
+Like its alpha and beta, a link's groups under ``links`` price the kinds without an entry of their
+own in ``collectives``; a group pays alpha per operand as its link does.
 
 Example:
     >>> t = Target(name="toy", source="example", devices_per_host=8, peak_flops={"float32": 1e12},
@@ -131,7 +131,8 @@ def _group_size(size: Any) -> int | None:
 def _group_links(groups: Any, per_operand: bool) -> tuple:
     """``Link.groups`` as sorted ``((size, Link), ...)``, checked: a Target built in Python priced
     a group given as ``{"2": link}`` without it, and wrote a file that priced with it. A group's
-    link pays alpha per operand as its link does."""
+    link pays alpha per operand as its link does (its own flag is replaced, so that
+    ``dataclasses.replace(link, per_operand=...)`` carries its groups along)."""
     where = "Link(groups=...)"
     if groups is None:
         return ()
@@ -147,10 +148,6 @@ def _group_links(groups: Any, per_operand: bool) -> tuple:
                                   _GROUP_LINKS_HOW))
         if size in out:
             raise TargetError(fix(f"{where}: the group size {size} is given twice.", _GROUP_LINKS_HOW))
-        if pair[1].per_operand and not per_operand:
-            raise TargetError(fix(f"{where}: the link of group size {size} has per_operand=True, the link itself "
-                                  "not; a group pays alpha as its link does.",
-                                  "set per_operand on the link, not on a group's."))
         out[size] = dataclasses.replace(pair[1], per_operand=per_operand)
     return tuple(sorted(out.items()))
 
@@ -272,10 +269,7 @@ class Target:
     def link(self, kind: str, link: str) -> Link:
         per_kind = self.collectives.get(kind, {})
         if link in per_kind:
-            own, shared = per_kind[link], self.links.get(link)
-            if not own.groups and shared is not None and shared.groups:  # groups given for every kind
-                return dataclasses.replace(own, groups=shared.groups)
-            return own
+            return per_kind[link]
         if link in self.links:
             return self.links[link]
         if link == "inter_host" and "intra_host" in self.links:
