@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import glob
 import json
@@ -44,7 +45,6 @@ import math
 import numbers
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import statistics
 import signal
+import statistics
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -309,11 +309,11 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     (:data:`LINK_SIZES`); ``per_operand`` on every link when an all-reduce of
     :data:`LINK_OPERANDS` small arrays costs more than half a small one's time per extra array
     on both links (``r``: that extra over the one-array time, paired round by round, the
-    smaller of the two links'). Each smaller group of
-    a process's devices (2 of 4) gets its own ``intra_host`` link (``Link.groups``), timed between
-    computation (:func:`_subgroup_case`): as a step runs them, such a pair costs most of what
-    the whole process's group does (a bare loop of them sometimes shows it, sometimes a fifth),
-    where the ring's step count prices it at a third. All cases interleaved."""
+    smaller of the two links'). Each smaller group of a process's devices (2 of 4) gets its own
+    ``intra_host`` link (``Link.groups``), timed between computation (:func:`_subgroup_case`):
+    as a step runs them, such a pair costs most of what the whole process's group does (a bare
+    loop of them sometimes shows it, sometimes a fifth), where the ring's step count prices it
+    at a third. All cases interleaved."""
     from spmdkit._target import Link, steps_and_wire
 
     groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", jax.local_device_count())}
@@ -334,8 +334,8 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
                 cases[("sub", group, kind, size)] = _subgroup_case(kind, group, size)
     rounds = _interleaved(cases)
     seen = {k: statistics.median(v) for k, v in rounds.items()}
-    # Both links run through one library: a real cost per operand shows on both, where one
-    # link's slow spell (a ratio of 0.63 among 0.0-0.3) priced a 17-operand all-reduce at 4x.
+    # Both links run through one library: a real cost per operand shows on both. The larger of
+    # the two once read 0.63 (0.0-0.3 otherwise) and priced a 17-operand all-reduce at 4x.
     ratio = min((_operand_ratio(rounds[(link, "all_reduce", small)], rounds[(link, "operands")]) for link in groups),
                 default=0.0)
     per_operand = ratio > PER_OPERAND_RATIO
