@@ -217,8 +217,6 @@ def _link_case(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, lo
     """A blocking call that returns its seconds per collective of ``kind`` over ``axis``,
     ``nbytes`` per device in ``parts`` arrays; compiled and warmed up (every process runs the
     same calls in the same order)."""
-    import time
-
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh, program = _link_program(kind, axis, group, parts, loops)
@@ -226,11 +224,19 @@ def _link_case(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, lo
     sharding = NamedSharding(mesh, P(("proc", "local")))
     xs = [jax.make_array_from_callback((mesh.size * per,), sharding, lambda idx: np.ones((per,), np.float32))
           for _ in range(parts)]
-    jax.block_until_ready(program(*xs))  # compile and warm up
+    return _timed(program, xs, loops)
+
+
+def _timed(program: Any, args: list, loops: int):
+    """``program(*args)`` compiled and warmed up, and a blocking call that returns its seconds per
+    loop trip."""
+    import time
+
+    jax.block_until_ready(program(*args))
 
     def run() -> float:
         start = time.perf_counter()
-        jax.block_until_ready(program(*xs))
+        jax.block_until_ready(program(*args))
         return (time.perf_counter() - start) / loops
 
     return run
@@ -241,8 +247,6 @@ def _subgroup_case(kind: str | None, group: int, nbytes: int, loops: int = 10):
     computation: each trip a small matmul on every device, then the collective (``None``: the
     same arithmetic without it) on an array that waits for the matmul, the next matmul waiting
     for the collective, as the collectives of a step sit between its operations."""
-    import time
-
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -272,14 +276,7 @@ def _subgroup_case(kind: str | None, group: int, nbytes: int, loops: int = 10):
                                      lambda idx: np.full((rows, width), 0.01, np.float32))
     v = jax.make_array_from_callback((mesh.size * per,), NamedSharding(mesh, spec), lambda idx: np.ones((per,), np.float32))
     w = jax.make_array_from_callback((width, width), NamedSharding(mesh, P()), lambda idx: np.eye(width, dtype=np.float32))
-    jax.block_until_ready(program(h, v, w))  # compile and warm up
-
-    def run() -> float:
-        start = time.perf_counter()
-        jax.block_until_ready(program(h, v, w))
-        return (time.perf_counter() - start) / loops
-
-    return run
+    return _timed(program, [h, v, w], loops)
 
 
 def _interleaved(cases: dict, rounds: int = 5) -> dict:
@@ -316,9 +313,9 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     at a third. All cases interleaved."""
     from spmdkit._target import Link, steps_and_wire
 
-    groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", jax.local_device_count())}
-    groups = {k: v for k, v in groups.items() if v[1] > 1}
     local = jax.local_device_count()
+    groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", local)}
+    groups = {k: v for k, v in groups.items() if v[1] > 1}
     subgroups = [g for g in range(2, local) if local % g == 0]
     small, large = LINK_SIZES
     cases = {}
@@ -390,6 +387,13 @@ def links_note(target: Any, source: str) -> str:
             "whether alpha is paid per operand)")
 
 
+def _link_text(name: str, link: Any) -> str:
+    """A measured link for the target's source line, with its sub-groups' links."""
+    groups = "".join(f" (over {g} of a process's devices, between computation: {sub.alpha:.3g} s + {sub.beta:.3g} s/B)"
+                     for g, sub in link.groups)
+    return f"{name} {link.alpha:.3g} s + {link.beta:.3g} s/B{groups}"
+
+
 def with_process_links(target: Any) -> Any:
     """``target`` with the links :func:`measure_process_links` measures in this multi-process
     program (every process must call it), its source saying so; unchanged in a lone process."""
@@ -400,9 +404,8 @@ def with_process_links(target: Any) -> Any:
     collectives = {kind: {**target.collectives.get(kind, {}), **per} for kind, per in seen["collectives"].items()}
     for kind in set(target.collectives) - set(collectives):  # a kind not measured over processes: the base links
         collectives[kind] = {k: v for k, v in target.collectives[kind].items() if k not in seen["links"]}
-    how = "; ".join(f"{kind} " + ", ".join(f"{link} {ab.alpha:.3g} s + {ab.beta:.3g} s/B" + "".join(
-        f" (over {g} of a process's devices, between computation: {sub.alpha:.3g} s + {sub.beta:.3g} s/B)"
-        for g, sub in ab.groups) for link, ab in per.items()) for kind, per in seen["collectives"].items())
+    how = "; ".join(f"{kind} " + ", ".join(_link_text(link, ab) for link, ab in per.items())
+                    for kind, per in seen["collectives"].items())
     note = (f"; links measured at plan start in this {jax.process_count()}-process program ({how}); alpha paid "
             f"{'per operand' if seen['links'] and next(iter(seen['links'].values())).per_operand else 'once'} "
             f"(an all-reduce of {LINK_OPERANDS} arrays: {seen['per_operand_ratio']:.2f} of a one-array time per "
