@@ -752,6 +752,39 @@ def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
     assert measure_collective_sync(1).extra == {}
 
 
+def test_cpu_target_in_one_process_prices_each_group_by_a_link_timed_between_computation(monkeypatch):
+    """A loop of nothing but collectives priced an all-reduce over 2 of 8 devices at a third of
+    what a step between computation paid and one over 4 at half: the all-reduce and all-gather
+    over every group size get links timed between computation, their waits in them (no
+    collective_sync_ops on top); reduce-scatter keeps the loop's link and the wait."""
+    from spmdkit import _target
+    from spmdkit._plan._cost import collective_costs
+    from spmdkit._plan._hlo import Collective, Program
+
+    loop = Link(1e-5, 1e-10)
+    seen = _target.measure_group_links(4, {"all_reduce": loop, "all_gather": loop}, rounds=1)
+    assert set(seen) == {"all_reduce", "all_gather"}  # a noisy size may have none: the loop's price stands
+    assert all(g in (2, 4) and ab.alpha > 0 and ab.beta > 0 and not ab.groups for own in seen.values() for g, ab in own)
+
+    own = {"all_reduce": ((2, Link(4e-5, 5e-10)), (8, Link(2e-5, 3e-10))), "all_gather": ((4, Link(5e-5, 2e-10)),)}
+    monkeypatch.setattr(_target, "measure_group_links", lambda n, loops: own)
+    base = Target("cpu", "measured", 8, {"float32": 1e12}, 1e11, {"intra_host": loop, "inter_host": Link(1e-3, 1e-9)},
+                  collectives={k: {"intra_host": loop} for k in ("all_reduce", "all_gather", "reduce_scatter")},
+                  collective_sync_ops={2: 1.0, 4: 1.0, 8: 1.0})
+    t = _target._with_group_links(base, 8)
+    assert t.links["intra_host"].groups == t.link("all_reduce", "intra_host").groups == own["all_reduce"]
+    assert t.link("all_gather", "intra_host").groups == own["all_gather"]
+    assert not t.link("reduce_scatter", "intra_host").groups and t.links["inter_host"] == base.links["inter_host"]
+    assert "between computation" in t.source and "all_reduce 2: 4e-05, 5e-10, 8: 2e-05, 3e-10" in t.source
+    again = from_json(t.to_json())  # a plan's target file, passed back with --target, prices the same
+    assert again.link("all_reduce", "intra_host").groups == own["all_reduce"]
+    pair = Collective("all_reduce", 1000, 2, ("model",), 3, ((0, 1),), "ar")
+    scatter = Collective("reduce_scatter", 1000, 2, ("model",), 1, ((0, 1),), "rs")
+    a, b = collective_costs(Program([pair, scatter], 0.0, 0.0, 0.0, 0), t, 8, op_seconds=1e-3)
+    assert a["sync_seconds"] == 0 and a["seconds"] == pytest.approx(3 * (2 * 4e-5 + 1000 * 5e-10))
+    assert b["sync_seconds"] == pytest.approx(1e-3) and b["seconds"] == pytest.approx(1e-5 + 500 * 1e-10 + 1e-3)
+
+
 def test_cache_curve_measures_each_size_on_every_device_at_once():
     from spmdkit._target import measure_cache_curve
 

@@ -89,8 +89,9 @@ class Link:
     per_operand: bool = False
     # Optional: ((devices in the group, Link), ...), alpha-beta measured over a group of that
     # many devices on this link, for groups the ring's step count prices wrongly (a pair of one
-    # process's devices in a multi-process CPU program costs most of what all its devices do);
-    # other sizes scale from this link by the ring's steps.
+    # process's devices in a multi-process CPU program costs most of what all its devices do; the
+    # cpu target of a lone process times every group size, as a step between computation pays
+    # it); other sizes scale from this link by the ring's steps.
     groups: tuple = ()
 
     def __post_init__(self) -> None:
@@ -943,6 +944,122 @@ def measure_collective_sync(n: int, loops: int = 20, rounds: int = 7, rows: int 
     return SyncMeasurement(extra, statistics.median(times[0]) / max(cases[0][1], 1.0))
 
 
+# Payloads (bytes per device, as the alpha-beta model takes them) at which a link is timed
+# over its groups between computation: :func:`measure_group_links`, and over processes.
+LINK_SIZES = (4096, 1 << 20)
+
+
+def _timed(program: Any, args: list, loops: int):
+    """``program(*args)`` compiled and warmed up, and a blocking call that returns its seconds per
+    loop trip."""
+    import jax
+
+    jax.block_until_ready(program(*args))
+
+    def run() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(program(*args))
+        return (time.perf_counter() - start) / loops
+
+    return run
+
+
+def _interleaved(cases: dict, rounds: int = 5) -> dict:
+    """The seconds of each case in each of ``rounds`` rounds in rotating order: a drift of the
+    machine's load hits the small and the large payload alike (their difference is beta)."""
+    names = list(cases)
+    times: dict = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            times[k].append(cases[k]())
+    return times
+
+
+def _between_case(kind: str | None, devices: Any, group: int, nbytes: int, loops: int = 10):
+    """A blocking call that returns its seconds per trip of a loop over ``devices`` (a 2-D array:
+    a row per process, or one row), groups of ``group`` consecutive devices of a row: each trip
+    a small matmul on every device, then the collective of ``kind`` over each group (``None``:
+    the same arithmetic without it) on ``nbytes`` per device that wait for the matmul, the next
+    matmul waiting for the collective, as the collectives of a step sit between its operations.
+    Compiled and warmed up; every process runs the same calls in the same order."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(devices).reshape(len(devices), -1, group), ("proc", "rest", "sub"))
+    if kind == "all_reduce":
+        one = lambda v: jax.lax.psum(v, "sub") * (1.0 / group)  # noqa: E731
+    elif kind == "all_gather":
+        one = lambda v: jax.lax.all_gather(v[: v.shape[0] // group], "sub", tiled=True)  # noqa: E731
+    else:
+        one = lambda v: v * (1.0 / group)  # noqa: E731
+
+    def trip(i, carry):
+        h, v, w = carry
+        h = jnp.tanh(h @ w + v[0] * 1e-6)
+        return h, one(v + h[0, 0] * 1e-6), w
+
+    body = lambda h, v, w: jax.lax.fori_loop(0, loops, trip, (h, v, w))[:2]  # noqa: E731
+    spec = P(("proc", "rest", "sub"))
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec),
+                                    check_vma=False))
+    rows, width = SYNC_SHAPE
+    per = max(nbytes // 4 // group, 1) * group
+    h = jax.make_array_from_callback((mesh.size * rows, width), NamedSharding(mesh, spec),
+                                     lambda idx: np.full((rows, width), 0.01, np.float32))
+    v = jax.make_array_from_callback((mesh.size * per,), NamedSharding(mesh, spec), lambda idx: np.ones((per,), np.float32))
+    w = jax.make_array_from_callback((width, width), NamedSharding(mesh, P()), lambda idx: np.eye(width, dtype=np.float32))
+    return _timed(program, [h, v, w], loops)
+
+
+def _group_link(kind: str, group: int, added: tuple[float, float], whole: Link) -> Link | None:
+    """The alpha-beta of ``kind`` over ``group`` devices from what it ``added`` to a trip between
+    computation at the two payloads of :data:`LINK_SIZES`. None when it added nothing
+    measurable at the small one (the ring's price of ``whole`` then stands); ``whole``'s beta
+    when the large one did not cost more (noise: no wire is free).
+
+    Example:
+        >>> _group_link("all_reduce", 2, (4e-4, 4e-4), Link(1e-5, 2e-9)).beta  # the large payload no dearer
+        2e-09
+    """
+    t_small, t_large = added
+    if t_small <= 0:
+        return None
+    small, large = LINK_SIZES
+    steps, wire = steps_and_wire(kind, group, large - small)
+    beta = (t_large - t_small) / wire
+    return Link(alpha=t_small / steps, beta=beta if beta > 0 else whole.beta)
+
+
+def measure_group_links(n: int, whole: dict[str, Link], rounds: int = 5) -> dict[str, tuple]:
+    """``Link.groups`` of each kind in ``whole`` (``all_reduce``, ``all_gather``: the links a loop
+    of them measured over ``n`` devices of this process) for every group size that divides
+    ``n``: what the collective adds between computation (:func:`_between_case`, every device
+    running, each size's trip without it subtracted, the median of ``rounds`` rotated rounds)
+    at the two payloads of :data:`LINK_SIZES`. A step pays that, its devices' waits for each
+    other included: in one process on 8 simulated devices, a pair's all-reduce added 2-3.5x
+    what the loop's link prices it at, a group of 4's 1.5-3x, all 8's 1.2-1.9x, so the loop's
+    link priced tensor parallelism over 4 devices dear against 2."""
+    import statistics
+
+    import jax
+    import numpy as np
+
+    n = min(n, len(jax.local_devices()))
+    devices = np.array(jax.local_devices()[:n]).reshape(1, n)
+    sizes = [g for g in range(2, n + 1) if n % g == 0]
+    cases = {(g, kind, size): _between_case(kind, devices, g, size)
+             for g in sizes for size in LINK_SIZES for kind in (None, *whole)}
+    seen = {k: statistics.median(v) for k, v in _interleaved(cases, rounds).items()}
+    out = {}
+    for kind, link in whole.items():
+        own = ((g, _group_link(kind, g, tuple(seen[(g, kind, b)] - seen[(g, None, b)] for b in LINK_SIZES), link))
+               for g in sizes)
+        out[kind] = tuple((g, ab) for g, ab in own if ab is not None)
+    return out
+
+
 def _kib(nbytes: float) -> str:
     return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:g} KiB"
 
@@ -952,7 +1069,9 @@ def cpu_target(devices: int = 1) -> Target:
     are the process's measured rates divided by ``devices``; the link is an all-reduce among
     them, measured (or, with one device or too few, assumed); a collective's wait between
     computation (:attr:`Target.collective_sync_ops`) is what a tiny all-gather adds to a loop
-    of matmuls beyond its alpha-beta time, in the loop's operation times."""
+    of matmuls beyond its alpha-beta time, in the loop's operation times. In a lone process the
+    all-reduce and all-gather over each group size are also timed between computation
+    (:func:`measure_group_links`): those groups are priced by that, their waits in it."""
     import dataclasses
     import platform
 
@@ -988,18 +1107,41 @@ def cpu_target(devices: int = 1) -> Target:
         transpose_bandwidth=transposing,
     )
     seen = measure_collective_sync(n)
-    if not seen.extra or seen.op_seconds <= 0:
+    if seen.extra and seen.op_seconds > 0:
+        # Beyond the tiny all-gather's own alpha-beta time (its gathered output: one row per device).
+        width = SYNC_SHAPE[1]
+        sync = {g: max(s - collective_time(target, "all_gather", 4 * width * g, g, "intra_host"), 0.0) / seen.op_seconds
+                for g, s in seen.extra.items()}
+        target = dataclasses.replace(target, collective_sync_ops=sync, source=target.source + "; a collective between "
+                                     "computation waits " + ", ".join(f"{s:.1f}" for s in sync.values()) + " operation "
+                                     f"times ({seen.op_seconds * 1e6:.0f} us each in the measuring loop) for groups of "
+                                     + ", ".join(str(g) for g in sync) + " devices")
+    # Over processes the planner measures these links as that program routes them (gloo), and
+    # replaces this process's.
+    return _with_group_links(target, n) if jax.process_count() == 1 else target
+
+
+def _with_group_links(target: Target, n: int) -> Target:
+    """``target`` with its measured ``intra_host`` all-reduce and all-gather links given their
+    :func:`measure_group_links` (every group size of ``n`` devices, between computation), its
+    source saying so; the other kinds keep their price and wait."""
+    loops = {kind: target.collectives[kind]["intra_host"] for kind in ("all_reduce", "all_gather")
+             if "intra_host" in target.collectives.get(kind, {})}
+    if not loops:
         return target
-    # Beyond the tiny all-gather's own alpha-beta time (its gathered output: one row per device).
-    width = SYNC_SHAPE[1]
-    sync = {g: max(s - collective_time(target, "all_gather", 4 * width * g, g, "intra_host"), 0.0) / seen.op_seconds
-            for g, s in seen.extra.items()}
-    return dataclasses.replace(target, collective_sync_ops=sync, source=target.source + "; a collective between "
-                               "computation waits " + ", ".join(f"{s:.1f}" for s in sync.values()) + " operation times "
-                               f"({seen.op_seconds * 1e6:.0f} us each in the measuring loop) for groups of "
-                               + ", ".join(str(g) for g in sync) + " devices")
+    groups = measure_group_links(n, loops)
+    collectives = {**target.collectives, **{kind: {**target.collectives[kind], "intra_host": dataclasses.replace(
+        loops[kind], groups=own)} for kind, own in groups.items()}}
+    links = dict(target.links)
+    if "all_reduce" in groups:
+        links["intra_host"] = collectives["all_reduce"]["intra_host"]
+    how = "; ".join(f"{kind} " + ", ".join(f"{g}: {ab.alpha:.3g}, {ab.beta:.3g}" for g, ab in own)
+                    for kind, own in groups.items() if own)
+    return dataclasses.replace(target, links=links, collectives=collectives, source=target.source + (
+        f"; between computation (alpha s, beta s/B, by devices in the group: a step's waits included): {how}"
+        if how else ""))
 
 
-__all__ = ["Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets", "from_json",
-           "load_target", "measure_cache_curve", "measure_collective", "measure_collective_sync", "measure_cpu",
-           "measure_op_overhead", "steps_and_wire", "SyncMeasurement"]
+__all__ = ["LINK_SIZES", "Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets",
+           "from_json", "load_target", "measure_cache_curve", "measure_collective", "measure_collective_sync",
+           "measure_cpu", "measure_group_links", "measure_op_overhead", "steps_and_wire", "SyncMeasurement"]

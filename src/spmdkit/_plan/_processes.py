@@ -25,6 +25,7 @@ import numpy as np
 
 from spmdkit._errors import ConfigError, ProcessMismatchError, SpmdkitError, fix
 from spmdkit._process import broadcast, gather_json, sync
+from spmdkit._target import LINK_SIZES, _between_case, _group_link, _interleaved, _timed
 
 
 class PlanRunError(SpmdkitError, RuntimeError):
@@ -186,10 +187,7 @@ def agreed_target(target: Any) -> Any:
     return from_json(from_process_0(target.to_json()), where="process 0's target")
 
 
-# Payloads (bytes per device, as the alpha-beta model takes them) of the links measured at plan
-# start over processes, and the operands of the combined all-reduce that tells whether alpha is
-# paid per operand.
-LINK_SIZES = (4096, 1 << 20)
+# The operands of the combined all-reduce that tells whether alpha is paid per operand.
 LINK_OPERANDS = 8
 # Alpha is paid per operand when each extra array of a combined all-reduce costs more than this
 # share of a one-array call (gloo between processes: ~1-1.6; an in-process call: well below).
@@ -227,69 +225,6 @@ def _link_case(kind: str, axis: str, group: int, nbytes: int, parts: int = 1, lo
     return _timed(program, xs, loops)
 
 
-def _timed(program: Any, args: list, loops: int):
-    """``program(*args)`` compiled and warmed up, and a blocking call that returns its seconds per
-    loop trip."""
-    import time
-
-    jax.block_until_ready(program(*args))
-
-    def run() -> float:
-        start = time.perf_counter()
-        jax.block_until_ready(program(*args))
-        return (time.perf_counter() - start) / loops
-
-    return run
-
-
-def _subgroup_case(kind: str | None, group: int, nbytes: int, loops: int = 10):
-    """Like :func:`_link_case`, over groups of ``group`` devices within each process, between
-    computation: each trip a small matmul on every device, then the collective (``None``: the
-    same arithmetic without it) on an array that waits for the matmul, the next matmul waiting
-    for the collective, as the collectives of a step sit between its operations."""
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    from spmdkit._target import SYNC_SHAPE
-
-    local = jax.local_device_count()
-    mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), local // group, group), ("proc", "rest", "sub"))
-    if kind == "all_reduce":
-        one = lambda v: jax.lax.psum(v, "sub") * (1.0 / group)  # noqa: E731
-    elif kind == "all_gather":
-        one = lambda v: jax.lax.all_gather(v[: v.shape[0] // group], "sub", tiled=True)  # noqa: E731
-    else:
-        one = lambda v: v * (1.0 / group)  # noqa: E731
-
-    def trip(i, carry):
-        h, v, w = carry
-        h = jnp.tanh(h @ w + v[0] * 1e-6)
-        return h, one(v + h[0, 0] * 1e-6), w
-
-    body = lambda h, v, w: jax.lax.fori_loop(0, loops, trip, (h, v, w))[:2]  # noqa: E731
-    spec = P(("proc", "rest", "sub"))
-    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec),
-                                    check_vma=False))
-    rows, width = SYNC_SHAPE
-    per = max(nbytes // 4 // group, 1) * group
-    h = jax.make_array_from_callback((mesh.size * rows, width), NamedSharding(mesh, spec),
-                                     lambda idx: np.full((rows, width), 0.01, np.float32))
-    v = jax.make_array_from_callback((mesh.size * per,), NamedSharding(mesh, spec), lambda idx: np.ones((per,), np.float32))
-    w = jax.make_array_from_callback((width, width), NamedSharding(mesh, P()), lambda idx: np.eye(width, dtype=np.float32))
-    return _timed(program, [h, v, w], loops)
-
-
-def _interleaved(cases: dict, rounds: int = 5) -> dict:
-    """The seconds of each case in each of ``rounds`` rounds in rotating order: a drift of the
-    machine's load hits the small and the large payload alike (their difference is beta)."""
-    names = list(cases)
-    times: dict = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[: r % len(names)]:
-            times[k].append(cases[k]())
-    return times
-
-
 def _operand_ratio(one: list[float], many: list[float]) -> float:
     """What each extra array of a :data:`LINK_OPERANDS`-array all-reduce costs, as a share of a
     one-array call: the median over rounds of each round's pair (the two ran seconds apart)."""
@@ -307,7 +242,7 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     :data:`LINK_OPERANDS` small arrays costs more than half a small one's time per extra array
     on both links (``r``: that extra over the one-array time, paired round by round, the
     smaller of the two links'). Each smaller group of a process's devices (2 of 4) gets its own
-    ``intra_host`` link (``Link.groups``), timed between computation (:func:`_subgroup_case`):
+    ``intra_host`` link (``Link.groups``), timed between computation (:func:`spmdkit._target._between_case`):
     as a step runs them, such a pair costs most of what the whole process's group does (a bare
     loop of them sometimes shows it, sometimes a fifth), where the ring's step count prices it
     at a third. All cases interleaved."""
@@ -317,6 +252,7 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
     groups = {"inter_host": ("proc", jax.process_count()), "intra_host": ("local", local)}
     groups = {k: v for k, v in groups.items() if v[1] > 1}
     subgroups = [g for g in range(2, local) if local % g == 0]
+    rows = np.array(jax.devices()).reshape(jax.process_count(), local)  # a row per process
     small, large = LINK_SIZES
     cases = {}
     for link, (axis, group) in groups.items():
@@ -326,9 +262,9 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
                 cases[(link, kind, size)] = _link_case(kind, axis, group, size)
     for group in subgroups:
         for size in (small, large):
-            cases[("sub", group, None, size)] = _subgroup_case(None, group, size)
+            cases[("sub", group, None, size)] = _between_case(None, rows, group, size)
             for kind in kinds:
-                cases[("sub", group, kind, size)] = _subgroup_case(kind, group, size)
+                cases[("sub", group, kind, size)] = _between_case(kind, rows, group, size)
     rounds = _interleaved(cases)
     seen = {k: statistics.median(v) for k, v in rounds.items()}
     # Both links run through one library: a real cost per operand shows on both. The larger of
@@ -354,18 +290,9 @@ def measure_process_links(kinds: tuple[str, ...] = ("all_reduce", "all_gather"))
 
 def _subgroup_link(seen: dict, kind: str, group: int, whole: Any) -> Any:
     """The alpha-beta of ``kind`` over ``group`` devices of one process from its between-computation
-    cases: what the collective added to the trip, at the two payloads. None when it added nothing
-    measurable at the small one (the ring's price of ``whole``, the process's whole group, then
-    stands); ``whole``'s beta when the large one did not cost more (noise: no wire is free)."""
-    from spmdkit._target import Link, steps_and_wire
-
-    small, large = LINK_SIZES
-    t_small, t_large = (seen[("sub", group, kind, size)] - seen[("sub", group, None, size)] for size in (small, large))
-    if t_small <= 0:
-        return None
-    steps, wire = steps_and_wire(kind, group, large - small)
-    beta = (t_large - t_small) / wire
-    return Link(alpha=t_small / steps, beta=beta if beta > 0 else whole.beta)
+    cases (:func:`spmdkit._target._group_link`; ``whole``: the process's whole group)."""
+    added = tuple(seen[("sub", group, kind, size)] - seen[("sub", group, None, size)] for size in LINK_SIZES)
+    return _group_link(kind, group, added, whole)
 
 
 def links_note(target: Any, source: str) -> str:
