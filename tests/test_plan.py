@@ -753,36 +753,72 @@ def test_cpu_target_measures_the_wait_at_a_collective_between_computation():
 
 
 def test_cpu_target_in_one_process_prices_each_group_by_a_link_timed_between_computation(monkeypatch):
-    """A loop of nothing but collectives priced an all-reduce over 2 of 8 devices at a third of
-    what a step between computation paid and one over 4 at half: the all-reduce and all-gather
+    """A loop of nothing but collectives priced an all-reduce over 2 of 8 devices at a fraction
+    of what a step between computation paid: in a lone process the all-reduce and all-gather
     over every group size get links timed between computation, their waits in them (no
-    collective_sync_ops on top); reduce-scatter keeps the loop's link and the wait."""
+    collective_sync_ops on top); reduce-scatter, all-to-all and collective permute keep the
+    loop's link and the wait. Over processes the planner measures its own links instead."""
     from spmdkit import _target
     from spmdkit._plan._cost import collective_costs
     from spmdkit._plan._hlo import Collective, Program
 
     loop = Link(1e-5, 1e-10)
-    seen = _target.measure_group_links(4, {"all_reduce": loop, "all_gather": loop}, rounds=1)
-    assert set(seen) == {"all_reduce", "all_gather"}  # a noisy size may have none: the loop's price stands
-    assert all(g in (2, 4) and ab.alpha > 0 and ab.beta > 0 and not ab.groups for own in seen.values() for g, ab in own)
-
     own = {"all_reduce": ((2, Link(4e-5, 5e-10)), (8, Link(2e-5, 3e-10))), "all_gather": ((4, Link(5e-5, 2e-10)),)}
-    monkeypatch.setattr(_target, "measure_group_links", lambda n, loops: own)
-    base = Target("cpu", "measured", 8, {"float32": 1e12}, 1e11, {"intra_host": loop, "inter_host": Link(1e-3, 1e-9)},
-                  collectives={k: {"intra_host": loop} for k in ("all_reduce", "all_gather", "reduce_scatter")},
-                  collective_sync_ops={2: 1.0, 4: 1.0, 8: 1.0})
-    t = _target._with_group_links(base, 8)
-    assert t.links["intra_host"].groups == t.link("all_reduce", "intra_host").groups == own["all_reduce"]
+    asked = []
+    monkeypatch.setattr(_target, "measure_group_links", lambda n, loops: asked.append((n, loops)) or own)
+    monkeypatch.setattr(_target, "measure_cpu", lambda: (1e11, 1e10))  # the rest as measured: only wiring here
+    monkeypatch.setattr(_target, "measure_collective", lambda kind, n: loop)
+    monkeypatch.setattr(_target, "measure_op_overhead", lambda n: 1e-6)
+    monkeypatch.setattr(_target, "measure_cache_curve", lambda n, *a, **k: ((1e3, 1e10),))
+    monkeypatch.setattr(_target, "measure_collective_sync",
+                        lambda n: _target.SyncMeasurement({2: 1e-4, 4: 1e-4, 8: 1e-4}, 1e-4))
+    t = _target.cpu_target(8)
+    assert [(n, sorted(loops)) for n, loops in asked] == [(8, ["all_gather", "all_reduce"])]
+    assert t.link("all_reduce", "intra_host").groups == own["all_reduce"]
     assert t.link("all_gather", "intra_host").groups == own["all_gather"]
-    assert not t.link("reduce_scatter", "intra_host").groups and t.links["inter_host"] == base.links["inter_host"]
+    assert not t.link("reduce_scatter", "intra_host").groups and not t.links["intra_host"].groups
     assert "between computation" in t.source and "all_reduce 2: 4e-05, 5e-10, 8: 2e-05, 3e-10" in t.source
     again = from_json(t.to_json())  # a plan's target file, passed back with --target, prices the same
     assert again.link("all_reduce", "intra_host").groups == own["all_reduce"]
-    pair = Collective("all_reduce", 1000, 2, ("model",), 3, ((0, 1),), "ar")
-    scatter = Collective("reduce_scatter", 1000, 2, ("model",), 1, ((0, 1),), "rs")
-    a, b = collective_costs(Program([pair, scatter], 0.0, 0.0, 0.0, 0), t, 8, op_seconds=1e-3)
-    assert a["sync_seconds"] == 0 and a["seconds"] == pytest.approx(3 * (2 * 4e-5 + 1000 * 5e-10))
-    assert b["sync_seconds"] == pytest.approx(1e-3) and b["seconds"] == pytest.approx(1e-5 + 500 * 1e-10 + 1e-3)
+    pairs = [Collective(kind, 1000, 2, ("model",), 3, ((0, 1),), kind)
+             for kind in ("all_reduce", "reduce_scatter", "all_to_all", "collective_permute")]
+    priced = collective_costs(Program(pairs, 0.0, 0.0, 0.0, 0), t, 8, op_seconds=1e-3)
+    wait = t.sync_ops_for(2) * 1e-3
+    assert priced[0]["sync_seconds"] == 0 and priced[0]["seconds"] == pytest.approx(3 * (2 * 4e-5 + 1000 * 5e-10))
+    assert wait > 0 and all(p["sync_seconds"] == pytest.approx(3 * wait) for p in priced[1:])
+    # Over processes nothing is timed here: with_process_links measures the links as that program routes them.
+    asked.clear()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not _target.cpu_target(8).link("all_reduce", "intra_host").groups and not asked
+
+
+def test_group_links_are_never_priced_below_the_loop(monkeypatch):
+    """The figures are differences of noisy medians: a group whose collective added nothing at
+    4 KiB keeps the loop's price and wait; one that added a nanosecond is priced at the loop's
+    alpha and beta at least, not nearly free."""
+    from spmdkit import _target
+
+    loop = Link(1e-5, 1e-10)
+    added = {2: (-1e-9, 1e-3), 4: (1e-9, 1e-9), 8: (3e-4, 9e-4)}  # seconds a trip, at 4 KiB and at 1 MiB
+    monkeypatch.setattr(_target, "_between_case", lambda kind, devices, g, size: (kind, g, size))
+    monkeypatch.setattr(_target, "_interleaved", lambda cases, rounds: {
+        (g, kind, size): [1e-3 + (added[g][_target.LINK_SIZES.index(size)] if kind else 0.0)]
+        for g, kind, size in cases})
+    got = dict(_target.measure_group_links(8, {"all_reduce": loop})["all_reduce"])
+    assert sorted(got) == [4, 8]  # the pair: nothing measurable, the ring's price and the wait stand
+    assert (got[4].alpha, got[4].beta) == (loop.alpha, loop.beta)  # not 1e-9 / 6 steps
+    steps, wire = _target.steps_and_wire("all_reduce", 8, _target.LINK_SIZES[1] - _target.LINK_SIZES[0])
+    assert got[8].alpha == pytest.approx(3e-4 / steps) and got[8].beta == pytest.approx(6e-4 / wire)
+
+
+def test_group_links_run_between_computation_on_a_process_s_devices():
+    from spmdkit._target import measure_group_links
+
+    loop = Link(1e-5, 1e-10)
+    seen = measure_group_links(4, {"all_reduce": loop, "all_gather": loop}, rounds=1)
+    assert set(seen) == {"all_reduce", "all_gather"}  # a size whose collective added nothing may be missing
+    assert all(g in (2, 4) and ab.alpha >= loop.alpha and ab.beta >= loop.beta and not ab.groups
+               for own in seen.values() for g, ab in own)
 
 
 def test_cache_curve_measures_each_size_on_every_device_at_once():

@@ -1038,9 +1038,11 @@ def measure_group_links(n: int, whole: dict[str, Link], rounds: int = 5) -> dict
     ``n``: what the collective adds between computation (:func:`_between_case`, every device
     running, each size's trip without it subtracted, the median of ``rounds`` rotated rounds)
     at the two payloads of :data:`LINK_SIZES`. A step pays that, its devices' waits for each
-    other included: in one process on 8 simulated devices, a pair's all-reduce added 2-3.5x
-    what the loop's link prices it at, a group of 4's 1.5-3x, all 8's 1.2-1.9x, so the loop's
-    link priced tensor parallelism over 4 devices dear against 2."""
+    other included: in one process on 8 simulated devices, at 4 KiB-1 MiB, a pair's all-reduce
+    added 1.1-5.3x what the loop's link prices it at, a group of 4's 0.9-3x, all 8's 0.9-1.9x
+    (the most at 4 KiB; BENCHMARKS.md, "plan"). Never below the loop's price: a group's alpha
+    and beta are at least ``whole``'s (the times are differences of noisy medians, and one that
+    came out a nanosecond above zero priced a 4 KiB all-reduce nearly free)."""
     import statistics
 
     import jax
@@ -1056,7 +1058,8 @@ def measure_group_links(n: int, whole: dict[str, Link], rounds: int = 5) -> dict
     for kind, link in whole.items():
         own = ((g, _group_link(kind, g, tuple(seen[(g, kind, b)] - seen[(g, None, b)] for b in LINK_SIZES), link))
                for g in sizes)
-        out[kind] = tuple((g, ab) for g, ab in own if ab is not None)
+        out[kind] = tuple((g, Link(max(ab.alpha, link.alpha), max(ab.beta, link.beta))) for g, ab in own
+                          if ab is not None)
     return out
 
 
@@ -1124,7 +1127,8 @@ def cpu_target(devices: int = 1) -> Target:
 def _with_group_links(target: Target, n: int) -> Target:
     """``target`` with its measured ``intra_host`` all-reduce and all-gather links given their
     :func:`measure_group_links` (every group size of ``n`` devices, between computation), its
-    source saying so; the other kinds keep their price and wait."""
+    source saying so; the other kinds keep their price and wait (``links`` stays without groups:
+    all-to-all and collective permute, which have no entry of their own, are priced by it)."""
     loops = {kind: target.collectives[kind]["intra_host"] for kind in ("all_reduce", "all_gather")
              if "intra_host" in target.collectives.get(kind, {})}
     if not loops:
@@ -1132,12 +1136,9 @@ def _with_group_links(target: Target, n: int) -> Target:
     groups = measure_group_links(n, loops)
     collectives = {**target.collectives, **{kind: {**target.collectives[kind], "intra_host": dataclasses.replace(
         loops[kind], groups=own)} for kind, own in groups.items()}}
-    links = dict(target.links)
-    if "all_reduce" in groups:
-        links["intra_host"] = collectives["all_reduce"]["intra_host"]
     how = "; ".join(f"{kind} " + ", ".join(f"{g}: {ab.alpha:.3g}, {ab.beta:.3g}" for g, ab in own)
                     for kind, own in groups.items() if own)
-    return dataclasses.replace(target, links=links, collectives=collectives, source=target.source + (
+    return dataclasses.replace(target, collectives=collectives, source=target.source + (
         f"; between computation (alpha s, beta s/B, by devices in the group: a step's waits included): {how}"
         if how else ""))
 
