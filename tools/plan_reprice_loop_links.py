@@ -14,8 +14,10 @@ import json
 import math
 import sys
 
+from spmdkit._plan._cost import collective_costs
+from spmdkit._plan._hlo import Collective, Program
 from spmdkit._plan._report import spearman
-from spmdkit._target import collective_time, from_json
+from spmdkit._target import from_json
 
 
 def without_groups(target):
@@ -25,18 +27,22 @@ def without_groups(target):
                                             for k, per in target.collectives.items()})
 
 
-def step_seconds(row, loop_target=None):
-    """The candidate's step time as the planner forms it, its in-process all-reduces and
-    all-gathers priced by ``loop_target`` (and the wait) when given."""
-    comm = prefetched = 0.0
+def step_seconds(row, devices_per_host, loop_target=None):
+    """The candidate's step time as the planner forms it (:func:`spmdkit._plan._cost.step_time`'s
+    range), its in-process all-reduces and all-gathers priced again by ``loop_target`` through the
+    planner's own :func:`collective_costs` (the wait included) when given."""
     op_seconds = row["compute_s"] / row["ops"] if row["ops"] else 0.0
-    for c in row["collectives"]:
-        seconds = c["seconds"]
-        if loop_target is not None and c["link"] == "intra_host" and c["kind"] in ("all_reduce", "all_gather"):
-            each = collective_time(loop_target, c["kind"], c["bytes"], c["group_size"], c["link"], c["operands"])
-            seconds = c["count"] * (each + loop_target.sync_ops_for(c["group_size"]) * op_seconds)
-        comm += seconds
-        prefetched += seconds if c["prefetched"] else 0.0
+    collectives = row["collectives"]
+    if loop_target is not None:
+        again = [c for c in collectives if c["link"] == "intra_host" and c["kind"] in ("all_reduce", "all_gather")]
+        program = Program([Collective(c["kind"], c["bytes"], c["group_size"], tuple(c["axes"]), c["count"],
+                                      (tuple(range(c["group_size"])),), c["kind"], c["operands"]) for c in again],
+                          0.0, 0.0, 0.0, 0)
+        priced = collective_costs(program, loop_target, devices_per_host, op_seconds)
+        collectives = [c for c in collectives if c not in again] + [{**c, "seconds": p["seconds"]}
+                                                                     for c, p in zip(again, priced)]
+    comm = sum(c["seconds"] for c in collectives)
+    prefetched = sum(c["seconds"] for c in collectives if c["prefetched"])
     low = max(row["compute_s"], prefetched) + comm - prefetched
     high = row["compute_s"] + comm
     return math.sqrt(low * high)
@@ -51,7 +57,7 @@ def main(paths):
         fastest = min(range(len(runs)), key=lambda i: measured[i])
         scores = []
         for loop_target in (None, without_groups(from_json(plan["target"]["file"]))):
-            priced = [step_seconds(rows[m["label"]], loop_target) for m in runs]
+            priced = [step_seconds(rows[m["label"]], plan["devices_per_host"], loop_target) for m in runs]
             scores.append(f"{spearman(priced, measured):.3f} / {sorted(priced).index(priced[fastest]) + 1}")
         print(f"{path}: recorded {plan['measured']['spearman']:.3f}; recomputed {scores[0]}; loop links {scores[1]}")
 
