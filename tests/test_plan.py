@@ -1615,6 +1615,37 @@ def test_a_target_without_the_plans_dtype_nor_float32_is_named_before_compiling(
     assert spmdkit.plan(make_state, step, batch, rules="dp", target=bf16_only, dtype="bf16")["candidates"][0]["step_s"] > 0
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"peak_flops": {"float32": 67}}, r"peak_flops: 'float32' is 67 FLOP/s.*67e12 for 67 TFLOPS"),
+    ({"links": {"intra_host": Link(5, 2e-12)}}, r"links.intra_host: 'alpha' is 5 seconds, above 1.*5e-6 for 5 us"),
+    ({"memory_per_device": 80}, r"'memory_per_device' is 80 bytes.*80e9 for 80 GB"),
+    ({"links": {"intra_host": Link(5e-6, None)}}, r"a figure of Target\('gpu'\) is not a number.*alpha=5e-6"),
+    ({"collectives": {"all_reduce": {"intra_host": Link(float("nan"), 1e-9)}}},
+     r"collectives.all_reduce.intra_host: 'alpha' is nan, not a finite number"),
+])
+def test_a_target_built_in_python_is_checked_as_a_file_is_before_compiling(change, words):
+    # A datasheet's TFLOPS typed into a Target (not a file) priced every step at minutes without a word.
+    make_state, step, batch = _tiny()
+    fields = {"name": "gpu", "source": "datasheet", "devices_per_host": 8, "peak_flops": {"float32": 67e12},
+              "memory_bandwidth": 3.35e12, "links": {"intra_host": Link(5e-6, 2e-12)}, **change}
+    compiled = []
+    with pytest.raises(TargetError, match=f"(?s)plan\\(target=Target.*{words}"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target=Target(**fields), progress=compiled.append)
+    assert compiled == []
+
+
+def test_a_target_built_in_python_with_sound_figures_plans_as_its_file_does(tmp_path):
+    make_state, step, batch = _tiny()
+    gpu = Target("gpu", "datasheet", 8, {"float32": 67e12, "bf16": 989e12}, 3.35e12,
+                 {"intra_host": Link(5e-6, 2e-12, groups={2: Link(7e-6, 3e-12)})}, memory_per_device=80e9)
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(gpu.to_json()))
+    by_object = spmdkit.plan(make_state, step, batch, rules=("dp", "fsdp"), target=gpu)
+    by_file = spmdkit.plan(make_state, step, batch, rules=("dp", "fsdp"), target=str(path))
+    assert [(c["label"], c["step_s"]) for c in by_object["candidates"]] == \
+        [(c["label"], c["step_s"]) for c in by_file["candidates"]]
+
+
 def test_plan_no_rules_and_a_bad_rng_are_named():
     make_state, step, batch = _tiny()
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)rules=\(\)\) leaves no layout.*Fix: pass at least one"):

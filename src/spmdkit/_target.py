@@ -569,6 +569,28 @@ def from_json(data: Any, where: str = "target") -> Target:
     )
 
 
+def checked_target(target: Target, where: str = "target") -> Target:
+    """``target`` (built in Python) checked as a target file is: every figure a finite number
+    in range and in the file's unit, every link and curve well formed. A datasheet's TFLOPS or
+    microseconds typed into a ``Target`` priced every step at minutes without a word.
+
+    Example:
+        >>> t = Target("gpu", "datasheet", 8, {"float32": 67}, 3.35e12, {"intra_host": Link(5e-6, 2e-12)})
+        >>> try:
+        ...     checked_target(t, "plan(target=...)")
+        ... except TargetError as e:
+        ...     print(str(e).splitlines()[0])
+        plan(target=...) peak_flops: 'float32' is 67 FLOP/s, below 1e+06: no device is that slow; a figure in another unit?
+    """
+    try:
+        data = target.to_json()
+    except (TypeError, ValueError, AttributeError) as e:  # a figure that is not a number at all
+        raise TargetError(fix(f"{where}: a figure of Target({target.name!r}) is not a number ({e}).",
+                              "give every figure as a float in SI units, e.g. peak_flops={'float32': 67e12}, "
+                              "Link(alpha=5e-6, beta=2e-12).")) from None
+    return from_json(data, where)
+
+
 # Short names users write for compute dtypes (the planner's ``dtype=`` takes them too).
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
                  "fp64": "float64", "f64": "float64"}

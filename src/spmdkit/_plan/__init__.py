@@ -30,7 +30,7 @@ from spmdkit._strategies._base import put_global
 from spmdkit._strategies._compile import (batch_rows, check_batch_dtypes, check_callable, check_make_state,
                                          check_state_batch)
 from spmdkit._strategies.sharded import Sharded
-from spmdkit._target import Target
+from spmdkit._target import Target, checked_target
 
 
 def _host(x: Any) -> Any:
@@ -245,6 +245,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     _check_args(memory_per_device, accum, measure, measure_steps, measure_rounds, remat)
     _check_inputs(make_state, train_step, batch, target, step_for=step_for, progress=progress, activations=activations,
                   on_ranked=on_ranked)
+    if isinstance(target, Target):  # as a target file is read: a datasheet's TFLOPS typed in priced steps at minutes
+        target = checked_target(target, f"plan(target=Target({target.name!r}))")
     rules = rules_names(rules)
     processes = check_processes(processes, measure)
     if jax.process_count() > 1:
