@@ -6,6 +6,7 @@ smoke runs that check the file's fields and that the fit explains what was measu
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -31,7 +32,8 @@ from spmdkit._calibrate import (
     steps_and_wire,
 )
 from spmdkit._calibrate_measure import choose_reps, pair_case, per_collective
-from spmdkit._target import CACHE_CURVE_BYTES, TRANSPOSE_CURVE_BYTES, TargetError, collective_time, load_target
+from spmdkit._target import (CACHE_CURVE_BYTES, TRANSPOSE_CURVE_BYTES, Link, TargetError, collective_time, from_json,
+                             load_target)
 from spmdkit._cli import main
 
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
@@ -228,7 +230,9 @@ def _check_fields(target, devices, links):
             c = target["collectives"][kind][link]
             assert c["alpha"] >= 0 and c["beta"] >= 0 and math.isfinite(c["alpha"]) and math.isfinite(c["beta"])
             assert c["alpha"] > 0 or c["beta"] > 0
-    assert target["links"]["intra_host"] == target["collectives"]["all_reduce"]["intra_host"]
+    # the links are the all-reduce's fit; its groups (between computation) stay the all-reduce's own
+    loop = {k: v for k, v in target["collectives"]["all_reduce"]["intra_host"].items() if k != "groups"}
+    assert target["links"]["intra_host"] == loop
     for m in target["measurements"]:
         assert m["kind"] in KINDS and m["link"] in links and m["seconds"] > 0 and m["bytes"] > 0
         assert m["predicted"] == pytest.approx(predict(target["collectives"][m["kind"]][m["link"]], m["kind"],
@@ -263,6 +267,16 @@ def _fake_two_processes(calls, factor=1.0, ratio=None):
 def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(_calibrate, "run_two_processes", _fake_two_processes(calls))
+    # What the in-process collectives cost between computation, as the cpu target measures it (its own
+    # tests time it): a fixed figure here, to see it reach the file and the planner.
+    from spmdkit import _target
+
+    waited = []
+    monkeypatch.setattr(_target, "measure_collective_sync",
+                        lambda n: waited.append(n) or _target.SyncMeasurement({2: 3e-4}, 1e-4))
+    monkeypatch.setattr(_target, "measure_group_links",
+                        lambda n, loops: {kind: ((2, Link(link.alpha + 1e-4, link.beta * 2)),)
+                                          for kind, link in loops.items()})
     out = tmp_path / "target.json"
     target = calibrate(devices=2, processes=2, sizes=[4096, 65536], rounds=2, quick=True, out=out)
     _check_fields(target, devices=2, links=["intra_host", "inter_host"])
@@ -299,6 +313,32 @@ def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_pat
     # and the transpositions' (32 KiB to 8 MiB), which the planner charges sequence parallelism's layout changes
     assert [b for b, _ in loaded.transpose_bandwidth] == [2 * b for b in TRANSPOSE_CURVE_BYTES]
     assert all(r > 0 for _, r in loaded.transpose_bandwidth)
+    # and what a collective costs between computation: the wait (beyond the tiny all-gather's own price, in
+    # operation times) and the all-reduce's and all-gather's groups, so the file prices as --target cpu does
+    assert waited == [2] and list(target["collective_sync_ops"]) == ["2"]
+    own = target["collectives"]["all_gather"]["intra_host"]
+    plain = json.loads(json.dumps(target))
+    for kind in ("all_reduce", "all_gather"):
+        plain["collectives"][kind]["intra_host"].pop("groups")
+    gather = collective_time(from_json(plain), "all_gather", 4 * 256 * 2, 2, "intra_host")  # the loop's price
+    assert loaded.collective_sync_ops[2] == pytest.approx(3.0 - gather / 1e-4)
+    for kind in ("all_reduce", "all_gather"):
+        fitted = target["collectives"][kind]["intra_host"]
+        assert fitted["groups"] == {"2": {"alpha": pytest.approx(fitted["alpha"] + 1e-4),
+                                          "beta": pytest.approx(fitted["beta"] * 2)}}
+        assert loaded.link(kind, "intra_host").for_group(2).alpha == pytest.approx(fitted["alpha"] + 1e-4)
+    assert "groups" not in target["links"]["intra_host"] and "groups" not in target["collectives"]["all_to_all"][
+        "intra_host"] and own["groups"]
+    assert any("between computation" in note for note in target["notes"])
+    from rich.console import Console
+
+    from spmdkit._calibrate_cli import print_fit
+
+    shown = Console(record=True, width=200, file=io.StringIO())
+    print_fit(target, shown)
+    text = shown.export_text()
+    assert text.count("2 devices, between computation") == 2 and "also waits (operation times, by devices in its " \
+        f"group): 2: {loaded.collective_sync_ops[2]:.1f}" in text
 
 
 # ---- bad input: named errors before anything is measured -----------------------------

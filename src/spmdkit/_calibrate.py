@@ -48,8 +48,8 @@ import numpy as np
 from spmdkit._atomic import replace_text
 from spmdkit._errors import SpmdkitError, fix, unwritable, wrong_output_path
 from spmdkit._target import (  # the cost model shared with the planner, and its readers of a file's fields
-    TRANSPOSE_CURVE_BYTES, TargetError, _collectives, _finite, _link, _measurements, measure_cache_curve,
-    measure_op_overhead, steps_and_wire)
+    TRANSPOSE_CURVE_BYTES, TargetError, _collectives, _finite, _link, _measurements, from_json, measure_cache_curve,
+    measure_op_overhead, steps_and_wire, with_collective_waits)
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -522,6 +522,29 @@ def build_target(points: Sequence[dict[str, Any]], compute: dict[str, Any], devi
     return target
 
 
+def add_waits(target: dict[str, Any], n: int) -> None:
+    """``target``'s in-process collectives (fitted from loops of nothing but collectives) given
+    what they cost between computation, where a step runs them, measured now on ``n`` devices
+    as the ``cpu`` target measures them: ``collective_sync_ops`` and the all-reduce's and
+    all-gather's ``groups`` (:func:`spmdkit._target.with_collective_waits`). Without them a
+    calibrated file priced every in-process collective below what ``--target cpu`` prices it."""
+    if n < 2:
+        return
+    measured = with_collective_waits(from_json(target, "the calibrated target"), n)
+    if measured.collective_sync_ops:
+        target["collective_sync_ops"] = {str(g): v for g, v in sorted(measured.collective_sync_ops.items())}
+    for kind, per_link in measured.collectives.items():
+        groups = per_link["intra_host"].groups if "intra_host" in per_link else ()
+        if groups:
+            target["collectives"][kind]["intra_host"]["groups"] = {
+                str(g): {"alpha": ab.alpha, "beta": ab.beta} for g, ab in groups}
+    target["notes"].append(
+        "collective_sync_ops and collectives.*.intra_host.groups: what an in-process collective costs between "
+        "computation (its devices wait for each other there), measured as spmdkit plan's cpu target measures it: a "
+        "tiny all-gather in a loop of matmuls (in operation times), and the all-reduce and all-gather over each group "
+        "size at 4 KiB and 1 MiB after a small matmul (never below the loop's alpha and beta)")
+
+
 def merge_warnings(warnings: Sequence[str]) -> list[str]:
     """One line per distinct message: ``"GROUP: message"`` lines that repeat across groups are counted.
 
@@ -574,15 +597,19 @@ def calibrate(
     ``rounds`` interleaved rounds (default 7, and 151 for the 2-process link; ``quick``: 3), on the
     first ``devices`` devices of this process (``intra_host``) and, with ``processes=2``,
     across 2 processes x 1 device (``inter_host``); fits alpha and beta per kind and link;
-    measures the float32/bfloat16 GEMM rate and the memory bandwidth per device. Writes the
+    measures the float32/bfloat16 GEMM rate and the memory bandwidth per device, and what an
+    in-process collective costs between computation as the ``cpu`` target measures it
+    (``collective_sync_ops``; the all-reduce's and all-gather's ``groups``). Writes the
     file to ``out`` if given (checked writable first). The per-point predictions and errors
     are in ``measurements``, their summary in ``fit_quality``.
 
     Example (a smoke run: 2 simulated devices, two sizes, one process, one round):
         >>> import spmdkit
         >>> target = spmdkit.calibrate(devices=2, processes=1, sizes=[4096, 65536], rounds=1, quick=True)
-        >>> sorted(target["collectives"]["all_reduce"]["intra_host"])
+        >>> sorted(target["collectives"]["all_reduce"]["intra_host"])[:2]
         ['alpha', 'beta']
+        >>> list(target["collective_sync_ops"])  # a collective's wait between computation, by group size
+        ['2']
         >>> sorted({(m["kind"], m["bytes"]) for m in target["measurements"]})[:2]
         [('all_gather', 4096), ('all_gather', 65536)]
     """
@@ -620,6 +647,8 @@ def calibrate(
         points += inter
         warnings += more
     target = build_target(points, compute, len(devs), processes, warnings)
+    log("intra_host: collectives between computation (their waits)")
+    add_waits(target, len(devs))
     target["calibration_seconds"] = time.perf_counter() - t0
     if path:
         write_target(path, target)

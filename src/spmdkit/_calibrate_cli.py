@@ -78,7 +78,13 @@ def print_fit(target: dict[str, Any], console: Console) -> None:
                 size = _kib([p["max_bytes"]]) if "max_bytes" in p else _kib([c["pieces"][i - 1]["max_bytes"]])
                 table.add_row("", f"  {'<=' if 'max_bytes' in p else '>'} {size}", "", f"{p['alpha'] * 1e6:.1f}",
                               f"{1e-9 / p['beta']:.2f}" if p["beta"] else "inf", "", "")
+            for g, ab in (c.get("groups") or {}).items():  # timed between computation, not fitted to the points
+                table.add_row("", f"  {g} devices, between computation", "", f"{ab['alpha'] * 1e6:.1f}",
+                              f"{1e-9 / ab['beta']:.2f}" if ab["beta"] else "inf", "", "")
     console.print(table)
+    if target.get("collective_sync_ops"):
+        console.print("a collective between computation also waits (operation times, by devices in its group): "
+                      + ", ".join(f"{g}: {v:.1f}" for g, v in target["collective_sync_ops"].items()), highlight=False)
     flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in target["peak_flops"].items())
     console.print(f"per device ({target['devices_per_host']} at once): {flops}; memory "
                   f"{target['memory_bandwidth'] / 1e9:.2f} GB/s", highlight=False)

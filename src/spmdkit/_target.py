@@ -1097,7 +1097,6 @@ def cpu_target(devices: int = 1) -> Target:
     of matmuls beyond its alpha-beta time, in the loop's operation times. In a lone process the
     all-reduce and all-gather over each group size are also timed between computation
     (:func:`measure_group_links`): those groups are priced by that, their waits in it."""
-    import dataclasses
     import platform
 
     import jax
@@ -1131,6 +1130,18 @@ def cpu_target(devices: int = 1) -> Target:
         cache_bandwidth=curve,
         transpose_bandwidth=transposing,
     )
+    # Over processes the planner measures the group links as that program routes them (gloo),
+    # and replaces this process's.
+    return with_collective_waits(target, n, groups=jax.process_count() == 1)
+
+
+def with_collective_waits(target: Target, n: int, groups: bool = True) -> Target:
+    """``target`` (its ``intra_host`` collectives measured in a loop of nothing but collectives
+    over ``n`` devices of this process) with what they cost between computation, its source
+    saying so: :attr:`Target.collective_sync_ops` (:func:`measure_collective_sync`, beyond the
+    tiny all-gather's own alpha-beta time) and, with ``groups``, the all-reduce's and
+    all-gather's ``Link.groups`` (:func:`measure_group_links`). ``spmdkit calibrate`` and the
+    ``cpu`` target both measure these, so a calibrated file prices as ``cpu`` does."""
     seen = measure_collective_sync(n)
     if seen.extra and seen.op_seconds > 0:
         # Beyond the tiny all-gather's own alpha-beta time (its gathered output: one row per device).
@@ -1141,9 +1152,7 @@ def cpu_target(devices: int = 1) -> Target:
                                      "computation waits " + ", ".join(f"{s:.1f}" for s in sync.values()) + " operation "
                                      f"times ({seen.op_seconds * 1e6:.0f} us each in the measuring loop) for groups of "
                                      + ", ".join(str(g) for g in sync) + " devices")
-    # Over processes the planner measures these links as that program routes them (gloo), and
-    # replaces this process's.
-    return _with_group_links(target, n) if jax.process_count() == 1 else target
+    return _with_group_links(target, n) if groups else target
 
 
 def _with_group_links(target: Target, n: int) -> Target:
@@ -1165,6 +1174,7 @@ def _with_group_links(target: Target, n: int) -> Target:
         if how else ""))
 
 
-__all__ = ["LINK_SIZES", "Link", "Target", "TargetError", "collective_time", "cpu_target", "example_targets",
+__all__ = ["LINK_SIZES", "Link", "Target", "TargetError", "checked_target", "collective_time", "cpu_target", "example_targets",
            "from_json", "load_target", "measure_cache_curve", "measure_collective", "measure_collective_sync",
-           "measure_cpu", "measure_group_links", "measure_op_overhead", "steps_and_wire", "SyncMeasurement"]
+           "measure_cpu", "measure_group_links", "measure_op_overhead", "steps_and_wire", "SyncMeasurement",
+           "with_collective_waits"]
