@@ -1272,6 +1272,36 @@ def test_cli_plan_two_processes_ctrl_c_prints_the_partial_plan_and_exits_130(tmp
         assert plan["measured"]["interrupted"]["rounds_done"] >= 1 and plan["measured"]["processes"] == 2
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_cli_plan_sigterm_while_measuring_shows_the_ranking_and_the_rounds_and_exits_143(tmp_path, own_group,
+                                                                                         processes):
+    """SIGTERM to the command (a batch scheduler's time limit, ``kill PID``) while it measures: it
+    died where the signal fell, the rounds measured lost and no table shown. It now stops as
+    Ctrl-C does, with the shell's code for a SIGTERM."""
+    import signal
+    import time
+
+    env = _unjoined_env()
+    out = tmp_path / "plan.json"
+    command = _measuring_for_ever("dp,dp+tp", "--json", str(out))
+    command[command.index("--processes") + 1] = str(processes)
+    with own_group(command, env=env, cwd=tmp_path) as proc:
+        lines = _until_measuring(proc)
+        time.sleep(5)  # into the measurement's rounds
+        proc.send_signal(signal.SIGTERM)  # the command alone, as kill PID does
+        stdout, stderr = proc.communicate(timeout=120)
+    stdout = "".join(lines) + stdout
+    assert proc.returncode == 143, stdout[-2000:] + stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "terminated (SIGTERM): measurement interrupted after" in " ".join(stdout.split()), stdout[-2000:]
+    assert "winner:" in stdout  # the ranking
+    plan = json.loads(out.read_text())
+    assert plan["candidates"][0]["status"] == "ok"
+    if processes == 1:  # alone, 5 s are whole rounds of a tiny model
+        assert plan["measured"]["interrupted"]["rounds_done"] >= 1 and plan["measured"]["runs"]
+    assert not _left_running(tmp_path, 15)
+
+
 def _environ(pid: str) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()

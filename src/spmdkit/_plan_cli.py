@@ -269,11 +269,50 @@ def _running_processes() -> int:
     return jax.process_count() if jax.distributed.is_initialized() else 1
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Any:
+    """SIGTERM (a batch scheduler's time limit, ``kill``) stops a plan as Ctrl-C does, noted in
+    the list yielded: the ranking and the rounds measured so far shown and written. It ended
+    the process where it fell, the rounds lost. SIGTERM goes to whatever handles SIGINT then
+    (several processes measuring: noted, every process stopping at the same point)."""
+    term: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield term
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        term.append(signum)
+        current = signal.getsignal(signal.SIGINT)
+        if callable(current):
+            current(signal.SIGINT, frame)
+        else:  # SIGINT ignored or not Python's: stop here
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield term
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     _check_args(args)
     running = _running_processes()
-    if running == 1 and (args.processes or 1) > 1 and args.measure:
-        return _relaunch(args, console)
+    with _sigterm_as_ctrl_c() as term:
+        try:
+            if running == 1 and (args.processes or 1) > 1 and args.measure:
+                return _relaunch(args, console, term)
+            return _plan_here(args, console, running, term)
+        except KeyboardInterrupt:
+            if not term:
+                raise  # Ctrl-C: main() says "interrupted", exit code 130
+            sys.stderr.write("spmdkit: terminated (SIGTERM)\n")
+            return end_soon(143, "SIGTERM")  # the shell's code for a SIGTERM
+
+
+def _plan_here(args: argparse.Namespace, console: Console, running: int, term: list[int]) -> int:
+    """The plan in this process (one of several under ``spmdkit launch``, or alone)."""
     import jax
 
     from spmdkit._plan import plan
@@ -315,12 +354,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         if stop.plan is None:
             raise
         stop.plan.update(task=args.task, model=_model(args))
+        how = "terminated (SIGTERM)" if term else "interrupted"
         if lead:
             _write(stop.plan, args, console)
-            console.print(f"interrupted: {stop}" + ("" if stop.measured else " (nothing measured: the ranking above "
+            console.print(f"{how}: {stop}" + ("" if stop.measured else " (nothing measured: the ranking above "
                           "is the prediction alone)"), highlight=False)
         # In a group, JAX's exit may wait for a peer: leave within end_soon's grace (nothing alone).
-        return end_soon(130, "Ctrl-C")  # the shell's code for a SIGINT
+        return end_soon(143, "SIGTERM") if term else end_soon(130, "Ctrl-C")  # the shell's codes
     result.update(task=args.task, model=_model(args))
     if lead:
         _write(result, args, console)
@@ -440,7 +480,7 @@ def _pump(stream: Any, sink: Any, keep: deque | None) -> None:
             sink.flush()
 
 
-def _relaunch(args: argparse.Namespace, console: Console) -> int:
+def _relaunch(args: argparse.Namespace, console: Console, term: list[int] = ()) -> int:
     """This command again, in ``--processes`` processes of ``--devices / --processes`` devices each
     under ``spmdkit launch``; process 0's output shown here. A hard ``--measure-timeout``: then the
     launcher is killed with SIGKILL, and its processes with it (they die with the launcher)."""
@@ -468,7 +508,7 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
         for t in pumps:
             t.start()
         try:
-            how = "interrupted" if _wait_launcher(proc, args) else "done"
+            how = ("terminated" if term else "interrupted") if _wait_launcher(proc, args, term) else "done"
         except subprocess.TimeoutExpired:
             how = "timeout"
         except KeyboardInterrupt:  # a second Ctrl-C: stop at once
@@ -479,7 +519,7 @@ def _relaunch(args: argparse.Namespace, console: Console) -> int:
                 proc.wait()
             for t in pumps:
                 t.join(timeout=10)
-        if how == "interrupted":  # which processes the launcher had to kill, in its own words
+        if how in ("interrupted", "terminated"):  # which processes the launcher had to kill, in its own words
             sys.stderr.writelines(line for line in errors if line.startswith("spmdkit launch: "))
         result, ranking = _read_json(done), _read_json(ranked)
     saved = [p for p in (args.json, args.png) if p and os.path.isfile(p) and os.path.getmtime(p) >= started - 1]
@@ -494,7 +534,8 @@ def _read_json(path: str) -> dict[str, Any] | None:
 
 
 _STOPPED = {"done": "the processes stopped", "timeout": "the processes were killed at --measure-timeout",
-            "interrupted": "interrupted (Ctrl-C)", "stopped": "interrupted (Ctrl-C twice)"}
+            "interrupted": "interrupted (Ctrl-C)", "stopped": "interrupted (Ctrl-C twice)",
+            "terminated": "terminated (SIGTERM)"}
 
 
 def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, how: str, code: int,
@@ -503,7 +544,7 @@ def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, how:
     printed and wrote; ``ranking``: the priced plan it saved before measuring, removed once it
     reports. Without either, process 0 is reporting or did: nothing more to show. ``how`` the
     launcher ended: ``done``, ``timeout`` (--measure-timeout), ``interrupted`` (Ctrl-C),
-    ``stopped`` (Ctrl-C twice); ``saved``: the --json/--png files holding the ranking."""
+    ``terminated`` (SIGTERM), ``stopped`` (Ctrl-C twice); ``saved``: the --json/--png files holding the ranking."""
     from spmdkit._plan import print_plan
     from spmdkit._plan._processes import PlanRunError
 
@@ -518,23 +559,25 @@ def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, how:
                                f"{args.measure_timeout} s; killed.",
                                "measure fewer candidates (--measure, --rules), fewer --measure-steps or "
                                "--measure-rounds, or raise --measure-timeout."))
-    if how in ("interrupted", "stopped") or code == 130:
-        if result is None and not shown:  # nothing printed: main() says "interrupted", exit code 130
+    if how in ("interrupted", "stopped", "terminated") or code == 130:
+        if result is None and not shown:  # nothing printed: main() (or cmd_plan) says so, exit code 130 (143)
             raise KeyboardInterrupt
-        return 130
+        return 143 if how == "terminated" else 130
     if result is not None:
         return _exit_code(result)
     _raise_failure(code, errors, args.processes)
     return code  # not reached
 
 
-def _wait_launcher(proc: subprocess.Popen, args: argparse.Namespace) -> bool:
-    """Wait for the launcher, up to ``--measure-timeout``; True after a Ctrl-C.
+def _wait_launcher(proc: subprocess.Popen, args: argparse.Namespace, term: list[int] = ()) -> bool:
+    """Wait for the launcher, up to ``--measure-timeout``; True after a Ctrl-C (or a SIGTERM, noted in ``term``).
 
     Ctrl-C: SIGINT to the launcher (again, when the terminal sent one to the whole group), which
     forwards it to the processes (they do not share this terminal's process group), gives them
     5 s to stop, process 0 printing the rounds measured so far, then kills and names the rest.
-    A second Ctrl-C stops at once (the caller kills the launcher).
+    A SIGTERM is passed on as a SIGTERM, which the processes take as a Ctrl-C (the launcher
+    waits longer for them: a preemption notice). A second Ctrl-C stops at once (the caller
+    kills the launcher).
     """
     try:
         proc.wait(timeout=args.measure_timeout)
@@ -543,7 +586,7 @@ def _wait_launcher(proc: subprocess.Popen, args: argparse.Namespace) -> bool:
         pass
     from spmdkit._launch import STOP_GRACE_S
 
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM if term else signal.SIGINT)
     try:  # the launcher's grace, then its SIGKILL and the last output read: well within this bound
         proc.wait(timeout=STOP_GRACE_S + 30)
     except subprocess.TimeoutExpired:
