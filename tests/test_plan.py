@@ -346,6 +346,45 @@ def test_collectives_in_a_loop_are_counted_per_trip():
     assert [(c.kind, c.axes, c.count) for c in program.collectives] == [("all_reduce", ("data",), 5)]
 
 
+@pytest.mark.parametrize("mesh, chosen, groups", [
+    ("'data'=2,'model'=4", "'model'", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("'data'=2,'model'=4", "'data'", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("'data'=2,'model'=4", "", [[i] for i in range(8)]),
+    ("'data'=8", "'data':(1)2", [[0, 4], [1, 5], [2, 6], [3, 7]]),  # the major factor of 2
+    ("'data'=8", "'data':(2)4", [[0, 1, 2, 3], [4, 5, 6, 7]]),  # the minor factor of 4
+    ("'data'=8", "'data':(2)2", [[0, 2], [1, 3], [4, 6], [5, 7]]),  # the middle one
+    ("'data'=4,'model'=2", "'data':(1)2, 'model'", [[0, 1, 4, 5], [2, 3, 6, 7]]),
+])
+def test_replica_groups_over_mesh_axes_and_sub_axes_are_read(mesh, chosen, groups):
+    # A sub-axis ('data':(1)2, as a step that reshapes its batch into micro-batches splits the batch's
+    # axis) crashed the whole plan with "ValueError: '1' is not in list".
+    from spmdkit._plan._hlo import groups_of
+
+    assert groups_of(f"replica_groups=mesh[{mesh}] {{{chosen}}}, dimensions={{0}}", 8) == groups
+
+
+def test_a_step_that_splits_its_batch_into_micro_batches_plans_under_fsdp():
+    # Found by a user's step (gradient accumulation by reshape and scan): the gather over the major
+    # factor of the batch's axis is a sub-axis in the HLO, which the reader did not know.
+    def make_state(rng):
+        return {"w": jnp.zeros((64, 64))}
+
+    def step(s, b):
+        def body(g, x):
+            return g + jax.grad(lambda w: jnp.mean((x @ w) ** 2))(s["w"]), None
+
+        g = jax.lax.scan(body, jnp.zeros_like(s["w"]), b["x"].reshape(2, -1, 64))[0]
+        return {"w": s["w"] - 0.1 * g}, {}
+
+    result = spmdkit.plan(make_state, step, {"x": np.ones((32, 64), np.float32)}, rules=("fsdp",), target="h100x8",
+                          state_axes={"w": ("embed", "hidden")})
+    (row,) = result["candidates"]
+    assert row["status"] == "ok" and row["step_s"] > 0
+    # over sub-axes of data: the micro-batches' factor of 2 and the factor of 4 within each
+    assert {(c["kind"], tuple(c["axes"])) for c in row["collectives"]} >= {("all_gather", ("data",))}
+    assert {c["group_size"] for c in row["collectives"]} == {2, 4}
+
+
 def test_link_is_inter_host_when_a_group_spans_processes():
     from spmdkit._plan._cost import link_of
     from spmdkit._plan._hlo import Collective

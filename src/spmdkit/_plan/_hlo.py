@@ -464,14 +464,7 @@ def groups_of(attrs: str, n_devices: int) -> list[list[int]] | None:
     """The device groups of a collective's ``replica_groups`` (or permute pairs), or None."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
     if m:
-        sizes = [(name, int(size)) for name, size in re.findall(r"'?([\w]+)'?=(\d+)", m.group(1))]
-        chosen = re.findall(r"'?([\w]+)'?", m.group(2))
-        names = [s[0] for s in sizes]
-        ids = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
-        keep = [i for i, n in enumerate(names) if n not in chosen]
-        moved = np.transpose(ids, keep + [names.index(c) for c in chosen])
-        group = math.prod(sizes[names.index(c)][1] for c in chosen) if chosen else 1
-        return moved.reshape(-1, group).tolist()
+        return _mesh_groups(m.group(1), m.group(2))
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
     if m:
         g, s = int(m.group(1)), int(m.group(2))
@@ -488,6 +481,34 @@ def groups_of(attrs: str, n_devices: int) -> list[list[int]] | None:
     if m:
         return [[int(i) for i in pair.split(",")] for pair in re.findall(r"\{([0-9,]*)\}", m.group(1))]
     return None
+
+
+def _mesh_groups(mesh: str, chosen: str) -> list[list[int]]:
+    """The device groups of ``replica_groups=mesh[<mesh>] {<chosen>}``: each chosen mesh axis
+    whole (``'data'``), or a sub-axis of it (``'data':(2)4``: the factor of size 4 below a
+    more major factor of 2, as a step that reshapes its batch into micro-batches splits the
+    batch's axis).
+
+    Example:
+        >>> _mesh_groups("'data'=2,'model'=4", "'model'")
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        >>> _mesh_groups("'data'=8", "'data':(1)2")  # the major factor 2 of data: devices 4 apart
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+    """
+    sizes = {name: int(size) for name, size in re.findall(r"'?(\w+)'?=(\d+)", mesh)}
+    picks = [(name, (int(pre), int(size)) if size else None)
+             for name, pre, size in re.findall(r"'?(\w+)'?(?::\((\d+)\)(\d+))?", chosen)]
+    # Each axis split at the bounds of its chosen sub-axes, major to minor: ((axis, lo, hi), ...)
+    # a factor of hi / lo, lo the product of the more major factors.
+    dims = []
+    for name, n in sizes.items():
+        bounds = sorted({1, n} | {b for pick, sub in picks if pick == name and sub for b in (sub[0], sub[0] * sub[1])})
+        dims += [(name, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    ids = np.arange(math.prod(sizes.values())).reshape([hi // lo for _, lo, hi in dims] or [1])
+    last = [i for name, sub in picks for i, (axis, lo, hi) in enumerate(dims)
+            if axis == name and (sub is None or (lo >= sub[0] and hi <= sub[0] * sub[1]))]
+    moved = np.transpose(ids, [i for i in range(len(dims)) if i not in last] + last)
+    return moved.reshape(-1, math.prod(dims[i][2] // dims[i][1] for i in last)).tolist()
 
 
 def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
