@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -312,6 +313,36 @@ def test_state_axes_shaped_like_the_params_lay_out_a_masked_optimizers_moments(o
         one, _ = single_step(one, batch)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(one)):
         assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= TOLERANCE
+
+
+@pytest.mark.parametrize("optimizer", [optax.adam(1e-3), optax.multi_transform(
+    {"adam": optax.adam(1e-3), "sgd": optax.sgd(0.1)}, {"enc": "adam", "head": "sgd"})], ids=["adam", "multi_transform"])
+def test_state_axes_with_one_array_misnamed_is_named_not_matched_part_by_part(optimizer):
+    # One typo (one name for a 2-D array) and the whole tree fit nothing: its parts were matched
+    # alone, head's {w, b} naming enc's arrays (under adam), or enc left replicated (multi_transform),
+    # and the plan went on without a word.
+    def make_state(rng):
+        params = {"enc": {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)},
+                  "head": {"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}}
+        return {"params": params, "opt": optimizer.init(params)}
+
+    typo = {"enc": {"w": ("embed",), "b": ("hidden",)}, "head": {"w": ("hidden", "embed"), "b": ("embed",)}}
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=typo)
+    with pytest.raises(spmdkit.LayoutError, match="(?s)" + re.escape(
+            "state_axes has the structure of state['params'], but state_axes['enc']['w'] names ('embed',) (1 name(s)) "
+            "for state['params']['enc']['w'], an array of rank 2 (shape (64, 256)).") + r".*Fix: give one logical "
+            r"name \(or None\) per dimension: 2 for state_axes\['enc'\]\['w'\]"):
+        strategy.plan(make_state)
+    typo["enc"]["w"] = ("embed", "hidden")  # mended: every array named as written, the moments alike
+    specs = {leaf.path: leaf.spec for leaf in spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp",
+                                                               state_axes=typo).plan(make_state).leaves}
+    want = {"['enc']['w']": P("data", None), "['enc']['b']": P(None), "['head']['w']": P(None, "data"),
+            "['head']['b']": P("data")}
+    assert {path: spec for path, spec in specs.items() if path.startswith("state['params']")} == {
+        f"state['params']{k}": v for k, v in want.items()}
+    moments = {path: spec for path, spec in specs.items() if ".mu[" in path}
+    assert moments and all(spec == next(v for k, v in want.items() if path.endswith(k))
+                           for path, spec in moments.items()), moments
 
 
 def test_the_replication_warning_names_the_arrays_when_every_parameter_is_sharded():

@@ -400,6 +400,42 @@ def _check_ranks(state: Any, parts: list) -> None:
                         f"give one logical name (or None) per dimension: {len(shape)} for {where}."))
 
 
+def _rank_misses(x: Any, names: list) -> list[tuple[int, Any]]:
+    """``(index, array)`` of each array of ``x`` whose names in ``names`` are not one per dimension."""
+    leaves = jax.tree.leaves(x, is_leaf=_is_slot)
+    return [(i, leaf) for i, (leaf, n) in enumerate(zip(leaves, names))
+            if n is not None and not _is_slot(leaf) and hasattr(leaf, "shape") and len(n) != len(leaf.shape)]
+
+
+def _check_whole_ranks(state: Any, axes: Any, part: list) -> None:
+    """The whole of ``state_axes`` has the structure of a part of the state (the params) but does
+    not fit it, a few of its arrays named with the wrong number of names: a typo. Its parts were
+    then matched alone, and one (``head``) named another subtree of its structure (``enc``) with
+    its own names without a word. The subtree it fits best (fewest misses, some names fitting)
+    is named, with the ``state_axes`` path, both ranks and the fix."""
+    _, want, names, _ = part
+    same = lambda x: not _is_box(x) and jax.tree.structure(x, is_leaf=_is_slot) == want  # noqa: E731
+    found = [(path, _rank_misses(x, names)) for path, x in
+             jax.tree_util.tree_flatten_with_path(state, is_leaf=same)[0] if same(x)]
+    named = sum(n is not None for n in names)
+    misses = [(path, m) for path, m in found if m and len(m) < named]
+    if not misses:
+        return
+    path, missed = min(misses, key=lambda pm: (len(pm[1]), len(pm[0])))  # the params before the moments
+    where = [p for p, _ in jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_names)[0]]
+    i, leaf = missed[0]
+    within = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(want, list(range(len(names)))))[0][i][0]
+    given = tuple(names[i])
+    more = f" ({len(missed) - 1} more array(s) alike)" if len(missed) > 1 else ""
+    raise LayoutError(fix(
+        f"state_axes has the structure of state{jax.tree_util.keystr(path)}, but state_axes"
+        f"{jax.tree_util.keystr(where[i])} names {given} ({len(given)} name(s)) for "
+        f"state{jax.tree_util.keystr((*path, *within))}, an array of rank {len(leaf.shape)} (shape "
+        f"{tuple(leaf.shape)}){more}.",
+        f"give one logical name (or None) per dimension: {len(leaf.shape)} for "
+        f"state_axes{jax.tree_util.keystr(where[i])}."))
+
+
 def _with_state_axes(state: Any, axes: Any) -> Any:
     """Plain leaves boxed with the user's logical names (``state_axes``); boxed leaves kept.
 
@@ -415,6 +451,8 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     _check_names_only(axes)
     parts = _axes_parts(axes)
     whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: _fits(parts[0], x)) if _fits(parts[0], x)]
+    if not whole:
+        _check_whole_ranks(state, axes, parts[0])
     if whole:  # the params: every part learns the shapes it names
         for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
             part[3] = _shapes(_at(whole[0], part[0]))
