@@ -848,6 +848,20 @@ def test_group_links_are_never_priced_below_the_loop(monkeypatch):
     assert (got[4].alpha, got[4].beta) == (loop.alpha, loop.beta)  # not 1e-9 / 6 steps
     steps, wire = _target.steps_and_wire("all_reduce", 8, _target.LINK_SIZES[1] - _target.LINK_SIZES[0])
     assert got[8].alpha == pytest.approx(3e-4 / steps) and got[8].beta == pytest.approx(6e-4 / wire)
+    # A calibrated loop fit in pieces (a dearer large piece): the floor holds piece by piece, since the
+    # group's link replaces the loop's at its size; a floor at the overall line priced 64 MiB at a quarter.
+    pieced = Link(1e-5, 1e-10, pieces=((2**21, Link(1e-5, 1e-10)), (None, Link(1e-4, 4e-9))))
+    got = dict(_target.measure_group_links(8, {"all_reduce": pieced})["all_reduce"])
+    t = Target("t", "test", 8, {"float32": 1e12}, 1e11, {"intra_host": Link(1e-5, 1e-10)},
+               collectives={"all_reduce": {"intra_host": dataclasses.replace(pieced, groups=tuple(got.items()))}})
+    loop_only = dataclasses.replace(t, collectives={"all_reduce": {"intra_host": pieced}})
+    for n in (4, 8):
+        for nbytes in (4096, 2**20, 64 * 2**20):
+            assert collective_time(t, "all_reduce", nbytes, n, "intra_host") >= \
+                collective_time(loop_only, "all_reduce", nbytes, n, "intra_host") * (1 - 1e-12)
+    assert got[8].at(64 * 2**20).beta == 4e-9 and got[8].at(4096).beta == pytest.approx(6e-4 / wire)
+    again = from_json(t.to_json())  # a target file holds the pieces of a group
+    assert again.link("all_reduce", "intra_host").for_group(8).at(64 * 2**20).beta == 4e-9
 
 
 def test_group_links_run_between_computation_on_a_process_s_devices():
@@ -1333,12 +1347,31 @@ def test_cli_plan_sigterm_while_measuring_shows_the_ranking_and_the_rounds_and_e
     assert proc.returncode == 143, stdout[-2000:] + stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "terminated (SIGTERM): measurement interrupted after" in " ".join(stdout.split()), stdout[-2000:]
+    assert "Ctrl-C)" not in stdout  # not "interrupted (Ctrl-C)" under the measured table
     assert "winner:" in stdout  # the ranking
     plan = json.loads(out.read_text())
     assert plan["candidates"][0]["status"] == "ok"
     if processes == 1:  # alone, 5 s are whole rounds of a tiny model
         assert plan["measured"]["interrupted"]["rounds_done"] >= 1 and plan["measured"]["runs"]
     assert not _left_running(tmp_path, 15)
+
+
+def test_sigterm_in_a_plan_is_one_ctrl_c_and_the_handler_is_put_back():
+    import signal
+
+    from spmdkit._plan_cli import _sigterm_as_ctrl_c
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+    previous_int = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with _sigterm_as_ctrl_c() as term:
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)  # a scheduler's, and the launcher's passed on: one stop
+        assert term == [signal.SIGTERM] and seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def _environ(pid: str) -> dict[str, str]:
@@ -1406,6 +1439,11 @@ def test_plan_outcome_shows_the_saved_ranking_when_process_0_did_not_report(caps
     with pytest.raises(KeyboardInterrupt):  # nothing to show: main() says "interrupted"
         _outcome(None, None, "interrupted", 130, [], args, wide)
     assert _outcome({"candidates": [{"status": "ok"}]}, None, "interrupted", 130, [], args, wide) == 130
+    # SIGTERM: to the command (passed on), or to the launcher or a process alone (the command saw it end 143)
+    assert _outcome({"candidates": [{"status": "ok"}]}, None, "terminated", 143, [], args, wide) == 143
+    assert _outcome({"candidates": [{"status": "ok"}]}, None, "done", 143, [], args, wide) == 143
+    assert _outcome(None, ranking, "terminated", -9, [], args, wide) == 143
+    assert "nothing measured: terminated (SIGTERM) before process 0 reported" in " ".join(capsys.readouterr().out.split())
     # Process 0 reported (and removed its saved ranking), then failed writing --png or was killed:
     # the failure alone, not its ranking again under "nothing measured".
     with pytest.raises(PlanRunError, match="exit code 4"):
@@ -1688,9 +1726,13 @@ def test_a_target_without_the_plans_dtype_nor_float32_is_named_before_compiling(
     ({"peak_flops": {"float32": 67}}, r"peak_flops: 'float32' is 67 FLOP/s.*67e12 for 67 TFLOPS"),
     ({"links": {"intra_host": Link(5, 2e-12)}}, r"links.intra_host: 'alpha' is 5 seconds, above 1.*5e-6 for 5 us"),
     ({"memory_per_device": 80}, r"'memory_per_device' is 80 bytes.*80e9 for 80 GB"),
-    ({"links": {"intra_host": Link(5e-6, None)}}, r"a figure of Target\('gpu'\) is not a number.*alpha=5e-6"),
+    ({"links": {"intra_host": Link(5e-6, None)}}, r"links\['intra_host'\].beta is None \(NoneType\), not a number"),
     ({"collectives": {"all_reduce": {"intra_host": Link(float("nan"), 1e-9)}}},
      r"collectives.all_reduce.intra_host: 'alpha' is nan, not a finite number"),
+    ({"devices_per_host": 8.7}, r"devices_per_host is 8.7 \(float\), not a whole number >= 1.*devices_per_host=8"),
+    ({"devices_per_host": True}, r"devices_per_host is True \(bool\)"),
+    ({"peak_flops": 67e12}, r"peak_flops is 67000000000000.0 \(float\), not a dict.*peak_flops=\{'float32': 67e12\}"),
+    ({"links": {"intra_host": (5e-6, 2e-12)}}, r"links\['intra_host'\] is \(5e-06, 2e-12\) \(tuple\), not a Link"),
 ])
 def test_a_target_built_in_python_is_checked_as_a_file_is_before_compiling(change, words):
     # A datasheet's TFLOPS typed into a Target (not a file) priced every step at minutes without a word.
@@ -1713,6 +1755,11 @@ def test_a_target_built_in_python_with_sound_figures_plans_as_its_file_does(tmp_
     by_file = spmdkit.plan(make_state, step, batch, rules=("dp", "fsdp"), target=str(path))
     assert [(c["label"], c["step_s"]) for c in by_object["candidates"]] == \
         [(c["label"], c["step_s"]) for c in by_file["candidates"]]
+    # every kind's link under collectives and none under links: a Target may (a file may not)
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
+    per_kind = dataclasses.replace(gpu, links={}, collectives={k: {"intra_host": gpu.links["intra_host"]} for k in kinds})
+    assert [c["step_s"] for c in spmdkit.plan(make_state, step, batch, rules=("dp", "fsdp"), target=per_kind)[
+        "candidates"]] == [c["step_s"] for c in by_object["candidates"]]
 
 
 def test_plan_no_rules_and_a_bad_rng_are_named():

@@ -48,8 +48,8 @@ import numpy as np
 from spmdkit._atomic import replace_text
 from spmdkit._errors import SpmdkitError, fix, unwritable, wrong_output_path
 from spmdkit._target import (  # the cost model shared with the planner, and its readers of a file's fields
-    TRANSPOSE_CURVE_BYTES, TargetError, _collectives, _finite, _link, _measurements, from_json, measure_cache_curve,
-    measure_op_overhead, steps_and_wire, with_collective_waits)
+    TRANSPOSE_CURVE_BYTES, TargetError, _collectives, _finite, _link, _link_json, _measurements, from_json,
+    measure_cache_curve, measure_op_overhead, steps_and_wire, with_collective_waits)
 
 FORMAT = "spmdkit-target"
 VERSION = 1
@@ -536,8 +536,8 @@ def add_waits(target: dict[str, Any], n: int) -> None:
     for kind, per_link in measured.collectives.items():
         groups = per_link["intra_host"].groups if "intra_host" in per_link else ()
         if groups:
-            target["collectives"][kind]["intra_host"]["groups"] = {
-                str(g): {"alpha": ab.alpha, "beta": ab.beta} for g, ab in groups}
+            # a group of a link fitted in pieces has them too (floored piece by piece): as Target.to_json writes it
+            target["collectives"][kind]["intra_host"]["groups"] = _link_json(per_link["intra_host"])["groups"]
     target["notes"].append(
         "collective_sync_ops and collectives.*.intra_host.groups: what an in-process collective costs between "
         "computation (its devices wait for each other there), measured as spmdkit plan's cpu target measures it: a "

@@ -281,6 +281,8 @@ def _sigterm_as_ctrl_c() -> Any:
         return
 
     def handler(signum: int, frame: Any) -> None:
+        if term:  # a scheduler signals every process, and the launcher passes it on: one is the stop
+            return
         term.append(signum)
         current = signal.getsignal(signal.SIGINT)
         if callable(current):
@@ -292,8 +294,8 @@ def _sigterm_as_ctrl_c() -> Any:
     try:
         yield term
     finally:
-        if previous is not None:  # None: a handler not set from Python, which cannot be put back
-            signal.signal(signal.SIGTERM, previous)
+        # None: a handler not set from Python, which cannot be put back; the default ends the process.
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -559,10 +561,10 @@ def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, how:
                                f"{args.measure_timeout} s; killed.",
                                "measure fewer candidates (--measure, --rules), fewer --measure-steps or "
                                "--measure-rounds, or raise --measure-timeout."))
-    if how in ("interrupted", "stopped", "terminated") or code == 130:
-        if result is None and not shown:  # nothing printed: main() (or cmd_plan) says so, exit code 130 (143)
+    if how in ("interrupted", "stopped", "terminated") or code in (130, 143):  # 143: the launcher or a process
+        if result is None and not shown:  # was sent SIGTERM. Nothing printed: main() (or cmd_plan) says so
             raise KeyboardInterrupt
-        return 143 if how == "terminated" else 130
+        return 143 if how == "terminated" or code == 143 else 130
     if result is not None:
         return _exit_code(result)
     _raise_failure(code, errors, args.processes)
@@ -584,11 +586,11 @@ def _wait_launcher(proc: subprocess.Popen, args: argparse.Namespace, term: list[
         return False
     except KeyboardInterrupt:
         pass
-    from spmdkit._launch import STOP_GRACE_S
+    from spmdkit._launch import SIGTERM_WAIT_S, STOP_GRACE_S
 
     proc.send_signal(signal.SIGTERM if term else signal.SIGINT)
     try:  # the launcher's grace, then its SIGKILL and the last output read: well within this bound
-        proc.wait(timeout=STOP_GRACE_S + 30)
+        proc.wait(timeout=(SIGTERM_WAIT_S if term else 0.0) + STOP_GRACE_S + 30)
     except subprocess.TimeoutExpired:
         pass  # the caller kills the launcher, and its processes with it
     return True

@@ -582,13 +582,53 @@ def checked_target(target: Target, where: str = "target") -> Target:
         ...     print(str(e).splitlines()[0])
         plan(target=...) peak_flops: 'float32' is 67 FLOP/s, below 1e+06: no device is that slow; a figure in another unit?
     """
-    try:
-        data = target.to_json()
-    except (TypeError, ValueError, AttributeError) as e:  # a figure that is not a number at all
-        raise TargetError(fix(f"{where}: a figure of Target({target.name!r}) is not a number ({e}).",
-                              "give every figure as a float in SI units, e.g. peak_flops={'float32': 67e12}, "
-                              "Link(alpha=5e-6, beta=2e-12).")) from None
-    return from_json(data, where)
+    _check_python_fields(target, where)
+    data = target.to_json()
+    # A Target may give every kind's link under collectives and none under links (a file may not).
+    bare = "intra_host" not in data["links"]
+    if bare:
+        data["links"]["intra_host"] = {"alpha": 0.0, "beta": 0.0}
+    checked = from_json(data, where)
+    return dataclasses.replace(checked, links=dict(target.links)) if bare else checked
+
+
+def _check_python_fields(target: Target, where: str) -> None:
+    """The fields of a Target built in Python that ``to_json`` would convert without a word
+    (``devices_per_host=8.7`` as 8) or fail on with no field named."""
+    def wrong(field: str, value: Any, want: str, example: str) -> TargetError:
+        return TargetError(fix(f"{where}: {field} is {value!r:.60} ({type(value).__name__}), not {want}.",
+                               f"pass e.g. {example}."))
+
+    def number(field: str, value: Any, example: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise wrong(field, value, "a number", example)
+
+    dph = target.devices_per_host
+    if isinstance(dph, bool) or not isinstance(dph, numbers.Integral) or dph < 1:
+        raise wrong("devices_per_host", dph, "a whole number >= 1", "devices_per_host=8")
+    if not isinstance(target.peak_flops, dict):
+        raise wrong("peak_flops", target.peak_flops, "a dict of dtype names to FLOP/s", "peak_flops={'float32': 67e12}")
+    for dtype, rate in target.peak_flops.items():
+        number(f"peak_flops[{dtype!r}]", rate, f"peak_flops={{{dtype!r}: 67e12}}")
+    number("memory_bandwidth", target.memory_bandwidth, "memory_bandwidth=3.35e12")
+    if target.memory_per_device is not None:
+        number("memory_per_device", target.memory_per_device, "memory_per_device=80e9")
+    number("op_overhead", target.op_overhead, "op_overhead=5e-6")
+    links = [(f"links[{k!r}]", v) for k, v in (target.links.items() if isinstance(target.links, dict) else ())]
+    if not isinstance(target.links, dict) or not isinstance(target.collectives, dict):
+        raise wrong("links" if not isinstance(target.links, dict) else "collectives",
+                    target.links if not isinstance(target.links, dict) else target.collectives,
+                    "a dict", "links={'intra_host': Link(alpha=5e-6, beta=2e-12)}")
+    for kind, per in target.collectives.items():
+        if not isinstance(per, dict):
+            raise wrong(f"collectives[{kind!r}]", per, "a dict of links", "{'intra_host': Link(5e-6, 2e-12)}")
+        links += [(f"collectives[{kind!r}][{k!r}]", v) for k, v in per.items()]
+    for field, link in links:
+        if not isinstance(link, Link):
+            raise wrong(field, link, "a Link", f"{field} = Link(alpha=5e-6, beta=2e-12)")
+        for piece in (link, *(p for _, p in link.pieces), *(g for _, g in link.groups)):
+            number(f"{field}.alpha", piece.alpha, "Link(alpha=5e-6, beta=2e-12)")
+            number(f"{field}.beta", piece.beta, "Link(alpha=5e-6, beta=2e-12)")
 
 
 # Short names users write for compute dtypes (the planner's ``dtype=`` takes them too).
@@ -1080,9 +1120,23 @@ def measure_group_links(n: int, whole: dict[str, Link], rounds: int = 5) -> dict
     for kind, link in whole.items():
         own = ((g, _group_link(kind, g, tuple(seen[(g, kind, b)] - seen[(g, None, b)] for b in LINK_SIZES), link))
                for g in sizes)
-        out[kind] = tuple((g, Link(max(ab.alpha, link.alpha), max(ab.beta, link.beta))) for g, ab in own
-                          if ab is not None)
+        out[kind] = tuple((g, _floored(ab, link)) for g, ab in own if ab is not None)
     return out
+
+
+def _floored(measured: Link, loop: Link) -> Link:
+    """``measured`` (a group's link) never below ``loop``'s alpha and beta, piece by piece where
+    ``loop`` has pieces (a calibrated fit over 4 KiB-64 MiB): the group's link replaces the
+    loop's at its size, so a floor at the loop's overall line priced a 64 MiB all-reduce at a
+    quarter of its large piece.
+
+    Example:
+        >>> loop = Link(1e-5, 1e-10, pieces=((2**21, Link(1e-5, 1e-10)), (None, Link(1e-4, 8e-10))))
+        >>> [(p.alpha, p.beta) for _, p in _floored(Link(3e-5, 2e-10), loop).pieces]
+        [(3e-05, 2e-10), (0.0001, 8e-10)]
+    """
+    floor = lambda ab: Link(max(measured.alpha, ab.alpha), max(measured.beta, ab.beta))  # noqa: E731
+    return dataclasses.replace(floor(loop), pieces=tuple((limit, floor(p)) for limit, p in loop.pieces))
 
 
 def _kib(nbytes: float) -> str:

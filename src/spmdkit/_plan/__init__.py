@@ -209,6 +209,10 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     ``measure_steps`` steps each, and the plan gains ``"measured"`` (predicted vs measured, Spearman rank correlation, and
     ``reproducibility``: the measurement's order in one half of its rounds against the other's).
 
+    ``target``: ``"cpu"`` (this machine, measured at start), a target file or example's name, or
+    a :class:`spmdkit.Target`, whose figures are checked as a file's are (a ``TargetError``
+    names a figure in another unit, such as ``{"float32": 67}`` for 67 TFLOPS).
+
     ``processes``: the hosts the devices are spread over; collectives whose devices span
     them are priced with the target's ``inter_host`` link. Default: the processes running
     (``jax.process_count()``). In a lone process a larger count prices only (``measure=0``);

@@ -435,7 +435,7 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
     console.print(table)
     if measured.get("interrupted"):
         cut = measured["interrupted"]
-        console.print(f"interrupted (Ctrl-C): measured in {cut['rounds_done']} of {cut['rounds_asked']} round(s); "
+        console.print(f"interrupted: measured in {cut['rounds_done']} of {cut['rounds_asked']} round(s); "
                       "the figures above are those rounds'", highlight=False)
     sources = sorted({m["measured_memory_source"] for m in measured["runs"]})
     if sources:
