@@ -2069,6 +2069,18 @@ def test_explain_runner_up_part_never_exceeds_its_total_and_empty_plans_point_no
                                                "budget); each one's reason is in its \"reason\" (printed as "
                                                "\"excluded ...\"). Fix: a budget of at least 1 MiB per device "
                                                "(--memory-per-device), or more devices."]
+    # 66180 B reads "64.6 KiB", which, passed back, is 66150 B: still excluded. The fix rounds up.
+    odd = dict(over, memory={**over["memory"], "per_device": 66180})
+    assert "a budget of at least 64.7 KiB per device" in explain({"candidates": [odd]})[0]
+
+
+def test_an_exclusion_whose_need_and_budget_read_alike_gives_the_bytes():
+    make_state, step, batch = _tiny()
+    need = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8")["candidates"][0]["memory"]["per_device"]
+    (row,) = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8",
+                          memory_per_device=need - 1)["candidates"]
+    assert row["status"] == "over_budget" and f"({need:,.0f} B) per device, over the budget of" in row["reason"]
+    assert f"({need - 1:,.0f} B)" in row["reason"]
 
 
 def test_a_layout_that_one_candidate_alone_cannot_take_is_its_reason_with_a_fix(capsys):

@@ -82,6 +82,23 @@ def readable_bytes(n: float) -> str:
     return _in_units(n, (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)), "B")
 
 
+def readable_bytes_up(n: float) -> str:
+    """:func:`readable_bytes` rounded up, never below ``n``: a figure to pass back as a budget.
+
+    >>> readable_bytes(66140), readable_bytes_up(66140)
+    ('64.6 KiB', '64.6 KiB')
+    >>> readable_bytes(66200), readable_bytes_up(66200)  # 64.648 KiB: 64.6 would not hold it
+    ('64.6 KiB', '64.7 KiB')
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)):
+        if n >= size or unit == "B":
+            x = n / size
+            digits = 2 - math.floor(math.log10(x)) if x > 0 else 0
+            up = math.ceil(x * 10**digits - 1e-9) / 10**digits
+            return f"{_figures(up)} {unit}"
+    raise AssertionError("not reached")
+
+
 def readable_flops(n: float) -> str:
     """FLOPs in the SI unit that fits (FLOP, kFLOP, MFLOP, GFLOP, TFLOP), three significant figures.
 

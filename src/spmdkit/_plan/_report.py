@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from spmdkit._console import readable_bytes
+from spmdkit._console import readable_bytes, readable_bytes_up
 
 
 def _ms(s: float) -> str:
@@ -69,7 +69,8 @@ def _no_fit_hints(plan: dict[str, Any]) -> list[str]:
                      f"(--batch-size {rows_fit})")
     over = [r["memory"]["per_device"] for r in rows if r["status"] == "over_budget"]
     if over:
-        hints.append(f"a budget of at least {readable_bytes(min(over))} per device (--memory-per-device), or more "
+        # Rounded up: "64.6 KiB" for 66180 B, passed back, still excluded it.
+        hints.append(f"a budget of at least {readable_bytes_up(min(over))} per device (--memory-per-device), or more "
                      "devices")
     if any("cannot split evenly" in r for r in reasons):
         hints.append("model sizes the mesh axes divide (e.g. --heads or --d-model a multiple of the model axis)")

@@ -280,8 +280,10 @@ def evaluate(cand: Candidate, make_state: Callable, train_step: Callable, batch:
                     sum(c["seconds"] for c in comms if c["prefetched"])),
     })
     if budget is not None and memory > budget:
-        row.update(status="over_budget", reason=f"needs {readable_bytes(memory)} per device, over the budget of "
-                                                f"{readable_bytes(budget)}")
+        need, have = readable_bytes(memory), readable_bytes(budget)
+        if need == have:  # "needs 64.6 KiB, over the budget of 64.6 KiB": the bytes say why
+            need, have = f"{need} ({memory:,.0f} B)", f"{have} ({budget:,.0f} B)"
+        row.update(status="over_budget", reason=f"needs {need} per device, over the budget of {have}")
     return row
 
 
