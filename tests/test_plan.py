@@ -1800,6 +1800,13 @@ def test_plan_rules_written_as_the_command_lines_comma_list_say_how_to_list_them
     assert [c["rules"] for c in got["candidates"]] == ["batch=data,embed=none"]
 
 
+def test_plan_with_both_train_step_and_step_for_is_named():
+    # train_step was ignored without a word: each candidate's step came from step_for.
+    make_state, step, batch = _tiny()
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)got both train_step and step_for.*Fix: pass train_step=None"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", step_for=lambda remat, accum: step)
+
+
 def test_plan_dtype_alias_rules_string_and_dict():
     make_state, step, batch = _tiny()
     one = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", dtype="bf16")

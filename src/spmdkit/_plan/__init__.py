@@ -194,7 +194,8 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
 
     Candidates are the factorisations of ``jax.device_count()`` over the mesh axes each
     rules table names (``rules``: presets, ``"hsdp+tp"``, TOML files), times ``remat``
-    and ``accum`` (which need ``step_for(remat, accum) -> train_step``). ``batch`` is the
+    and ``accum`` (which need ``step_for(remat, accum) -> train_step``, given instead of ``train_step``:
+    pass ``train_step=None``). ``batch`` is the
     global batch (arrays or ``jax.ShapeDtypeStruct``); ``state_axes`` names the dimensions
     of a plain (unannotated) state's arrays, as for :class:`spmdkit.Sharded`;
     ``activations(candidate, batch_shards, mesh_size)`` gives your step's activation memory per

@@ -476,6 +476,10 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
                               "pass step_for=lambda remat, accum: my_train_step(...), or leave remat and accum out."))
     if step_for is None and train_step is None:
         raise ConfigError(fix("plan() got neither train_step nor step_for.", "pass train_step=my_step."))
+    if step_for is not None and train_step is not None:  # train_step was ignored without a word
+        raise ConfigError(fix("plan() got both train_step and step_for: every candidate's step comes from "
+                              "step_for(remat, accum), so train_step would not be used.",
+                              "pass train_step=None with step_for, or leave step_for out."))
     n = jax.device_count()
     if processes < 1 or n % processes:
         raise ConfigError(fix(f"plan(processes={processes}): {n} devices do not split evenly into that many processes.",
