@@ -1895,6 +1895,13 @@ def test_cli_plan_unwritable_json_and_png_fail_before_planning(tmp_path, capsys)
         assert said in str(err.value) and "mkdir" not in str(err.value), str(err.value)
         assert "Fix: pass a path whose folders are directories, e.g. --json plan.json." in str(err.value)
         assert err.value.exit_code == 2
+    # --json a link to a file in a missing folder: checked only beside the link, it failed after the plan,
+    # with "free disk space" and exit code 5
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "gone" / "x.json")
+    with pytest.raises(PlanFileError) as err:
+        check_out(str(tmp_path / "dangling.json"), "--json")
+    assert err.value.exit_code == 2 and f"(a symbolic link to {tmp_path / 'gone' / 'x.json'}): directory " \
+        f"{tmp_path / 'gone'} does not exist" in str(err.value) and "mkdir -p" in str(err.value), str(err.value)
 
 
 def test_cli_plan_json_in_a_place_that_refuses_the_write_is_an_io_failure(tmp_path, monkeypatch):

@@ -78,9 +78,11 @@ def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
         return f"{label} is a directory.", f"pass a file name, e.g. {example}."
     if is_special(path):  # /dev/stdout, a FIFO: written in place, so the node itself must take it
         return None if os.access(path, os.W_OK) else (f"{label}: cannot write to it.", "pass a path you can write to.")
-    # a link's file is replaced beside itself, wherever the link is
-    linked = os.path.islink(path) and os.path.exists(path)
-    parent = os.path.dirname(os.path.realpath(path) if linked else os.path.abspath(path))
+    # A link's file is replaced beside itself, wherever the link is; a link to nothing yet too,
+    # so its target's folder is the one that must take the file (the link's own passed the check).
+    parent = os.path.dirname(os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path))
+    if os.path.islink(path):
+        label = f"{label} (a symbolic link to {os.readlink(path)})"
     if not os.path.isdir(parent):
         blocker = _in_the_way(parent)
         if blocker is not None:  # "mkdir -p" would fail on it: the path itself is wrong
@@ -102,7 +104,8 @@ def wrong_output_path(path: str) -> bool:
     place that refuses the write (no permission, a full disk: an I/O failure, 5)."""
     import os
 
-    return os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))
+    target = os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)  # as unwritable reads it
+    return os.path.isdir(path) or not os.path.isdir(os.path.dirname(target))
 
 
 def _in_the_way(directory: str) -> str | None:
