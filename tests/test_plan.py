@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import flax.linen as nn
@@ -2572,6 +2573,43 @@ def test_ctrl_c_while_measuring_keeps_the_priced_plan_and_the_whole_rounds(monke
     with pytest.raises(MeasureInterrupted) as err:
         spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1)
     assert err.value.plan["candidates"][0]["status"] == "ok" and "measured" not in err.value.plan
+
+
+@pytest.mark.parametrize("fails", ["in_a_callback", "while_preparing"])
+def test_a_step_that_fails_when_measured_names_the_candidate_and_keeps_the_ranking(fails, monkeypatch):
+    # JAX's bare JaxRuntimeError came out, naming no candidate, the priced plan lost with it, and JAX's
+    # exit handler printed the callback's error once more ("Exception ignored in atexit callback").
+    from spmdkit._plan._report import MeasureFailed
+
+    make_state, step, batch = _tiny()
+    calls = []
+
+    def callback(x):
+        calls.append(x)
+        if len(calls) > 2:
+            raise RuntimeError("the user's own check failed")
+
+    def checked(s, b):
+        out = step(s, b)
+        jax.debug.callback(callback, out[0]["w"].sum())
+        return out
+
+    if fails == "while_preparing":
+        from spmdkit import _plan
+
+        monkeypatch.setattr(_plan, "_preparer", lambda *a: (lambda row: (_ for _ in ()).throw(ValueError("no"))))
+    with pytest.raises(MeasureFailed) as err:
+        spmdkit.plan(make_state, checked, batch, rules="dp", target="h100x8", measure=1, measure_rounds=3,
+                     measure_steps=1)
+    said = str(err.value)
+    if fails == "in_a_callback":
+        assert re.match(r"measuring dp \[data=8\] \(rank 1\) failed running its step in round \d: "
+                        r"JaxRuntimeError: .*RuntimeError: the user's own check failed", said), said
+        jax.effects_barrier()  # nothing of it left pending for JAX's exit handler
+    else:
+        assert said.startswith("measuring dp [data=8] (rank 1) failed preparing its step: ValueError: no"), said
+    assert "measure=0 (--measure 0) prices only" in said and isinstance(err.value, spmdkit.SpmdkitError)
+    assert err.value.plan["candidates"][0]["status"] == "ok" and err.value.__cause__ is not None
 
 
 def test_measure_says_what_it_did_not_run(capsys):

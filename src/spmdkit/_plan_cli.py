@@ -318,7 +318,7 @@ def _plan_here(args: argparse.Namespace, console: Console, running: int, term: l
     import jax
 
     from spmdkit._plan import plan
-    from spmdkit._plan._report import MeasureInterrupted
+    from spmdkit._plan._report import MeasureFailed, MeasureInterrupted
     from spmdkit._tasks import task_defaults
 
     if running > 1 and args.processes not in (None, running):
@@ -350,6 +350,11 @@ def _plan_here(args: argparse.Namespace, console: Console, running: int, term: l
                       processes=args.processes, dtype=dtype, activations=activations, measure=args.measure,
                       measure_steps=args.measure_steps, measure_rounds=args.measure_rounds,
                       progress=_progress(console) if lead else None, on_ranked=_save_ranked(args, console) if lead else None)
+    except MeasureFailed as failed:  # the ranking, shown and written, then the error (main() prints it)
+        if failed.plan is not None and lead:
+            failed.plan.update(task=args.task, model=_model(args))
+            _write(failed.plan, args, console)
+        raise
     except MeasureInterrupted as stop:
         # Ctrl-C while measuring lost the compiled and priced plan to a traceback: show and write
         # what there is (the ranking, the whole rounds measured), then exit as interrupted.

@@ -20,7 +20,7 @@ import numpy as np
 
 from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, fix
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
-from spmdkit._plan._report import (MeasureInterrupted, explain, measure as _measure, pareto, print_plan, save_png,
+from spmdkit._plan._report import (MeasureFailed, MeasureInterrupted, explain, measure as _measure, pareto, print_plan, save_png,
                                    spearman, time_steps)
 from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, interrupts_agreed,
                                       check_same_arguments, from_process_0, links_note, slowest)
@@ -280,6 +280,9 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
             with interrupts_agreed():  # several processes stop at the same point, so process 0 can report
                 result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng,
                                                                          state_axes), measure_steps, rounds=measure_rounds)
+        except MeasureFailed as failed:  # a step that failed when run: the priced plan travels with it
+            failed.plan = result
+            raise
         except MeasureInterrupted as stop:  # Ctrl-C: the priced plan and the whole rounds travel with it
             if stop.measured is not None:
                 result["measured"] = {**stop.measured, "processes": jax.process_count()}

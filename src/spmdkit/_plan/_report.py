@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from spmdkit._console import readable_bytes, readable_bytes_up
+from spmdkit._errors import SpmdkitError, fix
 
 
 def _ms(s: float) -> str:
@@ -281,8 +282,10 @@ def measure(plan: dict[str, Any], k: int | str,
     ``measured_relative_rounds``): a paired comparison, so a slow minute of the machine, which falls on one round,
     does not reorder candidates."""
     rows = [r for r in plan["candidates"] if r["status"] == "ok"][:None if k == "all" else k]
+    prepared: list = []
     try:
-        prepared = [prepare(r) for r in rows]
+        for row in rows:
+            prepared.append(_failing_as(row, "preparing", 0, lambda: prepare(row)))
     except KeyboardInterrupt:
         raise MeasureInterrupted(None, 0, rounds) from None
     times: list[list[float]] = [[] for _ in rows]
@@ -292,7 +295,7 @@ def measure(plan: dict[str, Any], k: int | str,
     try:
         for r in range(rounds):
             for i in order[r % len(order):] + order[: r % len(order)] if order else []:
-                t = prepared[i][0](steps)
+                t = _failing_as(rows[i], "running", r + 1, lambda: prepared[i][0](steps))
                 times[i].extend(t)
                 per_round[i].append(statistics.median(t))
             done = r + 1
@@ -301,6 +304,46 @@ def measure(plan: dict[str, Any], k: int | str,
         raise MeasureInterrupted(_summary(rows, prepared, times, [pr[:done] for pr in per_round], done) if done else None,
                                  done, rounds) from None
     return {**_summary(rows, prepared, times, per_round, rounds if rows else 0), "asked": k}
+
+
+def _failing_as(row: dict[str, Any], doing: str, round_: int, call: Callable[[], Any]) -> Any:
+    """``call()``; an error of the step's own (raised in it, or by the runtime running it) as a
+    :class:`MeasureFailed` naming the candidate: it came as JAX's bare error, naming none."""
+    try:
+        return call()
+    except (KeyboardInterrupt, SpmdkitError):
+        raise
+    except Exception as e:
+        lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+        # A callback's error comes as "...calling callback: Traceback ..." with the user's own error last.
+        first = lines[0] if "Traceback (most recent" not in lines[0] else lines[0].split("Traceback")[0] + lines[-1]
+        _settle_effects()
+        at = f" in round {round_}" if round_ else ""
+        raise MeasureFailed(fix(f"measuring {row['label']} (rank {row['rank']}) failed {doing} its step{at}: "
+                                f"{type(e).__name__}: {first[:300]}",
+                                "the candidate compiled and was priced, so the step itself failed when run (its "
+                                "traceback is the cause of this error in Python). The ranking is kept (the error's "
+                                ".plan; the command's table and --json); measure=0 (--measure 0) prices only.")) from e
+
+
+def _settle_effects() -> None:
+    """Wait out the failed step's pending effects (a ``jax.debug.callback``'s error), whose error
+    JAX's exit handler raised again, as "Exception ignored in atexit callback"."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # the same error, already reported
+        pass
+
+
+class MeasureFailed(SpmdkitError, RuntimeError):
+    """A candidate's step failed while ``plan`` measured it; from :func:`spmdkit.plan`, the priced
+    plan rides along as ``plan``, as with :class:`MeasureInterrupted`."""
+
+    exit_code = 1  # the step's own failure, as a crash
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.plan: dict[str, Any] | None = None
 
 
 class MeasureInterrupted(KeyboardInterrupt):
