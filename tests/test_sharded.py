@@ -345,6 +345,20 @@ def test_state_axes_with_one_array_misnamed_is_named_not_matched_part_by_part(op
                            for path, spec in moments.items()), moments
 
 
+@pytest.mark.parametrize("axes", ["embed", ("embed", "hidden"), ["embed"]])
+def test_state_axes_of_one_array_for_a_state_of_several_is_named(axes):
+    # state_axes="embed" named every vector of the state ('embed',) and left the matrices plain.
+    def make_state(rng):
+        return {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}
+
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)names one array, but the state holds 2 \(state\['b'\], "
+                       r"state\['w'\]\).*Fix: give state_axes the structure of the state"):
+        spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=axes).plan(make_state)
+    one = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=("embed", "hidden")).plan(
+        lambda rng: jnp.zeros((64, 256)))  # a state that is one array: its names
+    assert [leaf.spec for leaf in one.leaves] == [P("data", None)]
+
+
 def test_the_replication_warning_names_the_arrays_when_every_parameter_is_sharded():
     # It said "the largest replicated parameters: ." when only other leaves were replicated.
     def make_state(rng):

@@ -400,6 +400,20 @@ def _check_ranks(state: Any, parts: list) -> None:
                         f"give one logical name (or None) per dimension: {len(shape)} for {where}."))
 
 
+def _check_lone_names(state: Any, axes: Any) -> None:
+    """``state_axes`` one array's names (``"embed"``, ``("embed", "hidden")``) for a state of
+    several arrays: it named every array of that rank alike and left the others plain."""
+    if not _is_names(axes) or axes is None:
+        return
+    arrays = [path for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]
+              if hasattr(leaf, "shape") and not _is_box(leaf)]
+    if len(arrays) > 1:
+        shown = ", ".join("state" + jax.tree_util.keystr(p) for p in arrays[:3]) + (", ..." if len(arrays) > 3 else "")
+        raise LayoutError(fix(f"state_axes={axes!r} names one array, but the state holds {len(arrays)} ({shown}).",
+                              "give state_axes the structure of the state or of its params, one tuple of names per "
+                              "array, e.g. {'w': ('embed', 'hidden'), 'b': ('hidden',)}."))
+
+
 def _rank_misses(x: Any, names: list) -> list[tuple[int, Any]]:
     """``(index, array)`` of each array of ``x`` whose names in ``names`` are not one per dimension."""
     leaves = jax.tree.leaves(x, is_leaf=_is_slot)
@@ -449,6 +463,7 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     if axes is None:
         return state
     _check_names_only(axes)
+    _check_lone_names(state, axes)
     parts = _axes_parts(axes)
     whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: _fits(parts[0], x)) if _fits(parts[0], x)]
     if not whole:
