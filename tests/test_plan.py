@@ -86,6 +86,8 @@ def _h100(change):
     # A "bf16" rate was never looked up: bf16 steps priced at the float32 rate.
     (lambda t: t["peak_flops"].update(float33=1e12), r"peak_flops has the key 'float33', which is no dtype name"),
     (lambda t: t["peak_flops"].update(bf16=1e15), r"peak_flops gives bfloat16 twice"),
+    # A non-ASCII digit ended in a raw ValueError from int().
+    (lambda t: t.update(collective_sync_ops={"\u00b2": 1.0}), r"collective_sync_ops has the key '\u00b2', not a group size"),
 ])
 def test_a_target_file_broken_by_hand_is_named(change, words):
     with pytest.raises(TargetError, match=words):
@@ -98,6 +100,7 @@ def test_a_target_file_broken_by_hand_is_named(change, words):
     (lambda t: t["links"]["inter_host"].update(beta=50), r"inter_host: 'beta' is 50 seconds per byte, above 1e-06"),
     (lambda t: t.update(memory_bandwidth=3.35), r"'memory_bandwidth' is 3.35 bytes/s"),
     (lambda t: t.update(memory_per_device=80), r"'memory_per_device' is 80 bytes, below 1e\+06.*80e9 for 80 GB"),
+    (lambda t: t.update(op_overhead=5), r"'op_overhead' is 5 seconds, above 0.01.*5e-6 for 5 us"),
 ])
 def test_a_target_figure_in_another_unit_is_named_with_the_unit(change, words):
     # A datasheet's figure in its own unit loaded: "peak_flops": {"float32": 67} priced every
@@ -1735,6 +1738,12 @@ def test_a_target_without_the_plans_dtype_nor_float32_is_named_before_compiling(
     ({"devices_per_host": True}, r"devices_per_host is True \(bool\)"),
     ({"peak_flops": 67e12}, r"peak_flops is 67000000000000.0 \(float\), not a dict.*peak_flops=\{'float32': 67e12\}"),
     ({"links": {"intra_host": (5e-6, 2e-12)}}, r"links\['intra_host'\] is \(5e-06, 2e-12\) \(tuple\), not a Link"),
+    ({"peak_flops": {"float32": 10**400}}, r"peak_flops\['float32'\] is .* \(int\), not a number a float holds"),
+    ({"collective_sync_ops": {2: "0.5"}}, r"collective_sync_ops\[2\] is '0.5' \(str\), not a number"),
+    ({"collective_sync_ops": [0.5]}, r"collective_sync_ops is \[0.5\] \(list\), not a dict"),
+    ({"cache_bandwidth": ((32768, "fast"),)}, r"cache_bandwidth\[0\] is 'fast' \(str\), not a number"),
+    ({"transpose_bandwidth": {32768: 1e10}}, r"transpose_bandwidth is .* \(dict\), not \(bytes, bytes/s\) pairs"),
+    ({"op_overhead": 5}, r"'op_overhead' is 5 seconds, above 0.01"),
 ])
 def test_a_target_built_in_python_is_checked_as_a_file_is_before_compiling(change, words):
     # A datasheet's TFLOPS typed into a Target (not a file) priced every step at minutes without a word.

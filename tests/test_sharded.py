@@ -357,6 +357,14 @@ def test_state_axes_of_one_array_for_a_state_of_several_is_named(axes):
     one = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=("embed", "hidden")).plan(
         lambda rng: jnp.zeros((64, 256)))  # a state that is one array: its names
     assert [leaf.spec for leaf in one.leaves] == [P("data", None)]
+    # Not ambiguous: a scalar takes no names; (None, None) names nothing (every array replicated)
+    counted = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=("embed", "hidden")).plan(
+        lambda rng: {"step": jnp.zeros((), jnp.int32), "w": jnp.zeros((64, 256))})
+    assert {leaf.path: leaf.spec for leaf in counted.leaves}["state['w']"] == P("data", None)
+    with pytest.warns(spmdkit.ReplicationWarning):  # as asked: said, not an error
+        pair = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=(None, None)).plan(
+            lambda rng: (jnp.zeros((64, 256)), jnp.zeros(256)))
+    assert all(all(a is None for a in leaf.spec) for leaf in pair.leaves)
 
 
 def test_the_replication_warning_names_the_arrays_when_every_parameter_is_sharded():

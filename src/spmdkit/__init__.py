@@ -88,7 +88,9 @@ from spmdkit._train._validate import TaskError, validate_task
 from spmdkit._process import end_soon
 from spmdkit._sample import sample
 from spmdkit._plan import plan
-from spmdkit._target import Target, load_target
+from spmdkit._plan._report import MeasureFailed, MeasureInterrupted
+from spmdkit._plan._search import PlanStepError
+from spmdkit._target import Link, Target, TargetError, load_target
 
 __version__ = "0.1.0"
 
@@ -175,7 +177,12 @@ __all__ = [
     "pmap",
     "plan",
     "load_target",
+    "Link",
+    "MeasureFailed",
+    "MeasureInterrupted",
+    "PlanStepError",
     "Target",
+    "TargetError",
     "replicate",
     "save_params",
     "task_state",

@@ -416,6 +416,7 @@ _UNIT_BOUNDS = {"peak_flops": (1e6, None, "FLOP/s", "67e12 for 67 TFLOPS"),
                 "memory_bandwidth": (1e6, None, "bytes/s", "3.35e12 for 3.35 TB/s"),
                 "memory_per_device": (1e6, None, "bytes", "80e9 for 80 GB"),
                 "alpha": (None, 1.0, "seconds", "5e-6 for 5 us"),
+                "op_overhead": (None, 0.01, "seconds", "5e-6 for 5 us"),
                 "beta": (None, 1e-6, "seconds per byte", "2.2e-12 for 450 GB/s")}
 
 
@@ -509,7 +510,7 @@ def _sync(data: Any, where: str) -> dict[int, float]:
         raise TargetError(fix(f"{where}: collective_sync_ops is {data!r}, not an object.", example))
     out = {}
     for key in data:
-        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) >= 2):  # "²" is a digit
             raise TargetError(fix(f"{where}: collective_sync_ops has the key {key!r}, not a group size >= 2.", example))
         out[int(key)] = _number(data, key, f"{where} collective_sync_ops", positive=False)
         if out[int(key)] < 0:
@@ -602,6 +603,20 @@ def _check_python_fields(target: Target, where: str) -> None:
     def number(field: str, value: Any, example: str) -> None:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise wrong(field, value, "a number", example)
+        try:
+            float(value)
+        except OverflowError:  # an int of 400 digits
+            raise wrong(field, value, "a number a float holds", example) from None
+
+    def curve(field: str, value: Any) -> None:
+        example = f"{field}=((32768, 30e9), (8388608, 10e9))"
+        if not isinstance(value, (tuple, list)):
+            raise wrong(field, value, "(bytes, bytes/s) pairs", example)
+        for i, pair in enumerate(value):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise wrong(f"{field}[{i}]", pair, "a (bytes, bytes/s) pair", example)
+            for x in pair:
+                number(f"{field}[{i}]", x, example)
 
     dph = target.devices_per_host
     if isinstance(dph, bool) or not isinstance(dph, numbers.Integral) or dph < 1:
@@ -614,6 +629,15 @@ def _check_python_fields(target: Target, where: str) -> None:
     if target.memory_per_device is not None:
         number("memory_per_device", target.memory_per_device, "memory_per_device=80e9")
     number("op_overhead", target.op_overhead, "op_overhead=5e-6")
+    curve("cache_bandwidth", target.cache_bandwidth)
+    curve("transpose_bandwidth", target.transpose_bandwidth)
+    if not isinstance(target.collective_sync_ops, dict):
+        raise wrong("collective_sync_ops", target.collective_sync_ops, "a dict of group sizes to operation times",
+                    "collective_sync_ops={2: 0.5, 8: 1.2}")
+    for size, ops in target.collective_sync_ops.items():
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 2:
+            raise wrong(f"collective_sync_ops key {size!r}", size, "a group size >= 2", "collective_sync_ops={2: 0.5}")
+        number(f"collective_sync_ops[{size}]", ops, f"collective_sync_ops={{{size}: 0.5}}")
     links = [(f"links[{k!r}]", v) for k, v in (target.links.items() if isinstance(target.links, dict) else ())]
     if not isinstance(target.links, dict) or not isinstance(target.collectives, dict):
         raise wrong("links" if not isinstance(target.links, dict) else "collectives",

@@ -403,10 +403,10 @@ def _check_ranks(state: Any, parts: list) -> None:
 def _check_lone_names(state: Any, axes: Any) -> None:
     """``state_axes`` one array's names (``"embed"``, ``("embed", "hidden")``) for a state of
     several arrays: it named every array of that rank alike and left the others plain."""
-    if not _is_names(axes) or axes is None:
+    if not _is_names(axes) or axes is None or all(n is None for n in axes):  # (None, None): nothing named
         return
     arrays = [path for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]
-              if hasattr(leaf, "shape") and not _is_box(leaf)]
+              if len(getattr(leaf, "shape", ())) and not _is_box(leaf)]  # a scalar takes no names
     if len(arrays) > 1:
         shown = ", ".join("state" + jax.tree_util.keystr(p) for p in arrays[:3]) + (", ..." if len(arrays) > 3 else "")
         raise LayoutError(fix(f"state_axes={axes!r} names one array, but the state holds {len(arrays)} ({shown}).",
