@@ -1378,6 +1378,20 @@ def test_sigterm_in_a_plan_is_one_ctrl_c_and_the_handler_is_put_back():
         signal.signal(signal.SIGINT, previous_int)
     assert signal.getsignal(signal.SIGTERM) == before
 
+    class CtrlC:  # main()'s SIGINT handler, after a Ctrl-C
+        seen = True
+
+        def __call__(self, signum, frame):
+            raise AssertionError("a second stop while the first one's rounds are summarised")
+
+    previous_int = signal.signal(signal.SIGINT, CtrlC())
+    try:
+        with _sigterm_as_ctrl_c() as term:
+            signal.raise_signal(signal.SIGTERM)  # SIGINT and SIGTERM together (a terminal's and a scheduler's)
+        assert term == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+
 
 def _environ(pid: str) -> dict[str, str]:
     try:

@@ -285,6 +285,10 @@ def _sigterm_as_ctrl_c() -> Any:
             return
         term.append(signum)
         current = signal.getsignal(signal.SIGINT)
+        from spmdkit._plan._processes import _INTERRUPT
+
+        if getattr(current, "seen", False) or _INTERRUPT:  # a Ctrl-C is stopping it already: a second stop, raised
+            return  # while the rounds are summarised, lost them and the table
         if callable(current):
             current(signal.SIGINT, frame)
         else:  # SIGINT ignored or not Python's: stop here
