@@ -345,6 +345,43 @@ def test_state_axes_with_one_array_misnamed_is_named_not_matched_part_by_part(op
                            for path, spec in moments.items()), moments
 
 
+_ENC = {"w": ("embed", "hidden"), "b": ("hidden",)}
+
+
+@pytest.mark.parametrize("axes, words", [
+    ({"enc": _ENC, "head": {"wt": ("hidden", "embed"), "b": ("embed",)}},
+     r"state_axes\['head'\] has no entry 'w' \(it has \['b', 'wt'\]\) for state\['params'\]\['head'\]\['w'\]"),
+    ({"enc": _ENC, "head": {"w": ("hidden", "embed")}},
+     r"state_axes\['head'\] has no entry 'b' \(it has \['w'\]\) for state\['params'\]\['head'\]\['b'\]"),
+    ({"enc": _ENC}, r"state_axes has no entry 'head' \(it has \['enc'\]\) for state\['params'\]\['head'\]\['b'\], "
+                    r"which took the names \('hidden',\) of another part of the same structure"),
+    ("list", r"state_axes has no entry 1 \(it has 1 entries\) for state\['params'\]\[1\]\['b'\], which took"),
+], ids=["misspelt", "missing_key", "left_out", "short_list"])
+def test_state_axes_without_an_arrays_own_entry_is_named_not_given_a_siblings_names(axes, words):
+    # head's arrays took enc's names (a part matched by its structure) without a word: a misspelt or
+    # missing key, head left out, a list of layers one entry short.
+    listed = axes == "list"
+    opt = optax.adam(1e-3)
+
+    def make_state(rng):
+        enc, head = {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}, {"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}
+        params = [enc, head] if listed else {"enc": enc, "head": head}
+        return {"params": params, "opt": opt.init(params)}
+
+    strategy = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=[_ENC] if listed else axes)
+    with pytest.raises(spmdkit.LayoutError, match=f"(?s){words}.*Fix: give state_axes"):
+        strategy.plan(make_state)
+    # None there replicates head (it took enc's names too), as {"w": None, "b": None} does
+    for head in (None, {"w": None, "b": None}):
+        with pytest.warns(spmdkit.ReplicationWarning):
+            specs = {leaf.path: leaf.spec for leaf in spmdkit.Sharded(
+                spmdkit.make_mesh(data=8), "fsdp", state_axes={"enc": _ENC, "head": head}).plan(
+                    lambda rng: {"params": {"enc": {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)},
+                                            "head": {"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}}}).leaves}
+        assert specs["state['params']['head']['w']"] in (P(), P(None, None)), specs
+        assert specs["state['params']['enc']['w']"] == P("data", None)
+
+
 @pytest.mark.parametrize("axes", ["embed", ("embed", "hidden"), ["embed"]])
 def test_state_axes_of_one_array_for_a_state_of_several_is_named(axes):
     # state_axes="embed" named every vector of the state ('embed',) and left the matrices plain.

@@ -458,7 +458,9 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     params-shaped tree also names the optimizer's moments, also of an optimizer that
     covers only a part of the params. Where the whole tree matches (the params), each part
     also learns its arrays' shapes, and a part then matches only subtrees of those shapes;
-    two parts that still both fit one subtree are an error.
+    two parts that still both fit one subtree are an error. A part does not match a subtree that
+    is another entry of the container holding it (``{"enc": ENC, "head": None}``: not head), and
+    every array of a subtree laid out as ``axes`` needs its own entry (:func:`_check_own_entries`).
     """
     if axes is None:
         return state
@@ -472,9 +474,10 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
         for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
             part[3] = _shapes(_at(whole[0], part[0]))
     matched = []
+    key_of = _keys_by_id(state)
 
     def box(path, x):
-        names = _match(parts, x)
+        names = _match(parts, x, key_of.get(id(x)), axes)
         matched.append(True)
         flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_slot)
         for (sub, leaf), n in zip(flat, names):
@@ -483,14 +486,78 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
         return jax.tree.unflatten(treedef, out)
 
     def named(x):
-        return _match(parts, x) is not None
+        return _match(parts, x, key_of.get(id(x)), axes) is not None
 
+    given = state
     state = box((), state) if named(state) else jax.tree_util.tree_map_with_path(
         lambda path, x: box(path, x) if named(x) else x, state, is_leaf=named)
     if not matched:
         _check_ranks(state, parts)
         raise _unmatched(state, axes)
+    _check_own_entries(given, state, axes)
     return state
+
+
+def _anchors(tree: Any, axes: Any) -> list[tuple[tuple, Any]]:
+    """``(path, subtree)`` of each container of ``tree`` laid out as ``state_axes`` says: a dict
+    holding every top-level key of a dict ``axes``, a list or tuple at least as long as a list
+    ``axes`` (the params, their optimizer moments)."""
+    def kind(x: Any) -> Any:
+        return dict if isinstance(x, dict) else type(x) if isinstance(x, (list, tuple)) and not _is_names(x) else None
+
+    def fits(x: Any) -> bool:
+        if isinstance(axes, dict):
+            return isinstance(x, dict) and bool(axes) and set(axes) <= set(x)
+        # A list as long or longer whose entries are containers of the same kinds (not an optimizer's tuple)
+        return (kind(axes) in (list, tuple) and type(x) is type(axes) and len(x) >= len(axes) > 0
+                and all(kind(a) == kind(b) for a, b in zip(axes, x)))
+
+    found = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=fits)[0] if fits(x)]
+    return sorted(found, key=lambda px: len(px[0]))  # the params before their optimizer's moments
+
+
+def _missing_entry(axes: Any, keys: list) -> tuple[int, Any] | None:
+    """``(depth, container)`` where walking ``axes`` along ``keys`` finds a dict without the key
+    or a list too short; None when it reaches names (or None), or a container of another kind."""
+    node = axes
+    for depth, key in enumerate(keys):
+        if _is_names(node) or isinstance(node, P):
+            return None
+        if isinstance(node, dict):
+            if key not in node:
+                return depth, node
+        elif isinstance(node, (list, tuple)) and isinstance(key, int):
+            if key >= len(node):
+                return depth, node
+        else:
+            return None
+        node = node[key]
+    return None
+
+
+def _check_own_entries(given: Any, boxed: Any, axes: Any) -> None:
+    """Each array of a subtree laid out as ``state_axes`` (:func:`_anchors`) has an entry of its
+    own there: a misspelt or missing key left it to a sibling part of the same structure,
+    whose names it took without a word (head named as enc). A key missing at the top is an
+    error only where another part named the array (left out, it stays as the model has it)."""
+    original = {jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_flatten_with_path(given, is_leaf=_is_box)[0]
+                if _is_box(leaf)}
+    for anchor, sub in _anchors(boxed, axes):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_box)[0]:
+            where = "state" + jax.tree_util.keystr((*anchor, *path))
+            missing = _missing_entry(axes, [_raw_key(k) for k in path])
+            if missing is None or where[len("state"):] in original or not hasattr(getattr(leaf, "value", leaf), "shape"):
+                continue
+            depth, container = missing
+            took = isinstance(leaf, nn.LogicallyPartitioned)
+            if depth == 0 and not took:
+                continue
+            at = "state_axes" + jax.tree_util.keystr(path[:depth])
+            has = sorted(map(str, container)) if isinstance(container, dict) else f"{len(container)} entries"
+            raise LayoutError(fix(
+                f"{at} has no entry {_raw_key(path[depth])!r} (it has {has}) for {where}"
+                + (f", which took the names {tuple(leaf.names)} of another part of the same structure." if took else "."),
+                f"give {at} an entry for {_raw_key(path[depth])!r}: its logical names, or None to replicate it."))
 
 
 def _check_box_agrees(leaf: Any, names: Any, where: str) -> None:
@@ -549,9 +616,43 @@ def _fits(part: list, x: Any) -> bool:
                                    for leaf, shape in zip(leaves, shapes)))
 
 
-def _match(parts: list[list], x: Any) -> Any:
-    """The names of the one part that fits ``x``, None if none does; two that fit with different names: an error."""
-    found = [part for part in parts if _fits(part, x)]
+def _raw_key(entry: Any) -> Any:
+    """The dict key, index or attribute name of a pytree path entry."""
+    for field in ("key", "idx", "name"):
+        if hasattr(entry, field):
+            return getattr(entry, field)
+    return entry
+
+
+def _keys_by_id(tree: Any) -> dict[int, Any]:
+    """The key under which each container of ``tree`` sits in its parent, by ``id``: a part of
+    ``state_axes`` is matched by structure, and the key tells whether a subtree is its own."""
+    out: dict[int, Any] = {}
+
+    def walk(x: Any) -> None:
+        for path, child in jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]:
+            if path and child is not x and not _is_box(child) and not hasattr(child, "shape"):
+                out[id(child)] = _raw_key(path[-1])
+                walk(child)
+
+    walk(tree)
+    return out
+
+
+def _a_siblings(part: list, key: Any, axes: Any) -> bool:
+    """Whether a subtree under ``key`` is another entry of the container that holds ``part`` in
+    ``state_axes`` (``{"enc": ENC, "head": None}``: enc's names are not head's)."""
+    if not part[0] or key is None:
+        return False
+    parent = _at(axes, part[0][:-1])
+    keys = parent.keys() if isinstance(parent, dict) else range(len(parent))
+    return key != part[0][-1] and key in keys
+
+
+def _match(parts: list[list], x: Any, key: Any = None, axes: Any = None) -> Any:
+    """The names of the one part that fits ``x`` (under ``key`` in its parent; not a part whose
+    sibling in ``axes`` that key is), None if none does; two that fit with different names: an error."""
+    found = [part for part in parts if _fits(part, x) and not _a_siblings(part, key, axes)]
     if len(found) > 1 and found[0][0] != () and len({tuple(map(str, p[2])) for p in found}) > 1:
         raise LayoutError(
             fix(f"state_axes parts {[jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p[0])) for p in found]} "
