@@ -345,6 +345,25 @@ def test_state_axes_with_one_array_misnamed_is_named_not_matched_part_by_part(op
                            for path, spec in moments.items()), moments
 
 
+def test_state_axes_for_an_nnx_models_variables_without_names_is_named():
+    # The names were dropped without a word (the model's Variables kept, replicated), or, for one
+    # array's names, nothing said at all.
+    from flax import nnx
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(64, 256, rngs=rngs), nnx.Linear(256, 64, rngs=rngs)
+
+    make_state = lambda rng: nnx.state(Two(nnx.Rngs(0)))  # noqa: E731
+    mirrored = {"l1": {"kernel": ("embed", "hidden"), "bias": ("hidden",)},
+                "l2": {"kernel": ("hidden", "embed"), "bias": ("embed",)}}
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)state_axes names \('hidden',\) for state\['l1'\]\['bias'\], a "
+                       r"Param of the model without names.*Fix: give it its names in the model \(nnx.with_partitioning"):
+        spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=mirrored).plan(make_state)
+    with pytest.raises(spmdkit.LayoutError, match="names one array, but the state holds 4"):
+        spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=("embed", "hidden")).plan(make_state)
+
+
 _ENC = {"w": ("embed", "hidden"), "b": ("hidden",)}
 
 

@@ -400,13 +400,19 @@ def _check_ranks(state: Any, parts: list) -> None:
                         f"give one logical name (or None) per dimension: {len(shape)} for {where}."))
 
 
+def _rank(leaf: Any) -> int | None:
+    """The rank of an array, boxed (a Flax box, an NNX Variable) or not; None for no array."""
+    inner = jax.tree.leaves(leaf)
+    return len(inner[0].shape) if len(inner) == 1 and hasattr(inner[0], "shape") else None
+
+
 def _check_lone_names(state: Any, axes: Any) -> None:
     """``state_axes`` one array's names (``"embed"``, ``("embed", "hidden")``) for a state of
     several arrays: it named every array of that rank alike and left the others plain."""
     if not _is_names(axes) or axes is None or all(n is None for n in axes):  # (None, None): nothing named
         return
     arrays = [path for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]
-              if len(getattr(leaf, "shape", ())) and not _is_box(leaf)]  # a scalar takes no names
+              if _rank(leaf)]  # a scalar takes no names
     if len(arrays) > 1:
         shown = ", ".join("state" + jax.tree_util.keystr(p) for p in arrays[:3]) + (", ..." if len(arrays) > 3 else "")
         raise LayoutError(fix(f"state_axes={axes!r} names one array, but the state holds {len(arrays)} ({shown}).",
@@ -546,7 +552,7 @@ def _check_own_entries(given: Any, boxed: Any, axes: Any) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_box)[0]:
             where = "state" + jax.tree_util.keystr((*anchor, *path))
             missing = _missing_entry(axes, [_raw_key(k) for k in path])
-            if missing is None or where[len("state"):] in original or not hasattr(getattr(leaf, "value", leaf), "shape"):
+            if missing is None or where[len("state"):] in original or _rank(leaf) is None:
                 continue
             depth, container = missing
             took = isinstance(leaf, nn.LogicallyPartitioned)
@@ -573,6 +579,12 @@ def _check_box_agrees(leaf: Any, names: Any, where: str) -> None:
         own, how = _nnx_names(leaf), "nnx.with_partitioning"
     else:
         return
+    if own is None and any(n is not None for n in names):  # the names were dropped: the model's box kept
+        raise LayoutError(fix(f"state_axes names {tuple(names)} for {where}, a {type(leaf).__name__} of the model "
+                              f"without names ({how}); state_axes names plain arrays, and the model's own "
+                              "variables keep what the model gives them.",
+                              f"give it its names in the model ({how}(init, {tuple(names)})), or None in "
+                              "state_axes."))
     if own is not None and own != tuple(names):
         raise LayoutError(fix(f"state_axes names {tuple(names)} for {where}, which the model already names {own} "
                               f"({how}); spmdkit will not pick one.",
