@@ -86,6 +86,9 @@ def _h100(change):
     # A "bf16" rate was never looked up: bf16 steps priced at the float32 rate.
     (lambda t: t["peak_flops"].update(float33=1e12), r"peak_flops has the key 'float33', which is no dtype name"),
     (lambda t: t["peak_flops"].update(bf16=1e15), r"peak_flops gives bfloat16 twice"),
+    # Falsy but no list: read as "no pieces" without a word.
+    (lambda t: t["links"]["intra_host"].update(pieces={}), r"links.intra_host.pieces is \{\}, not a list"),
+    (lambda t: t["links"]["intra_host"].update(pieces=0), r"links.intra_host.pieces is 0, not a list"),
     # A non-ASCII digit ended in a raw ValueError from int().
     (lambda t: t.update(collective_sync_ops={"\u00b2": 1.0}), r"collective_sync_ops has the key '\u00b2', not a group size"),
 ])

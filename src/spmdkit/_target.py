@@ -489,7 +489,7 @@ def _link(data: Any, where: str, extra: tuple[str, ...] = ()) -> Link:
         raise TargetError(fix(f"{where} is {data!r}, not an object.", 'write {"alpha": 5e-6, "beta": 2e-12}.'))
     # A misspelt "max_byte" made its piece the one for every size, "per_operands" was dropped: name it.
     _unknown(data, _LINK_FIELDS + extra, where, what="a link")
-    parsed = _pieces(data.get("pieces") or [], where)
+    parsed = _pieces(data["pieces"], where) if data.get("pieces") is not None else ()  # {}, 0, "": not a list
     groups = _groups(data["groups"], where) if "groups" in data else ()
     per_operand = data.get("per_operand", False)
     if not isinstance(per_operand, bool):
