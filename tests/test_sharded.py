@@ -360,7 +360,7 @@ def test_state_axes_for_an_nnx_models_variables_without_names_is_named():
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)state_axes names \('hidden',\) for state\['l1'\]\['bias'\], a "
                        r"Param of the model without names.*Fix: give it its names in the model \(nnx.with_partitioning"):
         spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=mirrored).plan(make_state)
-    with pytest.raises(spmdkit.LayoutError, match="names one array, but the state holds 4"):
+    with pytest.raises(spmdkit.LayoutError, match="names one array, but the state holds 2 of rank 2"):
         spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=("embed", "hidden")).plan(make_state)
 
 
@@ -374,7 +374,7 @@ _ENC = {"w": ("embed", "hidden"), "b": ("hidden",)}
      r"state_axes\['head'\] has no entry 'b' \(it has \['w'\]\) for state\['params'\]\['head'\]\['b'\]"),
     ({"enc": _ENC}, r"state_axes has no entry 'head' \(it has \['enc'\]\) for state\['params'\]\['head'\]\['b'\], "
                     r"which took the names \('hidden',\) of another part of the same structure"),
-    ("list", r"state_axes has no entry 1 \(it has 1 entries\) for state\['params'\]\[1\]\['b'\], which took"),
+    ("list", r"state_axes has no entry 1 \(it has 1 entry\) for state\['params'\]\[1\]\['b'\], which took"),
 ], ids=["misspelt", "missing_key", "left_out", "short_list"])
 def test_state_axes_without_an_arrays_own_entry_is_named_not_given_a_siblings_names(axes, words):
     # head's arrays took enc's names (a part matched by its structure) without a word: a misspelt or
@@ -401,14 +401,68 @@ def test_state_axes_without_an_arrays_own_entry_is_named_not_given_a_siblings_na
         assert specs["state['params']['enc']['w']"] == P("data", None)
 
 
-@pytest.mark.parametrize("axes", ["embed", ("embed", "hidden"), ["embed"]])
-def test_state_axes_of_one_array_for_a_state_of_several_is_named(axes):
+def test_valid_state_axes_of_parts_of_the_state_are_not_refused():
+    # Found by a review of the checks above: each was refused, each is valid.
+    mesh, enc = spmdkit.make_mesh(data=8), _ENC
+    params = lambda: {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}  # noqa: E731
+    adam = optax.adam(1e-3)
+    # the params named, the optimizer left out: its moments take the params' names by their structure
+    specs = {leaf.path: leaf.spec for leaf in spmdkit.Sharded(mesh, "fsdp", state_axes={"params": enc}).plan(
+        lambda rng: {"params": params(), "opt": adam.init(params())}).leaves}
+    assert specs["state['opt'][0].mu['w']"] == specs["state['params']['w']"] == P("data", None)
+    # multi_transform labelled as the params are: its inner states are no copy of the params
+    two = {"enc": {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}, "head": {"w": jnp.zeros((256, 64)),
+                                                                            "b": jnp.zeros(64)}}
+    tx = optax.multi_transform({"enc": optax.adam(1e-3), "head": optax.sgd(0.1)}, {"enc": "enc", "head": "head"})
+    axes = {"enc": enc, "head": {"w": ("hidden", "embed"), "b": ("embed",)}}
+    spmdkit.Sharded(mesh, "fsdp", state_axes=axes).plan(lambda rng: {"params": two, "opt": tx.init(two)})
+    # a metrics dict keyed as the params are, holding nothing state_axes names
+    stats = {"enc": {"gnorm": jnp.zeros(()), "hist": jnp.zeros(8)}, "head": {"gnorm": jnp.zeros(())}}
+    spmdkit.Sharded(mesh, "fsdp", state_axes=axes).plan(lambda rng: {"params": two, "stats": stats})
+    # a copy of the params beside them (a momentum, an EMA), left out of state_axes: named as the params are
+    copied = {leaf.path: leaf.spec for leaf in spmdkit.Sharded(mesh, "fsdp", state_axes={"params": enc}).plan(
+        lambda rng: {"params": params(), "momentum": params()}).leaves}
+    assert copied["state['momentum']['w']"] == P("data", None)
+    # names written as a P, head None: each P is one array's entry, not a part that fits any array
+    with pytest.warns(spmdkit.ReplicationWarning):
+        given = {leaf.path: leaf.spec for leaf in spmdkit.Sharded(
+            mesh, "fsdp", state_axes={"enc": {"w": P("embed", None), "b": P(None)}, "head": None}).plan(
+                lambda rng: {"params": two}).leaves}
+    assert given["state['params']['enc']['w']"] == P("data", None) and given["state['params']['head']['b']"] == P()
+    # one array's names beside the model's named arrays and a key: one array takes them
+    boxed = nn.LogicallyPartitioned(jnp.zeros((8, 8)), ("embed", "hidden"))
+    spmdkit.Sharded(mesh, "fsdp", state_axes=("embed", "hidden")).plan(
+        lambda rng: {"model": boxed, "buf": jnp.zeros((8, 8)), "key": jax.random.PRNGKey(0)})
+
+
+def test_a_none_entry_keeps_its_whole_subtree_from_another_entrys_names():
+    # {"enc": ENC, "dec": None}: dec's block, and {"params": ..., "opt": None}: adam's moments, have
+    # enc's (the params') structure and took their names without a word.
+    mesh = spmdkit.make_mesh(data=8)
+    state = lambda rng: {"enc": {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)},  # noqa: E731
+                         "dec": {"block": {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}}}
+    with pytest.warns(spmdkit.ReplicationWarning):
+        specs = {leaf.path: leaf.spec for leaf in spmdkit.Sharded(
+            mesh, "fsdp", state_axes={"enc": _ENC, "dec": None}).plan(state).leaves}
+    assert specs["state['enc']['w']"] == P("data", None) and specs["state['dec']['block']['w']"] == P()
+    adam, params = optax.adam(1e-3), lambda: {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}  # noqa: E731
+    with pytest.warns(spmdkit.ReplicationWarning):
+        specs = {leaf.path: leaf.spec for leaf in spmdkit.Sharded(
+            mesh, "fsdp", state_axes={"params": _ENC, "opt": None}).plan(
+                lambda rng: {"params": params(), "opt": adam.init(params())}).leaves}
+    assert specs["state['params']['w']"] == P("data", None) and specs["state['opt'][0].mu['w']"] == P()
+
+
+@pytest.mark.parametrize("axes, rank, paths", [
+    ("embed", 1, "state['b1'], state['b2']"), (("embed", "hidden"), 2, "state['w1'], state['w2']"),
+    (["embed"], 1, "state['b1'], state['b2']"), (P("data"), 1, "state['b1'], state['b2']")])
+def test_state_axes_of_one_array_for_a_state_of_several_is_named(axes, rank, paths):
     # state_axes="embed" named every vector of the state ('embed',) and left the matrices plain.
     def make_state(rng):
-        return {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}
+        return {"w1": jnp.zeros((64, 256)), "b1": jnp.zeros(256), "w2": jnp.zeros((256, 64)), "b2": jnp.zeros(64)}
 
-    with pytest.raises(spmdkit.LayoutError, match=r"(?s)names one array, but the state holds 2 \(state\['b'\], "
-                       r"state\['w'\]\).*Fix: give state_axes the structure of the state"):
+    with pytest.raises(spmdkit.LayoutError, match=f"(?s)names one array, but the state holds 2 of rank {rank} "
+                       + re.escape(f"({paths}).") + ".*Fix: give state_axes the structure of the state"):
         spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=axes).plan(make_state)
     one = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=("embed", "hidden")).plan(
         lambda rng: jnp.zeros((64, 256)))  # a state that is one array: its names

@@ -343,7 +343,9 @@ def _lists_as_names(axes: Any) -> Any:
 
 
 def _is_names(x: Any) -> bool:
-    return x is None or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+    """One array's entry of ``state_axes``: logical names, None, or a ``P`` of mesh axes (whose
+    entries were each taken for a part of their own, one that fits any array)."""
+    return x is None or isinstance(x, P) or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
 
 
 def _subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
@@ -407,15 +409,24 @@ def _rank(leaf: Any) -> int | None:
 
 
 def _check_lone_names(state: Any, axes: Any) -> None:
-    """``state_axes`` one array's names (``"embed"``, ``("embed", "hidden")``) for a state of
-    several arrays: it named every array of that rank alike and left the others plain."""
-    if not _is_names(axes) or axes is None or all(n is None for n in axes):  # (None, None): nothing named
-        return
+    """``state_axes`` one array's names (``"embed"``, ``("embed", "hidden")``, a ``P``) for a
+    state with several arrays of that rank that could take them (plain, or an NNX Variable
+    without names): it named every one alike. One such array (beside scalars, a key, the
+    model's named arrays) takes them."""
+    if not (_is_names(axes) or isinstance(axes, P)) or axes is None or all(n is None for n in axes):
+        return  # (None, None): nothing named
+
+    def takes(leaf: Any) -> bool:
+        if isinstance(leaf, nnx.Variable):
+            return _nnx_names(leaf) is None
+        return not _is_box(leaf)
+
     arrays = [path for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]
-              if _rank(leaf)]  # a scalar takes no names
+              if takes(leaf) and _rank(leaf) == len(axes)]
     if len(arrays) > 1:
         shown = ", ".join("state" + jax.tree_util.keystr(p) for p in arrays[:3]) + (", ..." if len(arrays) > 3 else "")
-        raise LayoutError(fix(f"state_axes={axes!r} names one array, but the state holds {len(arrays)} ({shown}).",
+        raise LayoutError(fix(f"state_axes={axes!r} names one array, but the state holds {len(arrays)} of rank "
+                              f"{len(axes)} ({shown}).",
                               "give state_axes the structure of the state or of its params, one tuple of names per "
                               "array, e.g. {'w': ('embed', 'hidden'), 'b': ('hidden',)}."))
 
@@ -479,96 +490,139 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     if whole:  # the params: every part learns the shapes it names
         for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
             part[3] = _shapes(_at(whole[0], part[0]))
-    matched = []
-    key_of = _keys_by_id(state)
+    matched: dict[str, tuple] = {}  # the path of each subtree a part named: that part's path in axes
 
-    def box(path, x):
-        names = _match(parts, x, key_of.get(id(x)), axes)
-        matched.append(True)
+    def box(path, x, part):
+        matched[jax.tree_util.keystr(path)] = part[0]
+        # A Variable without names takes names only from its own entry (a part that fits it by
+        # structure alone leaves it as the model has it).
+        own = not part[0] or (path and _raw_key(path[-1]) == part[0][-1])
         flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_slot)
-        for (sub, leaf), n in zip(flat, names):
-            _check_box_agrees(leaf, n, "state" + jax.tree_util.keystr((*path, *sub)))
-        out = [leaf if _is_slot(leaf) or n is None else nn.LogicallyPartitioned(leaf, n) for (_, leaf), n in zip(flat, names)]
+        for (sub, leaf), n in zip(flat, part[2]):
+            _check_box_agrees(leaf, n, "state" + jax.tree_util.keystr((*path, *sub)), own)
+        out = [leaf if _is_slot(leaf) or n is None else nn.LogicallyPartitioned(leaf, n)
+               for (_, leaf), n in zip(flat, part[2])]
         return jax.tree.unflatten(treedef, out)
 
-    def named(x):
-        return _match(parts, x, key_of.get(id(x)), axes) is not None
+    # state_axes shaped as the state itself: a None entry keeps its whole subtree as it is (the
+    # params' part matched an optimizer's moments under "opt": None by their structure).
+    rooted = any(not path for path, _ in _anchors(state, axes))
+
+    def visit(path, x):  # the tree, each subtree under its own key (a part is not its sibling's)
+        if rooted and path:
+            how, _, node = _entry_at(axes, [_raw_key(k) for k in path])
+            if how == "names" and node is None:
+                return x
+        part = _match_part(parts, x, _raw_key(path[-1]) if path else None, axes)
+        if part is not None:
+            return box(path, x, part)
+        if _is_box(x):  # the model's own: named by the model (checked where a part holds it)
+            return x
+        children, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+        if len(children) == 1 and children[0][1] is x:  # an array
+            return x
+        return jax.tree_util.tree_unflatten(treedef, [visit((*path, *sub), child) for sub, child in children])
 
     given = state
-    state = box((), state) if named(state) else jax.tree_util.tree_map_with_path(
-        lambda path, x: box(path, x) if named(x) else x, state, is_leaf=named)
+    state = visit((), state)
     if not matched:
         _check_ranks(state, parts)
         raise _unmatched(state, axes)
-    _check_own_entries(given, state, axes)
+    _check_own_entries(given, state, axes, matched)
     return state
 
 
 def _anchors(tree: Any, axes: Any) -> list[tuple[tuple, Any]]:
-    """``(path, subtree)`` of each container of ``tree`` laid out as ``state_axes`` says: a dict
-    holding every top-level key of a dict ``axes``, a list or tuple at least as long as a list
-    ``axes`` (the params, their optimizer moments)."""
+    """``(path, subtree)`` of each container of ``tree`` laid out as ``state_axes`` says (the
+    params, their optimizer moments): a dict holding every top-level key of a dict ``axes``, or
+    a list or tuple at least as long as a list ``axes``, its entries containers of the same kinds
+    (not an optimizer's tuple of states, nor multi_transform's states named as the params are)."""
     def kind(x: Any) -> Any:
-        return dict if isinstance(x, dict) else type(x) if isinstance(x, (list, tuple)) and not _is_names(x) else None
+        if _is_names(x) or isinstance(x, P) or _is_slot(x) or hasattr(x, "shape"):
+            return "array"
+        return dict if isinstance(x, dict) else type(x) if isinstance(x, (list, tuple)) else None
 
     def fits(x: Any) -> bool:
         if isinstance(axes, dict):
-            return isinstance(x, dict) and bool(axes) and set(axes) <= set(x)
-        # A list as long or longer whose entries are containers of the same kinds (not an optimizer's tuple)
+            return (isinstance(x, dict) and bool(axes) and set(axes) <= set(x)
+                    and all(a is None or kind(a) == kind(x[k]) for k, a in axes.items()))  # None: a whole subtree
         return (kind(axes) in (list, tuple) and type(x) is type(axes) and len(x) >= len(axes) > 0
-                and all(kind(a) == kind(b) for a, b in zip(axes, x)))
+                and all(a is None or kind(a) == kind(b) for a, b in zip(axes, x)))
 
     found = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=fits)[0] if fits(x)]
     return sorted(found, key=lambda px: len(px[0]))  # the params before their optimizer's moments
 
 
-def _missing_entry(axes: Any, keys: list) -> tuple[int, Any] | None:
-    """``(depth, container)`` where walking ``axes`` along ``keys`` finds a dict without the key
-    or a list too short; None when it reaches names (or None), or a container of another kind."""
+def _entry_at(axes: Any, keys: list) -> tuple[str, int, Any]:
+    """What ``state_axes`` says along ``keys``: ``("names", depth, names)`` where it reaches names
+    or None (``depth`` keys in), ``("missing", depth, container)`` where a dict lacks the key or
+    a list is too short, ``("other", depth, node)`` for a container of another kind."""
     node = axes
     for depth, key in enumerate(keys):
         if _is_names(node) or isinstance(node, P):
-            return None
+            return "names", depth, node
         if isinstance(node, dict):
             if key not in node:
-                return depth, node
+                return "missing", depth, node
         elif isinstance(node, (list, tuple)) and isinstance(key, int):
             if key >= len(node):
-                return depth, node
+                return "missing", depth, node
         else:
-            return None
+            return "other", depth, node
         node = node[key]
-    return None
+    return "names", len(keys), node
 
 
-def _check_own_entries(given: Any, boxed: Any, axes: Any) -> None:
-    """Each array of a subtree laid out as ``state_axes`` (:func:`_anchors`) has an entry of its
-    own there: a misspelt or missing key left it to a sibling part of the same structure,
-    whose names it took without a word (head named as enc). A key missing at the top is an
-    error only where another part named the array (left out, it stays as the model has it)."""
+def _check_own_entries(given: Any, boxed: Any, axes: Any, matched: dict[str, tuple]) -> None:
+    """Each array of a subtree laid out as ``state_axes`` (:func:`_anchors`, one that names some
+    of its arrays) takes what its own entry says. A misspelt or missing key, or a subtree under a
+    None, left it to another part of the same structure, whose names it took without a word
+    (head named as enc). A key missing at the top is an error only where a part matched that
+    entry itself with arrays of other shapes than its own entry's (head named by enc's part; a
+    copy of the params, as an EMA or a momentum, is named as they are)."""
     original = {jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_flatten_with_path(given, is_leaf=_is_box)[0]
                 if _is_box(leaf)}
     for anchor, sub in _anchors(boxed, axes):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_box)[0]:
+        leaves = [(path, leaf, _entry_at(axes, [_raw_key(k) for k in path]))
+                  for path, leaf in jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_box)[0]
+                  if _rank(leaf) and jax.tree_util.keystr((*anchor, *path)) not in original]
+        if not any(how == "names" and depth == len(path) for path, _, (how, depth, _) in leaves):
+            continue  # nothing here is named by state_axes: another dict with the same keys (metrics)
+        for path, leaf, (how, depth, node) in leaves:
             where = "state" + jax.tree_util.keystr((*anchor, *path))
-            missing = _missing_entry(axes, [_raw_key(k) for k in path])
-            if missing is None or where[len("state"):] in original or _rank(leaf) is None:
-                continue
-            depth, container = missing
             took = isinstance(leaf, nn.LogicallyPartitioned)
-            if depth == 0 and not took:
-                continue
             at = "state_axes" + jax.tree_util.keystr(path[:depth])
-            has = sorted(map(str, container)) if isinstance(container, dict) else f"{len(container)} entries"
+            if how == "names" and depth < len(path) and node is None and took:
+                raise LayoutError(fix(f"{at} is None, but {where} under it took the names {tuple(leaf.names)} of "
+                                      "another part of the same structure.",
+                                      f"give {at} the structure of its subtree, None for each array."))
+            if how != "missing" or (depth == 0 and not _named_unlike_its_part(sub, path[0], matched.get(
+                    jax.tree_util.keystr((*anchor, path[0]))))):
+                continue
+            has = sorted(map(str, node)) if isinstance(node, dict) else f"{len(node)} entr{'y' if len(node) == 1 else 'ies'}"
             raise LayoutError(fix(
                 f"{at} has no entry {_raw_key(path[depth])!r} (it has {has}) for {where}"
                 + (f", which took the names {tuple(leaf.names)} of another part of the same structure." if took else "."),
                 f"give {at} an entry for {_raw_key(path[depth])!r}: its logical names, or None to replicate it."))
 
 
-def _check_box_agrees(leaf: Any, names: Any, where: str) -> None:
+def _named_unlike_its_part(anchor: Any, entry: Any, part: tuple | None) -> bool:
+    """Whether a part (its path ``part`` in ``state_axes``) named the anchor's ``entry`` whose arrays
+    have other shapes than those of the part's own entry (head named by enc's part)."""
+    if part is None:
+        return False
+    try:
+        own = _at(anchor, part)
+    except (KeyError, IndexError, TypeError):
+        return True
+    shapes = lambda x: [tuple(leaf.shape) for leaf in jax.tree.leaves(x) if hasattr(leaf, "shape")]  # noqa: E731
+    return shapes(own) != shapes(anchor[_raw_key(entry)])
+
+
+def _check_box_agrees(leaf: Any, names: Any, where: str, own_entry: bool = True) -> None:
     """``state_axes`` naming an array the model already names otherwise: the model's names were
-    used and ``state_axes``' dropped without a word."""
+    used and ``state_axes``' dropped without a word. A Variable without names, named by its own
+    entry (``own_entry``; not by another entry that fits it by structure), likewise."""
     if names is None or not _is_box(leaf):
         return
     if isinstance(leaf, nn.LogicallyPartitioned):
@@ -579,7 +633,7 @@ def _check_box_agrees(leaf: Any, names: Any, where: str) -> None:
         own, how = _nnx_names(leaf), "nnx.with_partitioning"
     else:
         return
-    if own is None and any(n is not None for n in names):  # the names were dropped: the model's box kept
+    if own is None and own_entry and any(n is not None for n in names):  # dropped: the model's box kept
         raise LayoutError(fix(f"state_axes names {tuple(names)} for {where}, a {type(leaf).__name__} of the model "
                               f"without names ({how}); state_axes names plain arrays, and the model's own "
                               "variables keep what the model gives them.",
@@ -636,21 +690,6 @@ def _raw_key(entry: Any) -> Any:
     return entry
 
 
-def _keys_by_id(tree: Any) -> dict[int, Any]:
-    """The key under which each container of ``tree`` sits in its parent, by ``id``: a part of
-    ``state_axes`` is matched by structure, and the key tells whether a subtree is its own."""
-    out: dict[int, Any] = {}
-
-    def walk(x: Any) -> None:
-        for path, child in jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]:
-            if path and child is not x and not _is_box(child) and not hasattr(child, "shape"):
-                out[id(child)] = _raw_key(path[-1])
-                walk(child)
-
-    walk(tree)
-    return out
-
-
 def _a_siblings(part: list, key: Any, axes: Any) -> bool:
     """Whether a subtree under ``key`` is another entry of the container that holds ``part`` in
     ``state_axes`` (``{"enc": ENC, "head": None}``: enc's names are not head's)."""
@@ -662,8 +701,14 @@ def _a_siblings(part: list, key: Any, axes: Any) -> bool:
 
 
 def _match(parts: list[list], x: Any, key: Any = None, axes: Any = None) -> Any:
-    """The names of the one part that fits ``x`` (under ``key`` in its parent; not a part whose
-    sibling in ``axes`` that key is), None if none does; two that fit with different names: an error."""
+    """The names of :func:`_match_part`'s part, None if none fits."""
+    part = _match_part(parts, x, key, axes)
+    return part[2] if part is not None else None
+
+
+def _match_part(parts: list[list], x: Any, key: Any = None, axes: Any = None) -> list | None:
+    """The one part that fits ``x`` (under ``key`` in its parent; not a part whose sibling in
+    ``axes`` that key is), None if none does; two that fit with different names: an error."""
     found = [part for part in parts if _fits(part, x) and not _a_siblings(part, key, axes)]
     if len(found) > 1 and found[0][0] != () and len({tuple(map(str, p[2])) for p in found}) > 1:
         raise LayoutError(
@@ -671,7 +716,7 @@ def _match(parts: list[list], x: Any, key: Any = None, axes: Any = None) -> Any:
                 f"both fit a part of the state with shapes {_shapes(x)}; spmdkit will not guess which.",
                 "give state_axes the structure of the whole state (names for every copy of the params).")
         )
-    return found[0][2] if found else None
+    return found[0] if found else None
 
 
 def _unmatched(state: Any, axes: Any) -> LayoutError:
