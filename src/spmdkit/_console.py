@@ -73,13 +73,16 @@ def _compile_cache_warning(message: str) -> str | None:
     return cache_warning(message, jax.config.jax_compilation_cache_dir)
 
 
+_BYTE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
 def readable_bytes(n: float) -> str:
     """Bytes in the unit that fits (B, KiB, MiB, GiB, TiB), three significant figures.
 
     >>> readable_bytes(10), readable_bytes(5000), readable_bytes(3 * 2**30)
     ('10 B', '4.88 KiB', '3 GiB')
     """
-    return _in_units(n, (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)), "B")
+    return _in_units(n, _BYTE_UNITS, "B")
 
 
 def readable_bytes_up(n: float) -> str:
@@ -90,13 +93,7 @@ def readable_bytes_up(n: float) -> str:
     >>> readable_bytes(66200), readable_bytes_up(66200)  # 64.648 KiB: 64.6 would not hold it
     ('64.6 KiB', '64.7 KiB')
     """
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)):
-        if n >= size or unit == "B":
-            x = n / size
-            digits = 2 - math.floor(math.log10(x)) if x > 0 else 0
-            up = math.ceil(x * 10**digits - 1e-9) / 10**digits
-            return f"{_figures(up)} {unit}"
-    raise AssertionError("not reached")
+    return _in_units(n, _BYTE_UNITS, "B", _figures_up)
 
 
 def readable_flops(n: float) -> str:
@@ -108,17 +105,25 @@ def readable_flops(n: float) -> str:
     return _in_units(n, (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)), "FLOP")
 
 
-def _in_units(n: float, units: tuple[tuple[str, float], ...], smallest: str) -> str:
-    """``n`` in the largest of ``units`` (largest first) it reaches, else in ``smallest``."""
+def _in_units(n: float, units: tuple[tuple[str, float], ...], smallest: str, figures: Any = None) -> str:
+    """``n`` in the largest of ``units`` (largest first) it reaches, else in ``smallest``,
+    written by ``figures`` (default :func:`_figures`)."""
+    figures = figures or _figures
     for unit, size in units:
         if abs(n) >= size:
-            return f"{_figures(n / size)} {unit}"
-    return f"{_figures(n)} {smallest}"
+            return f"{figures(n / size)} {unit}"
+    return f"{figures(n)} {smallest}"
 
 
 def _figures(x: float) -> str:
     """Three significant figures, but 1000-1023 of a unit whole (``:.3g`` writes 1.02e+03)."""
     return f"{x:.3g}" if abs(x) < 999.5 else f"{x:.0f}"
+
+
+def _figures_up(x: float) -> str:
+    """:func:`_figures`, rounded up at the third significant figure."""
+    digits = 2 - math.floor(math.log10(x)) if x > 0 else 0
+    return _figures(math.ceil(x * 10**digits - 1e-9) / 10**digits)
 
 
 def finite_or_null(x: Any) -> Any:

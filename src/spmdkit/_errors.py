@@ -78,9 +78,7 @@ def unwritable(path: str, label: str, example: str) -> tuple[str, str] | None:
         return f"{label} is a directory.", f"pass a file name, e.g. {example}."
     if is_special(path):  # /dev/stdout, a FIFO: written in place, so the node itself must take it
         return None if os.access(path, os.W_OK) else (f"{label}: cannot write to it.", "pass a path you can write to.")
-    # A link's file is replaced beside itself, wherever the link is; a link to nothing yet too,
-    # so its target's folder is the one that must take the file (the link's own passed the check).
-    parent = os.path.dirname(os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path))
+    parent = os.path.dirname(_written_at(path))
     if os.path.islink(path):
         label = f"{label} (a symbolic link to {os.readlink(path)})"
     if not os.path.isdir(parent):
@@ -104,8 +102,16 @@ def wrong_output_path(path: str) -> bool:
     place that refuses the write (no permission, a full disk: an I/O failure, 5)."""
     import os
 
-    target = os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)  # as unwritable reads it
-    return os.path.isdir(path) or not os.path.isdir(os.path.dirname(target))
+    return os.path.isdir(path) or not os.path.isdir(os.path.dirname(_written_at(path)))
+
+
+def _written_at(path: str) -> str:
+    """The absolute path a file given as ``path`` is written at. A link's file is replaced beside
+    itself, wherever the link is; a link to nothing yet too, so its target's folder is the one
+    that must take the file (the link's own passed the check, and the write failed)."""
+    import os
+
+    return os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
 
 
 def _in_the_way(directory: str) -> str | None:

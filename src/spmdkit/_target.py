@@ -638,11 +638,10 @@ def _check_python_fields(target: Target, where: str) -> None:
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 2:
             raise wrong(f"collective_sync_ops key {size!r}", size, "a group size >= 2", "collective_sync_ops={2: 0.5}")
         number(f"collective_sync_ops[{size}]", ops, f"collective_sync_ops={{{size}: 0.5}}")
-    links = [(f"links[{k!r}]", v) for k, v in (target.links.items() if isinstance(target.links, dict) else ())]
-    if not isinstance(target.links, dict) or not isinstance(target.collectives, dict):
-        raise wrong("links" if not isinstance(target.links, dict) else "collectives",
-                    target.links if not isinstance(target.links, dict) else target.collectives,
-                    "a dict", "links={'intra_host': Link(alpha=5e-6, beta=2e-12)}")
+    for name in ("links", "collectives"):
+        if not isinstance(getattr(target, name), dict):
+            raise wrong(name, getattr(target, name), "a dict", "links={'intra_host': Link(alpha=5e-6, beta=2e-12)}")
+    links = [(f"links[{k!r}]", v) for k, v in target.links.items()]
     for kind, per in target.collectives.items():
         if not isinstance(per, dict):
             raise wrong(f"collectives[{kind!r}]", per, "a dict of links", "{'intra_host': Link(5e-6, 2e-12)}")

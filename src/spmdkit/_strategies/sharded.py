@@ -506,7 +506,7 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
 
     # state_axes shaped as the state itself: a None entry keeps its whole subtree as it is (the
     # params' part matched an optimizer's moments under "opt": None by their structure).
-    rooted = any(not path for path, _ in _anchors(state, axes))
+    rooted = _lays_out(state, axes)
 
     def visit(path, x):  # the tree, each subtree under its own key (a part is not its sibling's)
         if rooted and path:
@@ -532,25 +532,31 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     return state
 
 
-def _anchors(tree: Any, axes: Any) -> list[tuple[tuple, Any]]:
-    """``(path, subtree)`` of each container of ``tree`` laid out as ``state_axes`` says (the
-    params, their optimizer moments): a dict holding every top-level key of a dict ``axes``, or
-    a list or tuple at least as long as a list ``axes``, its entries containers of the same kinds
-    (not an optimizer's tuple of states, nor multi_transform's states named as the params are)."""
-    def kind(x: Any) -> Any:
-        if _is_names(x) or isinstance(x, P) or _is_slot(x) or hasattr(x, "shape"):
+def _lays_out(x: Any, axes: Any) -> bool:
+    """Whether ``x`` is laid out as ``state_axes`` says (the params, their optimizer moments): a
+    dict holding every top-level key of a dict ``axes``, or a list or tuple at least as long as a
+    list ``axes``, its entries of the same kinds (not an optimizer's tuple of states, nor
+    multi_transform's states named as the params are); a None entry stands for any subtree."""
+    def kind(y: Any) -> Any:
+        if _is_names(y) or _is_slot(y) or hasattr(y, "shape"):
             return "array"
-        return dict if isinstance(x, dict) else type(x) if isinstance(x, (list, tuple)) else None
+        return dict if isinstance(y, dict) else type(y) if isinstance(y, (list, tuple)) else None
 
-    def fits(x: Any) -> bool:
-        if isinstance(axes, dict):
-            return (isinstance(x, dict) and bool(axes) and set(axes) <= set(x)
-                    and all(a is None or kind(a) == kind(x[k]) for k, a in axes.items()))  # None: a whole subtree
-        return (kind(axes) in (list, tuple) and type(x) is type(axes) and len(x) >= len(axes) > 0
-                and all(a is None or kind(a) == kind(b) for a, b in zip(axes, x)))
+    if isinstance(axes, dict):
+        entries = [(a, x[k]) for k, a in axes.items()] if isinstance(x, dict) and set(axes) <= set(x) else None
+    elif kind(axes) in (list, tuple) and type(x) is type(axes) and len(x) >= len(axes):
+        entries = list(zip(axes, x))
+    else:
+        entries = None
+    return bool(entries) and all(a is None or kind(a) == kind(b) for a, b in entries)
 
+
+def _anchors(tree: Any, axes: Any) -> list[tuple[tuple, Any]]:
+    """``(path, subtree)`` of each container of ``tree`` that :func:`_lays_out` as ``axes``, the
+    shallowest first (the params before their optimizer's moments)."""
+    fits = lambda x: _lays_out(x, axes)  # noqa: E731
     found = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=fits)[0] if fits(x)]
-    return sorted(found, key=lambda px: len(px[0]))  # the params before their optimizer's moments
+    return sorted(found, key=lambda px: len(px[0]))
 
 
 def _entry_at(axes: Any, keys: list) -> tuple[str, int, Any]:
@@ -698,12 +704,6 @@ def _a_siblings(part: list, key: Any, axes: Any) -> bool:
     parent = _at(axes, part[0][:-1])
     keys = parent.keys() if isinstance(parent, dict) else range(len(parent))
     return key != part[0][-1] and key in keys
-
-
-def _match(parts: list[list], x: Any, key: Any = None, axes: Any = None) -> Any:
-    """The names of :func:`_match_part`'s part, None if none fits."""
-    part = _match_part(parts, x, key, axes)
-    return part[2] if part is not None else None
 
 
 def _match_part(parts: list[list], x: Any, key: Any = None, axes: Any = None) -> list | None:
