@@ -1466,6 +1466,9 @@ def test_plan_outcome_shows_the_saved_ranking_when_process_0_did_not_report(caps
     assert _outcome({"candidates": [{"status": "ok"}]}, None, "done", 143, [], args, wide) == 143
     assert _outcome(None, ranking, "terminated", -9, [], args, wide) == 143
     assert "nothing measured: terminated (SIGTERM) before process 0 reported" in " ".join(capsys.readouterr().out.split())
+    # the launcher alone sent SIGTERM, before process 0 reported or saved anything: still 143, said
+    assert _outcome(None, None, "done", 143, [], args, wide) == 143
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
     # Process 0 reported (and removed its saved ranking), then failed writing --png or was killed:
     # the failure alone, not its ranking again under "nothing measured".
     with pytest.raises(PlanRunError, match="exit code 4"):
@@ -2474,6 +2477,41 @@ def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
     for i in (0, 1):
         assert (f"[{i}] refused: plan(rules=...) differs between processes: process 0 gave ['dp'], process 1 gave "
                 "['fsdp']") in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_step_failing_in_one_process_while_measured_fails_in_every_process():
+    # Process 0's step failed (its callback), process 0 raised MeasureFailed, and process 1 ran on into
+    # the next step's collectives: both hung until JAX's shutdown barrier aborted them, 5 minutes on.
+    import subprocess
+    import sys
+
+    code = ("import sys, jax, jax.numpy as jnp, spmdkit\n"
+            "spmdkit.initialize()\n"
+            "calls = []\n"
+            "def check(x):\n"
+            "    calls.append(x)\n"
+            "    if len(calls) > 3:\n"
+            "        raise RuntimeError('the user check failed')\n"
+            "def step(s, b):\n"
+            "    g = jax.grad(lambda w: jnp.mean((b['x'] @ w) ** 2))(s['w'])\n"
+            "    jax.debug.callback(check, g.sum())\n"
+            "    return {'w': s['w'] - 0.1 * g}, {'loss': jnp.mean(g)}\n"
+            "try:\n"
+            "    spmdkit.plan(lambda rng: {'w': jax.random.normal(rng, (16, 16))}, step, {'x': jnp.ones((8, 16))},\n"
+            "                 memory_per_device=2**30, rules='dp', measure=1, measure_rounds=3, measure_steps=3)\n"
+            "except spmdkit.MeasureFailed as e:\n"
+            "    print('failed:', str(e).splitlines()[0], bool(e.plan), flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+    out = subprocess.run([sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "2",
+                          "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=150, env=env)
+    said = out.stdout + out.stderr[-2000:]
+    assert out.returncode == 0, said
+    # the callback runs in the process of the program's first device: process 0
+    assert re.search(r"\[0\] failed: measuring dp \[data=4\] \(rank 1\) failed running its step in round \d: "
+                     r"JaxRuntimeError: .*the user check failed True", said), said
+    assert re.search(r"\[1\] failed: measuring dp \[data=4\] \(rank 1\) failed running its step in round \d: "
+                     r"StepFailedElsewhere: process 0's step failed: JaxRuntimeError: .*the user check failed True",
+                     said), said
 
 
 class _Quiet:

@@ -369,13 +369,19 @@ _ENC = {"w": ("embed", "hidden"), "b": ("hidden",)}
 
 @pytest.mark.parametrize("axes, words", [
     ({"enc": _ENC, "head": {"wt": ("hidden", "embed"), "b": ("embed",)}},
-     r"state_axes\['head'\] has no entry 'w' \(it has \['b', 'wt'\]\) for state\['params'\]\['head'\]\['w'\]"),
+     r"state_axes\['head'\] has the entry 'wt', which state\['params'\]\['head'\] does not have \(its keys: "
+     r"\['b', 'w'\]\), and no entry for state\['params'\]\['head'\]\['w'\].*Fix: rename state_axes\['head'\]\['wt'\] to 'w'"),
+    ({"enc": _ENC, "haed": {"w": ("hidden", "embed"), "b": ("embed",)}},
+     r"state_axes has the entry 'haed', which state\['params'\] does not have \(its keys: \['enc', 'head'\]\), and "
+     r"no entry for state\['params'\]\['head'\].*Fix: rename state_axes\['haed'\] to 'head'"),
+    ({"enc": _ENC, "decoder": {"w": ("hidden", "embed"), "b": ("embed",)}},
+     r"state_axes has the entry 'decoder'.*Fix: give state_axes the keys of state\['params'\]"),
     ({"enc": _ENC, "head": {"w": ("hidden", "embed")}},
      r"state_axes\['head'\] has no entry 'b' \(it has \['w'\]\) for state\['params'\]\['head'\]\['b'\]"),
     ({"enc": _ENC}, r"state_axes has no entry 'head' \(it has \['enc'\]\) for state\['params'\]\['head'\]\['b'\], "
                     r"which took the names \('hidden',\) of another part of the same structure"),
     ("list", r"state_axes has no entry 1 \(it has 1 entry\) for state\['params'\]\[1\]\['b'\], which took"),
-], ids=["misspelt", "missing_key", "left_out", "short_list"])
+], ids=["misspelt", "misspelt_top", "other_top", "missing_key", "left_out", "short_list"])
 def test_state_axes_without_an_arrays_own_entry_is_named_not_given_a_siblings_names(axes, words):
     # head's arrays took enc's names (a part matched by its structure) without a word: a misspelt or
     # missing key, head left out, a list of layers one entry short.
@@ -388,7 +394,8 @@ def test_state_axes_without_an_arrays_own_entry_is_named_not_given_a_siblings_na
         return {"params": params, "opt": opt.init(params)}
 
     strategy = spmdkit.Sharded(spmdkit.make_mesh(data=8), "fsdp", state_axes=[_ENC] if listed else axes)
-    with pytest.raises(spmdkit.LayoutError, match=f"(?s){words}.*Fix: give state_axes"):
+    fixed = "" if "Fix:" in words else ".*Fix: give state_axes"
+    with pytest.raises(spmdkit.LayoutError, match=f"(?s){words}{fixed}"):
         strategy.plan(make_state)
     # None there replicates head (it took enc's names too), as {"w": None, "b": None} does
     for head in (None, {"w": None, "b": None}):

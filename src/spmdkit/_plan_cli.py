@@ -572,6 +572,9 @@ def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, how:
                                "--measure-rounds, or raise --measure-timeout."))
     if how in ("interrupted", "stopped", "terminated") or code in (130, 143):  # 143: the launcher or a process
         if result is None and not shown:  # was sent SIGTERM. Nothing printed: main() (or cmd_plan) says so
+            if how == "done" and code == 143:  # not this command's SIGTERM, but its launcher's: the same code
+                sys.stderr.write("spmdkit: terminated (SIGTERM)\n")
+                return 143
             raise KeyboardInterrupt
         return 143 if how == "terminated" or code == 143 else 130
     if result is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, fix
+from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, SpmdkitError, fix
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
 from spmdkit._plan._report import (MeasureFailed, MeasureInterrupted, explain, measure as _measure, pareto, print_plan, save_png,
                                    spearman, time_steps)
@@ -57,7 +57,7 @@ def _preparer(make_state: Callable, train_step: Callable | None, step_for: Calla
         # Placed once, as a prefetched batch is; with several processes each fills its own shards.
         real = put_global(real, strategy._batch_sharding(True))
         step = strategy.step(fn)
-        time_steps(step, state, real, 2)  # compile and warm up
+        failed = _steps_agreed(step, state, real, 2)[1]  # compile and warm up
         stats = jax.local_devices()[0].memory_stats() or {}
         memory = stats.get("peak_bytes_in_use")
         source = "device allocator peak"
@@ -67,11 +67,30 @@ def _preparer(make_state: Callable, train_step: Callable | None, step_for: Calla
         memory = slowest([], memory)[1]  # the largest over the processes
 
         def run(steps: int) -> list[float]:  # each step as long as its slowest process took
-            return slowest(time_steps(step, state, real, steps), None)[0]
+            times, failed = _steps_agreed(step, state, real, steps)
+            return slowest(times, None, failed)[0]
 
         return run, memory, source
 
     return prepare
+
+
+def _steps_agreed(step: Callable, state: Any, batch: Any, steps: int) -> tuple[list[float], BaseException | None]:
+    """:func:`time_steps`, and with several processes each step run even after one failed, the
+    first failure returned: the other processes run every step's collectives, and wait in them
+    for this one (:func:`slowest` then raises it in all)."""
+    if jax.process_count() == 1:
+        return time_steps(step, state, batch, steps), None
+    times, failed = [], None
+    for _ in range(steps):
+        try:
+            times += time_steps(step, state, batch, 1)
+        except (KeyboardInterrupt, SpmdkitError):
+            raise
+        except Exception as e:  # a callback's or the runtime's error: its collectives ran
+            failed = failed or e
+            times.append(0.0)
+    return times, failed
 
 
 def _whole(name: str, value: Any, least: int, hint: str) -> None:

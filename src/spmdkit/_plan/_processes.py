@@ -156,18 +156,39 @@ def interrupts_agreed() -> Iterator[None]:
         _INTERRUPT.clear()
 
 
-def slowest(times: list[float], memory: Any) -> tuple[list[float], Any]:
+def slowest(times: list[float], memory: Any, failed: BaseException | None = None) -> tuple[list[float], Any]:
     """Each step's time as the largest over the processes (a step is done when all are), and
     the largest memory figure; every process must call it. Unchanged in a lone process.
-    Raises ``KeyboardInterrupt`` in every process when any noted a Ctrl-C (:func:`interrupts_agreed`)."""
+    Raises ``KeyboardInterrupt`` in every process when any noted a Ctrl-C (:func:`interrupts_agreed`),
+    and when a process's step failed (``failed``), that error there and :class:`StepFailedElsewhere`
+    in the others: alone, the others ran on into the next step's collectives and waited for it
+    until JAX's shutdown barrier aborted them all, 5 minutes on."""
     if jax.process_count() == 1:
+        if failed is not None:
+            raise failed
         return times, memory
-    every = gather_json([list(map(float, times)), memory, bool(_INTERRUPT)], "the measured step times")
-    if any(asked for _, _, asked in every):
+    said = None if failed is None else f"{type(failed).__name__}: {_first_line(failed)}"
+    every = gather_json([list(map(float, times)), memory, bool(_INTERRUPT), said], "the measured step times")
+    if any(asked for _, _, asked, _ in every):
         raise KeyboardInterrupt
-    steps = [max(t[i] for t, _, _ in every) for i in range(len(times))]
-    figures = [m for _, m, _ in every if m is not None]
+    if failed is not None:
+        raise failed
+    for i, (_, _, _, other) in enumerate(every):
+        if other is not None:
+            raise StepFailedElsewhere(f"process {i}'s step failed: {other}")
+    steps = [max(t[i] for t, _, _, _ in every) for i in range(len(times))]
+    figures = [m for _, m, _, _ in every if m is not None]
     return steps, (max(figures) if figures else None)
+
+
+class StepFailedElsewhere(RuntimeError):
+    """Another process's step failed while this one's ran: raised here too, at the same point."""
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's first line; a callback's error ("...calling callback: Traceback ...") by the user's own last line."""
+    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+    return (lines[0] if "Traceback (most recent" not in lines[0] else lines[0].split("Traceback")[0] + lines[-1])[:300]
 
 
 def agreed_target(target: Any) -> Any:

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from spmdkit._console import readable_bytes, readable_bytes_up
 from spmdkit._errors import SpmdkitError, fix
+from spmdkit._plan._processes import _first_line
 
 
 def _ms(s: float) -> str:
@@ -314,13 +315,11 @@ def _failing_as(row: dict[str, Any], doing: str, round_: int, call: Callable[[],
     except (KeyboardInterrupt, SpmdkitError):
         raise
     except Exception as e:
-        lines = [line for line in str(e).splitlines() if line.strip()] or [""]
-        # A callback's error comes as "...calling callback: Traceback ..." with the user's own error last.
-        first = lines[0] if "Traceback (most recent" not in lines[0] else lines[0].split("Traceback")[0] + lines[-1]
+        first = _first_line(e)
         _settle_effects()
         at = f" in round {round_}" if round_ else ""
         raise MeasureFailed(fix(f"measuring {row['label']} (rank {row['rank']}) failed {doing} its step{at}: "
-                                f"{type(e).__name__}: {first[:300]}",
+                                f"{type(e).__name__}: {first}",
                                 "the candidate compiled and was priced, so the step itself failed when run (its "
                                 "traceback is the cause of this error in Python). The ranking is kept (the error's "
                                 ".plan; the command's table and --json); measure=0 (--measure 0) prices only.")) from e

@@ -11,8 +11,10 @@ jitted with those shardings. Activations constrained with
 
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -431,6 +433,37 @@ def _check_lone_names(state: Any, axes: Any) -> None:
                               "array, e.g. {'w': ('embed', 'hidden'), 'b': ('hidden',)}."))
 
 
+def _check_renamed_keys(state: Any, axes: Any) -> None:
+    """A dict of ``state_axes`` (the whole, or the entry ``axes[q]``) where a dict of the state
+    (anywhere, or under the key path ``q``) shares some of its keys and has others in place of
+    the rest (``"haed"`` for ``"head"``): a misspelt key. The whole then fit nothing, its parts
+    were matched alone and two of one structure both fit (or one took the other's arrays). Named
+    with both keys, the shallowest such dict first (the params before their moments)."""
+    for q, sub in _subtrees(axes):
+        if not isinstance(sub, Mapping):
+            continue
+        want = set(sub)
+
+        def near(x: Any, want: set = want) -> bool:
+            if not isinstance(x, Mapping) or _is_box(x):
+                return False
+            have = set(x)
+            return bool(want & have and want - have and have - want)
+
+        found = sorted(((path, x) for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=near)[0]
+                        if near(x) and tuple(_raw_key(k) for k in path[len(path) - len(q):]) == q),
+                       key=lambda px: len(px[0]))
+        if found:
+            path, x = found[0]
+            gone, extra = sorted(want - set(x), key=str), sorted(set(x) - want, key=str)
+            where, at = "state" + jax.tree_util.keystr(path), "state_axes" + "".join(f"[{k!r}]" for k in q)
+            close = difflib.get_close_matches(str(gone[0]), [str(k) for k in extra], n=1, cutoff=0.5)
+            raise LayoutError(fix(
+                f"{at} has the entry {gone[0]!r}, which {where} does not have (its keys: {sorted(map(str, x))}), "
+                f"and no entry for {where}[{extra[0]!r}].",
+                (f"rename {at}[{gone[0]!r}] to {close[0]!r}" if close else f"give {at} the keys of {where}")
+                + ": state_axes takes the keys of the state or of its params (None replicates a subtree)."))
+
 def _rank_misses(x: Any, names: list) -> list[tuple[int, Any]]:
     """``(index, array)`` of each array of ``x`` whose names in ``names`` are not one per dimension."""
     leaves = jax.tree.leaves(x, is_leaf=_is_slot)
@@ -486,6 +519,7 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     parts = _axes_parts(axes)
     whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: _fits(parts[0], x)) if _fits(parts[0], x)]
     if not whole:
+        _check_renamed_keys(state, axes)
         _check_whole_ranks(state, axes, parts[0])
     if whole:  # the params: every part learns the shapes it names
         for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
