@@ -2514,6 +2514,29 @@ def test_a_step_failing_in_one_process_while_measured_fails_in_every_process():
                      said), said
 
 
+def test_plan_on_one_device_for_a_target_of_several_warns_with_the_fix():
+    # A script that forgot to simulate devices planned "h100x8" for the one CPU device: every candidate
+    # data=1, no collective, and the README's own example printed "winner: dp [data=1]" without a word.
+    import subprocess
+    import sys
+
+    code = ("import warnings, jax, jax.numpy as jnp, spmdkit\n"
+            "warnings.simplefilter('error', UserWarning)\n"
+            "args = (lambda rng: {'w': jax.random.normal(rng, (16, 16))},\n"
+            "        lambda s, b: (s, {'loss': jnp.mean(b['x'] @ s['w'])}), {'x': jnp.zeros((8, 16))})\n"
+            "spmdkit.plan(*args, rules='dp', target='cpu')\n"  # a target of this machine: nothing to say
+            "try:\n"
+            "    spmdkit.plan(*args, rules='dp', target='h100x8')\n"
+            "except UserWarning as w:\n"
+            "    print(w)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_") and k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    said = " ".join(out.stdout.split())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "plan compiles every candidate on jax.device_count() = 1 device, where a host of the target" in said, said
+    assert "Fix: to plan for 8 devices on this machine, call spmdkit.use_host_devices(8) before JAX starts" in said
+
+
 class _Quiet:
     def print(self, *args, **kwargs):
         pass

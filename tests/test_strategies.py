@@ -191,8 +191,18 @@ def test_errors_name_the_argument_and_path():
         step(state, {**batch_of(16), "lr": np.float32(0.1)})
     with pytest.raises(spmdkit.StepOutputError, match="it must return \\(state, aux\\)"):  # also a TypeError
         strategy.step(lambda s, b: s)(state, batch_of(16))
-    with pytest.raises(spmdkit.TreeMismatchError, match="structure differs"):
+    with pytest.raises(spmdkit.TreeMismatchError, match=r"structure differs from the state it got: state had 1 "
+                                                       r"entries, returned 2: \['extra'\] added\."):
         strategy.step(lambda s, b: ({"w": s["w"], "extra": s["w"]}, {}))(state, batch_of(16))
+    # the first place they differ, by path (two whole PyTreeDefs of a large state hid it)
+    nested = lambda rng: {"bn": {"mean": jnp.zeros(2), "var": jnp.ones(2)}, "opt": (jnp.zeros(2),)}  # noqa: E731
+    typo = lambda s, b: ({"bn": {"mean": s["bn"]["mean"], "varr": s["bn"]["var"]}, "opt": s["opt"]}, {})  # noqa: E731
+    with pytest.raises(spmdkit.TreeMismatchError, match=r"state\['bn'\] had 2 entries, returned 2: \['var'\] missing; "
+                                                       r"\['varr'\] added\."):
+        strategy.step(typo)(strategy.init(nested, 0), batch_of(16))
+    listed = lambda s, b: ({"bn": s["bn"], "opt": list(s["opt"])}, {})  # noqa: E731
+    with pytest.raises(spmdkit.TreeMismatchError, match=r"state\['opt'\] was tuple, returned list\."):
+        strategy.step(listed)(strategy.init(nested, 0), batch_of(16))
     with pytest.raises(spmdkit.BatchSizeError, match="per-example outputs"):
         strategy.apply(lambda s, b: jnp.sum(b["x"]))(state, batch_of(16))
     with pytest.raises(spmdkit.SignatureError, match="make_state must be a function"):
@@ -397,6 +407,33 @@ def test_an_ensembles_state_is_named_before_a_step_that_cannot_trace_its_shapes(
             other.step(step)(members, batch_of(16))
 
 
+def test_an_ensembles_state_is_named_also_after_the_step_ran_on_one_models_state():
+    # Its structure was compiled before (one model's state), so the new shapes traced unchecked and
+    # the user's dot of (3,) and (4,) came out as JAX's raw TypeError.
+    make = lambda rng: {"w": jnp.ones((8,))}  # noqa: E731
+    step = lambda s, b: (s, {"loss": jnp.sum(b["x"] @ s["w"])})  # noqa: E731
+    members = spmdkit.Ensemble(4).init(make, 0)
+    for other in (spmdkit.Single(), spmdkit.DataParallel(), spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")):
+        compiled = other.step(step)
+        compiled(other.init(make, 0), batch_of(16))
+        for call in (compiled, other.step(step)):
+            with pytest.raises(spmdkit.LayoutError, match=r"state\['w'\] has shape \(4, 8\).*an ensemble's state"):
+                call(members, batch_of(16))
+
+
+@pytest.mark.parametrize("strategy", ["single", "data", "sharded", "ensemble"])
+def test_a_train_step_on_no_examples_is_refused(strategy):
+    # The mean loss over 0 rows is NaN: the state became NaN without a word (an empty last piece of
+    # a data pipeline). An apply may take no rows.
+    s = {"single": spmdkit.Single(), "data": spmdkit.DataParallel(), "ensemble": spmdkit.Ensemble(2),
+         "sharded": spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), "dp")}[strategy]
+    state = s.init(make_linear, 0)
+    with pytest.raises(spmdkit.BatchSizeError, match=r"(?s)step\(train_step\)\(state, batch\): batch\['x'\] has shape "
+                                                     r"\(0, 8\), no examples.*Fix: skip empty batches"):
+        s.step(linear_step)(state, batch_of(0))
+    assert np.isfinite(np.asarray(s.step(linear_step)(state, batch_of(16))[1]["loss"])).all()
+
+
 def test_an_ensemble_names_another_ensembles_member_count():
     members = spmdkit.Ensemble(4).init(make_linear, 0)
     with pytest.raises(spmdkit.MembersMismatchError, match=r"(?s)the state is an ensemble of 4 members.*not of 2.*"
@@ -443,6 +480,15 @@ def test_sharded_compiled_apply_refuses_a_same_structure_state_of_other_shapes()
             call(host6, x)
     with pytest.raises(spmdkit.LayoutError, match=r"state\['w'\] has shape \(3, 6\), but this strategy laid out"):
         apply(host6, x)
+    # a structure never laid out: the leaf, where it is, and the move (DataParallel's fix)
+    other = {"v": np.ones((3, 6), np.float32)}
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)not laid out \(nor one of its structure\): state\['v'\] \(shape "
+                                                  r"\(3, 6\)\) is a host ndarray, not laid out on this strategy's mesh "
+                                                  r"\{'data': 2, 'model': 4\}.*jax.device_put\(state, strategy.shardings"):
+        apply(other, x)
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)state\['v'\] \(shape \(3, 6\)\) is laid out on another mesh "
+                                                  r"\(\{'data': 1\}.*jax.device_put\(state, strategy.shardings"):
+        apply(spmdkit.Single().init(lambda r: other, 0), x)
 
 
 def test_a_string_in_aux_or_output_is_named():

@@ -488,6 +488,15 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     dtype = compute_dtype(dtype, target)
     devices_per_host = n // processes if processes > 1 else min(target.devices_per_host, n) or n
     _check_hosts(target, n, devices_per_host, processes)
+    if n == 1 < target.devices_per_host:
+        # A script run without simulated devices planned "h100x8" for the one CPU device, every
+        # candidate data=1 and no collective, without a word.
+        warnings.warn(fix("plan compiles every candidate on jax.device_count() = 1 device, where a host of the target "
+                          f"{target.name!r} has {target.devices_per_host}: every candidate is a layout over 1 device "
+                          "(data=1), with no collective to compare.",
+                          f"to plan for {target.devices_per_host} devices on this machine, call "
+                          f"spmdkit.use_host_devices({target.devices_per_host}) before JAX starts (the command: "
+                          f"--devices {target.devices_per_host})."), UserWarning, stacklevel=3)
     budget = memory_per_device if memory_per_device is not None else target.memory_per_device
     abstract_batch = _abstract(batch)
     rows_in_batch = jax.tree.leaves(abstract_batch)[0].shape[0]

@@ -696,12 +696,24 @@ class CompiledStep:
         return jax.jit(run, in_shardings=(state_sh, batch_sh), out_shardings=out,
                        donate_argnums=(0,) if self.donate else ())
 
+    def _check_rows(self, rows: int, batch: Batch) -> None:
+        """A train step on no examples: its mean loss and gradients are NaN, and the state became
+        NaN without a word (an empty last piece of a data pipeline). An apply or eval may take none."""
+        if rows == 0 and self.kind == "step":
+            path, x = jax.tree_util.tree_flatten_with_path(batch)[0][0]
+            raise BatchSizeError(fix(f"{type(self.strategy).__name__}.step(train_step)(state, batch): batch"
+                                     f"{jax.tree_util.keystr(path)} has shape {tuple(np.shape(x))}, no examples: a "
+                                     "mean over them is NaN and would become the new state.",
+                                     "skip empty batches (an empty last piece of a data set), or drop_remainder "
+                                     "in the pipeline."))
+
     def lower(self, state: State, batch: Batch) -> Any:
         """The program ``self(state, batch)`` runs, lowered (``jax.stages.Lowered``: read
         ``.compile().memory_analysis()`` or ``cost_analysis()``); ``state`` and ``batch``
         may be ``jax.ShapeDtypeStruct``s (``strategy.abstract``), nothing runs."""
         s = self.strategy
         rows = batch_rows(batch)
+        self._check_rows(rows, batch)
         s._check_batch(self.kind, rows, batch)
         even, keep, placed = rows % s.batch_shards == 0, None, rows
         if not even and self.rowwise:
@@ -714,6 +726,7 @@ class CompiledStep:
     def __call__(self, state: State, batch: Batch):
         s = self.strategy
         n = batch_rows(batch)
+        self._check_rows(n, batch)
         s._check_batch(self.kind, n, batch)
         if not self._agreed:
             # At the first call only, which every process makes: a check at each new batch
@@ -747,7 +760,14 @@ class CompiledStep:
             if k not in self._compiled:
                 s._check_new_state(state)
                 self._compiled[k] = self._build(state, even, keep)
-            return self._compiled[k](state, placed)
+            try:
+                return self._compiled[k](state, placed)
+            except (TypeError, ValueError) as e:
+                # New shapes of a structure compiled before trace again, unchecked: an ensemble's
+                # stacked state failed inside the user's step (a dot of (3,) and (4,)), unnamed.
+                if not isinstance(e, SpmdkitError):
+                    s._check_new_state(state)
+                raise
 
         try:
             out = s._traced(run)
@@ -1003,8 +1023,8 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         before, after = jax.tree.structure(state), jax.tree.structure(out[0])
         if before != after:
             raise TreeMismatchError(
-                fix(f"train_step {name!r} returned a state whose structure differs from the state it got:\n"
-                    f"  got      {before}\n  returned {after}",
+                fix(f"train_step {name!r} returned a state whose structure differs from the state it got: "
+                    f"{tree_difference(state, out[0])}.",
                     "return a state of the same structure (same keys, same fields): the step's output is "
                     "the next step's input.")
             )
@@ -1019,6 +1039,33 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         return out
 
     return step if kind == "step" else other
+
+
+def tree_difference(got: Any, returned: Any, path: tuple = ()) -> str:
+    """Where two pytrees first differ, in words: the path, and the keys or kinds on each side (a
+    whole PyTreeDef of a large state, twice, hid the one key that differed)."""
+    def children(x: Any) -> list | None:
+        flat, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+        return None if len(flat) == 1 and flat[0][1] is x else flat
+
+    a, b = children(got), children(returned)
+    where = "state" + jax.tree_util.keystr(path)
+    if a is None or b is None or type(got) is not type(returned):
+        kind = lambda x, c: "an array" if c is None else "None" if x is None else type(x).__name__  # noqa: E731
+        if a is None and b is None:
+            return f"{where}: both arrays"  # not reached: same structure
+        return f"{where} was {kind(got, a)}, returned {kind(returned, b)}"
+    keys_a, keys_b = [k for (k,), _ in a], [k for (k,), _ in b]
+    if keys_a != keys_b:
+        gone = [jax.tree_util.keystr((k,)) for k in keys_a if k not in keys_b]
+        new = [jax.tree_util.keystr((k,)) for k in keys_b if k not in keys_a]
+        said = "; ".join(part for part in (f"{', '.join(gone)} missing" if gone else "",
+                                            f"{', '.join(new)} added" if new else "") if part)
+        return f"{where} had {len(keys_a)} entries, returned {len(keys_b)}: " + (said or "in another order")
+    for ((k,), x), (_, y) in zip(a, b):
+        if jax.tree.structure(x) != jax.tree.structure(y):
+            return tree_difference(x, y, (*path, k))
+    return f"{where}: {jax.tree.structure(got)} vs {jax.tree.structure(returned)}"
 
 
 def _check_per_example(out: Any, n: int, axis: int, padded_from: int | None = None) -> None:

@@ -264,9 +264,19 @@ class Sharded(Placement):
         if leaves and all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
                           and x.sharding.mesh == self.mesh for x in leaves):
             return jax.tree.map(lambda x: x.sharding, state)
+        self._foreign_state(state)  # another mesh's or an ensemble's state, named as such
+        path, x = next(((p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+                        if not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+                                and x.sharding.mesh == self.mesh)), (None, None))
+        where = "" if path is None else (
+            f": state{jax.tree_util.keystr(path)} (shape {np.shape(x)}) is "
+            + (f"on {len(x.sharding.device_set)} device(s) as {type(x.sharding).__name__}"
+               if isinstance(x, jax.Array) else f"a host {type(x).__name__}")
+            + f", not laid out on this strategy's mesh {dict(self.mesh.shape)}")
         raise LayoutError(
-            fix("Sharded.step/apply got a state this strategy has not laid out.",
-                "create it with strategy.init(make_state, rng), or restore it into "
+            fix(f"Sharded.step/apply got a state this strategy has not laid out (nor one of its structure){where}.",
+                "move it onto this strategy's layout: state = jax.device_put(state, strategy.shardings(state)); "
+                "or create it with strategy.init(make_state, rng), or restore it into "
                 "strategy.shardings(abstract_state) / strategy.abstract(make_state).")
         )
 
