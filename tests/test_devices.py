@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -24,6 +25,8 @@ def test_changing_count_after_start_is_our_error():
     assert "already" in msg or "after JAX had started" in msg
     assert "8 CPU device(s)" in msg
     assert "SPMDKIT_HOST_DEVICES=4" in msg and "--host-devices 4" in msg
+    # It said to set the variable "before Python starts", which a plain script never reads.
+    assert "before Python starts" not in msg and "which a plain Python script does not read" in msg
     assert "before any JAX operation" in msg
     assert isinstance(e.value, RuntimeError)  # still catchable as before
 
@@ -40,6 +43,19 @@ def test_fresh_process_gets_requested_devices():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "3"
+
+
+def test_env_is_not_read_by_a_plain_script():
+    # What the README and the errors now say: only the spmdkit command (and initialize()) read
+    # SPMDKIT_HOST_DEVICES; a script importing spmdkit gets what JAX finds until it asks.
+    code = "import spmdkit, jax; print(jax.device_count())"
+    env = {**os.environ, "SPMDKIT_HOST_DEVICES": "3", "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env=env)
+    assert out.stdout.strip() == "1"
 
 
 @pytest.mark.parametrize("raw, expected", [("", None), ("4", 4), (" 2 ", 2)])

@@ -321,6 +321,8 @@ def test_error_mapped_size_above_device_count(traced):
     assert "args[0] has size 16 along mapped axis 0" in msg
     assert "8 local device(s)" in msg
     assert "spmdkit.shard" in msg and "use_host_devices(16)" in msg
+    # It offered "env: SPMDKIT_HOST_DEVICES=16" to anyone; a plain script never reads it.
+    assert "the spmdkit command: --host-devices 16 or SPMDKIT_HOST_DEVICES=16, which a plain Python script does not read" in msg
     assert traced.calls == []
     # The fix's code, run as written: it said "with spmdkit.shard(x)", whose result is a
     # (data, mask) pair, so pmap(f)(spmdkit.shard(x)) handed f a pair, not x's rows.

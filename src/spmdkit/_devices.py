@@ -55,9 +55,11 @@ def use_host_devices(n: int) -> None:
                 f"use_host_devices({n}) was called after JAX had started its backends with "
                 f"{have} CPU device(s); the device count cannot change in a running process.",
                 f"call spmdkit.use_host_devices({n}) right after `import spmdkit`, before any "
-                f"JAX operation (creating an array, jax.devices(), a jit call); or set "
-                f"{ENV_HOST_DEVICES}={n} in the environment before Python starts; on the "
-                f"command line pass --host-devices {n}.",
+                f"JAX operation (creating an array, jax.devices(), a jit call); the spmdkit "
+                # A plain script never reads the variable: only the command and
+                # spmdkit.initialize() do, so it is offered for the command alone.
+                f"command takes --host-devices {n} or {ENV_HOST_DEVICES}={n} in the environment "
+                f"(which a plain Python script does not read).",
             )
         ) from None
 

@@ -381,8 +381,10 @@ class _ParallelMap:
             remedy = (f"reshape it to [{available}, per_device, ...]: x, mask = spmdkit.shard(x) (mask marks the real "
                       "rows), or "
                       f"simulate more devices: spmdkit.use_host_devices({max(n, 1)}) before any "
-                      f"JAX work (CLI: --host-devices {max(n, 1)}, env: "
-                      f"SPMDKIT_HOST_DEVICES={max(n, 1)}).")
+                      f"JAX work (the spmdkit command: --host-devices {max(n, 1)} or "
+                      # Only the command (and spmdkit.initialize) reads the variable: set for a
+                      # plain script, it changed nothing and the same error came back.
+                      f"SPMDKIT_HOST_DEVICES={max(n, 1)}, which a plain Python script does not read).")
         raise MappedAxisError(
             fix(
                 f"{plan.paths[first]} has size {n} along mapped axis {plan.axes[first]}, "
