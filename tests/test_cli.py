@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -156,6 +157,24 @@ def test_host_devices_help_states_every_default_in_the_order_they_apply(argv, ca
     assert squeeze("else what JAX finds (1 device on a machine without GPU or TPU)") in text
     defaults = text[text.index("else8for"):text.index("elsewhatJAXfinds")]
     assert set(_DEFAULT_DEVICES.values()) == {8} and all(c in defaults for c in _DEFAULT_DEVICES)
+
+
+def test_plan_help_states_its_own_text_bytes_default(capsys):
+    from spmdkit._plan_cli import _text_bytes
+
+    # It said train's 1000000; plan reads max(batch x (seq_len + 1) x 2, 20000) (_text_bytes).
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    squeeze = lambda t: "".join(t.split())  # noqa: E731 (argparse wraps lines)
+    text = squeeze(capsys.readouterr().out)
+    text = text[text.index("--text-bytesTEXT_BYTESlm:"):]
+    assert "1000000" not in text[:200]
+    assert squeeze("max(batch-size x (seq-len + 1) x 2, 20000)") in text
+    assert _text_bytes(argparse.Namespace(text_bytes=None), 64, 32) == 20_000
+    assert _text_bytes(argparse.Namespace(text_bytes=None), 128, 256) == 256 * 129 * 2
+    with pytest.raises(SystemExit):  # train keeps its own default
+        main(["train", "--help"])
+    assert squeeze("lm: training bytes read (1000000;") in squeeze(capsys.readouterr().out)
 
 
 def test_bad_env_value_is_a_clean_error():

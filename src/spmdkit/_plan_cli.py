@@ -165,6 +165,11 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
     p.add_argument("--depth", type=positive_int, help="mlp: hidden width (512)")
     p.add_argument("--embed", type=positive_int, help="mlp: input/output width (128)")
     lm_options(p)
+    # The shared lm options state train's default (1000000); plan reads only what a batch needs
+    # (_text_bytes), which its help said nothing of.
+    text_bytes = next(a for a in p._actions if "--text-bytes" in a.option_strings)
+    text_bytes.help = ("lm: training bytes read (default: enough for a batch, max(batch-size x (seq-len + 1) x 2, "
+                       "20000); held out: a tenth)")
 
 
 def _lm_sizes(args: argparse.Namespace) -> dict[str, Any]:
