@@ -142,6 +142,22 @@ def test_device_count_from_flag_and_env(args, env, expected):
     assert json.loads(out.stdout)["device_count"] == expected
 
 
+def test_data_verbs_take_host_devices_after_their_name(tmp_path, capsys):
+    from spmdkit._cli import build_parser
+
+    # `spmdkit data check --host-devices 2 DIR` was refused (unrecognized arguments) while the
+    # README says every command but launch takes it before or after the command name.
+    parse = build_parser().parse_args
+    assert parse(["data", "check", "--host-devices", "2", "DIR"]).host_devices == 2
+    assert parse(["data", "write", "DIR", "--task", "linreg", "--host-devices", "3"]).host_devices == 3
+    assert parse(["data", "--host-devices", "2", "check", "DIR"]).host_devices == 2  # as before
+    assert parse(["data", "--host-devices", "2", "check", "DIR", "--no-compile-cache"]).host_devices == 2
+    d = tmp_path / "ds"
+    assert main(["data", "write", str(d), "--task", "linreg", "--host-devices", "8"]) == 0
+    assert main(["data", "check", "--host-devices", "8", str(d), "--verify"]) == 0
+    assert "intact" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["train", "--help"]])
 def test_host_devices_help_states_every_default_in_the_order_they_apply(argv, capsys):
     from spmdkit._cli import _DEFAULT_DEVICES

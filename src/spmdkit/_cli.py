@@ -376,7 +376,9 @@ def _add_data_parser(sub, common: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("data", parents=[common], help="write or check an on-disk data set (--data DIR)")
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-    w = verbs.add_parser("write", help="write a data set directory from a task's data or an .npz of arrays")
+    # The verbs take the common flags too: `spmdkit data check --host-devices 2 DIR` was refused
+    # (unrecognized arguments), although every command takes them after its name.
+    w = verbs.add_parser("write", parents=[common], help="write a data set directory from a task's data or an .npz of arrays")
     w.add_argument("out", type=path_arg, metavar="DIR", help="the directory to write")
     source = w.add_mutually_exclusive_group(required=True)
     source.add_argument("--task", choices=sorted(TASKS), help="a built-in task's data (digits, mnist...)")
@@ -389,7 +391,7 @@ def _add_data_parser(sub, common: argparse.ArgumentParser) -> None:
     w.add_argument("--seq-len", type=_positive_int, help="--task lm: bytes per example (64; train with the same)")
     w.add_argument("--text-bytes", type=_positive_int, help="--task lm: training bytes read (1000000)")
     w.add_argument("--overwrite", action="store_true", help="replace an existing data set in DIR")
-    c = verbs.add_parser("check", help="check a data set directory (sizes, shapes, dtypes; --verify: CRC-32)")
+    c = verbs.add_parser("check", parents=[common], help="check a data set directory (sizes, shapes, dtypes; --verify: CRC-32)")
     c.add_argument("directory", type=path_arg, metavar="DIR")
     c.add_argument("--verify", action="store_true", help="also read every file and compare its CRC-32")
 
