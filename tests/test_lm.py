@@ -571,7 +571,7 @@ def test_a_file_deleted_after_the_listing_is_named(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(text_dir="/no/such/dir"), r"--text-dir '/no/such/dir' is not a directory"),
+        (dict(text_dir="/no/such/dir"), r"--text-dir '/no/such/dir' does not exist"),
         (dict(d_model=30, heads=8), r"d_model=30 is not a multiple of heads=8"),
         (dict(precision="fp16"), r"(?s)precision='fp16' is not known.*bf16"),
         (dict(remat="some"), r"remat='some' is not a remat policy"),
@@ -582,6 +582,25 @@ def test_a_file_deleted_after_the_listing_is_named(tmp_path, monkeypatch):
 def test_bad_options_are_clean_errors(kw, match):
     with pytest.raises(spmdkit.SpmdkitError, match=match):
         lm.make(**kw)
+
+
+def test_a_missing_text_dir_is_told_to_exist_not_to_be_readable(tmp_path, monkeypatch, capsys):
+    from spmdkit._cli import main
+
+    # `train --text-dir nothere` said "cannot list nothere ... make it readable (chmod -R u+rX
+    # nothere)": the readable fix, for a path that is not there.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for name, said in (("nothere", "'nothere' does not exist"), ("afile/sub", "'afile/sub' does not exist"),
+                       ("dangling", f"'dangling' is a symbolic link to {tmp_path / 'gone'}, which does not exist")):
+        assert main(["train", "--task", "lm", "--text-dir", name, "--steps", "1", "--no-compile-cache"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"lm: --text-dir {said}." in err and f"pass a directory that exists (a relative path is taken from {tmp_path})" in err
+        assert "chmod" not in err
+    assert main(["train", "--task", "lm", "--text-dir", "afile", "--steps", "1", "--no-compile-cache"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lm: --text-dir 'afile' is not a directory." in err and "chmod" not in err
 
 
 def test_empty_text_dir(tmp_path):

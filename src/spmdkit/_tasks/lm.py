@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -250,10 +251,6 @@ def text_files(text_dir: str | Path | None = None) -> list[Path]:
         where = f"the standard library at {root}"
     else:
         root = Path(text_dir)
-        if not root.is_dir():
-            raise DataError(fix(f"lm: --text-dir {str(text_dir)!r} is not a directory.",
-                                "pass a directory of text files, or leave --text-dir out to train on the "
-                                "standard library's sources."))
         files = _walk_files(root, text_dir)
         where = f"--text-dir {str(text_dir)!r}"
     files = sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
@@ -281,6 +278,7 @@ def _walk_folders(root: Path, text_dir: str | Path) -> Iterator[tuple[str, list[
                             f"make it readable (chmod -R u+rX {folder}), or move it out of --text-dir (a name "
                             "starting with '.' is skipped)."))
 
+    _check_root(root, text_dir)
     # Symlinked folders are entered (a corpus of links to data sets is common; their files were left
     # out without a word), each real folder once, the first in sorted order: a link to an ancestor is no loop.
     seen = set()
@@ -297,6 +295,25 @@ def _walk_folders(root: Path, text_dir: str | Path) -> Iterator[tuple[str, list[
         seen.add((here.st_dev, here.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         yield folder, [n for n in names if not n.startswith(".")]
+
+
+def _check_root(root: Path, text_dir: str | Path) -> None:
+    """--text-dir itself is a directory. A missing one reached the walk's "cannot list it" and its fix,
+    "make it readable (chmod -R u+rX ...)", which no chmod can do for a path that is not there."""
+    try:
+        mode = os.stat(root).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        what = (f"is a symbolic link to {os.readlink(root)}, which does not exist" if root.is_symlink()
+                else "does not exist")
+        raise DataError(fix(f"lm: --text-dir {str(text_dir)!r} {what}.",
+                            f"pass a directory that exists (a relative path is taken from {os.getcwd()}), or "
+                            "leave --text-dir out to train on the standard library's sources.")) from None
+    except OSError:
+        return  # one that cannot be reached (a folder above it without x): the walk names it and the fix
+    if not stat.S_ISDIR(mode):
+        raise DataError(fix(f"lm: --text-dir {str(text_dir)!r} is not a directory.",
+                            "pass a directory of text files, or leave --text-dir out to train on the "
+                            "standard library's sources."))
 
 
 def _walk_files(root: Path, text_dir: str | Path) -> list[Path]:
