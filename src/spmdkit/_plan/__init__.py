@@ -253,8 +253,12 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     still leaves its ranking. Not called when no candidate is ranked (nothing to measure); an
     exception it raises stops the plan there.
 
-    Example:
-        >>> import jax, jax.numpy as jnp, spmdkit
+    Example (``plan`` compiles on ``jax.device_count()`` devices, whatever the target: a script
+    on a one-device machine sets the count first)::
+
+        >>> import spmdkit
+        >>> spmdkit.use_host_devices(8)   # first, before any JAX operation
+        >>> import jax, jax.numpy as jnp
         >>> make_state = lambda rng: {"w": jnp.zeros((16, 32))}
         >>> step = lambda s, b: ({"w": s["w"] - 0.1 * b["x"].T @ (b["x"] @ s["w"])}, {})
         >>> result = spmdkit.plan(make_state, step, {"x": jnp.ones((16, 16))}, rules=("dp",),
