@@ -825,6 +825,56 @@ def test_two_leaves_stored_under_one_name_are_refused_not_mixed(tmp_path, state,
     assert np.array_equal(got["a.b"], np.ones(3)) and np.array_equal(got["c"]["b"], np.zeros(3))
 
 
+@pytest.mark.parametrize("state, path, said", [
+    ({"a" * 100: {"b" * 156: jnp.ones(3)}}, "['" + "a" * 100 + "']['" + "b" * 156 + "']", "is 257 bytes, longer than the 255"),
+    ({"\u00f1" * 128: jnp.ones(3)}, "['" + "\u00f1" * 128 + "']", "is 256 bytes"),  # bytes, not characters
+    ({"..": jnp.ones(3), "x": jnp.ones(2)}, "['..']", "'..' is not a file name"),
+    ({"a/..": jnp.ones(3)}, "['a/..']", "'..' is not a file name"),  # a '/' makes a subdirectory
+])
+def test_a_leaf_name_that_is_no_file_name_is_refused_before_the_save(tmp_path, state, path, said):
+    # Orbax stores a leaf in state/<keys joined by '.'>/: a name over 255 bytes (a deep model under
+    # multi_transform) failed in its save thread with "File name too long", '..' with "Invalid file
+    # path", both as a CheckpointSaveError (exit 5) saying "free disk space", with Orbax's tracebacks.
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    with pytest.raises(spmdkit.CheckpointError, match=re.escape(f"save(1, state): state{path} cannot be saved")) as e:
+        ckpt.save(1, state, {})
+    assert not isinstance(e.value, spmdkit.CheckpointSaveError) and said in str(e.value)
+    assert "Fix: use " in str(e.value) and "ocdbt=True" in str(e.value) and "disk" not in str(e.value)
+    assert ckpt.steps() == []
+    ckpt.save(1, {"k" * 255: jnp.ones(3), "a/b": jnp.ones(2)}, {})  # at the limit, and a '/' alone: saved
+    ckpt.close()
+    # OCDBT keeps the leaves inside its files: there such names are no file names and are saved.
+    packed = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "oc"), ocdbt=True), log=lambda m: None)
+    packed.save(1, state, {})
+    packed.close()
+    assert packed.steps() == [1]
+
+
+def test_fit_names_a_leaf_name_too_long_before_training(tmp_path):
+    # It trained `every` steps, then failed at the first save, blamed on the disk.
+    deep = optax.GradientTransformation(lambda params: {"k" * 300: jnp.zeros(1)}, lambda u, s, params=None: (u, s))
+    with pytest.raises(spmdkit.CheckpointError, match=r"fit\(checkpoint=...\) saves the whole train state: "
+                                                      r"state\.opt_state\[1\]\['k+'\] cannot be saved") as e:
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.chain(optax.sgd(0.1), deep),
+                    spmdkit.TrainConfig(steps=4, batch_size=16), progress=False, log=lambda m: None,
+                    checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=2))
+    assert "is 312 bytes" in str(e.value) and "the optimizer's nesting" in str(e.value)
+    assert spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None).steps() == []
+
+
+def test_a_failed_save_not_about_space_or_access_is_not_told_to_free_disk_space():
+    from spmdkit._checkpoint import _os_cause, _save_fix
+
+    too_long = _os_cause(ValueError('Error opening "zarr" driver: Failed to open: "ck/spmdkit_1/state/x": File name '
+                                    "too long [os_error_code='36']"))
+    assert too_long.startswith("File name too long") and "shorter keys" in _save_fix(too_long)
+    for cause in (too_long, _os_cause(ValueError("Unable to cast Python instance of type str to C++ type"))):
+        assert "free disk space" not in _save_fix(cause) and "--resume" in _save_fix(cause)
+    for error in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
+                  ValueError("PERMISSION_DENIED: Error writing local file")):
+        assert "free disk space" in _save_fix(_os_cause(error))
+
+
 def test_orbax_is_imported_only_when_a_checkpoint_is_opened(tmp_path):
     # Importing it cost every start ~0.2 s, also the many that never checkpoint.
     code = ("import sys, spmdkit, spmdkit._cli\n"

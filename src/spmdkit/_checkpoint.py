@@ -385,12 +385,13 @@ def _from_process_0(verdict: dict[str, str]) -> dict[str, str]:
         return {"error": got[8: 8 + size].tobytes().decode(errors="replace"), "kind": "refused"}
 
 
-def check_savable(state: Any, where: str, in_fit: bool = False) -> None:
+def check_savable(state: Any, where: str, in_fit: bool = False, name_max: int | None = None) -> None:
     """``state`` can be saved: every leaf an array with elements, no two leaves stored under one
-    name. ``fit`` asks at its start (``in_fit``: the fixes then speak of the task and optimizer), so a run
-    learns it before its first save rather than at it, ``every`` steps later."""
+    name, and (``name_max``: the file system's limit on a file name, None with OCDBT) every stored
+    name a file name. ``fit`` asks at its start (``in_fit``: the fixes then speak of the task and
+    optimizer), so a run learns it before its first save rather than at it, ``every`` steps later."""
     _check_array_leaves(state, where, in_fit)
-    _check_stored_names(state, where)
+    _check_stored_names(state, where, in_fit, name_max)
 
 
 def _check_array_leaves(state: Any, where: str, in_fit: bool = False) -> None:
@@ -415,19 +416,51 @@ def _check_array_leaves(state: Any, where: str, in_fit: bool = False) -> None:
                 "Orbax cannot store an empty array.", remedy))
 
 
-def _check_stored_names(state: Any, where: str) -> None:
+def _check_stored_names(state: Any, where: str, in_fit: bool = False, name_max: int | None = None) -> None:
     """Every leaf its own directory: Orbax stores a leaf under its keys joined by ``.``, so
     ``{"a.b": x, "a": {"b": y}}`` wrote both into ``state/a.b`` and either came back for both."""
     seen: dict[str, str] = {}
     for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
         name = ".".join(str(_read._key_name(k)) for k in path)
         here = jax.tree_util.keystr(path)
+        if name_max is not None:
+            _check_file_name(name, here, where, in_fit, name_max)
         if name in seen:
             raise CheckpointError(fix(
                 f"{where}: state{seen[name]} and state{here} would be stored in the same file "
                 f"(Orbax names a leaf by its keys joined with '.': {name!r}), and one would overwrite the other.",
                 "rename the key that contains a '.' (e.g. 'a.b' -> 'a_b') so that no two leaves join to one name."))
         seen[name] = here
+
+
+def _check_file_name(name: str, here: str, where: str, in_fit: bool, name_max: int) -> None:
+    """A leaf's stored name is a directory of the step (``state/<name>/``, a ``/`` in a key making
+    subdirectories): a part longer than the file system allows, or one that is ``.`` or ``..``,
+    failed in Orbax's save thread as "File name too long" or "Invalid file path", taken for a
+    full disk, at the first save after ``every`` steps of training."""
+    for part in name.split("/"):
+        size = len(part.encode("utf-8", "surrogatepass"))
+        if size > name_max:
+            what = f"is {size} bytes, longer than the {name_max} bytes a file name may have here"
+            rename = ("shorter keys on that path (the module and parameter names of the task's init, or the "
+                      "optimizer's nesting: fit saves the whole train state)" if in_fit else "shorter keys on that path")
+        elif part in (".", ".."):
+            what, rename = "is not a file name", f"a key other than {part!r}"
+        else:
+            continue
+        raise CheckpointError(fix(
+            f"{where}: state{here} cannot be saved: Orbax stores a leaf in a directory named by its keys joined "
+            f"with '.', and its name {reprlib.repr(part)} {what}.",
+            f"use {rename}, or CheckpointConfig(ocdbt=True), which stores the leaves inside a few files rather "
+            "than a directory each."))
+
+
+def name_limit(directory: Path) -> int:
+    """The longest file name, in bytes, the file system of ``directory`` allows (255 on Linux's)."""
+    try:
+        return int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or no answer
+        return 255
 
 
 _WATCHING: list[bool] = []
@@ -467,17 +500,22 @@ def _no_hang_at_exit(code: int = 5) -> None:
 def _os_cause(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     for code, name in ((errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system"),
-                       (errno.EACCES, "Permission denied"), (errno.EFBIG, "File too large")):
+                       (errno.EACCES, "Permission denied"), (errno.EFBIG, "File too large"),
+                       (errno.EDQUOT, "Disk quota exceeded"), (errno.ENAMETOOLONG, "File name too long")):
         if getattr(e, "errno", None) == code or name in str(e):
             return f"{name} ({text[:300]})"
     return text[:400]
 
 
 # How a full, read-only or forbidden file system shows in Orbax's and TensorStore's errors.
-# A directory removed under a save (rm -rf of --checkpoint-dir) is one too.
+# A directory removed under a save (rm -rf of --checkpoint-dir) is one too, as is a name longer than a file
+# name may be (one check_savable missed: a leaf's is refused before the save).
 _FS_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG, errno.ENOENT)
 _FS_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "PERMISSION_DENIED",
-             "RESOURCE_EXHAUSTED", "File too large", "No such file or directory")
+             "RESOURCE_EXHAUSTED", "File too large", "No such file or directory", "File name too long")
+# The causes "free disk space or make the directory writable" fixes; any other was told it too.
+_SPACE_OR_ACCESS = ("No space left on device", "Read-only file system", "Permission denied", "PERMISSION_DENIED",
+                    "RESOURCE_EXHAUSTED", "Disk quota exceeded", "not writable")
 
 
 class _QuietOcdbtMerge(logging.Filter):
@@ -636,6 +674,8 @@ class Checkpointer:
                            "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
         _quiet_orbax()
         self._names = _ReadableSteps(_orbax().step.standard_name_format(step_prefix=STEP_PREFIX))
+        # A leaf is a directory of its own unless OCDBT packs the leaves into files: its name is a file name.
+        self.name_max = None if config.ocdbt else name_limit(self.directory)
         self.manager = self._open_manager()
 
     def _open_manager(self) -> ocp.CheckpointManager:
@@ -808,7 +848,7 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise CheckpointError(fix(f"save(step={step!r}): a step is a whole number >= 0.", "pass the step count, e.g. save(100, state, {})."))
-        check_savable(state, f"save({step}, state)")
+        check_savable(state, f"save({step}, state)", name_max=self.name_max)
         t0 = time.perf_counter()
         self.claim()
         self._finish_pending()
@@ -1329,5 +1369,12 @@ def _save_fix(cause: str) -> str:
         return ("a file of the step is larger than a limit allows: the process's (ulimit -f) or the file "
                 "system's (FAT32: 4 GiB); raise the limit or pass a --checkpoint-dir on another file system, "
                 "then resume with --resume.")
+    if "File name too long" in cause or "Invalid file path" in cause:
+        return ("a path of the step is not one the file system takes: for a leaf's name, use shorter keys (or "
+                "CheckpointConfig(ocdbt=True)); for the directory, pass a shorter --checkpoint-dir; then resume with "
+                "--resume.")
+    if not any(text in cause for text in _SPACE_OR_ACCESS):
+        return ("see the cause above (not a full disk or a permission); the steps named are intact: once it is "
+                "fixed, resume with --resume (or pass another --checkpoint-dir).")
     return ("free disk space or make the directory writable, then resume with --resume "
             "(or pass another --checkpoint-dir).")

@@ -609,7 +609,8 @@ class _Run:
                                              self.ckpt, config, task, log, self.run_info, self.plan.total, self.feed,
                                              self.eval_crc, self.optimizer_record)
         if self.ckpt is not None:
-            check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True)
+            check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True,
+                          name_max=self.ckpt.name_max)
         self.last = StepInfo(self.start_step, 0, self.state, {})
         self.status, self.failure, self.t_first, self.first_step_s = "completed", None, None, None
         self.known = KnownGood(self.state, self.start_step)  # checkpoints wait until their state's loss is seen finite
