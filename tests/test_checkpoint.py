@@ -776,6 +776,49 @@ def test_a_step_not_after_the_newest_is_refused_so_a_rewind_is_never_resumed_pas
     assert resumed.steps() == [20, 30, 31] and float(resumed.restore_latest(target)[0]["w"][0]) == 10.0
 
 
+def test_a_loop_resumed_by_restore_latest_saves_over_the_step_it_was_told_is_incomplete(tmp_path):
+    # A kill between Orbax's commit and the manifest leaves step 2 without one. A user's loop that
+    # resumes with Checkpointer(resume=True).restore_latest (a reader until it claims) fell back to
+    # step 1, said [2] was left in place, then save(2) raised "step 2 is already saved": at every restart.
+    config = spmdkit.CheckpointConfig(str(tmp_path / "ck"), resume=True)
+    ckpt = spmdkit.Checkpointer(config, log=lambda m: None)
+    for step in (1, 2):
+        ckpt.save(step, {"w": jnp.full(3, float(step))}, {})
+    ckpt.close()
+    (tmp_path / "ck" / "manifests" / "2.json").unlink()
+    target = {"w": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=SingleDeviceSharding(jax.devices()[0]))}
+    # A second writer holding the directory: its lock keeps this one from moving anything.
+    holder = spmdkit.Checkpointer(config, log=lambda m: None).claim()
+    messages = []
+    resumed = spmdkit.Checkpointer(config, log=messages.append)
+    state, meta = resumed.restore_latest(target)
+    assert meta["step"] == 1 and "[2] left in place" in messages[-1] and "first save() does" in messages[-1]
+    with pytest.raises(spmdkit.CheckpointError, match="another run"):
+        resumed.save(2, {"w": state["w"] + 1}, {})
+    assert resumed.steps() == [1, 2] and not list((tmp_path / "ck").glob("damaged-*"))
+    holder.close()
+    resumed.save(2, {"w": state["w"] + 1}, {})  # its first save claims the directory, as --resume does
+    resumed.close()
+    assert re.search(r"setting aside step\(s\) \[2\], damaged or incomplete \(step 2: it has no manifest", messages[-1])
+    assert [p.name.rsplit("-", 1)[0] for p in (tmp_path / "ck").glob("damaged-*")] == ["damaged-spmdkit_2"]
+    assert float(resumed.restore_latest(target)[0]["w"][0]) == 2.0 and resumed.steps() == [1, 2]
+
+
+def test_a_complete_step_in_the_way_is_never_set_aside_with_an_incomplete_one(tmp_path):
+    config = spmdkit.CheckpointConfig(str(tmp_path / "ck"), resume=True)
+    ckpt = spmdkit.Checkpointer(config, log=lambda m: None)
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": jnp.full(3, float(step))}, {})
+    ckpt.close()
+    (tmp_path / "ck" / "manifests" / "3.json").unlink()
+    resumed = spmdkit.Checkpointer(config, log=lambda m: None)
+    with pytest.raises(spmdkit.CheckpointError, match=r"save\(2, state\): .* holds step\(s\) \[2, 3\], .* \(of "
+                                                      r"those, \[3\] are damaged or incomplete; the others are complete\)"):
+        resumed.save(2, {"w": jnp.zeros(3)}, {})
+    resumed.close()
+    assert resumed.steps() == [1, 2, 3] and not list((tmp_path / "ck").glob("damaged-*"))
+
+
 def test_an_empty_leaf_is_named_before_the_save_not_taken_for_a_full_disk(tmp_path):
     # Orbax refused it in its save thread: a CheckpointSaveError (exit 5) saying "free disk space".
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)

@@ -866,18 +866,46 @@ class Checkpointer:
     def _check_newest(self, step: int) -> None:
         """A save is the directory's newest step. Orbax refused an existing one as if the disk had
         failed; an older one (a run rewound to step 10 saving 15 beside 20 and 30) was kept below
-        the abandoned steps, and --keep deleted it first, so a resume took the abandoned step 30."""
+        the abandoned steps, and --keep deleted it first, so a resume took the abandoned step 30.
+
+        Steps in the way that are all damaged or incomplete (a kill between Orbax's commit and the
+        manifest) are set aside, as ``--resume`` does: this Checkpointer holds the lock, so none is a
+        save still in flight, and nothing could restore them. A loop of the user's that resumed
+        with ``restore_latest`` before claiming (which only reads) was refused "already saved" for
+        the step it had just been told was damaged, at every restart."""
         newer = [s for s in self.steps() if s >= step]
         if not newer:
             return
+        verdict: dict[str, str] = {}
+        if self.primary:  # process 0 decides for every process: the set-aside below is collective
+            damaged = {s: p[0] for s in newer if (p := self._blocking_problems(s))}
+            verdict = ({"aside": ",".join(map(str, newer)), "why": "; ".join(f"step {s}: {p}" for s, p in damaged.items())}
+                       if len(damaged) == len(newer) else {"error": self._not_newest(step, newer, sorted(damaged))})
+        verdict = _from_process_0(verdict)
+        if "error" in verdict:
+            raise CheckpointError(verdict["error"])
+        aside = [int(s) for s in verdict["aside"].split(",")]
+        self.log(f"checkpoints: setting aside step(s) {aside}, damaged or incomplete ({verdict['why']}), to save step "
+                 f"{step} (renamed {_ASIDE}{step_name(aside[0])}-<time>, as --resume does; never deleted)")
+        self._set_aside(aside)
+
+    def _blocking_problems(self, step: int) -> list[str]:
+        try:
+            return self.problems(step, arrays=False)
+        except (CheckpointError, OSError) as e:
+            return [str(e).splitlines()[0]]
+
+    def _not_newest(self, step: int, newer: list[int], damaged: list[int]) -> str:
         what = (f"step {step} is already saved in {self.directory}" if newer == [step] else
                 f"{self.directory} holds step(s) {newer}, not older than step {step}: a resume would take step "
                 f"{newer[-1]}, not this one (and retention deletes the oldest steps first)")
-        raise CheckpointError(fix(
+        if damaged:
+            what += f" (of those, {damaged} are damaged or incomplete; the others are complete)"
+        return fix(
             f"save({step}, state): {what}. Checkpoint steps are never overwritten.",
             f"save under a step after {newer[-1]}, or, to continue from an earlier step (a rewind), first move "
             f"{', '.join(step_name(s) for s in newer)} (and manifests/<step>.json) out of the directory, or use "
-            "another checkpoint directory."))
+            "another checkpoint directory.")
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
         _no_hang_at_exit(CheckpointSaveError.exit_code)
@@ -1155,8 +1183,9 @@ class Checkpointer:
                     # Only the run that owns the directory moves steps: to a reader (a sidecar evaluating
                     # a live run) a step without its manifest yet may be a save still in flight.
                     self.log(f"checkpoints: restored step {restored[1]['step']}, the newest intact one; "
-                             f"{sorted(damaged)} left in place (this Checkpointer only reads: claim() takes the "
-                             "directory for writing)")
+                             f"{sorted(damaged)} left in place (this Checkpointer only reads until it claims the "
+                             "directory: its first save() does, or claim(), and a save sets aside the damaged steps "
+                             "in its way)")
                 return restored
             if not gone:
                 break
