@@ -464,6 +464,26 @@ def test_divergence_leaves_the_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
 
 
+def test_a_diverged_run_saves_its_last_good_state_where_params_and_summary_say(tmp_path):
+    # The README: the last checkpoint, params.npz and summary.json of a diverged run describe the same,
+    # last good step. The final save was skipped for a diverged run: the checkpoint stayed at the last
+    # multiple of `every` (steps [39, 42, 45] for a run whose params.npz and summary said 46), so a
+    # resume repeated steps and started from other parameters than params.npz's.
+    with pytest.raises(spmdkit.NonFiniteLossError) as e:
+        spmdkit.fit(linreg.make(), spmdkit.DataParallel(), optax.sgd(40.0), spmdkit.TrainConfig(steps=100, batch_size=128),
+                    out_dir=tmp_path / "out", progress=False, log=lambda m: None,
+                    checkpoint=spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=1000))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    good = e.value.step - 2  # the loss of step k comes from the state after k - 1 updates
+    assert summary["status"] == "diverged" and summary["steps"] == good > 0 and summary["checkpoint_steps"] == [good]
+    ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
+    state, meta = ckpt.restore(good, spmdkit.DataParallel().abstract(task_state(linreg.make(), optax.sgd(40.0)), unbox=True))
+    saved = spmdkit.load_params(tmp_path / "out" / "params.npz")
+    restored = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    assert meta["step"] == good and saved.keys() == restored.keys()
+    assert all(np.array_equal(saved[k], restored[k]) for k in saved)
+
+
 def test_restore_never_unpickles(task, tmp_path, monkeypatch):
     fit(task, spmdkit.DataParallel(), 5, tmp_path / "ck")
 

@@ -542,7 +542,7 @@ class HeldCheckpoints(Hook):
     """fit's checkpoints: every ``every`` steps a save is held in ``known`` until the next
     step's loss, computed from that state, is seen finite (``fit`` then calls ``save``); a
     diverged run so keeps its newest known-good checkpoint. ``close`` saves the last state
-    unless the run failed or diverged."""
+    (for a diverged run, the last known-good one) unless a save failed."""
 
     def __init__(self, ckpt: Checkpointer, every: int, meta: Callable[[StepInfo], dict[str, Any]], known: KnownGood):
         self.ckpt, self.every, self.meta, self.known = ckpt, every, meta, known
@@ -556,9 +556,12 @@ class HeldCheckpoints(Hook):
         self.saved_at = step
 
     def close(self, info: StepInfo | None, status: str, failure: BaseException | None = None) -> None:
-        # A diverged or non-finite state is never saved: the last checkpoint stays the last good one.
-        # A run ended by bad data still saves its last good state; a failed save does not retry.
-        if status != "diverged" and not isinstance(failure, CheckpointSaveError) and info is not None \
+        # A diverged run's ``info`` is its last known-good state (its loss was seen finite), the one
+        # params.npz and summary.json report: saved too, so all three name one step and a resume starts
+        # there (it was skipped, leaving the checkpoint up to every-1 steps behind them). A non-finite
+        # state is never saved. A run ended by bad data still saves its last good state; a failed save
+        # does not retry.
+        if not isinstance(failure, CheckpointSaveError) and info is not None \
                 and info.step != self.saved_at and state_is_finite(info.state):
             self.save(info.step, info.state, self.meta(info))
         self.ckpt.close()
