@@ -824,6 +824,32 @@ def test_a_loop_resumed_by_restore_latest_saves_over_the_step_it_was_told_is_inc
     assert float(resumed.restore_latest(target)[0]["w"][0]) == 2.0 and resumed.steps() == [1, 2]
 
 
+def test_a_resume_whose_only_steps_are_incomplete_starts_over_rather_than_refusing_every_restart(tmp_path):
+    # A SIGKILL during a run's first save, after Orbax's commit: its one step has no manifest. Every
+    # restart (--resume, or a loop's restore_latest) was "steps [2] are all damaged. Fix: start a new run
+    # in another --checkpoint-dir": the directory was wedged by one kill at the wrong moment.
+    config = spmdkit.CheckpointConfig(str(tmp_path / "ck"), every=2, resume=True)
+    spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
+                progress=False, log=lambda m: None, checkpoint=config)
+    (tmp_path / "ck" / "manifests" / "2.json").unlink()
+    target = spmdkit.Single().abstract(task_state(linreg.make(), optax.sgd(0.1)), unbox=True)
+    messages = []
+    loop = spmdkit.Checkpointer(config, log=messages.append)  # a reader until it saves: moves nothing
+    assert loop.restore_latest(target) is None and "steps [2] are incomplete (no manifest) and left in place" in messages[-1]
+    loop.close()
+    assert loop.steps() == [2]
+    result = spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=4, batch_size=16),
+                         progress=False, log=messages.append, checkpoint=config)
+    assert any("nothing intact to resume from: steps [2] are incomplete" in m for m in messages)
+    assert result.summary["steps"] == 4 and result.summary["checkpoint_steps"] == [2, 4]
+    assert len(list((tmp_path / "ck").glob("damaged-spmdkit_2-*"))) == 1
+    # Damage a manifest vouches for is still refused: a run's history is not dropped without a word.
+    (tmp_path / "ck" / "manifests" / "2.json").write_text("{")
+    (tmp_path / "ck" / "manifests" / "4.json").write_text("{")
+    with pytest.raises(spmdkit.CheckpointDamagedError, match=r"steps \[2, 4\] are all damaged"):
+        spmdkit.Checkpointer(config, log=lambda m: None).claim().restore_latest(target)
+
+
 def test_a_complete_step_in_the_way_is_never_set_aside_with_an_incomplete_one(tmp_path):
     config = spmdkit.CheckpointConfig(str(tmp_path / "ck"), resume=True)
     ckpt = spmdkit.Checkpointer(config, log=lambda m: None)

@@ -1191,11 +1191,26 @@ class Checkpointer:
                 break
             # A run writing here deleted steps under the reader (its retention): list them again.
             steps = self.steps()
-        if steps:
+        return self._nothing_intact(steps) if steps else None
+
+    def _nothing_intact(self, steps: list[int]) -> None:
+        """No step restores. Steps that are all incomplete (no manifest: a kill during the run's first
+        saves) hold nothing anyone vouched for, so a resume starts over as from an empty directory:
+        every restart was refused "all damaged" and told to use another directory. Damaged ones
+        (files that fail their checksums) are still refused: a run's history is not dropped silently."""
+        incomplete = all(any("has no manifest" in p for p in self._blocking_problems(s)) for s in steps)
+        if not incomplete or not (self.config.resume or self.run_id is not None):
             raise CheckpointDamagedError(
                 fix(f"no intact checkpoint in {self.directory}: steps {steps} are all damaged.",
                     "start a new run in another --checkpoint-dir (or --overwrite-checkpoints).")
             )
+        if self.run_id is None:  # a reader moves nothing (see restore_latest)
+            self.log(f"checkpoints: nothing intact to restore: steps {steps} are incomplete (no manifest) and left in "
+                     "place; this Checkpointer's first save() claims the directory and sets aside those in its way")
+            return None
+        self.log(f"checkpoints: nothing intact to resume from: steps {steps} are incomplete (no manifest: their saves "
+                 "were cut short), set aside")
+        self._set_aside(steps)
         return None
 
     def _newest_intact(self, steps: list[int], target: Any, members: int | None) -> tuple[Any, list[int], list[int]]:
