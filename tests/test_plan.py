@@ -2479,7 +2479,9 @@ def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
                 "['fsdp']") in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-def test_a_step_failing_in_one_process_while_measured_fails_in_every_process():
+@pytest.mark.parametrize("when, doing", [("len(calls) > 3", r"running its step in round \d"),
+                                         ("len(calls) == 1", "preparing its step")], ids=["running", "warm_up"])
+def test_a_step_failing_in_one_process_while_measured_fails_in_every_process(when, doing):
     # Process 0's step failed (its callback), process 0 raised MeasureFailed, and process 1 ran on into
     # the next step's collectives: both hung until JAX's shutdown barrier aborted them, 5 minutes on.
     import subprocess
@@ -2490,7 +2492,7 @@ def test_a_step_failing_in_one_process_while_measured_fails_in_every_process():
             "calls = []\n"
             "def check(x):\n"
             "    calls.append(x)\n"
-            "    if len(calls) > 3:\n"
+            f"    if {when}:\n"
             "        raise RuntimeError('the user check failed')\n"
             "def step(s, b):\n"
             "    g = jax.grad(lambda w: jnp.mean((b['x'] @ w) ** 2))(s['w'])\n"
@@ -2507,9 +2509,9 @@ def test_a_step_failing_in_one_process_while_measured_fails_in_every_process():
     said = out.stdout + out.stderr[-2000:]
     assert out.returncode == 0, said
     # the callback runs in the process of the program's first device: process 0
-    assert re.search(r"\[0\] failed: measuring dp \[data=4\] \(rank 1\) failed running its step in round \d: "
+    assert re.search(rf"\[0\] failed: measuring dp \[data=4\] \(rank 1\) failed {doing}: "
                      r"JaxRuntimeError: .*the user check failed True", said), said
-    assert re.search(r"\[1\] failed: measuring dp \[data=4\] \(rank 1\) failed running its step in round \d: "
+    assert re.search(rf"\[1\] failed: measuring dp \[data=4\] \(rank 1\) failed {doing}: "
                      r"StepFailedElsewhere: process 0's step failed: JaxRuntimeError: .*the user check failed True",
                      said), said
 

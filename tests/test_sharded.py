@@ -369,13 +369,13 @@ _ENC = {"w": ("embed", "hidden"), "b": ("hidden",)}
 
 @pytest.mark.parametrize("axes, words", [
     ({"enc": _ENC, "head": {"wt": ("hidden", "embed"), "b": ("embed",)}},
-     r"state_axes\['head'\] has the entry 'wt', which state\['params'\]\['head'\] does not have \(its keys: "
-     r"\['b', 'w'\]\), and no entry for state\['params'\]\['head'\]\['w'\].*Fix: rename state_axes\['head'\]\['wt'\] to 'w'"),
+     r"state_axes\['head'\] has no entry 'w' \(it has \['b', 'wt'\]\) for state\['params'\]\['head'\]\['w'\]"),
     ({"enc": _ENC, "haed": {"w": ("hidden", "embed"), "b": ("embed",)}},
-     r"state_axes has the entry 'haed', which state\['params'\] does not have \(its keys: \['enc', 'head'\]\), and "
-     r"no entry for state\['params'\]\['head'\].*Fix: rename state_axes\['haed'\] to 'head'"),
+     r"both fit a part of the state with shapes \[\(64,\), \(256, 64\)\] \(under the key 'head'\).*Fix: state_axes "
+     r"has no entry 'head' \(it has \['enc', 'haed'\]\): rename state_axes\['haed'\] to 'head', the state's key"),
     ({"enc": _ENC, "decoder": {"w": ("hidden", "embed"), "b": ("embed",)}},
-     r"state_axes has the entry 'decoder'.*Fix: give state_axes the keys of state\['params'\]"),
+     r"\(under the key 'head'\).*Fix: state_axes has no entry 'head' \(it has \['decoder', 'enc'\]\): give "
+     r"state_axes an entry 'head'"),
     ({"enc": _ENC, "head": {"w": ("hidden", "embed")}},
      r"state_axes\['head'\] has no entry 'b' \(it has \['w'\]\) for state\['params'\]\['head'\]\['b'\]"),
     ({"enc": _ENC}, r"state_axes has no entry 'head' \(it has \['enc'\]\) for state\['params'\]\['head'\]\['b'\], "

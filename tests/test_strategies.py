@@ -203,6 +203,14 @@ def test_errors_name_the_argument_and_path():
     listed = lambda s, b: ({"bn": s["bn"], "opt": list(s["opt"])}, {})  # noqa: E731
     with pytest.raises(spmdkit.TreeMismatchError, match=r"state\['opt'\] was tuple, returned list\."):
         strategy.step(listed)(strategy.init(nested, 0), batch_of(16))
+    from flax.training import train_state
+
+    def make_ts(rng):
+        return train_state.TrainState.create(apply_fn=lambda p, x: x, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+
+    swapped = lambda s, b: (s.replace(apply_fn=lambda p, x: -x), {})  # noqa: E731
+    with pytest.raises(spmdkit.TreeMismatchError, match=r"state is a TrainState whose static fields \(not arrays"):
+        strategy.step(swapped)(strategy.init(make_ts, 0), batch_of(16))
     with pytest.raises(spmdkit.BatchSizeError, match="per-example outputs"):
         strategy.apply(lambda s, b: jnp.sum(b["x"]))(state, batch_of(16))
     with pytest.raises(spmdkit.SignatureError, match="make_state must be a function"):
@@ -489,6 +497,11 @@ def test_sharded_compiled_apply_refuses_a_same_structure_state_of_other_shapes()
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)state\['v'\] \(shape \(3, 6\)\) is laid out on another mesh "
                                                   r"\(\{'data': 1\}.*jax.device_put\(state, strategy.shardings"):
         apply(spmdkit.Single().init(lambda r: other, 0), x)
+    # the fix as given, also for a state holding a Python number (shardings() had no shape for it)
+    plain = spmdkit.Sharded(mesh, "dp")
+    mixed = {"w": np.ones((3, 6), np.float32), "t": 2.0}
+    moved = jax.device_put(mixed, plain.shardings(mixed))
+    np.testing.assert_allclose(plain.apply(lambda s, b: b["x"] @ s["w"] * s["t"])(moved, x), X[:5, :3] @ mixed["w"] * 2)
 
 
 def test_a_string_in_aux_or_output_is_named():

@@ -271,7 +271,8 @@ def _add_mlp_options(p: argparse.ArgumentParser, scan_default: object = argparse
     _add_lm_options(p)
 
 
-def _add_lm_options(p: argparse.ArgumentParser) -> None:
+def _add_lm_options(p: argparse.ArgumentParser,
+                    text_bytes_help: str = "lm: training bytes read (1000000; held out: a tenth)") -> None:
     from spmdkit._tasks.lm import REMAT
 
     p.add_argument("--d-model", type=_positive_int, help="lm: model width (64)")
@@ -286,7 +287,7 @@ def _add_lm_options(p: argparse.ArgumentParser) -> None:
                    "up to 8 layers, rolled from 9)")
     p.add_argument("--text-dir", type=path_arg, metavar="DIR", help="lm: train on every file under DIR (default: the "
                    "standard library's *.py files)")
-    p.add_argument("--text-bytes", type=_positive_int, help="lm: training bytes read (1000000; held out: a tenth)")
+    p.add_argument("--text-bytes", type=_positive_int, help=text_bytes_help)
 
 
 def _add_train_parser(sub, common: argparse.ArgumentParser) -> None:

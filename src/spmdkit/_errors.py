@@ -178,3 +178,9 @@ class PeerLostError(SpmdkitError, RuntimeError):
     (also a ``RuntimeError``, as JAX's own error for it is)."""
 
     exit_code = 4  # the CLI's code for a lost peer process (README, exit codes)
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first line; a callback's error ("...calling callback: Traceback ...") by the user's own last line."""
+    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+    return (lines[0] if "Traceback (most recent" not in lines[0] else lines[0].split("Traceback")[0] + lines[-1])[:300]

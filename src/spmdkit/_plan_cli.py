@@ -164,12 +164,9 @@ def add_plan_parser(sub: Any, common: argparse.ArgumentParser, positive_int: Any
     p.add_argument("--layers", type=positive_int, help="mlp, lm: number of layers (mlp 4, lm 2)")
     p.add_argument("--depth", type=positive_int, help="mlp: hidden width (512)")
     p.add_argument("--embed", type=positive_int, help="mlp: input/output width (128)")
-    lm_options(p)
-    # The shared lm options state train's default (1000000); plan reads only what a batch needs
-    # (_text_bytes), which its help said nothing of.
-    text_bytes = next(a for a in p._actions if "--text-bytes" in a.option_strings)
-    text_bytes.help = ("lm: training bytes read (default: enough for a batch, max(batch-size x (seq-len + 1) x 2, "
-                       "20000); held out: a tenth)")
+    # Not train's default (1000000): plan reads only what a batch needs (_text_bytes).
+    lm_options(p, "lm: training bytes read (default: enough for a batch, max(batch-size x (seq-len + 1) x 2, "
+                  "20000); held out: a tenth)")
 
 
 def _lm_sizes(args: argparse.Namespace) -> dict[str, Any]:
@@ -575,11 +572,12 @@ def _outcome(result: dict[str, Any] | None, ranking: dict[str, Any] | None, how:
                                f"{args.measure_timeout} s; killed.",
                                "measure fewer candidates (--measure, --rules), fewer --measure-steps or "
                                "--measure-rounds, or raise --measure-timeout."))
+    if how == "done" and code == 143 and result is None and not shown:
+        # The launcher alone was sent SIGTERM (not this command), nothing shown: its code, said.
+        sys.stderr.write("spmdkit: terminated (SIGTERM)\n")
+        return 143
     if how in ("interrupted", "stopped", "terminated") or code in (130, 143):  # 143: the launcher or a process
         if result is None and not shown:  # was sent SIGTERM. Nothing printed: main() (or cmd_plan) says so
-            if how == "done" and code == 143:  # not this command's SIGTERM, but its launcher's: the same code
-                sys.stderr.write("spmdkit: terminated (SIGTERM)\n")
-                return 143
             raise KeyboardInterrupt
         return 143 if how == "terminated" or code == 143 else 130
     if result is not None:

@@ -64,7 +64,7 @@ def _preparer(make_state: Callable, train_step: Callable | None, step_for: Calla
         if memory is None:  # XLA:CPU keeps no memory statistics: the program that ran, as compiled
             memory = compiled_bytes(step.lower(state, real).compile())["total"]
             source = "compiled (XLA:CPU keeps no allocator statistics)"
-        memory = slowest([], memory)[1]  # the largest over the processes
+        memory = slowest([], memory, failed)[1]  # the largest over the processes
 
         def run(steps: int) -> list[float]:  # each step as long as its slowest process took
             times, failed = _steps_agreed(step, state, real, steps)

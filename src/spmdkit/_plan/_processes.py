@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit._errors import ConfigError, ProcessMismatchError, SpmdkitError, fix
+from spmdkit._errors import ConfigError, ProcessMismatchError, SpmdkitError, first_line, fix
 from spmdkit._process import broadcast, gather_json, sync
 from spmdkit._target import LINK_SIZES, _between_case, _group_link, _interleaved, _timed
 
@@ -167,7 +167,7 @@ def slowest(times: list[float], memory: Any, failed: BaseException | None = None
         if failed is not None:
             raise failed
         return times, memory
-    said = None if failed is None else f"{type(failed).__name__}: {_first_line(failed)}"
+    said = None if failed is None else f"{type(failed).__name__}: {first_line(failed)}"
     every = gather_json([list(map(float, times)), memory, bool(_INTERRUPT), said], "the measured step times")
     if any(asked for _, _, asked, _ in every):
         raise KeyboardInterrupt
@@ -183,12 +183,6 @@ def slowest(times: list[float], memory: Any, failed: BaseException | None = None
 
 class StepFailedElsewhere(RuntimeError):
     """Another process's step failed while this one's ran: raised here too, at the same point."""
-
-
-def _first_line(e: BaseException) -> str:
-    """An error's first line; a callback's error ("...calling callback: Traceback ...") by the user's own last line."""
-    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
-    return (lines[0] if "Traceback (most recent" not in lines[0] else lines[0].split("Traceback")[0] + lines[-1])[:300]
 
 
 def agreed_target(target: Any) -> Any:

@@ -16,8 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from spmdkit._console import readable_bytes, readable_bytes_up
-from spmdkit._errors import SpmdkitError, fix
-from spmdkit._plan._processes import _first_line
+from spmdkit._errors import SpmdkitError, first_line, fix
 
 
 def _ms(s: float) -> str:
@@ -315,7 +314,7 @@ def _failing_as(row: dict[str, Any], doing: str, round_: int, call: Callable[[],
     except (KeyboardInterrupt, SpmdkitError):
         raise
     except Exception as e:
-        first = _first_line(e)
+        first = first_line(e)
         _settle_effects()
         at = f" in round {round_}" if round_ else ""
         raise MeasureFailed(fix(f"measuring {row['label']} (rank {row['rank']}) failed {doing} its step{at}: "

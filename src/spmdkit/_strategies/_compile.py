@@ -1052,8 +1052,6 @@ def tree_difference(got: Any, returned: Any, path: tuple = ()) -> str:
     where = "state" + jax.tree_util.keystr(path)
     if a is None or b is None or type(got) is not type(returned):
         kind = lambda x, c: "an array" if c is None else "None" if x is None else type(x).__name__  # noqa: E731
-        if a is None and b is None:
-            return f"{where}: both arrays"  # not reached: same structure
         return f"{where} was {kind(got, a)}, returned {kind(returned, b)}"
     keys_a, keys_b = [k for (k,), _ in a], [k for (k,), _ in b]
     if keys_a != keys_b:
@@ -1065,7 +1063,10 @@ def tree_difference(got: Any, returned: Any, path: tuple = ()) -> str:
     for ((k,), x), (_, y) in zip(a, b):
         if jax.tree.structure(x) != jax.tree.structure(y):
             return tree_difference(x, y, (*path, k))
-    return f"{where}: {jax.tree.structure(got)} vs {jax.tree.structure(returned)}"
+    # Same keys, same children: the node's own static data (a TrainState's apply_fn or tx, fields
+    # that are not arrays) changed.
+    return (f"{where} is a {type(got).__name__} whose static fields (not arrays: a function, an optimizer, "
+            "a config kept in the pytree's structure) differ from the state's")
 
 
 def _check_per_example(out: Any, n: int, axis: int, padded_from: int | None = None) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.core import meta
@@ -127,6 +128,8 @@ def _plan_leaf(path: Any, leaf: Any, rules: AxisRules, mesh: Mesh, root: str) ->
     else:
         spec = P()
     value = _unboxed(leaf)
+    if not hasattr(value, "shape"):  # a Python number in the state: JAX's own dtype for it
+        value = jax.ShapeDtypeStruct(np.shape(value), jnp.asarray(value).dtype)
     shape = tuple(value.shape)
     check_spec(spec, shape, mesh, where, logical)
     sharding = NamedSharding(mesh, spec)
@@ -261,13 +264,11 @@ class Sharded(Placement):
         if known is not None:
             return known
         leaves = jax.tree.leaves(state)
-        if leaves and all(isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-                          and x.sharding.mesh == self.mesh for x in leaves):
+        if leaves and all(self._on_mesh(x) for x in leaves):
             return jax.tree.map(lambda x: x.sharding, state)
         self._foreign_state(state)  # another mesh's or an ensemble's state, named as such
-        path, x = next(((p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
-                        if not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
-                                and x.sharding.mesh == self.mesh)), (None, None))
+        path, x = next(((p, x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0] if not self._on_mesh(x)),
+                       (None, None))
         where = "" if path is None else (
             f": state{jax.tree_util.keystr(path)} (shape {np.shape(x)}) is "
             + (f"on {len(x.sharding.device_set)} device(s) as {type(x.sharding).__name__}"
@@ -280,13 +281,15 @@ class Sharded(Placement):
                 "strategy.shardings(abstract_state) / strategy.abstract(make_state).")
         )
 
+    def _on_mesh(self, x: Any) -> bool:
+        """An array laid out on this strategy's mesh."""
+        return isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
+
     def _check_state(self, state: Any, leaves: list[Any]) -> None:
         # Every call (shapes only): a compiled step is cached by structure, so a state of a
         # laid-out structure but other shapes would reach a program laid out for the others.
         known = self._known_shapes.get(jax.tree.structure(state))
-        if known is None or tuple(np.shape(x) for x in leaves) in known or all(
-                isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
-                for x in leaves):
+        if known is None or tuple(np.shape(x) for x in leaves) in known or all(self._on_mesh(x) for x in leaves):
             return
         self._foreign_state(state)  # an ensemble's state (members stacked) is named as such
         shapes = max(known)  # one laid-out version, to name a leaf that differs
@@ -443,37 +446,6 @@ def _check_lone_names(state: Any, axes: Any) -> None:
                               "array, e.g. {'w': ('embed', 'hidden'), 'b': ('hidden',)}."))
 
 
-def _check_renamed_keys(state: Any, axes: Any) -> None:
-    """A dict of ``state_axes`` (the whole, or the entry ``axes[q]``) where a dict of the state
-    (anywhere, or under the key path ``q``) shares some of its keys and has others in place of
-    the rest (``"haed"`` for ``"head"``): a misspelt key. The whole then fit nothing, its parts
-    were matched alone and two of one structure both fit (or one took the other's arrays). Named
-    with both keys, the shallowest such dict first (the params before their moments)."""
-    for q, sub in _subtrees(axes):
-        if not isinstance(sub, Mapping):
-            continue
-        want = set(sub)
-
-        def near(x: Any, want: set = want) -> bool:
-            if not isinstance(x, Mapping) or _is_box(x):
-                return False
-            have = set(x)
-            return bool(want & have and want - have and have - want)
-
-        found = sorted(((path, x) for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=near)[0]
-                        if near(x) and tuple(_raw_key(k) for k in path[len(path) - len(q):]) == q),
-                       key=lambda px: len(px[0]))
-        if found:
-            path, x = found[0]
-            gone, extra = sorted(want - set(x), key=str), sorted(set(x) - want, key=str)
-            where, at = "state" + jax.tree_util.keystr(path), "state_axes" + "".join(f"[{k!r}]" for k in q)
-            close = difflib.get_close_matches(str(gone[0]), [str(k) for k in extra], n=1, cutoff=0.5)
-            raise LayoutError(fix(
-                f"{at} has the entry {gone[0]!r}, which {where} does not have (its keys: {sorted(map(str, x))}), "
-                f"and no entry for {where}[{extra[0]!r}].",
-                (f"rename {at}[{gone[0]!r}] to {close[0]!r}" if close else f"give {at} the keys of {where}")
-                + ": state_axes takes the keys of the state or of its params (None replicates a subtree)."))
-
 def _rank_misses(x: Any, names: list) -> list[tuple[int, Any]]:
     """``(index, array)`` of each array of ``x`` whose names in ``names`` are not one per dimension."""
     leaves = jax.tree.leaves(x, is_leaf=_is_slot)
@@ -529,7 +501,6 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
     parts = _axes_parts(axes)
     whole = [x for x in jax.tree.leaves(state, is_leaf=lambda x: _fits(parts[0], x)) if _fits(parts[0], x)]
     if not whole:
-        _check_renamed_keys(state, axes)
         _check_whole_ranks(state, axes, parts[0])
     if whole:  # the params: every part learns the shapes it names
         for part in parts[1:]:  # the whole tree itself matches by structure, wherever it fits
@@ -757,10 +728,28 @@ def _match_part(parts: list[list], x: Any, key: Any = None, axes: Any = None) ->
     if len(found) > 1 and found[0][0] != () and len({tuple(map(str, p[2])) for p in found}) > 1:
         raise LayoutError(
             fix(f"state_axes parts {[jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p[0])) for p in found]} "
-                f"both fit a part of the state with shapes {_shapes(x)}; spmdkit will not guess which.",
-                "give state_axes the structure of the whole state (names for every copy of the params).")
+                f"both fit a part of the state with shapes {_shapes(x)}"
+                + (f" (under the key {key!r})" if key is not None else "") + "; spmdkit will not guess which.",
+                _misspelt(found, key, axes)
+                or "give state_axes the structure of the whole state (names for every copy of the params).")
         )
     return found[0] if found else None
+
+
+def _misspelt(found: list[list], key: Any, axes: Any) -> str | None:
+    """The fix when the parts are entries of one dict of ``state_axes`` that has no entry ``key``
+    (the state's), one of them named like it (``"haed"`` for ``"head"``): a misspelt key, whose
+    part then fitted its sibling's subtree as well as its own."""
+    paths = {tuple(p[0][:-1]) for p in found}
+    if key is None or len(paths) != 1:
+        return None
+    parent = _at(axes, next(iter(paths)))
+    if not isinstance(parent, dict) or key in parent:
+        return None
+    at = "state_axes" + "".join(f"[{k!r}]" for k in next(iter(paths)))
+    close = difflib.get_close_matches(str(key), [str(p[0][-1]) for p in found], n=1, cutoff=0.5)
+    how = f"rename {at}[{close[0]!r}] to {key!r}" if close else f"give {at} an entry {key!r}"
+    return f"{at} has no entry {key!r} (it has {sorted(map(str, parent))}): {how}, the state's key."
 
 
 def _unmatched(state: Any, axes: Any) -> LayoutError:
