@@ -1050,3 +1050,24 @@ def test_a_save_whose_directory_was_removed_says_so_and_claims_no_step_intact(tm
                                (FileNotFoundError, FileNotFoundError(errno.ENOENT, "No such file or directory"), None))
     from spmdkit._checkpoint import _QuietOcdbtMerge
     assert _QuietOcdbtMerge().filter(record) and record.exc_info is None  # the line, not the traceback
+
+
+def test_a_process_that_exits_without_close_still_finishes_its_last_save(tmp_path):
+    # A user's loop that never called close(): Orbax's commit ran after the interpreter began to shut
+    # down ("cannot schedule new futures after interpreter shutdown"), and the step was left
+    # incomplete (spmdkit_2.orbax-checkpoint-tmp, no manifest), with Orbax's tracebacks.
+    code = ("import jax.numpy as jnp, spmdkit\n"
+            f"ck = spmdkit.Checkpointer(spmdkit.CheckpointConfig({str(tmp_path)!r}, every=1))\n"
+            "ck.save(1, {'w': jnp.ones(1000)}, {})\n"
+            "ck.save(2, {'w': jnp.full(1000, 2.0)}, {})\n")  # no close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "finishing the save of step 2 as the process exits (close() was not called" in out.stdout
+    assert "Traceback" not in out.stderr and "cannot schedule" not in out.stderr, out.stderr[-2000:]
+    with spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path), resume=True)) as ck:  # and as a context
+        assert ck.steps() == [1, 2] and ck.problems(2) == []
+        state, meta = ck.restore_latest({"w": jax.ShapeDtypeStruct((1000,), jnp.float32)})
+        assert meta["step"] == 2 and float(state["w"][0]) == 2.0
+        ck.save(3, state, {})
+    assert spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path))).problems(3) == []  # closed by with

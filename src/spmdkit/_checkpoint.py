@@ -27,6 +27,7 @@ import time
 import traceback
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -637,6 +638,36 @@ def _check_key_impls(step: int, saved: dict[str, str], target: dict[str, str], p
                 f"make that key with the implementation it was saved with: jax.random.key(seed, impl={was!r})."))
 
 
+_UNCLOSED: weakref.WeakSet = weakref.WeakSet()  # Checkpointers with a save that may be in flight
+
+
+def _finish_at_exit(ckpt: Checkpointer) -> None:
+    """Have ``ckpt``'s last save finished when a lone process exits without ``close()``.
+
+    Run by threading's exit hooks, which come before the thread pools shut down (Python's own
+    ``atexit`` comes after them, too late for Orbax's commit thread). Hooks run last-registered
+    first, and Orbax's pools registered theirs before the first save registers this one. Not with
+    several processes: a save's finish there waits for the others, which may be training still."""
+    if not _UNCLOSED:
+        try:
+            threading._register_atexit(_close_unclosed)  # private, Python >= 3.9
+        except (AttributeError, RuntimeError):  # another Python, or already shutting down
+            return
+    _UNCLOSED.add(ckpt)
+
+
+def _close_unclosed() -> None:
+    for ckpt in list(_UNCLOSED):
+        if ckpt._pending is None or jax.process_count() > 1:
+            continue
+        ckpt.log(f"checkpoints: finishing the save of step {ckpt._pending} as the process exits (close() was not "
+                 "called: call it, or use `with Checkpointer(...) as ckpt`)")
+        try:
+            ckpt.close()
+        except Exception as e:  # nothing to raise to at exit: say it
+            sys.stderr.write(f"spmdkit: {str(e).splitlines()[0]}\n")
+
+
 class Checkpointer:
     """Save and restore train states in ``directory`` (one run, one process group).
 
@@ -861,6 +892,7 @@ class Checkpointer:
         except Exception as e:
             raise self._save_error(step, e) from None
         self._pending = step
+        _finish_at_exit(self)
         self.blocked.append(time.perf_counter() - t0)
 
     def _check_newest(self, step: int) -> None:
@@ -965,8 +997,18 @@ class Checkpointer:
         except CheckpointError:
             return None
 
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Wait for the last save to finish (call before the process exits); then unlock."""
+        """Wait for the last save to finish (call before the process exits, or use ``with``); then unlock.
+
+        A lone process that exits without it still finishes the last save (with a log line), as
+        the interpreter shuts down: Orbax's commit then failed ("cannot schedule new futures after
+        interpreter shutdown") and the step was left incomplete."""
         try:
             self._finish_pending()
         finally:
