@@ -27,7 +27,6 @@ import time
 import traceback
 import uuid
 import warnings
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -426,12 +425,16 @@ def _check_stored_names(state: Any, where: str, in_fit: bool = False, name_max: 
         here = jax.tree_util.keystr(path)
         if name_max is not None:
             _check_file_name(name, here, where, in_fit, name_max)
-        if name in seen:
+        # A '/' in a key is a path separator to Orbax, with or without OCDBT: "a/" and "a" are one leaf.
+        stored = "/".join(part for part in name.split("/") if part)
+        if stored in seen:
             raise CheckpointError(fix(
-                f"{where}: state{seen[name]} and state{here} would be stored in the same file "
-                f"(Orbax names a leaf by its keys joined with '.': {name!r}), and one would overwrite the other.",
-                "rename the key that contains a '.' (e.g. 'a.b' -> 'a_b') so that no two leaves join to one name."))
-        seen[name] = here
+                f"{where}: state{seen[stored]} and state{here} would be stored in the same file "
+                f"(Orbax names a leaf by its keys joined with '.', a '/' separating directories: {stored!r}), and "
+                "one would overwrite the other.",
+                "rename the key that contains a '.' or a '/' (e.g. 'a.b' -> 'a_b') so that no two leaves join to "
+                "one name."))
+        seen[stored] = here
 
 
 def _check_file_name(name: str, here: str, where: str, in_fit: bool, name_max: int) -> None:
@@ -439,9 +442,13 @@ def _check_file_name(name: str, here: str, where: str, in_fit: bool, name_max: i
     subdirectories): a part longer than the file system allows, or one that is ``.`` or ``..``,
     failed in Orbax's save thread as "File name too long" or "Invalid file path", taken for a
     full disk, at the first save after ``every`` steps of training."""
-    for part in name.split("/"):
+    parts = name.split("/")
+    for i, part in enumerate(parts):
         size = len(part.encode("utf-8", "surrogatepass"))
-        if size > name_max:
+        if "\0" in part or (not part and 0 < i < len(parts) - 1):  # a NUL, or "a//b"
+            what, rename = "is not a file name (a NUL byte, or an empty part between two '/')", "keys without them"
+            part = name
+        elif size > name_max:
             what = f"is {size} bytes, longer than the {name_max} bytes a file name may have here"
             rename = ("shorter keys on that path (the module and parameter names of the task's init, or the "
                       "optimizer's nesting: fit saves the whole train state)" if in_fit else "shorter keys on that path")
@@ -638,7 +645,7 @@ def _check_key_impls(step: int, saved: dict[str, str], target: dict[str, str], p
                 f"make that key with the implementation it was saved with: jax.random.key(seed, impl={was!r})."))
 
 
-_UNCLOSED: weakref.WeakSet = weakref.WeakSet()  # Checkpointers with a save that may be in flight
+_UNCLOSED: set = set()  # Checkpointers with a save that may be in flight (held: one dropped unclosed still finishes)
 
 
 def _finish_at_exit(ckpt: Checkpointer) -> None:
@@ -657,15 +664,29 @@ def _finish_at_exit(ckpt: Checkpointer) -> None:
 
 
 def _close_unclosed() -> None:
-    for ckpt in list(_UNCLOSED):
-        if ckpt._pending is None or jax.process_count() > 1:
-            continue
-        ckpt.log(f"checkpoints: finishing the save of step {ckpt._pending} as the process exits (close() was not "
-                 "called: call it, or use `with Checkpointer(...) as ckpt`)")
-        try:
-            ckpt.close()
-        except Exception as e:  # nothing to raise to at exit: say it
-            sys.stderr.write(f"spmdkit: {str(e).splitlines()[0]}\n")
+    """Finish the unclosed saves; one that fails (or a Ctrl-C) ends the process with its code: the
+    exit code was 0 with the step left incomplete. Nothing is left to raise to at exit."""
+    code, step = 0, None
+    try:
+        for ckpt in list(_UNCLOSED):
+            step = ckpt._pending
+            if step is None or jax.process_count() > 1:
+                continue
+            ckpt.log(f"checkpoints: finishing the save of step {step} as the process exits (close() was not "
+                     "called: call it, or use `with Checkpointer(...) as ckpt`)")
+            try:
+                ckpt.close()
+            except Exception as e:
+                sys.stderr.write(f"spmdkit: {str(e).splitlines()[0]}\n")
+                code = code or CheckpointSaveError.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"spmdkit: interrupted while finishing the save of step {step} at exit: it is left "
+                         "incomplete (a resume sets it aside)\n")
+        code = 130
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class Checkpointer:
@@ -922,8 +943,10 @@ class Checkpointer:
         self._set_aside(aside)
 
     def _blocking_problems(self, step: int) -> list[str]:
+        """What is wrong with a step in a save's way, its arrays' checksums too: a flipped byte of a
+        chunk counted as complete, and every restart was refused "a resume would take step N"."""
         try:
-            return self.problems(step, arrays=False)
+            return self.problems(step)
         except (CheckpointError, OSError) as e:
             return [str(e).splitlines()[0]]
 
@@ -1009,6 +1032,7 @@ class Checkpointer:
         A lone process that exits without it still finishes the last save (with a log line), as
         the interpreter shuts down: Orbax's commit then failed ("cannot schedule new futures after
         interpreter shutdown") and the step was left incomplete."""
+        _UNCLOSED.discard(self)
         try:
             self._finish_pending()
         finally:
@@ -1021,6 +1045,7 @@ class Checkpointer:
 
     def abandon(self) -> None:
         """After a failed save: stop waiting for Orbax, unlock; never raises, never hangs."""
+        _UNCLOSED.discard(self)
         self._pending = None
         try:
             self.manager.close()
@@ -1236,15 +1261,21 @@ class Checkpointer:
         return self._nothing_intact(steps) if steps else None
 
     def _nothing_intact(self, steps: list[int]) -> None:
-        """No step restores. Steps that are all incomplete (no manifest: a kill during the run's first
-        saves) hold nothing anyone vouched for, so a resume starts over as from an empty directory:
+        """No step restores. A lone step that is incomplete (no manifest: a kill during the run's first
+        save) holds nothing anyone vouched for, so a resume starts over as from an empty directory:
         every restart was refused "all damaged" and told to use another directory. Damaged ones
-        (files that fail their checksums) are still refused: a run's history is not dropped silently."""
-        incomplete = all(any("has no manifest" in p for p in self._blocking_problems(s)) for s in steps)
+        (files that fail their checksums), and several without a manifest (a manifests/ directory
+        lost), are still refused: a run's history is not dropped silently."""
+        # One step: a save holds back the next until its manifest is written, so a kill leaves at most
+        # one step without it. Several (a manifests/ directory lost) are a run's history: refused.
+        incomplete = len(steps) == 1 and any("has no manifest" in p for p in self._blocking_problems(steps[0]))
         if not incomplete or not (self.config.resume or self.run_id is not None):
+            lost = len(steps) > 1 and not (self.directory / MANIFESTS).is_dir()
             raise CheckpointDamagedError(
-                fix(f"no intact checkpoint in {self.directory}: steps {steps} are all damaged.",
-                    "start a new run in another --checkpoint-dir (or --overwrite-checkpoints).")
+                fix(f"no intact checkpoint in {self.directory}: steps {steps} are all damaged"
+                    + (f" (none has a manifest: {MANIFESTS}/ is missing)." if lost else "."),
+                    (f"put {self.directory / MANIFESTS} back if it was moved; else " if lost else "")
+                    + "start a new run in another --checkpoint-dir (or --overwrite-checkpoints).")
             )
         if self.run_id is None:  # a reader moves nothing (see restore_latest)
             self.log(f"checkpoints: nothing intact to restore: steps {steps} are incomplete (no manifest) and left in "
