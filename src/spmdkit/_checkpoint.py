@@ -645,6 +645,7 @@ def _check_key_impls(step: int, saved: dict[str, str], target: dict[str, str], p
                 f"make that key with the implementation it was saved with: jax.random.key(seed, impl={was!r})."))
 
 
+_HOOKED: list[bool] = []
 _UNCLOSED: set = set()  # Checkpointers with a save that may be in flight (held: one dropped unclosed still finishes)
 
 
@@ -655,11 +656,12 @@ def _finish_at_exit(ckpt: Checkpointer) -> None:
     ``atexit`` comes after them, too late for Orbax's commit thread). Hooks run last-registered
     first, and Orbax's pools registered theirs before the first save registers this one. Not with
     several processes: a save's finish there waits for the others, which may be training still."""
-    if not _UNCLOSED:
+    if not _HOOKED:  # once per process (the set empties whenever every Checkpointer closed)
         try:
             threading._register_atexit(_close_unclosed)  # private, Python >= 3.9
         except (AttributeError, RuntimeError):  # another Python, or already shutting down
             return
+        _HOOKED.append(True)
     _UNCLOSED.add(ckpt)
 
 
