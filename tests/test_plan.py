@@ -2456,11 +2456,29 @@ def test_a_step_time_range_prints_once_when_its_ends_agree():
     assert _ms_range(0.004981, 0.0061) == "4.981-6.100"
 
 
-def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
-    # Every process returns process 0's plan: process 1's own rules were dropped without a word.
+def _two_processes(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """``code`` in 2 processes of 2 devices under ``spmdkit launch``; past ``timeout`` the launcher
+    and both processes get SIGKILL (the launcher has a session of its own)."""
+    import signal
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
+    argv = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "2", "--",
+            sys.executable, "-c", code]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
+    # Every process returns process 0's plan: process 1's own rules were dropped without a word.
     code = ("import jax, jax.numpy as jnp, spmdkit\n"
             "spmdkit.initialize()\n"
             "rules = 'dp' if jax.process_index() == 0 else 'fsdp'\n"
@@ -2470,9 +2488,7 @@ def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
             "                 memory_per_device=2**30, rules=rules)\n"
             "except spmdkit.ProcessMismatchError as e:\n"
             "    print('refused:', str(e).splitlines()[0], flush=True)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
-    out = subprocess.run([sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "2",
-                          "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    out = _two_processes(code, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     for i in (0, 1):
         assert (f"[{i}] refused: plan(rules=...) differs between processes: process 0 gave ['dp'], process 1 gave "
@@ -2484,9 +2500,6 @@ def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
 def test_a_step_failing_in_one_process_while_measured_fails_in_every_process(when, doing):
     # Process 0's step failed (its callback), process 0 raised MeasureFailed, and process 1 ran on into
     # the next step's collectives: both hung until JAX's shutdown barrier aborted them, 5 minutes on.
-    import subprocess
-    import sys
-
     code = ("import sys, jax, jax.numpy as jnp, spmdkit\n"
             "spmdkit.initialize()\n"
             "calls = []\n"
@@ -2503,9 +2516,7 @@ def test_a_step_failing_in_one_process_while_measured_fails_in_every_process(whe
             "                 memory_per_device=2**30, rules='dp', measure=1, measure_rounds=3, measure_steps=3)\n"
             "except spmdkit.MeasureFailed as e:\n"
             "    print('failed:', str(e).splitlines()[0], bool(e.plan), flush=True)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMDKIT_")}
-    out = subprocess.run([sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "2",
-                          "--", sys.executable, "-c", code], capture_output=True, text=True, timeout=150, env=env)
+    out = _two_processes(code, timeout=150)
     said = out.stdout + out.stderr[-2000:]
     assert out.returncode == 0, said
     # the callback runs in the process of the program's first device: process 0

@@ -1270,7 +1270,7 @@ class Checkpointer:
         lost), are still refused: a run's history is not dropped silently."""
         # One step: a save holds back the next until its manifest is written, so a kill leaves at most
         # one step without it. Several (a manifests/ directory lost) are a run's history: refused.
-        incomplete = len(steps) == 1 and any("has no manifest" in p for p in self._blocking_problems(steps[0]))
+        incomplete = len(steps) == 1 and read_manifest(self.directory, steps[0]) == (None, None)
         if not incomplete or not (self.config.resume or self.run_id is not None):
             lost = len(steps) > 1 and not (self.directory / MANIFESTS).is_dir()
             raise CheckpointDamagedError(

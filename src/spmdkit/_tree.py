@@ -40,7 +40,8 @@ def keystr(root: str, path: KeyPath) -> str:
     return root + jax.tree_util.keystr(path)
 
 
-def _one_level(node: Any):
+def one_level(node: Any):
+    """``([(path, child), ...], treedef)`` of ``node``'s own children (an array: itself)."""
     # is_leaf on every child stops the flatten one level down.
     return jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
 
@@ -58,7 +59,7 @@ def describe(node: Any) -> str:
         if shape is not None:
             return f"an array of shape {tuple(shape)}"
         return f"a leaf of type {type(node).__name__}"
-    kids, _ = _one_level(node)
+    kids, _ = one_level(node)
     keys = [jax.tree_util.keystr(k) for k, _ in kids]
     return f"a {type(node).__name__} with children {', '.join(keys)}"
 
@@ -82,8 +83,8 @@ def broadcast_prefix(
     if is_prefix_leaf(prefix):
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         return [(_path + p, prefix) for p, _ in leaves]
-    p_kids, p_def = _one_level(prefix)
-    t_kids, t_def = ((), None) if (tree is None or _is_pytree_leaf(tree)) else _one_level(tree)
+    p_kids, p_def = one_level(prefix)
+    t_kids, t_def = ((), None) if (tree is None or _is_pytree_leaf(tree)) else one_level(tree)
     if t_def is None or p_def != t_def:
         where = keystr(tree_name, _path)
         raise TreeMismatchError(
@@ -109,3 +110,31 @@ def broadcast_prefix(
             )
         )
     return out
+
+
+def tree_difference(got: Any, returned: Any, path: tuple = ()) -> str:
+    """Where two pytrees first differ, in words: the path, and the keys or kinds on each side (a
+    whole PyTreeDef of a large state, twice, hid the one key that differed)."""
+    def children(x: Any) -> list | None:
+        flat = one_level(x)[0]
+        return None if len(flat) == 1 and flat[0][1] is x else flat
+
+    a, b = children(got), children(returned)
+    where = "state" + jax.tree_util.keystr(path)
+    if a is None or b is None or type(got) is not type(returned):
+        kind = lambda x, c: "an array" if c is None else "None" if x is None else type(x).__name__  # noqa: E731
+        return f"{where} was {kind(got, a)}, returned {kind(returned, b)}"
+    keys_a, keys_b = [k for (k,), _ in a], [k for (k,), _ in b]
+    if keys_a != keys_b:
+        gone = [jax.tree_util.keystr((k,)) for k in keys_a if k not in keys_b]
+        new = [jax.tree_util.keystr((k,)) for k in keys_b if k not in keys_a]
+        said = "; ".join(part for part in (f"{', '.join(gone)} missing" if gone else "",
+                                            f"{', '.join(new)} added" if new else "") if part)
+        return f"{where} had {len(keys_a)} entries, returned {len(keys_b)}: " + (said or "in another order")
+    for ((k,), x), (_, y) in zip(a, b):
+        if jax.tree.structure(x) != jax.tree.structure(y):
+            return tree_difference(x, y, (*path, k))
+    # Same keys, same children: the node's own static data (a TrainState's apply_fn or tx, fields
+    # that are not arrays) changed.
+    return (f"{where} is a {type(got).__name__} whose static fields (not arrays: a function, an optimizer, "
+            "a config kept in the pytree's structure) differ from the state's")

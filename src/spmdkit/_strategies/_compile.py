@@ -31,7 +31,7 @@ from spmdkit._errors import (AxisNameError, BatchSizeError, DonatedStateError, M
 from spmdkit._mesh import make_mesh
 from spmdkit._strategies._agree import check_same_batch, check_same_key
 from spmdkit._rules import AxisRules, LayoutError
-from spmdkit._tree import bad_dtype
+from spmdkit._tree import bad_dtype, tree_difference
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
 
 # How JAX reports a constraint naming a mesh axis the context mesh lacks (0.10 and 0.12).
@@ -760,21 +760,18 @@ class CompiledStep:
             if k not in self._compiled:
                 s._check_new_state(state)
                 self._compiled[k] = self._build(state, even, keep)
-            try:
-                return self._compiled[k](state, placed)
-            except (TypeError, ValueError) as e:
-                # New shapes of a structure compiled before trace again, unchecked: an ensemble's
-                # stacked state failed inside the user's step (a dot of (3,) and (4,)), unnamed.
-                if not isinstance(e, SpmdkitError):
-                    s._check_new_state(state)
-                raise
+            return self._compiled[k](state, placed)
 
         try:
             out = s._traced(run)
-        except ValueError as e:
-            # jit refuses a state committed to another layout: say whose it looks like.
-            if not isinstance(e, SpmdkitError) and "does not match the sharding" in str(e):
-                s._foreign_state(state)
+        except (TypeError, ValueError) as e:
+            if not isinstance(e, SpmdkitError):
+                # jit refuses a state committed to another layout: say whose it looks like.
+                if "does not match the sharding" in str(e):
+                    s._foreign_state(state)
+                # New shapes of a structure compiled before trace again, unchecked: an ensemble's
+                # stacked state failed inside the user's step (a dot of (3,) and (4,)), unnamed.
+                s._check_new_state(state)
             raise
         if self.kind == "apply":
             _check_per_example(out, n, s._row_axis)
@@ -1039,34 +1036,6 @@ def _checked(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         return out
 
     return step if kind == "step" else other
-
-
-def tree_difference(got: Any, returned: Any, path: tuple = ()) -> str:
-    """Where two pytrees first differ, in words: the path, and the keys or kinds on each side (a
-    whole PyTreeDef of a large state, twice, hid the one key that differed)."""
-    def children(x: Any) -> list | None:
-        flat, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-        return None if len(flat) == 1 and flat[0][1] is x else flat
-
-    a, b = children(got), children(returned)
-    where = "state" + jax.tree_util.keystr(path)
-    if a is None or b is None or type(got) is not type(returned):
-        kind = lambda x, c: "an array" if c is None else "None" if x is None else type(x).__name__  # noqa: E731
-        return f"{where} was {kind(got, a)}, returned {kind(returned, b)}"
-    keys_a, keys_b = [k for (k,), _ in a], [k for (k,), _ in b]
-    if keys_a != keys_b:
-        gone = [jax.tree_util.keystr((k,)) for k in keys_a if k not in keys_b]
-        new = [jax.tree_util.keystr((k,)) for k in keys_b if k not in keys_a]
-        said = "; ".join(part for part in (f"{', '.join(gone)} missing" if gone else "",
-                                            f"{', '.join(new)} added" if new else "") if part)
-        return f"{where} had {len(keys_a)} entries, returned {len(keys_b)}: " + (said or "in another order")
-    for ((k,), x), (_, y) in zip(a, b):
-        if jax.tree.structure(x) != jax.tree.structure(y):
-            return tree_difference(x, y, (*path, k))
-    # Same keys, same children: the node's own static data (a TrainState's apply_fn or tx, fields
-    # that are not arrays) changed.
-    return (f"{where} is a {type(got).__name__} whose static fields (not arrays: a function, an optimizer, "
-            "a config kept in the pytree's structure) differ from the state's")
 
 
 def _check_per_example(out: Any, n: int, axis: int, padded_from: int | None = None) -> None:

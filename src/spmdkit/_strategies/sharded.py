@@ -14,7 +14,6 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spmdkit._errors import ConfigError, SignatureError, fix
 from spmdkit._strategies._compile import Placement, as_key, auto_mesh, check_make_state
 from spmdkit._rules import AxisRules, LayoutError, ReplicationWarning, _as_tuple, check_spec
+from spmdkit._tree import one_level
 from spmdkit._types import MakeState
 
 
@@ -428,7 +428,7 @@ def _check_lone_names(state: Any, axes: Any) -> None:
     state with several arrays of that rank that could take them (plain, or an NNX Variable
     without names): it named every one alike. One such array (beside scalars, a key, the
     model's named arrays) takes them."""
-    if not (_is_names(axes) or isinstance(axes, P)) or axes is None or all(n is None for n in axes):
+    if not _is_names(axes) or axes is None or all(n is None for n in axes):
         return  # (None, None): nothing named
 
     def takes(leaf: Any) -> bool:
@@ -533,7 +533,7 @@ def _with_state_axes(state: Any, axes: Any) -> Any:
             return box(path, x, part)
         if _is_box(x):  # the model's own: named by the model (checked where a part holds it)
             return x
-        children, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+        children, treedef = one_level(x)
         if len(children) == 1 and children[0][1] is x:  # an array
             return x
         return jax.tree_util.tree_unflatten(treedef, [visit((*path, *sub), child) for sub, child in children])
@@ -580,7 +580,7 @@ def _entry_at(axes: Any, keys: list) -> tuple[str, int, Any]:
     a list is too short, ``("other", depth, node)`` for a container of another kind."""
     node = axes
     for depth, key in enumerate(keys):
-        if _is_names(node) or isinstance(node, P):
+        if _is_names(node):
             return "names", depth, node
         if isinstance(node, dict):
             if key not in node:
@@ -671,7 +671,7 @@ def _check_names_only(axes: Any) -> None:
     """Every leaf of ``state_axes`` a logical name or None: ``("embed", 1)`` was read as a container
     of two parts and ended in "TypeError: object of type 'int' has no len()" from inside spmdkit."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_names)[0]:
-        if not _is_names(leaf) and not isinstance(leaf, P):  # P's mesh axes are named where read
+        if not _is_names(leaf):  # a P's mesh axes are named where read
             where = "state_axes" + jax.tree_util.keystr(path)
             raise LayoutError(fix(f"{where} is {leaf!r:.60} ({type(leaf).__name__}), not a logical name.",
                                   "give each array a tuple of logical names, one per dimension, each a string or "
