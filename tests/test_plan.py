@@ -2753,3 +2753,66 @@ def test_a_remat_or_accum_listed_twice_is_named(kwargs, words):
     make_state, step, batch = _tiny()
     with pytest.raises(ConfigError, match=words):
         spmdkit.plan(make_state, None, batch, rules="dp", target="h100x8", step_for=lambda r, a: step, **kwargs)
+
+
+def test_plan_measured_with_this_machine_says_whether_its_links_changed_under_the_rounds(monkeypatch):
+    """The cpu target times its all-reduce once, at plan start; the machine's links may change in
+    the minutes the rounds take (this host has two regimes, 4x apart), and the collective-heavy
+    candidates then measure at another price than they were ranked by, with nothing saying so.
+    The all-reduce is timed again just before and after the rounds, and a change of more than
+    1.5x is said; a target file (other hardware, on purpose) is not re-timed."""
+    from rich.console import Console
+
+    from spmdkit import _target
+    from spmdkit._plan import _report
+
+    make_state, step, batch = _tiny()
+    now = dataclasses.replace(load_target("h100x8"), name="this machine",
+                              source="measured at plan time on test",
+                              collectives={"all_reduce": {"intra_host": Link(1e-5, 1e-9)}})
+    timed = iter([Link(1e-5, 1.1e-9), Link(1e-5, 2.5e-10)])  # before the rounds; after them: 4x faster
+    monkeypatch.setattr(_target, "measure_collective", lambda kind, n: (kind, n) == ("all_reduce", 8) and next(timed))
+    result = spmdkit.plan(make_state, step, batch, rules="dp", target=now, measure=1, measure_rounds=2,
+                          measure_steps=1)
+    seen = result["measured"]["links"]
+    assert seen["devices"] == 8 and seen["bytes"] == 2**20 and seen["changed"]
+    assert seen["after_rounds_s"] < seen["priced_s"] / 3 < seen["before_rounds_s"]
+    console = Console(record=True, width=400)
+    _report.print_measured(result["measured"], console)
+    said = console.export_text()
+    assert "1 MiB all-reduce over 8 devices, priced at 1.975 ms, took 2.159 ms just before the rounds and " \
+           "0.599 ms just after them - more than 1.5 times apart: the machine changed between pricing and measuring" in said
+    # Within 1.5x: said, without the warning.
+    timed = iter([Link(1e-5, 1.1e-9), Link(1e-5, 0.8e-9)])
+    result = spmdkit.plan(make_state, step, batch, rules="dp", target=now, measure=1, measure_rounds=2,
+                          measure_steps=1)
+    assert not result["measured"]["links"]["changed"]
+    # A target file describes other hardware: nothing to re-time.
+    timed = iter([])
+    result = spmdkit.plan(make_state, step, batch, rules="dp", target="h100x8", measure=1, measure_rounds=2,
+                          measure_steps=1)
+    assert "links" not in result["measured"]
+
+
+def test_a_ctrl_c_while_timing_the_links_around_the_rounds_is_an_interrupted_measurement():
+    from spmdkit._plan._drift import watched
+    from spmdkit._plan._report import MeasureInterrupted
+
+    about = {"source": "measured at plan time on test",
+             "file": {"collectives": {"all_reduce": {"intra_host": {"alpha": 1e-5, "beta": 1e-9}}}}}
+
+    def stop(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(MeasureInterrupted) as e:  # before the rounds: none measured
+        watched(about, 8, 3, lambda: pytest.fail("measured after a Ctrl-C"), stop)
+    assert e.value.measured is None
+    calls = []
+
+    def once(n):  # timed before the rounds; Ctrl-C after them
+        calls.append(n)
+        return Link(1e-5, 1e-9) if len(calls) == 1 else stop(n)
+
+    with pytest.raises(MeasureInterrupted) as e:  # after them: every round kept
+        watched(about, 8, 3, lambda: {"runs": [], "rounds": 3}, once)
+    assert e.value.measured["rounds"] == 3 and e.value.measured["interrupted"] == {"rounds_done": 3, "rounds_asked": 3}

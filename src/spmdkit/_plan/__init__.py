@@ -20,6 +20,7 @@ import numpy as np
 
 from spmdkit._errors import BatchSizeError, ConfigError, SignatureError, SpmdkitError, fix
 from spmdkit._plan._candidates import DEFAULT_RULES, Candidate, rules_names, rules_table
+from spmdkit._plan._drift import watched
 from spmdkit._plan._report import (MeasureFailed, MeasureInterrupted, explain, measure as _measure, pareto, print_plan, save_png,
                                    spearman, time_steps)
 from spmdkit._plan._processes import (agreed_target, check_device_order, check_processes, check_same, interrupts_agreed,
@@ -301,8 +302,11 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
                      "done)")
         try:
             with interrupts_agreed():  # several processes stop at the same point, so process 0 can report
-                result["measured"] = _measure(result, measure, _preparer(make_state, train_step, step_for, batch, rng,
-                                                                         state_axes), measure_steps, rounds=measure_rounds)
+                prepare = _preparer(make_state, train_step, step_for, batch, rng, state_axes)
+                run = lambda: _measure(result, measure, prepare, measure_steps, rounds=measure_rounds)  # noqa: E731
+                # Over processes the links are timed as that program routes them, not by this probe.
+                result["measured"] = (watched(result["target"], jax.device_count(), measure_rounds, run)
+                                      if jax.process_count() == 1 else run())
         except MeasureFailed as failed:  # a step that failed when run: the priced plan travels with it
             failed.plan = result
             raise

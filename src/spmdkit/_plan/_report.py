@@ -17,6 +17,7 @@ from rich.table import Table
 
 from spmdkit._console import readable_bytes, readable_bytes_up
 from spmdkit._errors import SpmdkitError, first_line, fix
+from spmdkit._plan._drift import links_line
 
 
 def _ms(s: float) -> str:
@@ -500,6 +501,8 @@ def print_measured(measured: dict[str, Any], console: Console) -> None:
                                         "correlation above; more --measure-rounds" if again < 0.8 else "")
         console.print(f"the measurement against itself (one half of its rounds' order against the other's): {verdict}",
                       highlight=False, markup=False)
+    if measured.get("links"):
+        console.print(links_line(measured["links"]), highlight=False, markup=False)
     if measured.get("ties"):
         console.print("within each other's spread (the interquartile ranges of their rounds' medians overlap): "
                       + "; ".join(f"{a} ~ {b}" for a, b in measured["ties"]) + ". Their measured order, and what it "
