@@ -65,6 +65,42 @@ def test_close_writes_the_steps_since_the_last_row():
     assert [(row["step"], row["loss"]) for row in rows] == [(5, 3.0), (7, 6.5)]
 
 
+def test_metrics_hook_alone_in_run_hooks_gives_window_means_and_the_steps_rate(monkeypatch):
+    """The module's own example (MetricsHook(rows.append, every=5) in run_hooks, no add) wrote
+    each row with the last step's metrics alone and a steps_per_sec of 1 step over 5 steps' time."""
+    from spmdkit._train import _hooks
+
+    now = [0.0]
+    monkeypatch.setattr(_hooks.time, "perf_counter", lambda: now[0])
+    rows = []
+    hooks = [MetricsHook(rows.append, every=5)]
+    for step in range(1, 11):
+        now[0] += 1.0  # one second a step
+        run_hooks(hooks, StepInfo(step, 0, None, {"loss": float(step)}))
+    assert [(r["step"], r["loss"], r["steps_per_sec"]) for r in rows] == [(5, 3.0, 1.0), (10, 8.0, 1.0)]
+
+
+def test_metrics_hook_counts_a_step_once_and_each_metric_over_the_steps_that_gave_it():
+    # add() every step, as the docstring once asked, and run_hooks: counted twice, halving nothing but the rate.
+    rows = []
+    hook = MetricsHook(rows.append, every=4)
+    for step in range(1, 5):
+        info = StepInfo(step, 0, None, {"loss": 1.0, **({"acc": 1.0} if step % 2 else {})})
+        hook.add(info)
+        run_hooks([hook], info)
+    assert rows[0]["loss"] == 1.0 and rows[0]["acc"] == 1.0  # acc read 0.5: its 2 values over 4 steps
+    assert hook._count == 0 and rows[0]["steps_per_sec"] > 0
+
+
+def test_metrics_hook_names_a_metric_whose_shape_changes_within_a_row():
+    import numpy as np
+
+    hook = MetricsHook([].append, every=2)
+    run_hooks([hook], StepInfo(1, 0, None, {"hist": np.ones(3)}))
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)metric 'hist' has shape \(4,\) at step 2.*\(3,\).*Fix: give"):
+        run_hooks([hook], StepInfo(2, 0, None, {"hist": np.ones(4)}))
+
+
 def test_nested_metrics_are_flattened_and_a_non_number_is_named():
     import jax.numpy as jnp
 

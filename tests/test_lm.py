@@ -489,6 +489,28 @@ def test_symlinked_folders_are_read_and_a_dangling_link_is_named(tmp_path):
         lm.text_files(corpus)
 
 
+def test_a_linked_file_is_read_once_under_its_first_name_so_no_held_out_text_is_trained_on(tmp_path):
+    # A "latest.txt" link (or a hard link) to the held-out file 0 put its text in the training split too.
+    for i in range(6):
+        (tmp_path / f"f{i}.txt").write_text(f"document {i} " * 30)
+    (tmp_path / "latest.txt").symlink_to("f0.txt")
+    os.link(tmp_path / "f0.txt", tmp_path / "zz_hard.txt")
+    train, held = lm.split_files(tmp_path)
+    assert [p.name for p in held] == ["f0.txt"] and [p.name for p in train] == [f"f{i}.txt" for i in range(1, 6)]
+    text, held_text = lm.load_text(tmp_path)
+    assert held_text not in text and b"document 0" not in text
+
+
+def test_a_folder_reached_twice_is_read_under_its_first_path_in_sorted_order(tmp_path):
+    # The walk kept whichever name it met first ("a/z/x.txt"), where the sorted order of paths puts "a-b/x.txt" first.
+    (tmp_path / "a-b").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a-b" / "x.txt").write_text("x " * 50)
+    (tmp_path / "a" / "z").symlink_to("../a-b")
+    (tmp_path / "m.txt").write_text("m " * 50)
+    assert [p.relative_to(tmp_path).as_posix() for p in lm.text_files(tmp_path)] == ["a-b/x.txt", "m.txt"]
+
+
 def test_a_fifo_or_a_device_under_the_text_dir_is_named(tmp_path):
     # Both were left out of the corpus without a word (the README says every non-hidden file is read).
     for name in ("a.txt", "b.txt"):

@@ -1188,6 +1188,20 @@ def test_cli_plan_lm_json(tmp_path, capsys):
     assert again["fsdp [data=8]"]["step_s"] > 0
 
 
+def test_cli_plan_a_corpus_smaller_than_a_batch_says_more_text_not_more_text_bytes(tmp_path, capsys):
+    # "give a smaller --batch-size (or, for lm, more --text-bytes)": no --text-bytes adds text to a corpus all read.
+    for i in range(3):
+        (tmp_path / f"f{i}.txt").write_text("some text " * 30)
+    args = ["plan", "--task", "lm", "--devices", "8", "--layers", "1", "--d-model", "16", "--heads", "2",
+            "--seq-len", "8", "--batch-size", "128", "--text-dir", str(tmp_path), "--target", "h100x8"]
+    assert main(args) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "give a smaller --batch-size, or more text in --text-dir (its training files hold about" in said, said
+    assert "--text-bytes" not in said
+    assert main([*args, "--text-bytes", "200"]) == 2  # cut short by --text-bytes: that is the lever
+    assert "(or more --text-bytes)" in " ".join(capsys.readouterr().err.split())
+
+
 def test_cli_plan_records_the_mlp_sizes_it_planned_with_their_defaults():
     from argparse import Namespace
 
@@ -2478,21 +2492,34 @@ def _two_processes(code: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
-    # Every process returns process 0's plan: process 1's own rules were dropped without a word.
+    # Every process returns process 0's plan: process 1's own rules were dropped without a word;
+    # its own state_axes or state shapes too, and measuring them hung for ever (collectives that never met).
     code = ("import jax, jax.numpy as jnp, spmdkit\n"
             "spmdkit.initialize()\n"
-            "rules = 'dp' if jax.process_index() == 0 else 'fsdp'\n"
-            "try:\n"
-            "    spmdkit.plan(lambda rng: {'w': jax.random.normal(rng, (16, 16))},\n"
-            "                 lambda s, b: (s, {'loss': jnp.mean(b['x'] @ s['w'])}), {'x': jnp.zeros((8, 16))},\n"
-            "                 memory_per_device=2**30, rules=rules)\n"
-            "except spmdkit.ProcessMismatchError as e:\n"
-            "    print('refused:', str(e).splitlines()[0], flush=True)\n")
-    out = _two_processes(code, timeout=180)
+            "one = jax.process_index() == 1\n"
+            "cases = {'rules': dict(rules='fsdp' if one else 'dp'),\n"
+            "         'state_axes': dict(rules='fsdp', state_axes={'w': ('hidden', 'embed') if one else ('embed', 'hidden')},\n"
+            "                            measure=1),\n"
+            "         'make_state': dict(rules='fsdp', state_axes={'w': ('embed', 'hidden')}, measure=1, width=32 if one else 16)}\n"
+            "for name, kw in cases.items():\n"
+            "    width = kw.pop('width', 16)\n"
+            "    try:\n"
+            "        spmdkit.plan(lambda rng: {'w': jax.random.normal(rng, (16, width))},\n"
+            "                     lambda s, b: (s, {'loss': jnp.mean(b['x'] @ s['w'])}), {'x': jnp.zeros((8, 16))},\n"
+            "                     memory_per_device=2**30, measure_rounds=1, measure_steps=1, **kw)\n"
+            "        print(name, 'planned', flush=True)\n"
+            "    except spmdkit.ProcessMismatchError as e:\n"
+            "        print('refused:', str(e).splitlines()[0], flush=True)\n")
+    out = _two_processes(code, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
+    said = out.stdout + out.stderr[-2000:]
     for i in (0, 1):
         assert (f"[{i}] refused: plan(rules=...) differs between processes: process 0 gave ['dp'], process 1 gave "
-                "['fsdp']") in out.stdout, out.stdout + out.stderr[-2000:]
+                "['fsdp']") in out.stdout, said
+        assert (f"[{i}] refused: plan(state_axes=...) differs between processes: process 0 gave {{'w': ['embed', "
+                "'hidden']}, process 1 gave {'w': ['hidden', 'embed']}") in out.stdout, said
+        assert (f"[{i}] refused: plan(make_state=...) builds another state in process 1 than in process 0: "
+                "state['w'] (16, 16) float32 in process 0, state['w'] (16, 32) float32 in process 1") in out.stdout, said
 
 
 @pytest.mark.parametrize("when, doing", [("len(calls) > 3", r"running its step in round \d"),

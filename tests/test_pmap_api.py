@@ -249,3 +249,22 @@ def test_argument_mistakes_jax_pmap_raises_raw_are_named(kwargs, fn, match):
         kwargs = {"devices": [jax.devices()[0]] * 2}
     with pytest.raises(spmdkit.SpmdkitError, match=f"(?s){match}.*Fix:"):
         spmdkit.pmap(fn, **kwargs)(np.ones((2, 3)))
+
+
+def test_axis_index_groups_where_the_map_traces_with_vmap_is_named_not_a_raw_not_implemented_error():
+    """Eagerly (and under jit with out_axes=0) a grouped psum runs; out_axes=None under jit and a
+    nested map are traced with jax.vmap, which has no axis_index_groups: JAX's raw
+    NotImplementedError ("Please open a feature request!") named neither the map nor a fix."""
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    f = lambda a: jax.lax.psum(jax.lax.psum(a, "i", axis_index_groups=groups), "i") / 4  # noqa: E731
+    x = np.arange(8, dtype=np.float32)
+    assert float(spmdkit.pmap(f, axis_name="i", out_axes=None)(x)) == 28.0
+    np.testing.assert_allclose(jax.jit(spmdkit.pmap(f, axis_name="i"))(x), np.full(8, 28.0))
+    with pytest.raises(spmdkit.MappedAxisError, match=r"(?s)axis_index_groups.*out_axes=None under an enclosing "
+                       r"jax.jit.*Fix: call the map outside jax.jit"):
+        jax.jit(spmdkit.pmap(f, axis_name="i", out_axes=None))(x)
+    inner = lambda v: spmdkit.pmap(lambda q: jax.lax.psum(q, "b", axis_index_groups=[[0, 1], [2, 3]]),  # noqa: E731
+                                   axis_name="b")(v)
+    with pytest.raises(spmdkit.MappedAxisError, match=r"(?s)nested spmdkit.pmap calls learn their levels.*Fix: make "
+                       "each group a nesting level"):
+        spmdkit.pmap(inner, axis_name="a")(x.reshape(2, 4))

@@ -122,6 +122,37 @@ def test_eval_fn_replaces_the_loss_in_eval_and_errors_name_the_function():
         fit(task, spmdkit.Single(), grad_accum=3)
 
 
+@pytest.mark.parametrize("metric, said", [
+    (lambda e: jnp.abs(e), r"eval_fn's metric aux\['mae'\] has shape \(8,\); metrics are scalar means"),
+    (lambda e: {"mae": jnp.mean(jnp.abs(e))}, r"eval_fn's metric aux\['mae'\] is a dict.*aux\['mae_mae'\]"),
+], ids=["per-example", "nested"])
+def test_an_eval_fn_metric_that_is_not_a_scalar_is_a_task_error_before_training(tmp_path, metric, said):
+    """loss_fn's metrics were checked before training, eval_fn's not: a per-example metric in one
+    eval chunk was reported as an ensemble's per-member list (eval_member_mae of a DataParallel
+    run), in several chunks a raw numpy broadcast error at the first eval, and a nested dict a
+    raw TypeError there; both after the steps, with no params.npz or summary.json."""
+    x = RNG.normal(size=(24, 2)).astype(np.float32)
+    task = spmdkit.Task(name="lin", init=lambda rng: {"w": jnp.ones(2)},
+                        loss_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"]) ** 2), {}),
+                        eval_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"]) ** 2), {"mae": metric(b["x"] @ p["w"])}),
+                        train_data={"x": x}, eval_data={"x": x[:20]})
+    with pytest.raises(spmdkit.TaskError, match="(?s)" + said) as e:
+        spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8,
+                    eval_batch_size=8), progress=False, log=lambda m: None, out_dir=str(tmp_path / "out"))
+    assert str(e.value).count("Fix:") == 1 and not (tmp_path / "out").exists()
+
+
+def test_an_eval_fn_loss_that_is_not_a_scalar_says_one_fix():
+    # A second "Fix: give eval_data the leaves and per-example shapes of train_data" followed, the shapes alike.
+    x = RNG.normal(size=(16, 2)).astype(np.float32)
+    task = spmdkit.Task(name="lin", init=lambda rng: {"w": jnp.ones(2)},
+                        loss_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"]) ** 2), {}),
+                        eval_fn=lambda p, b, rng: ((b["x"] @ p["w"]) ** 2, {}), train_data={"x": x}, eval_data={"x": x})
+    with pytest.raises(spmdkit.TaskError, match="eval_fn returned a loss of shape") as e:
+        fit(task, spmdkit.Single(), steps=1)
+    assert str(e.value).count("Fix:") == 1
+
+
 def test_hooks_work_alone_around_a_users_loop(tmp_path):
     """A user's own loop over strategy.step with only the checkpoint hook and a NaN guard."""
     strategy = spmdkit.DataParallel()

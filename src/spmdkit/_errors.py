@@ -156,6 +156,10 @@ class ReplicationError(MappedAxisError):
     """An output declared replicated (``out_axes=None``) differs between devices."""
 
 
+class TaskError(SpmdkitError, TypeError):
+    """A Task's init, loss or data do not have the form spmdkit trains."""
+
+
 class SignatureError(SpmdkitError, TypeError):
     """A compiled function was called with arguments of another structure, shape or dtype."""
 

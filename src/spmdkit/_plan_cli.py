@@ -347,8 +347,14 @@ def _plan_here(args: argparse.Namespace, console: Console, running: int, term: l
         remat, dtype = ("none",), "float32"
     rows = jax.tree.leaves(task.train_data)[0].shape[0]
     if rows < batch_size:
+        more = ""
+        if args.task == "lm":  # windows of seq_len bytes: fewer than --text-bytes allows means the corpus ran out
+            seq_len = jax.tree.leaves(task.train_data)[0].shape[1] - 1
+            wanted = _text_bytes(args, seq_len, batch_size)
+            more = (f", or more text in --text-dir (its training files hold about {rows * seq_len} bytes, all of "
+                    "them read)" if (rows + 1) * seq_len < wanted else " (or more --text-bytes)")
         raise ConfigError(fix(f"--batch-size {batch_size}: the task's training set has only {rows} examples.",
-                              "give a smaller --batch-size (or, for lm, more --text-bytes)."))
+                              f"give a smaller --batch-size{more}."))
     batch = jax.tree.map(lambda x: x[:batch_size], task.train_data)
     try:
         result = plan(make_state, None, batch, memory_per_device=args.memory_per_device, target=args.target,

@@ -307,6 +307,11 @@ class _ParallelMap:
             if "out_axes" in str(e):
                 return True
             raise
+        except NotImplementedError as e:
+            _no_groups_in_vmap(e, "out_axes=None under an enclosing jax.jit (or other trace) is checked by tracing "
+                               "the function with jax.vmap, where no value can be read",
+                               "call the map outside jax.jit, where the check reads the values, or return that "
+                               "output with out_axes=0 and take its row 0")
         return False
 
     def _mapped_size(self, plan: _Plan, flat: list[Any]) -> int:
@@ -527,12 +532,18 @@ class _ParallelMap:
         """An N-D mesh, one axis per nesting level, learnt by tracing with jax.vmap."""
         chain = [nest.Level(self._axis_name, nest.mesh_name(self._axis_name, 0), call.n)]
         discover = self._body(call, chain, 0, "discover", None)
-        jax.eval_shape(
-            # out_axes=0: this trace only learns the levels; out_axes=None is checked later.
-            jax.vmap(discover, in_axes=call.plan.axes, out_axes=0,
-                     axis_name=chain[0].mesh_name, axis_size=call.n),
-            *_local_avals(call.flat, call.plan.axes, call.n),
-        )
+        try:
+            jax.eval_shape(
+                # out_axes=0: this trace only learns the levels; out_axes=None is checked later.
+                jax.vmap(discover, in_axes=call.plan.axes, out_axes=0,
+                         axis_name=chain[0].mesh_name, axis_size=call.n),
+                *_local_avals(call.flat, call.plan.axes, call.n),
+            )
+        except NotImplementedError as e:
+            _no_groups_in_vmap(e, "nested spmdkit.pmap calls learn their levels by tracing the function with "
+                               "jax.vmap", "make each group a nesting level of its own (an inner spmdkit.pmap over "
+                               "the group's devices, whose psum over that inner axis is the group's sum), or map "
+                               "once with spmdkit.pmap and pass axis_index_groups there")
         sizes = [lv.size for lv in chain]
         total = int(np.prod(sizes))
         available = len(self._pool(local=True))
@@ -751,6 +762,14 @@ def _check_dtypes(call: _Call) -> None:
 def _freeze(spec: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=lambda x: x is None)
     return treedef, tuple(leaves)
+
+
+def _no_groups_in_vmap(error: NotImplementedError, why: str, remedy: str) -> None:
+    """Name ``axis_index_groups`` when jax.vmap refused it (its raw error names neither the map nor a fix)."""
+    if "axis_index_groups" not in str(error):
+        raise error
+    raise MappedAxisError(fix(f"a collective with axis_index_groups cannot run here: {why}, and jax.vmap has no "
+                              "axis_index_groups.", remedy + ".")) from None
 
 
 __all__ = ["pmap", "replicate", "unreplicate", "shard", "ShardedBatch"]

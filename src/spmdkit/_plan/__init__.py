@@ -94,6 +94,17 @@ def _steps_agreed(step: Callable, state: Any, batch: Any, steps: int) -> tuple[l
     return times, failed
 
 
+def _state_signature(make_state: Callable, rng: Any) -> Any:
+    """``[path, shape, dtype]`` of every leaf of ``make_state``'s state, abstractly; its error's
+    name when it fails (the same in every process: the plan then raises it in each)."""
+    from spmdkit._plan._search import abstract_state
+
+    try:
+        return batch_signature(abstract_state(make_state, rng))
+    except Exception as e:  # noqa: BLE001 - the plan's own checks name it, in every process
+        return f"make_state raised {type(e).__name__}"
+
+
 def _whole(name: str, value: Any, least: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise ConfigError(fix(f"plan({name}={value!r}): need a whole number >= {least}.", hint))
@@ -279,9 +290,12 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
     rules = rules_names(rules)
     processes = check_processes(processes, measure)
     if jax.process_count() > 1:
+        # The state and its names too: other shapes or axes in one process hung its measurement
+        # for ever (its steps' collectives never met), or were planned as process 0's.
         check_same_arguments({"rules": rules, "remat": remat, "accum": accum, "memory_per_device": memory_per_device,
                               "dtype": dtype, "measure": measure, "measure_steps": measure_steps,
-                              "measure_rounds": measure_rounds, "batch": batch_signature(batch)})
+                              "measure_rounds": measure_rounds, "batch": batch_signature(batch),
+                              "make_state": _state_signature(make_state, rng), "state_axes": state_axes})
         check_device_order()
         target = agreed_target(target)
     result = _plan(make_state, train_step, batch, memory_per_device=memory_per_device, target=target, rules=rules,

@@ -80,11 +80,16 @@ class NamedLeaf(NamedTuple):
     written: bool = False  # nn.with_partitioning: the names are mesh axes, used as written (no rules)
 
 
+def abstract_state(make_state: Callable, rng: Any) -> Any:
+    """``make_state``'s state as shapes, its annotations kept (Flax boxes, NNX variables)."""
+    probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
+    return probe._abstract_boxed(_arrays_only(make_state), as_key(rng))
+
+
 def logical_leaves(make_state: Callable, rng: Any, state_axes: Any = None) -> list[NamedLeaf]:
     """Every leaf annotated with logical names (Flax boxes, ``state_axes``, NNX ``sharding``
     metadata); rules do not matter."""
-    probe = Sharded(make_mesh(devices=jax.devices()[:1], data=1), AxisRules((), "probe", True))
-    boxed = _with_state_axes(probe._abstract_boxed(_arrays_only(make_state), as_key(rng)), _lists_as_names(state_axes))
+    boxed = _with_state_axes(abstract_state(make_state, rng), _lists_as_names(state_axes))
     out = []
     # Shortest paths first: a reason names the parameter, not its optimizer moment.
     for _, (path, leaf) in shallow_first(jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_box)[0]):

@@ -12,7 +12,7 @@ import numpy as np
 
 from spmdkit._data import is_pipeline, resolve_train_data
 from spmdkit._data._eval import resolve_eval_data
-from spmdkit._errors import DataError, SignatureError, fix
+from spmdkit._errors import DataError, SignatureError, TaskError, fix
 from spmdkit._types import LossFn, Params, Predictor
 
 
@@ -202,26 +202,34 @@ def _loss_and_aux(out: Any, fn: str, task: str) -> tuple[Any, dict]:
     elif isinstance(out, tuple) and len(out) == 2:
         loss, aux = out
     else:
-        raise TypeError(
+        raise TaskError(
             fix(f"task {task!r}: {fn} returned {_describe(out)}; it must return the loss (a scalar) "
                 "or (loss, {metric: value}).", "return loss, {} (or loss, {'accuracy': acc}).")
         )
     if getattr(loss, "shape", ()) != ():
-        raise TypeError(
+        raise TaskError(
             fix(f"task {task!r}: {fn} returned a loss of shape {loss.shape}; the loss must be a scalar.",
                 "reduce it over the batch, e.g. jnp.mean(per_example).")
         )
     if not isinstance(aux, Mapping):
-        raise TypeError(
+        raise TaskError(
             fix(f"task {task!r}: {fn} returned aux of type {type(aux).__name__}; aux must be a dict of "
                 "metrics.", "return loss, {'accuracy': acc} (or loss, {}).")
         )
     if LOSS_WEIGHT in aux and getattr(aux[LOSS_WEIGHT], "shape", ()) != ():
-        raise TypeError(
+        raise TaskError(
             fix(f"task {task!r}: {fn} returned aux[{LOSS_WEIGHT!r}] of shape {aux[LOSS_WEIGHT].shape}; it is the "
                 "loss's denominator over the batch (a scalar) that weights micro-batches and eval chunks.",
                 f"return e.g. {{{LOSS_WEIGHT!r}: jnp.sum(w)}} for a loss sum(w * l) / sum(w).")
         )
+    for name, value in aux.items():  # the mean over the eval set weighs each chunk's scalar by its rows
+        if isinstance(value, Mapping) or np.shape(value) != ():
+            shape = "is a dict" if isinstance(value, Mapping) else f"has shape {tuple(np.shape(value))}"
+            raise TaskError(
+                fix(f"task {task!r}: {fn}'s metric aux[{name!r}] {shape}; metrics are scalar means over the batch.",
+                    f"return one scalar per key, e.g. aux['{name}_{next(iter(value), 'x')}'] = jnp.mean(...)"
+                    if isinstance(value, Mapping) else f"return jnp.mean(...) for {name!r}.")
+            )
     return loss, dict(aux)
 
 

@@ -253,11 +253,27 @@ def text_files(text_dir: str | Path | None = None) -> list[Path]:
         root = Path(text_dir)
         files = _walk_files(root, text_dir)
         where = f"--text-dir {str(text_dir)!r}"
-    files = sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+    files = _each_file_once(sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix()))
     if len(files) < 2:
         raise DataError(fix(f"lm: {where} holds {len(files)} file(s); the corpus needs at least 2 (file 0 is held out "
                             f"for eval, as is every {HELD_OUT_EVERY}th).", "put more (non-hidden) text files in it."))
     return files
+
+
+def _each_file_once(files: list[Path]) -> list[Path]:
+    """``files`` with each real file (device and inode) once, at its first name: a symbolic or
+    hard link to a held-out file ("latest.txt") put its text in the training split too."""
+    seen, out = set(), []
+    for p in files:
+        try:
+            st = p.stat()
+        except OSError:  # gone since the listing: reading it names it
+            out.append(p)
+            continue
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            out.append(p)
+    return out
 
 
 def text_folders(text_dir: str | Path) -> set[str]:
@@ -293,7 +309,9 @@ def _walk_folders(root: Path, text_dir: str | Path) -> Iterator[tuple[str, list[
             dirs[:] = []
             continue
         seen.add((here.st_dev, here.st_ino))
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        # By "name/": the walk then meets folders in the sorted order of the files' paths ("a-b/x" before
+        # "a/z/x"), so a folder reached twice is kept under its first name in that order, as files are.
+        dirs[:] = sorted((d for d in dirs if not d.startswith(".")), key=lambda d: d + "/")
         yield folder, [n for n in names if not n.startswith(".")]
 
 

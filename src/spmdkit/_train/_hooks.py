@@ -111,6 +111,8 @@ def run_hooks(hooks: Iterable[Any], info: StepInfo) -> None:
     for i, hook in enumerate(hooks):
         # A plain function of info is a hook that runs after every step.
         every = check_every(getattr(hook, "every", 1), f"run_hooks: hooks[{i}] is {type(hook).__name__}")
+        if isinstance(hook, Hook):  # every step, in the list's order: a NaNGuard before it stops a NaN step first
+            hook.observe(info)
         if info.step % every == 0:
             hook(info)
 
@@ -144,6 +146,10 @@ class Hook:
 
     def __call__(self, info: StepInfo) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def observe(self, info: StepInfo) -> None:
+        """Called by ``run_hooks`` after every step, before ``__call__`` when that is due: what a
+        hook that runs every N steps needs of the steps between (``MetricsHook``'s window means)."""
 
     def close(self, info: StepInfo | None, status: str) -> None:
         pass
@@ -183,8 +189,9 @@ class NaNGuard(Hook):
 
 
 class MetricsHook(Hook):
-    """Every ``every`` steps, one row with the mean of each metric since the last row,
-    ``steps_per_sec`` and ``elapsed_s``, handed to ``record`` (a list's append, a writer)."""
+    """Every ``every`` steps, one row with the mean of each metric over the steps since the last
+    row that gave it, ``steps_per_sec`` and ``elapsed_s``, handed to ``record`` (a list's append,
+    a writer). ``run_hooks`` counts every step toward the next row (:meth:`add`)."""
 
     def __init__(self, record: Callable[[dict[str, Any]], None], every: int = 1):
         if not callable(record):
@@ -192,26 +199,40 @@ class MetricsHook(Hook):
                                   "pass a list's append: MetricsHook(rows.append)."))
         self.record, self.every = record, check_every(every, "MetricsHook")
         self._sums: dict[str, Any] = {}
+        self._counts: dict[str, int] = {}
         self._count = 0
+        self._added: int | None = None  # the step last counted: counting it again (add, then run_hooks) is a no-op
         self._start = self._t0 = time.perf_counter()
         self.last_row: dict[str, Any] | None = None
 
     def add(self, info: StepInfo) -> None:
-        """Count a step toward the next row (``run_hooks`` calls only every N steps, so
-        a loop that wants window means calls this every step; ``fit`` does)."""
+        """Count a step toward the next row; ``run_hooks`` calls this after every step, and a
+        step already counted is not counted again."""
+        if info.step == self._added:
+            return
         for k, v in flat_metrics(info.metrics).items():
+            if k in self._sums and np.shape(self._sums[k]) != np.shape(v):  # numpy's broadcast error named neither
+                raise ConfigError(fix(f"MetricsHook: metric {k!r} has shape {np.shape(v)} at step {info.step}, "
+                                      f"where earlier steps since the last row gave {np.shape(self._sums[k])}: "
+                                      "a row holds each metric's mean over those steps.",
+                                      f"give {k!r} one shape at every step, or log it yourself."))
             self._sums[k] = self._sums.get(k, 0.0) + v
+            self._counts[k] = self._counts.get(k, 0) + 1
         self._count += 1
+        self._added = info.step
+
+    observe = add
 
     def __call__(self, info: StepInfo) -> None:
-        if not self._count:
+        if not self._count:  # called by hand, not through run_hooks
             self.add(info)
         check_metric_names(self._sums, "MetricsHook")
         now = time.perf_counter()
-        means = to_python({k: v / self._count for k, v in self._sums.items()})
+        # Each metric over the steps that gave it: one given every other step was halved.
+        means = to_python({k: v / self._counts[k] for k, v in self._sums.items()})
         row = {"split": "train", "step": info.step, "epoch": info.epoch + 1, **with_member_means(means),
                "steps_per_sec": self._count / max(now - self._start, 1e-9), "elapsed_s": now - self._t0}
-        self._sums, self._count, self._start = {}, 0, now
+        self._sums, self._counts, self._count, self._start = {}, {}, 0, now
         self.last_row = row
         self.record(row)
 

@@ -649,7 +649,7 @@ class _Run:
             _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed, self.eval_crc,
                              self.optimizer_record),
             self.known)
-        optional = [_Each(self._stepped), self.held, _Each(self.metrics.add), self.metrics, self.evaluator, self.bar]
+        optional = [_Each(self._stepped), self.held, self.metrics, self.evaluator, self.bar]  # run_hooks: metrics.add every step
         self.guard = NaNGuard(hint=hint)
         return [self.guard, *[h for h in optional if h is not None], _Each(self._at_end)]
 

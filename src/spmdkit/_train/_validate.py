@@ -17,14 +17,10 @@ import numpy as np
 from flax import nnx
 
 from spmdkit._data import is_pipeline
-from spmdkit._errors import DataError, SpmdkitError, fix
+from spmdkit._errors import DataError, TaskError, fix
 from spmdkit._tasks._base import Task
 from spmdkit._train._hooks import ROW_FIELDS
 from spmdkit._tree import abstract_rows
-
-
-class TaskError(SpmdkitError, TypeError):
-    """A Task's init, loss or data do not have the form spmdkit trains."""
 
 
 def _unbox(tree: Any) -> Any:
@@ -85,7 +81,7 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
         >>> validate_task(task, 4)
         Traceback (most recent call last):
         ...
-        spmdkit._train._validate.TaskError: task 't': loss_fn returned a bare array of shape (); spmdkit needs a tuple (loss, aux).
+        spmdkit._errors.TaskError: task 't': loss_fn returned a bare array of shape (); spmdkit needs a tuple (loss, aux).
           Fix: return a pair: return loss, {} (or return loss, {"accuracy": acc}).
     """
     # As the strategies trace it: an NNX model whose variables carry sharding annotations
@@ -232,6 +228,8 @@ def _check_eval(task: Task, params: Any, batch: Any) -> None:
     try:
         _, aux = jax.eval_shape(lambda p, s, b, k: task.eval_loss(p, s, b, k), params, model_state, batch,
                                 jax.random.key(0))
+    except TaskError:  # it ran, and returned what spmdkit cannot take: its own message and fix
+        raise
     except Exception as e:
         raise TaskError(fix(
             f"task {task.name!r}: {'eval_fn' if task.eval_fn else 'loss_fn'} fails on eval_data, whose examples "
