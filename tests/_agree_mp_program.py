@@ -40,18 +40,28 @@ def cases():
     # fit draws each process's rows of every batch from its own copy of the arrays.
     import optax
 
-    def fit_on(train, evaluate=None):
-        task = spmdkit.Task(name="agree", init=lambda key: {"w": jnp.zeros((8, 1))},
+    def fit_on(train, evaluate=None, width=1, lr=0.1, steps=1, checkpoint=None):
+        task = spmdkit.Task(name="agree", init=lambda key: {"w": jnp.zeros((8, width))},
                             loss_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), {}),
                             train_data=train, eval_data=evaluate)
-        spmdkit.fit(task, data, optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=16), out_dir=None,
-                    progress=False)
+        spmdkit.fit(task, data, optax.sgd(lr), spmdkit.TrainConfig(steps=steps, batch_size=16), out_dir=None,
+                    progress=False, checkpoint=checkpoint)
 
     xy = {"x": np.ones((32, 8), np.float32), "y": np.ones((32, 1), np.float32)}
     yield "fit same data", lambda: fit_on(xy, xy)
     yield "fit rows", lambda: fit_on({k: v[: 32 + 8 * me] for k, v in {k: np.ones((40, v.shape[1]), np.float32)
                                                                        for k, v in xy.items()}.items()})
     yield "fit eval values", lambda: fit_on(xy, {"x": xy["x"] + me, "y": xy["y"]})
+    # Settings and models that differ: one process waited for ever in a collective the other never reached.
+    yield "fit steps", lambda: fit_on(xy, steps=1 + me)
+    yield "fit model", lambda: fit_on(xy, width=1 + me)
+    yield "fit lr", lambda: fit_on(xy, lr=0.1 * (1 + me))
+    import tempfile
+
+    where = tempfile.gettempdir() + f"/agree-{jax.process_index()}-unused"
+    yield "fit resume", lambda: fit_on(xy, checkpoint=spmdkit.CheckpointConfig(where, resume=me == 0))
+    # strategy.init with the user's own make_state of other shapes: its first step waited for ever.
+    yield "init state", lambda: data.init(lambda key: {"w": jnp.zeros((8, 4 + me))}, 0)
     # A process's own one-device strategy runs its own program: its keys and batches may differ.
     own = spmdkit.Single(jax.local_devices()[0])
     yield "own device", lambda: own.step(train_step)(own.init(make_state, me), {"x": x[: 8 + 8 * me]})

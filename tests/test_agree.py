@@ -81,6 +81,28 @@ def test_fit_on_arrays_that_differ_between_processes_is_refused(raised, case, wo
     assert "Fix: give every process the same task." in raised[case]
 
 
+@pytest.mark.parametrize("case, words", [
+    ("fit steps", "fit: TrainConfig.steps differs between processes: process 0 has 1, process 1 has 2."),
+    ("fit model", "fit: state differs between processes: process 0 has state.params['w'] (8, 1) float32, process 1 "
+                  "has state.params['w'] (8, 2) float32."),
+    ("fit lr", "fit: optimizer differs between processes: step_size -0.1 -> -0.2 (in scale) (from process 0's to "
+               "process 1's)."),
+    ("fit resume", "fit: CheckpointConfig.resume differs between processes: process 0 has True, process 1 has False."),
+    ("init state", "DataParallel.init(make_state, rng): make_state builds another state in process 1 than in process "
+                   "0: state['w'] (8, 4) float32 in process 0, state['w'] (8, 5) float32 in process 1."),
+])
+def test_settings_or_states_that_differ_between_processes_are_refused_before_any_step(raised, case, words):
+    # Each left one process waiting for ever in a collective the other never reached (a resume in
+    # process 0 alone: both, with no message; other --steps: the finished one 5 minutes in JAX's exit).
+    assert raised[case].startswith(words), raised[case]
+    fixes = {"fit steps": "(on the command line: the same --steps in every process)",
+             "fit model": "build the same model (task.init) and optimizer in every process",
+             "fit lr": "--optimizer, --lr, --momentum and --weight-decay",
+             "fit resume": "(on the command line: the same --resume in every process)",
+             "init state": "build the same state in every process"}
+    assert fixes[case] in raised[case], raised[case]
+
+
 def test_one_process_compares_nothing():
     assert not spans_processes(spmdkit.DataParallel().mesh)
     assert batch_signature({"x": np.zeros((4, 2), np.float32), "n": jax.numpy.zeros(4, jax.numpy.int32)}) == [

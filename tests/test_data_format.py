@@ -188,6 +188,21 @@ def test_cli_writes_from_an_npz_and_names_a_missing_one(tmp_path, capsys):
     assert "missing.npz: cannot be read" in " ".join(capsys.readouterr().err.split())  # as wrapped by the console
 
 
+def test_a_task_given_a_data_set_directory_checks_its_crc32s_as_the_command_does(tmp_path):
+    # fit(Task(train_data=DIR)) trained on negated labels swapped in, without a word; the command refused them.
+    import jax.numpy as jnp
+
+    x = np.arange(32.0, dtype=np.float32).reshape(16, 2)
+    spmdkit.write_dataset(tmp_path / "ds", {"x": x, "y": x[:, 0].copy()})
+    np.save(tmp_path / "ds" / "y.npy", -x[:, 0])  # same shape, dtype and size
+    task = lambda **data: spmdkit.Task(name="lin", init=lambda r: {"w": jnp.zeros(2)},  # noqa: E731
+                                       loss_fn=lambda p, b, r: (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), {}), **data)
+    for data in ({"train_data": tmp_path / "ds"}, {"train_data": {"x": x, "y": x[:, 0]}, "eval_data": str(tmp_path / "ds")}):
+        with pytest.raises(DatasetCorruptError, match=r"(?s)y.npy: checksum .* differs from the manifest's"):
+            task(**data)
+    assert task(train_data=spmdkit.load_dataset(tmp_path / "ds")).num_train == 16  # unchecked, by choice
+
+
 def test_cli_train_refuses_a_file_swapped_for_another_of_the_same_shape(tmp_path, capsys):
     # Sizes, shapes and dtypes all match: only the CRC-32 tells, and `spmdkit train --data`
     # checks it by default, before the first step.

@@ -43,8 +43,8 @@ def resolve_eval_data(data: Any, name: str = "eval_data") -> Any:
     pipeline checked to be re-iterable and finite, arrays as numpy."""
     from spmdkit._data._format import load_dataset
 
-    if isinstance(data, (str, os.PathLike)):
-        return load_dataset(data)
+    if isinstance(data, (str, os.PathLike)):  # CRC-32s checked, as for train_data
+        return load_dataset(data, verify=True)
     if not _feed.is_pipeline(data):
         return jax.tree.map(np.asarray, data)
     if hasattr(data, "__next__"):

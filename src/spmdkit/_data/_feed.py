@@ -48,8 +48,8 @@ def resolve_train_data(data: Any) -> Any:
     kept as it is, anything else left to the array checks; a function is an error."""
     from spmdkit._data._format import load_dataset
 
-    if isinstance(data, (str, os.PathLike)):
-        return load_dataset(data)
+    if isinstance(data, (str, os.PathLike)):  # checked as `spmdkit train --data` checks it: a swapped file trained silently
+        return load_dataset(data, verify=True)
     if callable(data) and not is_pipeline(data) and not hasattr(data, "shape"):
         name = getattr(data, "__name__", type(data).__name__)
         raise DataError(fix(f"train_data is the function {name!r}; spmdkit does not guess how to call it.",

@@ -82,7 +82,7 @@ def check_same_arguments(arguments: dict[str, Any]) -> None:
     process must call it."""
     if jax.process_count() == 1:
         return
-    from spmdkit._strategies._agree import disagreement
+    from spmdkit._strategies._agree import disagreement, first_difference
 
     plain = json.loads(json.dumps(arguments, sort_keys=True, default=_plain))
     every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain)
@@ -90,7 +90,7 @@ def check_same_arguments(arguments: dict[str, Any]) -> None:
         return
     p = next(i for i, a in enumerate(every) if a != every[0])
     key = next(k for k in every[0] if every[0][k] != every[p].get(k))
-    first, other = _first_difference(every[0][key], every[p][key], "state" if key == "make_state" else key)
+    first, other = first_difference(every[0][key], every[p][key], "state" if key == "make_state" else key)
     if key == "make_state":
         raise ProcessMismatchError(fix(
             f"plan(make_state=...) builds another state in process {p} than in process 0: {first} in process 0, "
@@ -102,29 +102,6 @@ def check_same_arguments(arguments: dict[str, Any]) -> None:
         f"{other}. Every process returns process 0's plan, so process {p}'s {key} would be dropped.",
         f"pass every process the same {key}."))
 
-
-def _first_difference(a: Any, b: Any, name: str = "") -> tuple[str, str]:
-    """Two values as said in an error: for signatures (``[path, shape, dtype]`` lists) the first
-    leaf that differs, not two whole lists.
-
-    Example:
-        >>> _first_difference([["['w']", [2, 3], "float32"]], [["['w']", [2, 4], "float32"]], "state")
-        ("state['w'] (2, 3) float32", "state['w'] (2, 4) float32")
-        >>> _first_difference([["['w']", [2], "float32"]], [], "batch")
-        ("batch['w'] (2,) float32", "no batch['w']")
-    """
-    def leaves(v: Any) -> dict | None:
-        if isinstance(v, list) and all(isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) for x in v):
-            return {path: f"{name}{path} {tuple(shape)} {dtype}" for path, shape, dtype in v}
-        return None
-
-    x, y = leaves(a), leaves(b)
-    if x is None or y is None:
-        return repr(a)[:300], repr(b)[:300]
-    path = next((k for k in [*x, *y] if x.get(k) != y.get(k)), None)
-    if path is None:  # the same leaves in another order
-        return f"the leaves {list(x)[:4]}", f"{list(y)[:4]}"
-    return x.get(path, f"no {name}{path}"), y.get(path, f"no {name}{path}")
 
 
 def from_process_0(value: Any) -> Any:

@@ -77,6 +77,91 @@ def batch_signature(batch: Any) -> list[list[Any]]:
             for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
 
 
+def first_difference(a: Any, b: Any, name: str = "") -> tuple[str, str]:
+    """Two values as said in an error: for signatures (``[path, shape, dtype]`` lists) the first
+    leaf that differs, not two whole lists.
+
+    Example:
+        >>> first_difference([["['w']", [2, 3], "float32"]], [["['w']", [2, 4], "float32"]], "state")
+        ("state['w'] (2, 3) float32", "state['w'] (2, 4) float32")
+        >>> first_difference([["['w']", [2], "float32"]], [], "batch")
+        ("batch['w'] (2,) float32", "no batch['w']")
+    """
+    def leaves(v: Any) -> dict | None:
+        if isinstance(v, list) and all(isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) for x in v):
+            return {path: f"{name}{path} {tuple(shape)} {dtype}" for path, shape, dtype in v}
+        return None
+
+    x, y = leaves(a), leaves(b)
+    if x is None or y is None:
+        return repr(a)[:300], repr(b)[:300]
+    path = next((k for k in [*x, *y] if x.get(k) != y.get(k)), None)
+    if path is None:  # the same leaves in another order
+        return f"the leaves {list(x)[:4]}", f"{list(y)[:4]}"
+    return x.get(path, f"no {name}{path}"), y.get(path, f"no {name}{path}")
+
+
+def check_same_state(abstract: Callable[[], Any], mesh: Mesh, call: str) -> Any:
+    """``abstract()`` (the state ``make_state`` builds, as shapes), refused when its leaves'
+    shapes or dtypes differ between the processes of ``mesh``'s program: each process builds
+    its part of one global state, and parts of other shapes met in no collective, every
+    process waiting in its first step for ever. An error ``abstract()`` raises is raised
+    after the comparison (a process that raised before it left the others waiting in it)."""
+    if not spans_processes(mesh):
+        return abstract()
+    try:
+        value, error = abstract(), None
+        signature: Any = batch_signature(value)
+    except Exception as e:  # noqa: BLE001 - raised below, once every process has compared
+        value, error, signature = None, e, f"make_state raised {type(e).__name__}"
+    every = disagreement(json.dumps(signature).encode(), lambda: signature)
+    if every is not None:
+        p = next(p for p, s in enumerate(every) if s != every[0])
+        first, other = first_difference(every[0], every[p], "state")
+        raise ProcessMismatchError(fix(
+            f"{call}(make_state, rng): make_state builds another state in process {p} than in process 0: {first} "
+            f"in process 0, {other} in process {p}. Every process builds its part of one global state: parts of "
+            "other shapes meet in no collective, and every process would wait in its first step for ever.",
+            "build the same state in every process (the same model sizes, optimizer and dtypes; not drawn from "
+            "jax.process_index())."))
+    if error is not None:
+        raise error
+    return value
+
+
+def check_same_settings(settings: dict[str, Any], mesh: Mesh | None, call: str,
+                        describe: Callable[[str, Any, Any], str | None] | None = None,
+                        fixes: dict[str, str] | None = None) -> None:
+    """Refuse ``settings`` (JSON-able by name; a nested dict's entries as ``outer.inner``) that
+    differ between the processes of ``mesh``'s program, naming the first that differs.
+    ``describe(name, process 0's, the other's)`` says how two values differ (default: both, or
+    for lists of ``[path, shape, dtype]`` the first leaf that differs); ``fixes[name]``, the fix."""
+    if mesh is None or not spans_processes(mesh):
+        return
+    flat = {}
+    for name, value in settings.items():
+        flat.update({f"{name}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {name: value})
+    plain = json.loads(json.dumps(flat, sort_keys=True, default=str))
+    every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain)
+    if every is None:
+        return
+    p = next(p for p, e in enumerate(every) if e != every[0])
+    name = next(k for k in [*every[0], *every[p]] if every[0].get(k) != every[p].get(k))
+    a, b = every[0].get(name), every[p].get(name)
+    said = describe(name, a, b) if describe else None
+    if said:
+        said += f" (from process 0's to process {p}'s)"
+    else:
+        x, y = (first_difference(a, b, name) if isinstance(a, list) and isinstance(b, list)
+                else (repr(a)[:200], repr(b)[:200]))
+        said = f"process 0 has {x}, process {p} has {y}"
+    raise ProcessMismatchError(fix(
+        f"{call}: {name} differs between processes: {said}. Every process runs one program, step for step: with "
+        "other settings they part ways, one waiting for ever in a collective the others never reach.",
+        (fixes or {}).get(name, f"give every process the same {name} (on the command line: the same flags in every "
+                                "process).")))
+
+
 def check_same_batch(batch: Any, mesh: Mesh, call: str, argument: str = "batch") -> None:
     """Refuse a global batch whose structure, shapes or dtypes differ between the processes
     of ``mesh``'s program (each would hand JAX rows of another global array)."""

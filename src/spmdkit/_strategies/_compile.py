@@ -29,7 +29,7 @@ from spmdkit._cache import off_for_several_processes
 from spmdkit._errors import (AxisNameError, BatchSizeError, DonatedStateError, MeshError, SignatureError, SpmdkitError,
                              StepOutputError, TreeMismatchError, fix)
 from spmdkit._mesh import make_mesh
-from spmdkit._strategies._agree import check_same_batch, check_same_key
+from spmdkit._strategies._agree import check_same_batch, check_same_key, check_same_state
 from spmdkit._rules import AxisRules, LayoutError
 from spmdkit._tree import bad_dtype, tree_difference
 from spmdkit._types import ApplyFn, Batch, MakeState, State, TrainStepFn
@@ -516,7 +516,8 @@ class Placement:
         check_same_key(rng, self.mesh, f"{type(self).__name__}.init")
         rng = self._init_key(rng)
         make = self._make(_arrays_only(make_state))
-        shardings = self.shardings(self._abstract_boxed(make, rng))
+        shardings = self.shardings(check_same_state(lambda: self._abstract_boxed(make, rng), self.mesh,
+                                                    f"{type(self).__name__}.init"))
         strip = unbox_tree if unbox else (lambda tree: tree)
 
         def build():

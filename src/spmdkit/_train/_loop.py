@@ -32,7 +32,7 @@ from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._data._feed import arrays_digest
 from spmdkit._errors import ConfigError, NonFiniteLossError, PeerLostError, fix
 from spmdkit._process import guarded, process_age_s
-from spmdkit._strategies._agree import check_same_data
+from spmdkit._strategies._agree import check_same_data, check_same_settings
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import LOSS_WEIGHT, Task
@@ -567,6 +567,48 @@ class HeldCheckpoints(Hook):
         self.ckpt.close()
 
 
+def _run_settings(task: Task, optimizer: optax.GradientTransformation, config: TrainConfig,
+                  checkpoint: CheckpointConfig | None, step_timeout: Any) -> dict[str, Any]:
+    """What every process of one ``fit`` gives alike besides its data: compared before anything
+    else runs across them. The checkpoint directory is compared by ``Checkpointer.claim``, resolved."""
+    import dataclasses
+
+    from spmdkit._strategies._agree import batch_signature
+
+    try:
+        state: Any = batch_signature(jax.eval_shape(task_state(task, optimizer), jax.random.key(0)))
+    except Exception as e:  # noqa: BLE001 - validate_task names it, in every process
+        state = f"task.init raised {type(e).__name__}"
+    kept = None if checkpoint is None else {k: v for k, v in dataclasses.asdict(checkpoint).items() if k != "directory"}
+    return {"task": task.name, "TrainConfig": dataclasses.asdict(config), "CheckpointConfig": kept,
+            "optimizer": optimizer_record(optimizer), "state": state, "step_timeout": step_timeout}
+
+
+# The command's flag for each setting fit compares across processes.
+_SETTING_FLAGS = {
+    **{f"TrainConfig.{k}": f"--{k.replace('_', '-')}" for k in ("steps", "epochs", "batch_size", "seed", "eval_every",
+                                                                "eval_batch_size", "log_every", "drop_remainder",
+                                                                "grad_accum", "prefetch")},
+    "CheckpointConfig.every": "--checkpoint-every", "CheckpointConfig.keep": "--keep",
+    "CheckpointConfig.resume": "--resume", "CheckpointConfig.overwrite": "--overwrite-checkpoints",
+    "optimizer": "--optimizer, --lr, --momentum and --weight-decay", "step_timeout": "--distributed-timeout",
+    "task": "--task", "state": "--task and model flags",
+}
+_SETTING_FIXES = {
+    **{name: f"give every process the same {name} (on the command line: the same {flag} in every process)."
+       for name, flag in _SETTING_FLAGS.items()},
+    "state": "build the same model (task.init) and optimizer in every process (on the command line: the same --task "
+             "and model flags in every process).",
+}
+
+
+def _said_setting(name: str, first: Any, other: Any) -> str | None:
+    """How two processes' optimizers or states differ, in words (else both values are shown)."""
+    if name == "optimizer" and isinstance(first, list) and isinstance(other, list):
+        return "; ".join(changed_constants(first, other))
+    return None
+
+
 class _Run:
     """One run of ``fit``: its start (fresh or resumed), its hooks, and its end (the final
     checkpoint, summary and artifacts). ``with run:`` turns the ways a run ends early
@@ -578,6 +620,10 @@ class _Run:
         # Read (and a bad SPMDKIT_HOST_ALLOCATOR refused) before any step, not in the summary after the last.
         self.host_memory = host_memory()
         self.feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
+        # Every process runs one program step for step: other steps, intervals, a resume in one process
+        # only, another model or learning rate each left a process waiting for ever in a collective.
+        check_same_settings(_run_settings(task, optimizer, config, checkpoint, step_timeout),
+                            getattr(strategy, "mesh", None), "fit", _said_setting, _SETTING_FIXES)
         # Every process draws its rows from its own copy of the arrays: copies that differ mixed silently.
         check_same_data({"task.train_data": task.train_data,
                          **({"task.eval_data": task.eval_data} if task.eval_data is not None else {})},
