@@ -580,7 +580,9 @@ def _run_settings(task: Task, optimizer: optax.GradientTransformation, config: T
     except Exception as e:  # noqa: BLE001 - validate_task names it, in every process
         state = f"task.init raised {type(e).__name__}"
     kept = None if checkpoint is None else {k: v for k, v in dataclasses.asdict(checkpoint).items() if k != "directory"}
-    return {"task": task.name, "TrainConfig": dataclasses.asdict(config), "CheckpointConfig": kept,
+    # prefetch is each process's own (batches read ahead on its host): a host with less memory may read fewer.
+    train = {k: v for k, v in dataclasses.asdict(config).items() if k != "prefetch"}
+    return {"task": task.name, "TrainConfig": train, "CheckpointConfig": kept,
             "optimizer": optimizer_record(optimizer), "state": state, "step_timeout": step_timeout}
 
 
@@ -588,7 +590,7 @@ def _run_settings(task: Task, optimizer: optax.GradientTransformation, config: T
 _SETTING_FLAGS = {
     **{f"TrainConfig.{k}": f"--{k.replace('_', '-')}" for k in ("steps", "epochs", "batch_size", "seed", "eval_every",
                                                                 "eval_batch_size", "log_every", "drop_remainder",
-                                                                "grad_accum", "prefetch")},
+                                                                "grad_accum")},
     "CheckpointConfig.every": "--checkpoint-every", "CheckpointConfig.keep": "--keep",
     "CheckpointConfig.resume": "--resume", "CheckpointConfig.overwrite": "--overwrite-checkpoints",
     "optimizer": "--optimizer, --lr, --momentum and --weight-decay", "step_timeout": "--distributed-timeout",
