@@ -40,12 +40,12 @@ def cases():
     # fit draws each process's rows of every batch from its own copy of the arrays.
     import optax
 
-    def fit_on(train, evaluate=None, width=1, lr=0.1, steps=1, checkpoint=None):
+    def fit_on(train, evaluate=None, width=1, lr=0.1, steps=1, checkpoint=None, step_timeout=None):
         task = spmdkit.Task(name="agree", init=lambda key: {"w": jnp.zeros((8, width))},
                             loss_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), {}),
                             train_data=train, eval_data=evaluate)
         spmdkit.fit(task, data, optax.sgd(lr), spmdkit.TrainConfig(steps=steps, batch_size=16), out_dir=None,
-                    progress=False, checkpoint=checkpoint)
+                    progress=False, checkpoint=checkpoint, **({"step_timeout": step_timeout} if step_timeout else {}))
 
     xy = {"x": np.ones((32, 8), np.float32), "y": np.ones((32, 1), np.float32)}
     yield "fit same data", lambda: fit_on(xy, xy)
@@ -60,6 +60,8 @@ def cases():
 
     where = tempfile.gettempdir() + f"/agree-{jax.process_index()}-unused"
     yield "fit resume", lambda: fit_on(xy, checkpoint=spmdkit.CheckpointConfig(where, resume=me == 0))
+    yield "fit own timeout", lambda: fit_on(xy, step_timeout=100 + 50 * me)  # each process's watchdog: its own
+    yield "fit checkpoint in one", lambda: fit_on(xy, checkpoint=spmdkit.CheckpointConfig(where) if me else None)
     # strategy.init with the user's own make_state of other shapes: its first step waited for ever.
     yield "init state", lambda: data.init(lambda key: {"w": jnp.zeros((8, 4 + me))}, 0)
     # A process's own one-device strategy runs its own program: its keys and batches may differ.

@@ -67,6 +67,7 @@ def test_a_global_batch_that_differs_between_processes_is_refused_at_the_first_c
 
 def test_fit_on_the_same_arrays_passes(raised):
     assert raised["fit same data"] is None
+    assert raised["fit own timeout"] is None  # a process's own watchdog setting is not the run's
 
 
 @pytest.mark.parametrize("case, words", [
@@ -88,6 +89,7 @@ def test_fit_on_arrays_that_differ_between_processes_is_refused(raised, case, wo
     ("fit lr", "fit: optimizer differs between processes: step_size -0.1 -> -0.2 (in scale) (from process 0's to "
                "process 1's)."),
     ("fit resume", "fit: CheckpointConfig.resume differs between processes: process 0 has True, process 1 has False."),
+    ("fit checkpoint in one", "fit: CheckpointConfig differs between processes: process 0 has none, process 1 has one."),
     ("init state", "DataParallel.init(make_state, rng): make_state builds another state in process 1 than in process "
                    "0: state['w'] (8, 4) float32 in process 0, state['w'] (8, 5) float32 in process 1."),
 ])
@@ -99,6 +101,7 @@ def test_settings_or_states_that_differ_between_processes_are_refused_before_any
              "fit model": "build the same model (task.init) and optimizer in every process",
              "fit lr": "--optimizer, --lr, --momentum and --weight-decay",
              "fit resume": "(on the command line: the same --resume in every process)",
+             "fit checkpoint in one": "(on the command line: the same --checkpoint-dir in every process)",
              "init state": "build the same state in every process"}
     assert fixes[case] in raised[case], raised[case]
 

@@ -92,6 +92,23 @@ def test_metrics_hook_counts_a_step_once_and_each_metric_over_the_steps_that_gav
     assert hook._count == 0 and rows[0]["steps_per_sec"] > 0
 
 
+def test_metrics_hook_subclass_add_is_what_run_hooks_counts_and_a_hand_call_repeats_its_step():
+    seen = []
+
+    class Counting(MetricsHook):
+        def add(self, info):
+            seen.append(info.step)
+            super().add(info)
+
+    rows = []
+    hook = Counting(rows.append, every=2)
+    for step in (1, 2):
+        run_hooks([hook], StepInfo(step, 0, None, {"loss": float(step)}))
+    assert seen == [1, 2] and rows[-1]["loss"] == 1.5
+    hook(StepInfo(2, 0, None, {"loss": 2.0}))  # by hand, at the same step again: that step's metrics, not an empty row
+    assert rows[-1]["step"] == 2 and rows[-1]["loss"] == 2.0
+
+
 def test_metrics_hook_names_a_metric_whose_shape_changes_within_a_row():
     import numpy as np
 

@@ -2516,8 +2516,8 @@ def test_plan_over_two_processes_refuses_arguments_that_differ_between_them():
     for i in (0, 1):
         assert (f"[{i}] refused: plan(rules=...) differs between processes: process 0 gave ['dp'], process 1 gave "
                 "['fsdp']") in out.stdout, said
-        assert (f"[{i}] refused: plan(state_axes=...) differs between processes: process 0 gave {{'w': ['embed', "
-                "'hidden']}, process 1 gave {'w': ['hidden', 'embed']}") in out.stdout, said
+        assert (f"[{i}] refused: plan(state_axes['w']=...) differs between processes: process 0 gave ('embed', "
+                "'hidden'), process 1 gave ('hidden', 'embed')") in out.stdout, said
         assert (f"[{i}] refused: plan(make_state=...) builds another state in process 1 than in process 0: "
                 "state['w'] (16, 16) float32 in process 0, state['w'] (16, 32) float32 in process 1") in out.stdout, said
 
@@ -2842,4 +2842,4 @@ def test_a_ctrl_c_while_timing_the_links_around_the_rounds_is_an_interrupted_mea
 
     with pytest.raises(MeasureInterrupted) as e:  # after them: every round kept
         watched(about, 8, 3, lambda: {"runs": [], "rounds": 3}, once)
-    assert e.value.measured["rounds"] == 3 and e.value.measured["interrupted"] == {"rounds_done": 3, "rounds_asked": 3}
+    assert e.value.measured["rounds"] == 3 and "interrupted" not in e.value.measured  # every round ran: none cut short

@@ -105,6 +105,16 @@ def _state_signature(make_state: Callable, rng: Any) -> Any:
         return f"make_state raised {type(e).__name__}"
 
 
+def _axes_signature(state_axes: Any) -> Any:
+    """``state_axes`` as ``{path: names}``, compared across processes: its ``str`` held a static
+    field's function address (a TrainState-shaped ``state_axes``), another in every process."""
+    from jax.sharding import PartitionSpec
+
+    names = lambda x: x is None or isinstance(x, (tuple, PartitionSpec))  # noqa: E731
+    return {jax.tree_util.keystr(path): repr(x) for path, x in
+            jax.tree_util.tree_flatten_with_path(state_axes, is_leaf=names)[0]}
+
+
 def _whole(name: str, value: Any, least: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise ConfigError(fix(f"plan({name}={value!r}): need a whole number >= {least}.", hint))
@@ -295,7 +305,7 @@ def plan(make_state: Callable, train_step: Callable | None, batch: Any, *, memor
         check_same_arguments({"rules": rules, "remat": remat, "accum": accum, "memory_per_device": memory_per_device,
                               "dtype": dtype, "measure": measure, "measure_steps": measure_steps,
                               "measure_rounds": measure_rounds, "batch": batch_signature(batch),
-                              "make_state": _state_signature(make_state, rng), "state_axes": state_axes})
+                              "make_state": _state_signature(make_state, rng), "state_axes": _axes_signature(state_axes)})
         check_device_order()
         target = agreed_target(target)
     result = _plan(make_state, train_step, batch, memory_per_device=memory_per_device, target=target, rules=rules,

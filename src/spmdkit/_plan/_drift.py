@@ -77,8 +77,10 @@ def watched(about: dict[str, Any], n: int, rounds: int, measure: Callable[[], di
     measured = measure()
     try:
         after = time_link(n)
-    except KeyboardInterrupt:  # every round is measured: keep them
-        raise MeasureInterrupted(measured, rounds, rounds) from None
+    except KeyboardInterrupt:  # every round is measured: keep them, not marked as cut short
+        stop = MeasureInterrupted(measured, rounds, rounds)
+        measured.pop("interrupted", None)
+        raise stop from None
     measured["links"] = links_seen(priced, n, before, after)
     return measured
 

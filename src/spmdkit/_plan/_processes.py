@@ -90,7 +90,12 @@ def check_same_arguments(arguments: dict[str, Any]) -> None:
         return
     p = next(i for i, a in enumerate(every) if a != every[0])
     key = next(k for k in every[0] if every[0][k] != every[p].get(k))
-    first, other = first_difference(every[0][key], every[p][key], "state" if key == "make_state" else key)
+    a, b = every[0][key], every[p][key]
+    if isinstance(a, dict) and isinstance(b, dict):  # state_axes by path: the first path where they differ
+        path = next(k for k in [*a, *b] if a.get(k) != b.get(k))
+        first, other, key = a.get(path, "nothing"), b.get(path, "nothing"), f"{key}{path}"
+    else:
+        first, other = first_difference(a, b, "state" if key == "make_state" else key)
     if key == "make_state":
         raise ProcessMismatchError(fix(
             f"plan(make_state=...) builds another state in process {p} than in process 0: {first} in process 0, "
@@ -101,7 +106,6 @@ def check_same_arguments(arguments: dict[str, Any]) -> None:
         f"plan({key}=...) differs between processes: process 0 gave {first}, process {p} gave "
         f"{other}. Every process returns process 0's plan, so process {p}'s {key} would be dropped.",
         f"pass every process the same {key}."))
-
 
 
 def from_process_0(value: Any) -> Any:

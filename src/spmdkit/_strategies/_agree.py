@@ -38,7 +38,8 @@ def disagreement(payload: bytes, detail: Callable[[], Any]) -> list[Any] | None:
     """None when every process gave the same ``payload``; else every process's ``detail()``
     (JSON-able), in process order. Every process must call it, at the same point."""
     digest = np.frombuffer(hashlib.sha256(payload).digest()[:16], np.uint32)
-    every = np.asarray(allgather(digest, "a digest of the init key or batch layout")).reshape(-1, digest.size)
+    every = np.asarray(allgather(digest, "a digest of what every process must give alike (settings, state, key, "
+                                           "batch layout)")).reshape(-1, digest.size)
     if (every == every[0]).all():
         return None
     return gather_json(detail(), "what each process gave")  # every process saw the same digests: all take this path
@@ -129,18 +130,22 @@ def check_same_state(abstract: Callable[[], Any], mesh: Mesh, call: str) -> Any:
     return value
 
 
-def check_same_settings(settings: dict[str, Any], mesh: Mesh | None, call: str,
+def check_same_settings(settings: Callable[[], dict[str, Any]], mesh: Mesh | None, call: str,
                         describe: Callable[[str, Any, Any], str | None] | None = None,
                         fixes: dict[str, str] | None = None) -> None:
-    """Refuse ``settings`` (JSON-able by name; a nested dict's entries as ``outer.inner``) that
-    differ between the processes of ``mesh``'s program, naming the first that differs.
+    """Refuse ``settings()`` (JSON-able by name; a nested dict's entries as ``outer.inner``, and
+    the dict itself as given or None) that differ between the processes of ``mesh``'s program,
+    naming the first that differs; built only when the mesh spans processes.
     ``describe(name, process 0's, the other's)`` says how two values differ (default: both, or
     for lists of ``[path, shape, dtype]`` the first leaf that differs); ``fixes[name]``, the fix."""
     if mesh is None or not spans_processes(mesh):
         return
     flat = {}
-    for name, value in settings.items():
-        flat.update({f"{name}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {name: value})
+    for name, value in settings().items():
+        if isinstance(value, dict):  # "given" first (sorted before its entries): None in one process is named as such
+            flat.update({name: "given", **{f"{name}.{k}": v for k, v in value.items()}})
+        else:
+            flat[name] = value
     plain = json.loads(json.dumps(flat, sort_keys=True, default=str))
     every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain)
     if every is None:
@@ -152,8 +157,8 @@ def check_same_settings(settings: dict[str, Any], mesh: Mesh | None, call: str,
     if said:
         said += f" (from process 0's to process {p}'s)"
     else:
-        x, y = (first_difference(a, b, name) if isinstance(a, list) and isinstance(b, list)
-                else (repr(a)[:200], repr(b)[:200]))
+        shown = lambda v: "one" if v == "given" else "none" if v is None else repr(v)[:200]  # noqa: E731
+        x, y = first_difference(a, b, name) if isinstance(a, list) and isinstance(b, list) else (shown(a), shown(b))
         said = f"process 0 has {x}, process {p} has {y}"
     raise ProcessMismatchError(fix(
         f"{call}: {name} differs between processes: {said}. Every process runs one program, step for step: with "

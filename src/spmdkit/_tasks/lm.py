@@ -270,7 +270,9 @@ def _each_file_once(files: list[Path]) -> list[Path]:
         except OSError:  # gone since the listing: reading it names it
             out.append(p)
             continue
-        if (st.st_dev, st.st_ino) not in seen:
+        if not st.st_ino:  # a file system without inode numbers: nothing to tell links by
+            out.append(p)
+        elif (st.st_dev, st.st_ino) not in seen:
             seen.add((st.st_dev, st.st_ino))
             out.append(p)
     return out

@@ -208,8 +208,13 @@ class MetricsHook(Hook):
     def add(self, info: StepInfo) -> None:
         """Count a step toward the next row; ``run_hooks`` calls this after every step, and a
         step already counted is not counted again."""
-        if info.step == self._added:
-            return
+        if info.step != self._added:
+            self._count_step(info)
+
+    def observe(self, info: StepInfo) -> None:
+        self.add(info)
+
+    def _count_step(self, info: StepInfo) -> None:
         for k, v in flat_metrics(info.metrics).items():
             if k in self._sums and np.shape(self._sums[k]) != np.shape(v):  # numpy's broadcast error named neither
                 raise ConfigError(fix(f"MetricsHook: metric {k!r} has shape {np.shape(v)} at step {info.step}, "
@@ -221,11 +226,9 @@ class MetricsHook(Hook):
         self._count += 1
         self._added = info.step
 
-    observe = add
-
     def __call__(self, info: StepInfo) -> None:
-        if not self._count:  # called by hand, not through run_hooks
-            self.add(info)
+        if not self._count:  # called by hand, not through run_hooks (again at one step: that step's metrics again)
+            self._count_step(info)
         check_metric_names(self._sums, "MetricsHook")
         now = time.perf_counter()
         # Each metric over the steps that gave it: one given every other step was halved.

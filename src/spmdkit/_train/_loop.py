@@ -568,22 +568,28 @@ class HeldCheckpoints(Hook):
 
 
 def _run_settings(task: Task, optimizer: optax.GradientTransformation, config: TrainConfig,
-                  checkpoint: CheckpointConfig | None, step_timeout: Any) -> dict[str, Any]:
-    """What every process of one ``fit`` gives alike besides its data: compared before anything
-    else runs across them. The checkpoint directory is compared by ``Checkpointer.claim``, resolved."""
+                  checkpoint: CheckpointConfig | None, plan: _Plan) -> dict[str, Any]:
+    """What every process of one ``fit`` gives alike besides its data, compared before any step.
+    Left out: the checkpoint directory (``Checkpointer.claim`` compares it, resolved) and what is
+    each process's own, ``prefetch`` (batches read ahead on its host) and ``step_timeout`` (its
+    watchdog's)."""
     import dataclasses
+
+    from flax import nnx
 
     from spmdkit._strategies._agree import batch_signature
 
     try:
-        state: Any = batch_signature(jax.eval_shape(task_state(task, optimizer), jax.random.key(0)))
+        with nnx.use_eager_sharding(False):  # as validate_task traces it: annotated NNX variables need no mesh
+            state: Any = batch_signature(jax.eval_shape(task_state(task, optimizer), jax.random.key(0)))
     except Exception as e:  # noqa: BLE001 - validate_task names it, in every process
         state = f"task.init raised {type(e).__name__}"
     kept = None if checkpoint is None else {k: v for k, v in dataclasses.asdict(checkpoint).items() if k != "directory"}
-    # prefetch is each process's own (batches read ahead on its host): a host with less memory may read fewer.
     train = {k: v for k, v in dataclasses.asdict(config).items() if k != "prefetch"}
-    return {"task": task.name, "TrainConfig": train, "CheckpointConfig": kept,
-            "optimizer": optimizer_record(optimizer), "state": state, "step_timeout": step_timeout}
+    # The run's length and eval interval as planned: with epochs, from each process's own pipeline.
+    length = {"steps": plan.total, "steps_per_epoch": plan.steps_per_epoch, "eval_every": plan.eval_every}
+    return {"task": task.name, "TrainConfig": train, "CheckpointConfig": kept, "run": length,
+            "optimizer": optimizer_record(optimizer), "state": state}
 
 
 # The command's flag for each setting fit compares across processes.
@@ -593,14 +599,17 @@ _SETTING_FLAGS = {
                                                                 "grad_accum")},
     "CheckpointConfig.every": "--checkpoint-every", "CheckpointConfig.keep": "--keep",
     "CheckpointConfig.resume": "--resume", "CheckpointConfig.overwrite": "--overwrite-checkpoints",
-    "optimizer": "--optimizer, --lr, --momentum and --weight-decay", "step_timeout": "--distributed-timeout",
-    "task": "--task", "state": "--task and model flags",
+    "CheckpointConfig": "--checkpoint-dir", "optimizer": "--optimizer, --lr, --momentum and --weight-decay",
+    "task": "--task", "state": "--task and model flags", "run.steps": "--steps or --epochs",
+    "run.steps_per_epoch": "--data", "run.eval_every": "--eval-every",
 }
 _SETTING_FIXES = {
     **{name: f"give every process the same {name} (on the command line: the same {flag} in every process)."
        for name, flag in _SETTING_FLAGS.items()},
     "state": "build the same model (task.init) and optimizer in every process (on the command line: the same --task "
              "and model flags in every process).",
+    "run.steps_per_epoch": "give every process a pipeline of the same length (its share of every batch), or the "
+                           "same arrays (on the command line: the same --data in every process).",
 }
 
 
@@ -622,15 +631,16 @@ class _Run:
         # Read (and a bad SPMDKIT_HOST_ALLOCATOR refused) before any step, not in the summary after the last.
         self.host_memory = host_memory()
         self.feed = open_feed(task.train_data, config.batch_size, config.seed, config.drop_remainder, strategy)
-        # Every process runs one program step for step: other steps, intervals, a resume in one process
-        # only, another model or learning rate each left a process waiting for ever in a collective.
-        check_same_settings(_run_settings(task, optimizer, config, checkpoint, step_timeout),
-                            getattr(strategy, "mesh", None), "fit", _said_setting, _SETTING_FIXES)
         # Every process draws its rows from its own copy of the arrays: copies that differ mixed silently.
         check_same_data({"task.train_data": task.train_data,
                          **({"task.eval_data": task.eval_data} if task.eval_data is not None else {})},
                         getattr(strategy, "mesh", None), "fit")
         self.plan = _plan(task, strategy, config, self.feed)
+        # Every process runs one program step for step: other steps, intervals (also from pipelines of
+        # other lengths), a resume in one process only, another model or learning rate each left a
+        # process waiting for ever in a collective.
+        check_same_settings(lambda: _run_settings(task, optimizer, config, checkpoint, self.plan),
+                            getattr(strategy, "mesh", None), "fit", _said_setting, _SETTING_FIXES)
         validate_task(task, config.batch_size, self.feed.example())
         self.out = None if out_dir is None else Path(out_dir)
         # With several processes (jax.distributed) every one trains; process 0 alone writes.
