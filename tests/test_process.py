@@ -84,15 +84,20 @@ def test_a_peer_lost_error_is_a_runtime_error_with_the_clis_exit_code():
     assert issubclass(spmdkit.PeerLostError, RuntimeError) and spmdkit.PeerLostError.exit_code == 4
 
 
-# Process 1's loss kills it (SIGKILL) at its 4th step, or in the first eval (argv[4] "eval": an eval
-# chunk holds 16 rows a process, a train batch 32), from inside the compiled step: process 0 is then in
-# a step whose all-reduce has lost its other end, with nothing of the kill's timing left to chance.
+# Process 1 kills itself (SIGKILL) at its 4th step, or in the first eval (argv[4] "eval"): process 0 is
+# then in a step whose all-reduce has lost its other end, with nothing of the kill's timing left to
+# chance. With one device a process (argv[5]) its loss kills it from inside the compiled step (an eval
+# chunk holds 16 rows a process, a train batch 32). With several, a step with a host callback is
+# dispatched synchronously (process 0's dispatch itself waits for its devices, out of fit's reach),
+# so process 1 dies just before it dispatches that step or eval chunk (of the second eval) instead.
 _FIT_PROGRAM = """
 import dataclasses, os, sys
 import jax, jax.numpy as jnp, optax
 import spmdkit
 from spmdkit._tasks import linreg
-spmdkit.initialize(f"127.0.0.1:{sys.argv[1]}", 2, int(sys.argv[2]), host_devices=1, timeout_s=10)
+from spmdkit._train import _loop
+devices = int(sys.argv[5])
+spmdkit.initialize(f"127.0.0.1:{sys.argv[1]}", 2, int(sys.argv[2]), host_devices=devices, timeout_s=10)
 calls = []
 
 def die_at_step_4(x):
@@ -105,22 +110,39 @@ def loss_fn(params, batch, rng):
     jax.debug.callback(die_at_step_4, batch["x"], partitioned=True)  # on every process, not process 0 alone
     return linreg.loss_fn(params, batch, rng)
 
-task = dataclasses.replace(linreg.make(), loss_fn=loss_fn)
+def dying(collective, doing, guarded=_loop.guarded):
+    calls.append(doing)
+    # An eval's first chunk gathers the batch layout first: the second eval's is a plain eval chunk.
+    due = calls.count("evaluated (eval chunk 1)") == 2 if sys.argv[4] == "eval" else doing == "ran step 4"
+    if jax.process_index() == 1 and due:
+        os.kill(os.getpid(), 9)
+    return guarded(collective, doing)
+
+task = linreg.make()
+if devices == 1:
+    task = dataclasses.replace(task, loss_fn=loss_fn)
+else:  # in both processes: a step traced under other Python frames in one of them hung in its first all-reduce
+    _loop.guarded = dying
 spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.01), spmdkit.TrainConfig(steps=200, batch_size=64, eval_every=4,
             eval_batch_size=32, log_every=1), progress=False, log=lambda m: None, out_dir=sys.argv[3],
             checkpoint=spmdkit.CheckpointConfig(os.path.join(sys.argv[3], "ck"), every=2))
 """
 
 
+@pytest.mark.parametrize("devices", [1, 4])
 @pytest.mark.parametrize("where, doing", [("step", "ran step "), ("eval", "evaluated (eval chunk 1)")])
-def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own_group, tmp_path, where, doing):
+def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own_group, tmp_path, where, doing,
+                                                                               devices):
     # fit's wait for the step met the runtime's error: a raw JaxRuntimeError "Gloo all-reduce failed:
     # ... Connection closed by peer" from _loop.py's block_until_ready, exit code 1; in an eval, a
-    # raw ValueError from the eval step.
+    # raw ValueError from the eval step. With 4 devices a process the survivor waited instead, until
+    # the step watchdog's timeout (100 s, exit 4, no summary.json): only the devices that exchange
+    # with the lost process fail at once, the others wait in gloo for the ones that failed.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMDKIT_", "JAX_"))}
     port, out = _free_port(), tmp_path / "out"
-    with own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "0", str(out), where], env=env) as p0, \
-            own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "1", str(out), where], env=env) as p1:
+    t0 = time.time()
+    with own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "0", str(out), where, str(devices)], env=env) as p0, \
+            own_group([sys.executable, "-c", _FIT_PROGRAM, str(port), "1", str(out), where, str(devices)], env=env) as p1:
         _, stderr = p0.communicate(timeout=120)
         try:
             p1.wait(timeout=30)
@@ -128,6 +150,8 @@ def test_a_peer_killed_during_fit_is_named_with_the_step_not_a_jax_traceback(own
             raise AssertionError(f"process 1 still running 30 s after process 0 ended ({p0.returncode}): "
                                  f"{stderr[-3000:]}") from None
     assert p1.returncode == -9, p1.returncode
+    # Well within fit's step watchdog (100 s): the error came when the peer went, the exit within end_soon's 20 s.
+    assert p0.returncode == 1 and time.time() - t0 < 80, (p0.returncode, time.time() - t0, stderr[-3000:])
     assert "PeerLostError: another process of the job ended while this one " + doing in stderr, stderr[-3000:]
     assert "by peer" in stderr and "add --resume" in stderr
     for raw in ("JaxRuntimeError", "ValueError", "block_until_ready"):

@@ -31,7 +31,7 @@ from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._data._feed import arrays_digest
 from spmdkit._errors import ConfigError, NonFiniteLossError, PeerLostError, fix
-from spmdkit._process import guarded, process_age_s
+from spmdkit._process import guarded, process_age_s, wait_ready
 from spmdkit._strategies._agree import check_same_data, check_same_settings
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
@@ -219,7 +219,7 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
     for number, (rows, chunk) in enumerate(chunks, 1):
         n += rows
         # A peer process that ended meanwhile fails the eval step's collective with the runtime's raw words.
-        values = guarded(lambda: jax.device_get(eval_step(state, chunk)), f"evaluated (eval chunk {number})")
+        values = guarded(lambda: jax.device_get(wait_ready(eval_step(state, chunk))), f"evaluated (eval chunk {number})")
         means = {k: np.asarray(v, np.float64) for k, v in values.items()}
         weighted = LOSS_WEIGHT in means
         w = means.pop(LOSS_WEIGHT, rows)
@@ -228,7 +228,7 @@ def evaluate_task(state: Any, data: Any, batch_size: int, eval_step: Callable[..
             # a chunk of weight 0 adds nothing (its means are 0/0 in the user's loss)
             totals[k] = totals.get(k, 0.0) + np.where(w > 0, v * w, 0.0)
         if predict is not None:
-            probs = np.mean(np.asarray(guarded(lambda: to_host(predict(state, chunk)),
+            probs = np.mean(np.asarray(guarded(lambda: to_host(wait_ready(predict(state, chunk))),
                                                f"evaluated (eval chunk {number})")), axis=0)  # members' mean
             host = to_host(chunk)
             scores = predictor.score(probs, host)
@@ -447,10 +447,12 @@ def fit(
 def _run_step(step: Callable[..., Any], state: Any, batch: Any, number: int) -> tuple[Any, Any]:
     """One step, waited for: queued collective steps deadlock XLA:CPU. A peer process that
     ended fails the step's collective with the runtime's words (a raw JaxRuntimeError or
-    ValueError, exit 1): it is a PeerLostError (exit 4), as in a gather."""
+    ValueError, exit 1): it is a PeerLostError (exit 4), as in a gather. Each device's part is
+    waited for on its own (``wait_ready``): with several devices a process, only some fail at
+    once, and the others wait for them in gloo past the step watchdog's timeout."""
     def run() -> tuple[Any, Any]:
         new, aux = step(state, batch)
-        return jax.block_until_ready(new), aux
+        return wait_ready(new), aux
 
     return guarded(run, f"ran step {number}")
 
