@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -196,6 +195,9 @@ def guarded(collective: Callable[[], Any], doing: str) -> Any:
         raise lost from None  # the frames inside JAX say nothing a user can act on; its words stay in the message
 
 
+_WAITERS: Any = None  # threads that wait for one device's part each (wait_ready)
+
+
 def wait_ready(tree: Any) -> Any:
     """``jax.block_until_ready(tree)``, but in a job of several processes each local device's part
     is waited for on its own, so the error of one device's part is raised as soon as that part has
@@ -204,12 +206,16 @@ def wait_ready(tree: Any) -> Any:
     With several devices a process, a peer process that ends (killed) fails the step's all-reduce
     only on the devices that exchange with it (gloo: "Connection reset by peer"); this process's
     other devices wait in the same all-reduce for the device that failed, until gloo's own
-    timeout (past the step watchdog's 100 s). ``jax.block_until_ready`` waits for them all: the
-    lost peer went unnoticed until the step watchdog ended the process, with no summary written. With one device a
-    process (or one process) there is no such wait: the plain ``jax.block_until_ready``, at no
-    cost. Otherwise this polls each device's part, at most a tenth of the time waited so far
-    apart (0.1 ms to 20 ms), so a step takes at most about a tenth longer.
+    timeout (minutes). ``jax.block_until_ready`` waits for them all: the lost peer went unnoticed
+    until the step watchdog ended the process, with no summary written. Each part is waited for
+    by a thread of its own (a pool kept for the process), the first error raised here: a few
+    tens of microseconds a step, where polling the parts cost up to a tenth of the step. With
+    one device a process (or one process) there is no such wait: the plain
+    ``jax.block_until_ready``, at no cost. A thread left waiting after an error ends with the
+    process (whose exit is bounded: :func:`end_soon`).
     """
+    import concurrent.futures
+
     import jax
 
     if jax.process_count() == 1:
@@ -223,17 +229,14 @@ def wait_ready(tree: Any) -> Any:
             if len(parts) >= wanted:
                 break
     if len(parts) > 1:
-        pending, start = list(parts.values()), time.perf_counter()
-        while pending:
-            left = []
-            for part in pending:
-                if part.is_ready():
-                    part.block_until_ready()  # returns at once, or raises the error that ended it
-                else:
-                    left.append(part)
-            pending = left
-            if pending:
-                time.sleep(min(max((time.perf_counter() - start) / 10, 1e-4), 0.02))
+        global _WAITERS
+        if _WAITERS is None or _WAITERS._max_workers < len(parts):
+            _WAITERS = concurrent.futures.ThreadPoolExecutor(len(parts), thread_name_prefix="spmdkit-wait")
+        waits = [_WAITERS.submit(part.block_until_ready) for part in parts.values()]
+        done, _ = concurrent.futures.wait(waits, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for w in done:
+            if w.exception() is not None:
+                raise w.exception()
     return jax.block_until_ready(tree)
 
 
