@@ -499,6 +499,11 @@ def test_a_linked_file_is_read_once_under_its_first_name_so_no_held_out_text_is_
     assert [p.name for p in held] == ["f0.txt"] and [p.name for p in train] == [f"f{i}.txt" for i in range(1, 6)]
     text, held_text = lm.load_text(tmp_path)
     assert held_text not in text and b"document 0" not in text
+    for i in range(1, 6):
+        (tmp_path / f"f{i}.txt").unlink()
+    with pytest.raises(spmdkit.DataError, match=r"holds 1 file\(s\) \(3 names, links to 1 file\(s\): each real file is "
+                                                r"read once\); the corpus needs at least 2"):
+        lm.text_files(tmp_path)
 
 
 def test_a_folder_reached_twice_is_read_under_its_first_path_in_sorted_order(tmp_path):

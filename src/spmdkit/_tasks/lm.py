@@ -253,10 +253,14 @@ def text_files(text_dir: str | Path | None = None) -> list[Path]:
         root = Path(text_dir)
         files = _walk_files(root, text_dir)
         where = f"--text-dir {str(text_dir)!r}"
-    files = _each_file_once(sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix()))
+    listed = sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+    files = _each_file_once(listed)
     if len(files) < 2:
-        raise DataError(fix(f"lm: {where} holds {len(files)} file(s); the corpus needs at least 2 (file 0 is held out "
-                            f"for eval, as is every {HELD_OUT_EVERY}th).", "put more (non-hidden) text files in it."))
+        # "holds 1 file(s)" of a folder listing two names for one file (a link) read as a miscount.
+        linked = (f" ({len(listed)} names, links to {len(files)} file(s): each real file is read once)"
+                  if len(listed) > len(files) else "")
+        raise DataError(fix(f"lm: {where} holds {len(files)} file(s){linked}; the corpus needs at least 2 (file 0 is "
+                            f"held out for eval, as is every {HELD_OUT_EVERY}th).", "put more (non-hidden) text files in it."))
     return files
 
 
