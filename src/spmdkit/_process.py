@@ -195,7 +195,7 @@ def guarded(collective: Callable[[], Any], doing: str) -> Any:
         raise lost from None  # the frames inside JAX say nothing a user can act on; its words stay in the message
 
 
-_WAITERS: Any = None  # threads that wait for one device's part each (wait_ready)
+_WAITERS: dict[int, Any] = {}  # threads that wait for one device's part each (wait_ready), by their count
 
 
 def wait_ready(tree: Any) -> Any:
@@ -229,10 +229,9 @@ def wait_ready(tree: Any) -> Any:
             if len(parts) >= wanted:
                 break
     if len(parts) > 1:
-        global _WAITERS
-        if _WAITERS is None or _WAITERS._max_workers < len(parts):
-            _WAITERS = concurrent.futures.ThreadPoolExecutor(len(parts), thread_name_prefix="spmdkit-wait")
-        waits = [_WAITERS.submit(part.block_until_ready) for part in parts.values()]
+        if len(parts) not in _WAITERS:  # one pool a device count (a process has one: its local devices)
+            _WAITERS[len(parts)] = concurrent.futures.ThreadPoolExecutor(len(parts), thread_name_prefix="spmdkit-wait")
+        waits = [_WAITERS[len(parts)].submit(part.block_until_ready) for part in parts.values()]
         done, _ = concurrent.futures.wait(waits, return_when=concurrent.futures.FIRST_EXCEPTION)
         for w in done:
             if w.exception() is not None:

@@ -98,11 +98,9 @@ def _state_signature(make_state: Callable, rng: Any) -> Any:
     """``[path, shape, dtype]`` of every leaf of ``make_state``'s state, abstractly; its error's
     name when it fails (the same in every process: the plan then raises it in each)."""
     from spmdkit._plan._search import abstract_state
+    from spmdkit._strategies._agree import signature_or_error
 
-    try:
-        return batch_signature(abstract_state(make_state, rng))
-    except Exception as e:  # noqa: BLE001 - the plan's own checks name it, in every process
-        return f"make_state raised {type(e).__name__}"
+    return signature_or_error(lambda: abstract_state(make_state, rng), "make_state")
 
 
 def _axes_signature(state_axes: Any) -> Any:

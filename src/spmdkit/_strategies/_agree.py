@@ -78,6 +78,16 @@ def batch_signature(batch: Any) -> list[list[Any]]:
             for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
 
 
+def signature_or_error(abstract: Callable[[], Any], who: str) -> Any:
+    """:func:`batch_signature` of ``abstract()``, or ``"<who> raised <error type>"``: a process
+    whose state cannot be built still takes part in the comparison (its own checks then raise),
+    instead of leaving the others waiting in it."""
+    try:
+        return batch_signature(abstract())
+    except Exception as e:  # noqa: BLE001 - named by the caller's own checks, in every process
+        return f"{who} raised {type(e).__name__}"
+
+
 def first_difference(a: Any, b: Any, name: str = "") -> tuple[str, str]:
     """Two values as said in an error: for signatures (``[path, shape, dtype]`` lists) the first
     leaf that differs, not two whole lists.

@@ -579,13 +579,10 @@ def _run_settings(task: Task, optimizer: optax.GradientTransformation, config: T
 
     from flax import nnx
 
-    from spmdkit._strategies._agree import batch_signature
+    from spmdkit._strategies._agree import signature_or_error
 
-    try:
-        with nnx.use_eager_sharding(False):  # as validate_task traces it: annotated NNX variables need no mesh
-            state: Any = batch_signature(jax.eval_shape(task_state(task, optimizer), jax.random.key(0)))
-    except Exception as e:  # noqa: BLE001 - validate_task names it, in every process
-        state = f"task.init raised {type(e).__name__}"
+    with nnx.use_eager_sharding(False):  # as validate_task traces it: annotated NNX variables need no mesh
+        state = signature_or_error(lambda: jax.eval_shape(task_state(task, optimizer), jax.random.key(0)), "task.init")
     kept = None if checkpoint is None else {k: v for k, v in dataclasses.asdict(checkpoint).items() if k != "directory"}
     train = {k: v for k, v in dataclasses.asdict(config).items() if k != "prefetch"}
     # The run's length and eval interval as planned: with epochs, from each process's own pipeline.
