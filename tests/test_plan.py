@@ -2771,6 +2771,18 @@ def test_a_target_with_fewer_devices_per_host_and_no_inter_host_link_is_named_be
     assert compiled == []
 
 
+def test_devices_that_do_not_fill_whole_hosts_are_named_before_compiling():
+    # A target of 3 devices per host planned 8 devices as hosts of 3, 3 and 2, with no word.
+    make_state, step, batch = _tiny()
+    three = Target("three", "example", 3, {"float32": 1e12}, 1e11,
+                   {"intra_host": Link(1e-5, 1e-9), "inter_host": Link(1e-4, 1e-8)})
+    compiled = []
+    with pytest.raises(TargetError, match=r"(?s)'three' has 3 devices per host, which 8 devices do not fill: "
+                                          r"8 = 3 x 2 \+ 2.*6 or 9 devices.*devices_per_host"):
+        spmdkit.plan(make_state, step, batch, rules="dp", target=three, progress=compiled.append)
+    assert compiled == []
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"remat": ("none", "none")}, r"(?s)remat=\('none', 'none'\)\) \(--remat-options\) lists 'none' twice.*--remat-options none\)"),
     ({"accum": (1, 2, 1)}, r"(?s)accum=\(1, 2, 1\)\) \(--grad-accum\) lists 1 twice.*accum=\(1, 2\) \(--grad-accum 1,2\)"),

@@ -424,7 +424,16 @@ def _raise_common_failure(results: list[dict[str, Any]]) -> None:
 def _check_hosts(target: Target, n: int, devices_per_host: int, processes: int) -> None:
     """Devices on more than one host need the target's inter_host link. Found at the first
     collective, after compiling, it said "plan for fewer processes" to a run of one process whose
-    target (a file calibrated on 2 devices) holds fewer devices per host than it plans for."""
+    target (a file calibrated on 2 devices) holds fewer devices per host than it plans for.
+
+    Devices over several hosts fill whole hosts: 8 over hosts of 3 was priced as hosts of 3, 3
+    and 2, a machine no cluster is, with no word."""
+    if n > devices_per_host and n % devices_per_host:
+        fits = sorted({devices_per_host * k for k in (n // devices_per_host, n // devices_per_host + 1)} - {0})
+        raise TargetError(fix(f"target {target.name!r} has {devices_per_host} devices per host, which {n} devices do not "
+                              f"fill: {n} = {devices_per_host} x {n // devices_per_host} + {n % devices_per_host}.",
+                              f"plan for a whole number of hosts ({' or '.join(map(str, fits))} devices), or correct "
+                              f'the target\'s "devices_per_host" if a host holds another number.'))
     if devices_per_host >= n or "inter_host" in target.links or any(
             "inter_host" in per for per in target.collectives.values()):
         return
