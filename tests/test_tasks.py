@@ -64,6 +64,10 @@ def test_mismatched_array_lengths_name_both_arrays():
         ({}, "holds no arrays"),
         ({"x": np.float32(1)}, r"train_data\['x'\] is a scalar"),
         ({"x": np.ones((0, 3))}, "has 0 examples"),
+        # A list is a pytree: each number was a leaf, named "train_data['x'][0][0] is a scalar".
+        ({"x": [[1.0, 2.0]] * 4, "y": np.ones(4)},
+         r"(?s)train_data\['x'\] is a Python list or tuple of numbers.*np.asarray\(train_data\['x'\]\)"),
+        ({"x": np.ones((4, 2)), "y": (1, 0, 1, 0)}, r"train_data\['y'\] is a Python list or tuple"),
     ],
 )
 def test_bad_data(data, match):

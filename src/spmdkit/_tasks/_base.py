@@ -241,6 +241,14 @@ def num_examples(data: Any) -> int:
     return int(jax.tree_util.tree_leaves(data)[0].shape[0])
 
 
+def _list_of_numbers(path: tuple, x: Any) -> tuple | None:
+    """The path of the list holding ``x`` when ``x`` is a bare number inside a list or tuple."""
+    if np.ndim(x) != 0 or not any(isinstance(k, jax.tree_util.SequenceKey) for k in path):
+        return None
+    first = next(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.SequenceKey))
+    return path[:first]
+
+
 def check_examples(data: Any, name: str) -> int:
     """Every leaf an array with the same number of examples; returns that number."""
     leaves = jax.tree_util.tree_flatten_with_path(data)[0]
@@ -249,6 +257,13 @@ def check_examples(data: Any, name: str) -> int:
     sizes = []
     for path, x in leaves:
         where = name + jax.tree_util.keystr(path)
+        listed = _list_of_numbers(path, x)
+        if listed is not None:
+            # Else "train_data['x'][0][0] is a scalar": a list is a pytree, each number a leaf.
+            held = name + jax.tree_util.keystr(listed)
+            raise DataError(fix(f"{held} is a Python list or tuple of numbers; spmdkit reads a list as a pytree "
+                                "node, each number a leaf of its own, not as an array.",
+                                f"pass np.asarray({held}) (one array per leaf, examples along axis 0)."))
         if x.ndim == 0:
             raise DataError(
                 fix(f"{where} is a scalar; every leaf needs a leading example axis.", f"reshape {where}.")
