@@ -316,6 +316,27 @@ def test_an_npy_given_as_npz_is_named_as_one_bare_array(tmp_path, capsys):
         spmdkit.load_params(tmp_path / "a.npy")
 
 
+@pytest.mark.parametrize("content", [bytes(range(7, 200)), b"\x80\x04\x95" + bytes(40)], ids=["random", "pickle"])
+def test_a_file_that_is_no_npz_is_named_without_numpys_pickle_advice(tmp_path, capsys, content):
+    # numpy calls such a file "pickled (object) data" and offers allow_pickle: random bytes were read
+    # as a pickle by the message, and load_params said "holds object arrays".
+    from spmdkit._cli import main
+
+    bad = tmp_path / "a.npz"
+    bad.write_bytes(content)
+    assert main(["data", "write", str(tmp_path / "ds"), "--npz", str(bad)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    start = repr(content[:8])
+    assert f"neither a zip archive of named arrays (.npz) nor an .npy array: it starts with the bytes {start}" in err
+    assert "allow_pickle" not in err and "never loads a pickle" in err
+    with pytest.raises(spmdkit.DataError, match=r"is not a params file \(neither a zip archive") as e:
+        spmdkit.load_params(bad)
+    assert "object arrays" not in str(e.value)
+    np.savez(tmp_path / "obj.npz", x=np.array([{"a": 1}], dtype=object))  # the case that does hold objects
+    with pytest.raises(spmdkit.DataError, match="holds object arrays"):
+        spmdkit.load_params(tmp_path / "obj.npz")
+
+
 def test_no_arrays_is_named_as_such(tmp_path, capsys):
     # An empty dict (or an .npz without arrays) was "every array needs the same number of examples; got {}".
     from spmdkit._cli import main

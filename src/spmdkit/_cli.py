@@ -870,12 +870,10 @@ def _cmd_data(args: argparse.Namespace, console: Console) -> int:
         return 0
     seq = f" --seq-len {args.seq_len}" if args.seq_len else ""  # the model must read windows of that length
     if args.npz:
-        import numpy as np
-
-        from spmdkit._errors import NPZ_DAMAGE, DataError, fix, npz_file
+        from spmdkit._errors import NPZ_DAMAGE, DataError, fix, open_npz
 
         try:
-            with npz_file(np.load(args.npz, allow_pickle=False)) as f:
+            with open_npz(args.npz) as f:
                 arrays = {k: f[k] for k in f.files}
         except NPZ_DAMAGE as e:
             raise DataError(fix(f"--npz {args.npz}: the file is damaged (truncated or corrupt: {e}).",

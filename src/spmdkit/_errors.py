@@ -16,6 +16,25 @@ from typing import Any
 NPZ_DAMAGE = (zipfile.BadZipFile, EOFError, zlib.error)
 
 
+def open_npz(path: Any) -> Any:
+    """``np.load(path)`` of an .npz, without pickles, as :func:`npz_file` checks it.
+
+    A file that is neither a zip nor an .npy is, to numpy, "pickled (object) data" to be loaded
+    with ``allow_pickle``: random bytes read as a pickle, and the advice is one spmdkit never takes
+    (a pickle runs code). It is a ValueError saying what the file is not, and how it starts."""
+    import numpy as np
+
+    try:
+        return npz_file(np.load(path, allow_pickle=False))
+    except ValueError as e:
+        if "pickled" not in str(e):
+            raise
+        with open(path, "rb") as f:
+            first = f.read(8)
+        raise ValueError(f"neither a zip archive of named arrays (.npz) nor an .npy array: it starts with the bytes "
+                         f"{first!r} (spmdkit never loads a pickle, which can run code)") from None
+
+
 def npz_file(loaded: Any) -> Any:
     """What ``np.load`` returned, if it is an .npz of named arrays; a ValueError for an .npy
     (one bare array), which failed as a bare TypeError where the caller opened it with ``with``."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spmdkit._errors import NPZ_DAMAGE, DataError, fix, npz_file
+from spmdkit._errors import NPZ_DAMAGE, DataError, fix, open_npz
 from spmdkit._tasks._base import Task
 from spmdkit._tasks.digits import CNN, NUM_CLASSES, classification_task  # noqa: F401 (NUM_CLASSES: the CLI's label check)
 
@@ -91,7 +91,7 @@ def load(data_dir: str | Path) -> tuple[dict, dict]:
     npz = data_dir / "mnist.npz"
     if npz.exists():
         try:
-            with npz_file(np.load(npz, allow_pickle=False)) as f:
+            with open_npz(npz) as f:
                 missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in f.files]
                 if missing:
                     raise DataError(fix(f"{npz} lacks arrays {missing} (it has {f.files}).",

@@ -19,7 +19,7 @@ import numpy as np
 from spmdkit._atomic import replace_text, replace_whole
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._console import finite_or_null
-from spmdkit._errors import NPZ_DAMAGE, ConfigError, DataError, SpmdkitError, fix, npz_file
+from spmdkit._errors import NPZ_DAMAGE, ConfigError, DataError, SpmdkitError, fix, open_npz
 from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
 from spmdkit._train._hooks import ROW_FIELDS
 
@@ -199,7 +199,7 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
         [1.0, 1.0]
     """
     try:
-        with npz_file(np.load(path, allow_pickle=False)) as f:
+        with open_npz(path) as f:
             arrays = {k: f[k] for k in f.files}
     except OSError as e:
         raise DataError(fix(f"{path} cannot be read: {e.strerror or e}.", "check the path.")) from None
@@ -207,7 +207,8 @@ def load_params(path: str | os.PathLike, like: Any = None) -> Any:
         raise DataError(fix(f"{path} is damaged (truncated or corrupt: {e}).",
                             "load an intact copy of the params.npz that spmdkit.save_params wrote.")) from None
     except ValueError as e:
-        what = "holds object arrays (spmdkit never unpickles)" if "pickle" in str(e) else f"is not a params file ({e})"
+        what = ("holds object arrays (spmdkit never unpickles)" if "Object arrays" in str(e)
+                else f"is not a params file ({e})")
         raise DataError(fix(f"{path} {what}.", "load a params.npz that spmdkit.save_params wrote.")) from None
     arrays = _from_npz(arrays, path)
     if like is None:
