@@ -26,8 +26,8 @@ from spmdkit._bench import _timing, multiprocess_suite, mp_worker
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
 
 
-def run_cli(*args: str, timeout: int = 300):
-    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"}
+def run_cli(*args: str, timeout: int = 300, **extra_env: str):
+    env = {k: v for k, v in os.environ.items() if k != "SPMDKIT_HOST_DEVICES"} | extra_env
     return subprocess.run([SPMDKIT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -226,6 +226,19 @@ def test_torch_python_that_cannot_import_torch_is_a_clear_error(tmp_path):
         multiprocess_suite.torch_interpreter(str(fake))
 
 
+def test_torch_python_gets_this_spmdkit_alone_on_its_path(tmp_path):
+    # spmdkit's parent directory went first on PYTHONPATH: in an install that is site-packages,
+    # whose jax and numpy (built for this Python) shadowed the other interpreter's own.
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"$PYTHONPATH\" > {tmp_path / 'path.txt'}\n")
+    fake.chmod(0o755)
+    python, env = multiprocess_suite.torch_interpreter(str(fake))
+    first = (tmp_path / "path.txt").read_text().strip().split(os.pathsep)[0]
+    assert python == str(fake) and env["PYTHONPATH"].split(os.pathsep)[0] == first
+    assert os.listdir(first) == ["spmdkit"]
+    assert os.path.realpath(os.path.join(first, "spmdkit")) == os.path.dirname(os.path.realpath(spmdkit.__file__))
+
+
 def test_targets_compare_against_the_fastest_pytorch_case():
     def case(times):
         return {"times": times, "median": float(np.median(times)), "flags": []}
@@ -298,6 +311,9 @@ def test_bench_levers_only_for_multiprocess():
     out = run_cli("bench", "--suite", "multiprocess", "--levers", "bf16,warp", timeout=120)
     assert out.returncode == 2 and "unknown lever(s) ['warp']" in out.stdout and "Traceback" not in out.stderr
     out = run_cli("bench", "--suite", "multiprocess", "--torch-python", "/no/such/python", timeout=120)
+    assert out.returncode == 2 and "--torch-python '/no/such/python'" in out.stdout and "Traceback" not in out.stderr
+    # The variable's form was a traceback (exit 1), after the suites before it had run.
+    out = run_cli("bench", "--suite", "multiprocess", timeout=120, SPMDKIT_TORCH_PYTHON="/no/such/python")
     assert out.returncode == 2 and "--torch-python '/no/such/python'" in out.stdout and "Traceback" not in out.stderr
 
 

@@ -691,7 +691,11 @@ def _check_bench_options(args: argparse.Namespace, console: Console) -> bool:
         except ValueError as e:
             console.print(f"[red]error:[/] {e}")
             return False
-    if args.torch_python:
+    from spmdkit._bench._torch import TORCH_PYTHON_ENV
+
+    # The variable too: a bad one was a traceback after the suites before it had run.
+    named = args.torch_python or (os.environ.get(TORCH_PYTHON_ENV) if args.suite in (None, "multiprocess") else None)
+    if named:
         from spmdkit._bench.multiprocess_suite import torch_interpreter
 
         if args.suite not in (None, "multiprocess"):

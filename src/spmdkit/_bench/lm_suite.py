@@ -17,7 +17,7 @@ Every case is a worker process (:mod:`spmdkit._bench.lm_worker`) started once an
 the rounds send each worker "run K steps" in a rotating order (the house method,
 :mod:`spmdkit._bench._timing`), and its mean step time is the round's figure.
 
-PyTorch is an optional extra (``pip install -e '.[bench]'``). The PyTorch workers run in
+PyTorch is an optional extra (``pip install torch==2.13.0``, or ``-e '.[bench]'`` in a checkout). The PyTorch workers run in
 this Python if it has torch, else in the Python named by ``SPMDKIT_TORCH_PYTHON`` (any
 interpreter with torch and NumPy: the worker needs neither JAX nor spmdkit there). Without
 either, the suite reports the spmdkit cases only, and says so.
@@ -98,7 +98,7 @@ def torch_python() -> tuple[str | None, str]:
     if not named:
         if importlib.util.find_spec("torch") is None:
             return None, (f"PyTorch is not installed in this Python ({sys.executable}): spmdkit cases only, no target. "
-                          f"Install it (pip install -e '.[bench]') or name a Python that has it in {TORCH_PYTHON_ENV}")
+                          f"Install it (pip install torch==2.13.0; in a checkout of spmdkit: pip install -e '.[bench]') or name a Python that has it in {TORCH_PYTHON_ENV}")
         return sys.executable, f"torch {importlib.metadata.version('torch')} in {sys.executable}"
     try:
         version = probe_python(named, "import numpy, torch; print(torch.__version__)")

@@ -12,7 +12,7 @@ shard_map step with one all-reduce per leaf (``levers=allreduce``: one packed bu
 DistributedDataParallel, gloo, 2 processes. PyTorch runs with its best settings (threads
 = cores / processes, or its default; ``torch.compile``): the targets compare against the
 fastest PyTorch case of the same run. ``levers=`` adds the levers of :data:`LEVERS`.
-PyTorch is an optional extra (``pip install -e '.[bench]'``, torch 2.13.0 CPU); without
+PyTorch is an optional extra (``pip install torch==2.13.0``, the CPU build, or ``-e '.[bench]'`` in a checkout); without
 it the suite reports the spmdkit cases only, and says so. PyTorch may live in another
 interpreter than JAX (a wheel for an older Python): ``torch_python`` (``--torch-python PATH``
 or ``$SPMDKIT_TORCH_PYTHON``) runs the PyTorch cases there, with this spmdkit source first on
@@ -21,10 +21,14 @@ its path, while the JAX cases run with the current interpreter and its JAX.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from spmdkit._bench._timing import inverse, machine, measure, ratio, target
@@ -127,6 +131,18 @@ def _have_torch() -> bool:
     return True
 
 
+@functools.cache
+def _spmdkit_alone() -> str:
+    """A directory that holds this spmdkit and nothing else, for another interpreter's path.
+
+    spmdkit's parent directory is ``src/`` in a checkout but ``site-packages`` in an install,
+    whose jax and numpy (built for this Python) then shadowed the other interpreter's own."""
+    where = tempfile.mkdtemp(prefix="spmdkit-path-")
+    os.symlink(os.path.dirname(os.path.abspath(__import__("spmdkit").__file__)), os.path.join(where, "spmdkit"))
+    atexit.register(shutil.rmtree, where, True)  # the link only: rmtree does not follow it
+    return where
+
+
 def torch_interpreter(torch_python: str | None = None) -> tuple[str, dict[str, str]] | None:
     """The Python that runs the PyTorch cases and the environment it needs, or None without PyTorch.
 
@@ -138,8 +154,7 @@ def torch_interpreter(torch_python: str | None = None) -> tuple[str, dict[str, s
     path = torch_python or os.environ.get(TORCH_PYTHON_ENV)
     if not path:
         return (sys.executable, dict(os.environ)) if _have_torch() else None
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("spmdkit").__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_spmdkit_alone(), os.environ.get("PYTHONPATH")) if p))
     try:
         probe_python(path, "import torch, spmdkit._bench.mp_worker", env)
     except ProbeFailed as e:
@@ -240,7 +255,7 @@ def run(quick: bool = False, rounds: int | None = None, levers: str | None = Non
         notes.append(f"PyTorch cases: {_versions(*torch)} ({torch[0]}); JAX cases: {sys.executable}")
     else:
         notes.append("PyTorch is not installed: spmdkit cases only, no targets "
-                     "(pip install -e '.[bench]' for cases (c) and (d))")
+                     "(pip install torch==2.13.0, or -e '.[bench]' in a checkout, for cases (c) and (d))")
     if quick:
         notes.append("quick: MLP only, fewer cases and rounds; a smoke run, not figures")
     report = {

@@ -45,7 +45,7 @@ def grain_batches(data: str | os.PathLike | Any, batch_size: int, *, seed: int =
         from spmdkit._data._grain_dataset import DatasetBatches
     except ImportError:
         raise DataError(fix("grain_batches needs Grain, which is not installed.",
-                            "pip install 'spmdkit[grain]' (Python >= 3.12), or train from the data set directory "
+                            "pip install grain (Python >= 3.12; in a checkout of spmdkit: pip install -e '.[grain]'), or train from the data set directory "
                             "itself (train_data=DIR; --data DIR), which reads the same order through memory maps."),
                         ) from None
     import jax
