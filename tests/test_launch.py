@@ -627,6 +627,18 @@ def test_stdin_goes_to_process_0_alone():
     assert sorted(out.stdout.splitlines()) == ["[0] 0 'hello\\n'", "[1] 1 ''"]
 
 
+def test_a_bare_spmdkit_after_the_dashes_is_the_launchers_own(tmp_path):
+    # It was looked up on PATH: another install's spmdkit ran (here a stand-in that says so), or
+    # none from a venv not activated ("cannot start 'spmdkit'").
+    other = tmp_path / "spmdkit"
+    other.write_text("#!/bin/sh\necho 'another spmdkit'\n")
+    other.chmod(0o755)
+    out = subprocess.run([*CLI, "launch", "-n", "2", "--", "spmdkit", "devices", "--json"], capture_output=True,
+                         text=True, timeout=120, env={**env(), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "another spmdkit" not in out.stdout and sorted({line[:4] for line in out.stdout.splitlines()}) == ["[0] ", "[1] "]
+
+
 def test_a_launch_whose_restarts_all_fail_says_it_gave_up():
     out = run([*CLI, "launch", "-n", "1", "--max-restarts", "1", "--", sys.executable, "-c",
                "import sys; sys.exit(1)"], timeout=60)

@@ -558,10 +558,25 @@ def _check_launch(command: Sequence[str], processes: int, max_restarts: int, **s
         raise DeviceSetupError(fix("no command to launch.", "write it after --, e.g. spmdkit launch -n 2 -- spmdkit train"))
 
 
+def own_spmdkit(command: Sequence[str]) -> list[str]:
+    """``command`` with a bare ``spmdkit`` run as the launcher's own: found on PATH, it was
+    another install's (or none, from a venv not activated: "cannot start 'spmdkit'").
+
+    >>> own_spmdkit(["spmdkit", "train"])[1:]
+    ['-m', 'spmdkit', 'train']
+    >>> own_spmdkit(["./my_spmdkit", "train"])
+    ['./my_spmdkit', 'train']
+    """
+    if command and command[0] == "spmdkit":
+        return [sys.executable, "-m", "spmdkit", *command[1:]]
+    return list(command)
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None, grace_s: float = STOP_GRACE_S,
            max_restarts: int = 0, backoff_s: float = BACKOFF_S, sigterm_wait_s: float = SIGTERM_WAIT_S) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
-    signal N killed it, as a shell says), else 0.
+    signal N killed it, as a shell says), else 0. A bare ``spmdkit`` runs as this spmdkit
+    (``python -m spmdkit`` with this Python), not as whichever ``spmdkit`` comes first on PATH.
 
     When one fails and ``max_restarts`` allows, every process is stopped and the group is
     started again after a back-off (1 s, 2 s, 4 s ... at most 30 s), resuming from the last good
@@ -576,6 +591,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     """
     _check_launch(command, processes, max_restarts, grace_s=grace_s, backoff_s=backoff_s,
                   sigterm_wait_s=sigterm_wait_s)
+    command = own_spmdkit(command)
     stop = threading.Event()
     received: list[int] = []
 
