@@ -401,7 +401,7 @@ def test_bench_compare_two_runs_target_by_target(tmp_path, capsys):
     assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "two")]) == 0
     assert "data ratio" in capsys.readouterr().out
     write(tmp_path / "three", {"data": 1.30, "multiprocess": 0.80})
-    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "three")]) == 1
+    assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "three")]) == 6
     assert "NO" in capsys.readouterr().out
     assert main(["bench", "--compare", str(tmp_path / "one"), str(tmp_path / "missing")]) == 2
     out = capsys.readouterr()  # an error is for stderr: stdout holds only the table

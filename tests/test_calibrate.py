@@ -296,7 +296,7 @@ def test_tiny_calibration_writes_every_schema_field_and_check_replays_it(tmp_pat
     assert [r["reps"] for r in result["rows"]] == [7, 11]
     assert [r["vs_then_single"] for r in result["rows"]] == pytest.approx([1.2 * 1.1 - 1] * 2)
     capsys.readouterr()
-    assert main(["calibrate", "--check", str(out)]) in (0, 1)
+    assert main(["calibrate", "--check", str(out)]) in (0, 6)
     text = capsys.readouterr().out
     assert "reproduces the calibration's own within 20%" in text
     assert "difference of the minima 20%, one call of reps per round 32%" in text
@@ -421,7 +421,7 @@ def test_check_compares_the_two_process_all_reduce_with_the_file(tmp_path, monke
     assert asked == {"sizes": [4096, 65536], "kinds": ["all_reduce"]}  # the file's own sizes and kinds
     assert [round(r["rel_err"], 6) for r in result["rows"]] == [round(1 / 1.1 - 1, 6), -0.4]
     assert result["max_rel_err"] == pytest.approx(0.4) and not result["ok"]
-    assert main(["calibrate", "--check", str(path)]) == 1
+    assert main(["calibrate", "--check", str(path)]) == 6
     path.write_text(json.dumps({"format": "spmdkit-target", "version": 1, "links": {"intra_host": coeffs}}))
     with pytest.raises(CalibrationError, match="inter_host"):
         check(str(path))
@@ -479,7 +479,7 @@ def test_cli_two_processes_measure_the_inter_host_link_and_check_replays_it(tmp_
     # the check's processes run the calibration's programs: same repetitions (passed to the workers)
     code, stdout, stderr = _run([SPMDKIT, "calibrate", "--check", str(out), "--quick", "--json", "--timeout", "200"],
                                 timeout=260)
-    assert code in (0, 1), stderr[-3000:]  # 1: outside 25%, which a loaded machine may well be
+    assert code in (0, 6), stderr[-3000:]  # 6: outside 25%, which a loaded machine may well be
     result = json.loads(stdout)
     assert result["kinds"] == list(KINDS) and result["rounds"] == 2
     assert [(r["bytes"], r["reps"]) for r in result["rows"]] == [

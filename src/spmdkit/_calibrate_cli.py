@@ -12,6 +12,7 @@ from rich.table import Table
 from spmdkit._argtypes import path_arg
 from spmdkit._calibrate import ACCEPT_REL_ERR, DEFAULT_SIZES, QUICK_SIZES, CalibrationError, calibrate, check, parse_size
 from spmdkit._console import stderr_console
+from spmdkit._errors import EXIT_CHECK_FAILED
 
 DEFAULT_OUT = "spmdkit-target.json"
 
@@ -56,7 +57,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--check", type=path_arg, metavar="FILE", help="instead: re-measure the 2-process collectives as FILE's "
                    "calibration did (its kinds, sizes, rounds and repetitions; --sizes/--rounds override) and "
                    "compare the all-reduce "
-                   f"with FILE's prediction (exit 0 when every size is within {100 * ACCEPT_REL_ERR:.0f}%%, else 1)")
+                   f"with FILE's prediction (exit 0 when every size is within {100 * ACCEPT_REL_ERR:.0f}%%, else 6)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
 
@@ -118,7 +119,7 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
         result = check(args.check, sizes=args.sizes, rounds=args.rounds, quick=args.quick, timeout=args.timeout)
         if args.json:
             print(json.dumps(result, indent=2))
-            return 0 if result["ok"] else 1
+            return 0 if result["ok"] else EXIT_CHECK_FAILED
         print_points(result["rows"], f"2-process all-reduce now vs the prediction of {args.check}", console)
         _print_warnings(result["warnings"], console)
         verdict = "met" if result["ok"] else "NOT met"
@@ -133,7 +134,7 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
             if all(other.values()):
                 console.print("the same rounds summarised otherwise reproduce within: "
                               + ", ".join(f"{name} {max(v):.0%}" for name, v in other.items()), highlight=False)
-        return 0 if result["ok"] else 1
+        return 0 if result["ok"] else EXIT_CHECK_FAILED
     err = stderr_console()
     target = calibrate(processes=args.processes, sizes=args.sizes, rounds=args.rounds, quick=args.quick,
                        out=args.out, timeout=args.timeout, log=lambda line: err.print(line, highlight=False))

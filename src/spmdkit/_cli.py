@@ -41,12 +41,12 @@ from spmdkit._devices import (
 )
 from spmdkit._cache import (ENV_COMPILE_CACHE, cache_dir_from_env, default_cache_dir, enable_compile_cache,
                             enable_default_cache)
-from spmdkit._errors import SpmdkitError
+from spmdkit._errors import EXIT_CHECK_FAILED, SpmdkitError
 from spmdkit._host_memory import _apply as _reuse_host_memory
 from spmdkit._host_memory import host_memory
 from spmdkit._process import end_soon
 
-EXIT_DAMAGED = 6  # spmdkit checkpoints --verify found a damaged or incomplete step
+EXIT_DAMAGED = EXIT_CHECK_FAILED  # spmdkit checkpoints --verify found a damaged or incomplete step
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of the output left (`| head`; the shell's code for it)
 
 
@@ -187,7 +187,7 @@ def _add_bench_parser(sub, common: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--suite", choices=sorted(SUITES), help="which suite")
     which.add_argument("--all", action="store_true", help="every suite, one after another (--json/--markdown name directories)")
-    which.add_argument("--compare", type=path_arg, nargs=2, metavar="DIR", help="compare the targets of two --all --json directories (agree within 10%%?)")
+    which.add_argument("--compare", type=path_arg, nargs=2, metavar="DIR", help="compare the targets of two --all --json directories (agree within 10%%? exit 0 if so, 6 if not)")
     p.add_argument("--json", type=path_arg, metavar="PATH", help="also write the figures as JSON to PATH (with --all: a directory, one SUITE.json each)")
     p.add_argument("--markdown", type=path_arg, metavar="PATH", help="also write the figures as Markdown to PATH (with --all: a directory, one SUITE.md each)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer rounds (smoke run, not figures)")
@@ -574,7 +574,7 @@ def _read_bench_report(path: str) -> tuple[dict, str | None]:
 
 
 def _compare_bench(dirs: list[str], console: Console) -> int:
-    """Exit 0 when two runs agree on every comparable target they share, 1 when one differs, 2 on bad input."""
+    """Exit 0 when two runs agree on every comparable target they share, 6 when one differs, 2 on bad input."""
     import glob
     import os
 
@@ -610,7 +610,7 @@ def _compare_bench(dirs: list[str], console: Console) -> int:
         if r["note"]:
             console.print(f"{r['suite']}: {r['target']}: {r['note']}", highlight=False, markup=False)
     judged = [r for r in rows if r["agree"] is not None]
-    return 0 if judged and all(r["agree"] for r in judged) else 1
+    return 0 if judged and all(r["agree"] for r in judged) else EXIT_CHECK_FAILED
 
 
 class BenchFileError(SpmdkitError, OSError):

@@ -16,6 +16,11 @@ from typing import Any
 NPZ_DAMAGE = (zipfile.BadZipFile, EOFError, zlib.error)
 
 
+# The command line's code for a check that did not pass (README, exit codes): not 1, which says
+# spmdkit crashed, so that a script can tell a failed check from a bug.
+EXIT_CHECK_FAILED = 6
+
+
 def open_npz(path: Any) -> Any:
     """``np.load(path)`` of an .npz, without pickles, as :func:`npz_file` checks it.
 
