@@ -64,6 +64,13 @@ def cases():
     yield "fit checkpoint in one", lambda: fit_on(xy, checkpoint=spmdkit.CheckpointConfig(where) if me else None)
     # strategy.init with the user's own make_state of other shapes: its first step waited for ever.
     yield "init state", lambda: data.init(lambda key: {"w": jnp.zeros((8, 4 + me))}, 0)
+    # Processes on different paths (one resumed, the other started afresh; one built a Checkpointer):
+    # their checks met in one collective, one read the other's detail as its own (a TypeError, or
+    # "rng differs"), or one waited for ever in Orbax's barrier.
+    fresh = data.step(lambda s, b: train_step(s, b))  # a step not yet called: its first call compares
+    yield "paths apart", lambda: data.init(make_state, jax.random.key(0)) if me == 0 else fresh(same, {"x": x})
+    yield "checkpointer in one", lambda: (spmdkit.Checkpointer(spmdkit.CheckpointConfig(where + "-one")) if me == 0
+                                          else data.init(make_state, jax.random.key(0)))
     # A process's own one-device strategy runs its own program: its keys and batches may differ.
     own = spmdkit.Single(jax.local_devices()[0])
     yield "own device", lambda: own.step(train_step)(own.init(make_state, me), {"x": x[: 8 + 8 * me]})

@@ -106,6 +106,21 @@ def test_settings_or_states_that_differ_between_processes_are_refused_before_any
     assert fixes[case] in raised[case], raised[case]
 
 
+@pytest.mark.parametrize("case, first, other", [
+    ("paths apart", "DataParallel.init: the init key", "DataParallel.step(train_step)(state, batch): the batch's layout"),
+    ("checkpointer in one", "spmdkit.Checkpointer(...), opening a checkpoint directory",
+     "DataParallel.init: the init key"),
+])
+def test_processes_on_different_paths_are_named_at_the_point_each_is(raised, case, first, other):
+    # One resumed while the other started afresh: its batch check read the other's init key as a
+    # batch (an internal TypeError) and the other said "rng differs"; a Checkpointer in one process
+    # waited for ever in Orbax's barrier.
+    message = raised[case]
+    assert message.startswith(f"the processes are at different points of the program (process 0 at {first}; "
+                              f"process 1 at {other})"), message
+    assert "Fix: make every process take the same path" in message and "not in process 0 only" in message
+
+
 def test_one_process_compares_nothing():
     assert not spans_processes(spmdkit.DataParallel().mesh)
     assert batch_signature({"x": np.zeros((4, 2), np.float32), "n": jax.numpy.zeros(4, jax.numpy.int32)}) == [

@@ -41,7 +41,7 @@ from spmdkit._atomic import is_temporary, replace_text
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._lockfile import OUT_LOCK, DirLock, held_now, refusal
-from spmdkit._process import broadcast, exit_now, gather_json
+from spmdkit._process import broadcast, disagreement, exit_now, gather_json
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -649,13 +649,16 @@ _HOOKED: list[bool] = []
 _UNCLOSED: set = set()  # Checkpointers with a save that may be in flight (held: one dropped unclosed still finishes)
 
 
+# How long a process of several waits at exit for the others to finish an unclosed save with it.
+UNCLOSED_WAIT_S = 120.0
+
+
 def _finish_at_exit(ckpt: Checkpointer) -> None:
-    """Have ``ckpt``'s last save finished when a lone process exits without ``close()``.
+    """Have ``ckpt``'s last save finished when the process exits without ``close()``.
 
     Run by threading's exit hooks, which come before the thread pools shut down (Python's own
     ``atexit`` comes after them, too late for Orbax's commit thread). Hooks run last-registered
-    first, and Orbax's pools registered theirs before the first save registers this one. Not with
-    several processes: a save's finish there waits for the others, which may be training still."""
+    first, and Orbax's pools registered theirs before the first save registers this one."""
     if not _HOOKED:  # once per process (the set empties whenever every Checkpointer closed)
         try:
             threading._register_atexit(_close_unclosed)  # private, Python >= 3.9
@@ -667,17 +670,25 @@ def _finish_at_exit(ckpt: Checkpointer) -> None:
 
 def _close_unclosed() -> None:
     """Finish the unclosed saves; one that fails (or a Ctrl-C) ends the process with its code: the
-    exit code was 0 with the step left incomplete. Nothing is left to raise to at exit."""
+    exit code was 0 with the step left incomplete. Nothing is left to raise to at exit.
+
+    With several processes every one writes its part of the step, and the save finishes when all
+    have: each waits for the others, for at most ``UNCLOSED_WAIT_S``. Skipped there, the step was
+    left incomplete without a word (Orbax's commit failing in 289 lines of its own tracebacks),
+    and a process that did call ``close()`` waited for ever for one that did not."""
     code, step = 0, None
     try:
         for ckpt in list(_UNCLOSED):
             step = ckpt._pending
-            if step is None or jax.process_count() > 1:
+            if step is None:
                 continue
+            several = jax.process_count() > 1
             ckpt.log(f"checkpoints: finishing the save of step {step} as the process exits (close() was not "
-                     "called: call it, or use `with Checkpointer(...) as ckpt`)")
+                     "called: call it, or use `with Checkpointer(...) as ckpt`"
+                     + (f"; every process finishes its part, this one waits up to {UNCLOSED_WAIT_S:g} s for the "
+                        "others)" if several else ")"))
             try:
-                ckpt.close()
+                _within(ckpt.close, UNCLOSED_WAIT_S if several else None, step)
             except Exception as e:
                 sys.stderr.write(f"spmdkit: {str(e).splitlines()[0]}\n")
                 code = code or CheckpointSaveError.exit_code
@@ -686,9 +697,33 @@ def _close_unclosed() -> None:
                          "incomplete (a resume sets it aside)\n")
         code = 130
     if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
+
+
+def _within(close: Callable[[], None], seconds: float | None, step: int) -> None:
+    """``close()``, given at most ``seconds`` (None: as long as it takes): a peer process that
+    ended, or never reaches its own exit, would hold this one in Orbax's barrier for 20 minutes."""
+    if seconds is None:
+        return close()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            close()
+        except BaseException as e:  # noqa: BLE001 - raised in the exiting thread below
+            failed.append(e)
+
+    worker = threading.Thread(target=run, name="spmdkit-finish-save-at-exit", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if failed:
+        raise failed[0]
+    if worker.is_alive():
+        raise CheckpointSaveError(fix(
+            f"the save of step {step} did not finish within {seconds:g} s of this process's exit: another process "
+            "did not finish its part (it ended, or it has not reached the end of its program). The step is left "
+            "incomplete; a resume sets it aside and takes the step before.",
+            "call close() (or use `with Checkpointer(...) as ckpt`) in every process before it exits."))
 
 
 class Checkpointer:
@@ -726,6 +761,10 @@ class Checkpointer:
             kind = CheckpointSaveError if e.errno in _FS_ERRNOS else CheckpointError
             raise kind(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
                            "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
+        if jax.process_count() > 1:
+            # Orbax's manager opens with a barrier of every process: a process elsewhere (one that
+            # built no Checkpointer, as in "only process 0 saves") left this one waiting for ever.
+            disagreement(b"", lambda: None, "spmdkit.Checkpointer(...), opening a checkpoint directory")
         _quiet_orbax()
         self._names = _ReadableSteps(_orbax().step.standard_name_format(step_prefix=STEP_PREFIX))
         # A leaf is a directory of its own unless OCDBT packs the leaves into files: its name is a file name.
@@ -1031,9 +1070,11 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the last save to finish (call before the process exits, or use ``with``); then unlock.
 
-        A lone process that exits without it still finishes the last save (with a log line), as
-        the interpreter shuts down: Orbax's commit then failed ("cannot schedule new futures after
-        interpreter shutdown") and the step was left incomplete."""
+        A process that exits without it still finishes the last save (with a log line), as the
+        interpreter shuts down: Orbax's commit then failed ("cannot schedule new futures after
+        interpreter shutdown") and the step was left incomplete. With several processes each
+        waits there up to ``UNCLOSED_WAIT_S`` (120 s) for the others to finish theirs, then exits
+        5 with the step named."""
         _UNCLOSED.discard(self)
         try:
             self._finish_pending()

@@ -3,6 +3,7 @@ every process of a job holds (gather_json)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from spmdkit._errors import ConfigError, PeerLostError, fix
+from spmdkit._errors import ConfigError, PeerLostError, ProcessMismatchError, fix
 
 
 def exit_now(code: int) -> NoReturn:
@@ -248,6 +249,32 @@ def _peer_lost(error: BaseException, doing: str) -> PeerLostError | None:
                              "see that process's log for why it ended (killed, out of memory, an error of its "
                              "own); mend that, then start the job again (spmdkit train: add --resume to "
                              "continue from its last checkpoint)."))
+
+
+def disagreement(payload: bytes, detail: Callable[[], Any], at: str) -> list[Any] | None:
+    """None when every process gave the same ``payload``; else every process's ``detail()``
+    (JSON-able), in process order. Every process must call it, at the same point: ``at`` names
+    the point ("DataParallel.init: the init key"), and processes found at other points (one
+    resumed from a checkpoint, the other started afresh) are a :class:`ProcessMismatchError`
+    naming both. Their digests met in one collective and the detail of one check was read as
+    another's: an internal TypeError, or a wrong "rng differs" in the other process."""
+    digest = np.frombuffer(hashlib.sha256(at.encode() + b"\0" + payload).digest()[:16], np.uint32)
+    every = np.asarray(allgather(digest, "a digest of what every process must give alike (settings, state, key, "
+                                           "batch layout)")).reshape(-1, digest.size)
+    if (every == every[0]).all():
+        return None
+    # Every process saw the same digests: all take this path.
+    seen = gather_json({"at": at, "gave": detail()}, "what each process gave")
+    apart = [p for p, s in enumerate(seen) if s["at"] != seen[0]["at"]]
+    if apart:
+        shown = "; ".join(f"process {p} at {seen[p]['at']}" for p in [0, *apart][:4])
+        raise ProcessMismatchError(fix(
+            f"the processes are at different points of the program ({shown}): they took different paths, "
+            "each now waiting in a check the others are not at.",
+            "make every process take the same path: the same resume decision (restore in every process, "
+            "or in none), a Checkpointer built and saved in every process (not in process 0 only), the "
+            "same calls in the same order."))
+    return [s["gave"] for s in seen]
 
 
 def gather_json(value: Any, what: str = "a value") -> list[Any]:

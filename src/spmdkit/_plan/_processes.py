@@ -85,7 +85,7 @@ def check_same_arguments(arguments: dict[str, Any]) -> None:
     from spmdkit._strategies._agree import disagreement, first_difference
 
     plain = json.loads(json.dumps(arguments, sort_keys=True, default=_plain))
-    every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain)
+    every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain, "spmdkit.plan: its arguments")
     if every is None:
         return
     p = next(i for i, a in enumerate(every) if a != every[0])

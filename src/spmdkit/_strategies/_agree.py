@@ -12,7 +12,6 @@ for the others forever. A strategy whose mesh does not span every process (a pro
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spmdkit._errors import ProcessMismatchError, fix
-from spmdkit._process import allgather, gather_json
+from spmdkit._process import disagreement
 
 _SHOWN = 8  # key words named in the error
 
@@ -32,17 +31,6 @@ def spans_processes(mesh: Mesh) -> bool:
     if jax.process_count() == 1:
         return False
     return len({d.process_index for d in mesh.devices.flat}) == jax.process_count()
-
-
-def disagreement(payload: bytes, detail: Callable[[], Any]) -> list[Any] | None:
-    """None when every process gave the same ``payload``; else every process's ``detail()``
-    (JSON-able), in process order. Every process must call it, at the same point."""
-    digest = np.frombuffer(hashlib.sha256(payload).digest()[:16], np.uint32)
-    every = np.asarray(allgather(digest, "a digest of what every process must give alike (settings, state, key, "
-                                           "batch layout)")).reshape(-1, digest.size)
-    if (every == every[0]).all():
-        return None
-    return gather_json(detail(), "what each process gave")  # every process saw the same digests: all take this path
 
 
 def _key_words(key: jax.Array) -> np.ndarray:
@@ -58,7 +46,8 @@ def check_same_key(key: jax.Array, mesh: Mesh, call: str) -> None:
         return
     words = _key_words(key)
     every = disagreement(words.tobytes() + str((words.shape, words.dtype)).encode(),
-                         lambda: [int(w) for w in words.ravel()[:_SHOWN]] + (["..."] if words.size > _SHOWN else []))
+                         lambda: [int(w) for w in words.ravel()[:_SHOWN]] + (["..."] if words.size > _SHOWN else []),
+                         f"{call}: the init key")
     if every is None:
         return
     differ = [p for p, w in enumerate(every) if w != every[0]]
@@ -125,7 +114,7 @@ def check_same_state(abstract: Callable[[], Any], mesh: Mesh, call: str) -> Any:
         signature: Any = batch_signature(value)
     except Exception as e:  # noqa: BLE001 - raised below, once every process has compared
         value, error, signature = None, e, f"make_state raised {type(e).__name__}"
-    every = disagreement(json.dumps(signature).encode(), lambda: signature)
+    every = disagreement(json.dumps(signature).encode(), lambda: signature, f"{call}: the state make_state builds")
     if every is not None:
         p = next(p for p, s in enumerate(every) if s != every[0])
         first, other = first_difference(every[0], every[p], "state")
@@ -157,7 +146,7 @@ def check_same_settings(settings: Callable[[], dict[str, Any]], mesh: Mesh | Non
         else:
             flat[name] = value
     plain = json.loads(json.dumps(flat, sort_keys=True, default=str))
-    every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain)
+    every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain, f"{call}: its settings")
     if every is None:
         return
     p = next(p for p, e in enumerate(every) if e != every[0])
@@ -183,7 +172,7 @@ def check_same_batch(batch: Any, mesh: Mesh, call: str, argument: str = "batch")
     if not spans_processes(mesh):
         return
     signature = batch_signature(batch)
-    every = disagreement(json.dumps(signature).encode(), lambda: signature)
+    every = disagreement(json.dumps(signature).encode(), lambda: signature, f"{call}: the {argument}'s layout")
     if every is None:
         return
     p = next(p for p, s in enumerate(every) if s != every[0])
@@ -218,7 +207,7 @@ def check_same_data(data: dict[str, Any], mesh: Mesh | None, call: str) -> None:
     if mesh is None or not spans_processes(mesh):
         return
     digests = {name: arrays_digest_and_rows(value) for name, value in data.items()}
-    every = disagreement(json.dumps(digests).encode(), lambda: digests)
+    every = disagreement(json.dumps(digests).encode(), lambda: digests, f"{call}: the data in memory")
     if every is None:
         return
     for name in data:
