@@ -71,6 +71,7 @@ def cases():
     yield "paths apart", lambda: data.init(make_state, jax.random.key(0)) if me == 0 else fresh(same, {"x": x})
     yield "checkpointer in one", lambda: (spmdkit.Checkpointer(spmdkit.CheckpointConfig(where + "-one")) if me == 0
                                           else data.init(make_state, jax.random.key(0)))
+    yield "checkpointer keep", lambda: spmdkit.Checkpointer(spmdkit.CheckpointConfig(where + "-keep", keep=1 + 2 * me))
     # A process's own one-device strategy runs its own program: its keys and batches may differ.
     own = spmdkit.Single(jax.local_devices()[0])
     yield "own device", lambda: own.step(train_step)(own.init(make_state, me), {"x": x[: 8 + 8 * me]})
@@ -84,7 +85,7 @@ def run() -> dict[str, str | None]:
         try:
             case()
             out[name] = None
-        except spmdkit.ProcessMismatchError as e:
+        except (spmdkit.ProcessMismatchError, spmdkit.CheckpointError) as e:
             out[name] = str(e)
     return out
 

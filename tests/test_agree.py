@@ -121,6 +121,12 @@ def test_processes_on_different_paths_are_named_at_the_point_each_is(raised, cas
     assert "Fix: make every process take the same path" in message and "not in process 0 only" in message
 
 
+def test_a_checkpointer_opened_otherwise_in_one_process_is_named(raised):
+    # Another keep in one process was dropped without a word: process 0's deleted the steps.
+    assert raised["checkpointer keep"].startswith("the processes opened the checkpoint directory with another "
+                                                  "CheckpointConfig.keep: process 0 1, process 1 3."), raised["checkpointer keep"]
+
+
 def test_one_process_compares_nothing():
     assert not spans_processes(spmdkit.DataParallel().mesh)
     assert batch_signature({"x": np.zeros((4, 2), np.float32), "n": jax.numpy.zeros(4, jax.numpy.int32)}) == [

@@ -1074,6 +1074,18 @@ def test_a_process_that_exits_without_close_still_finishes_its_last_save(tmp_pat
     assert spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path))).problems(3) == []  # closed by with
 
 
+def test_the_checkpoints_table_leaves_blank_what_a_users_own_loop_does_not_record(tmp_path, capsys):
+    # A step saved by a user's loop has no task, strategy, mesh or time of writing: shown as "None".
+    from spmdkit._cli import main
+
+    with spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(3)}, {})
+    capsys.readouterr()
+    assert main(["checkpoints", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "complete" in out and "None" not in out, out
+
+
 @pytest.mark.parametrize("mode", ["none", "one", "lost"])
 def test_processes_that_exit_without_close_finish_their_last_save_together(tmp_path, mode):
     # Over several processes the unclosed save was skipped at exit: the step was left incomplete, exit

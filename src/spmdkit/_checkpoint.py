@@ -29,7 +29,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -762,14 +762,31 @@ class Checkpointer:
             raise kind(fix(f"checkpoint directory {self.directory} cannot be created: {_os_cause(e)}.",
                            "pass a --checkpoint-dir that is (or can be made) a writable directory.")) from None
         if jax.process_count() > 1:
-            # Orbax's manager opens with a barrier of every process: a process elsewhere (one that
-            # built no Checkpointer, as in "only process 0 saves") left this one waiting for ever.
-            disagreement(b"", lambda: None, "spmdkit.Checkpointer(...), opening a checkpoint directory")
+            self._check_same_config()
         _quiet_orbax()
         self._names = _ReadableSteps(_orbax().step.standard_name_format(step_prefix=STEP_PREFIX))
         # A leaf is a directory of its own unless OCDBT packs the leaves into files: its name is a file name.
         self.name_max = None if config.ocdbt else name_limit(self.directory)
         self.manager = self._open_manager()
+
+    def _check_same_config(self) -> None:
+        """Every process opens the directory alike. Orbax's manager opens with a barrier of every
+        process: a process elsewhere (one that built no Checkpointer, as in "only process 0 saves")
+        left this one waiting for ever. Another ``keep`` in one process was dropped without a word
+        (process 0's deleted the steps), and another ``resume`` had one process restore while the
+        other started afresh."""
+        mine = {f.name: getattr(self.config, f.name) for f in fields(self.config) if f.name != "directory"}
+        every = disagreement(json.dumps(mine, sort_keys=True).encode(), lambda: mine,
+                             "spmdkit.Checkpointer(...), opening a checkpoint directory")
+        if every is None:
+            return  # the directories are compared when the directory is claimed, resolved
+        p = next(p for p, c in enumerate(every) if c != every[0])
+        name = next(k for k in every[0] if every[0][k] != every[p].get(k))
+        raise CheckpointError(fix(
+            f"the processes opened the checkpoint directory with another CheckpointConfig.{name}: process 0 "
+            f"{every[0][name]!r}, process {p} {every[p].get(name)!r}. Every process writes its part of each step, "
+            "and process 0 alone deletes old steps and decides whether to resume.",
+            f"give every process the same CheckpointConfig (the same {name}; on the command line the same flags)."))
 
     def _open_manager(self) -> ocp.CheckpointManager:
         """Orbax's manager of the directory. Opening lists the steps and reads the newest one's

@@ -793,8 +793,10 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     for r in rows:
         config = r.get("config") or {}
         table.add_row(
-            str(r["step"]), f"{r['bytes'] / 2**20:.2f} MiB", r["status"], str(r.get("task", "")),
-            str(r.get("strategy", "")), str(r.get("mesh", "")), str(r.get("written", ""))[:19],
+            str(r["step"]), f"{r['bytes'] / 2**20:.2f} MiB", r["status"],
+            # A step of a user's own loop records none of these: blank, not "None".
+            *("" if r.get(k) is None else str(r[k]) for k in ("task", "strategy", "mesh")),
+            "" if r.get("written") is None else str(r["written"])[:19],
             " ".join(f"{k}={config[k]}" for k in shown if k in config and k not in ("task", "strategy")),
         )
     console.print(table)
