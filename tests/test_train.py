@@ -170,6 +170,22 @@ def test_epochs_and_drop_remainder_set_the_length():
     assert run(epochs=2, batch_size=16, drop_remainder=True).summary["steps"] == 4
 
 
+def test_a_batch_that_does_not_split_warns_at_the_users_call_of_fit():
+    # The warning pointed at a line of spmdkit's loop, not at the call that chose the batch size.
+    import warnings
+
+    x = np.linspace(-1, 1, 24, dtype=np.float32)
+    task = spmdkit.Task(name="line", init=lambda rng: {"w": jnp.zeros(())},
+                        loss_fn=lambda p, b, rng: (jnp.mean((p["w"] * b["x"] - b["y"]) ** 2), {}),
+                        train_data={"x": x, "y": 2 * x})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=12),
+                    progress=False)
+    split = [w for w in seen if "does not split over the 8 devices" in str(w.message)]
+    assert len(split) == 1 and split[0].filename == __file__, [(str(w.message)[:60], w.filename) for w in seen]
+
+
 def test_evaluate_is_the_exact_mean_over_uneven_chunks():
     task = linreg.make()
     strategy = spmdkit.DataParallel()

@@ -102,6 +102,22 @@ def with_member_means(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_hooks(hooks: Iterable[Any], info: StepInfo) -> None:
+    """Run ``hooks`` after a step of a loop of your own, as ``fit`` runs them after each of its.
+
+    Each hook runs when ``info.step`` is a multiple of its ``every`` (1 for a plain function of
+    ``info``); a :class:`Hook` also sees every step through its ``observe`` (a ``MetricsHook``
+    averages its rows over them). In the list's order: a ``NaNGuard`` first stops a NaN step
+    before any other hook sees it.
+
+    Example:
+        >>> import spmdkit
+        >>> seen = []
+        >>> for step in range(1, 5):
+        ...     spmdkit.run_hooks([lambda info: seen.append(info.step)],
+        ...                       spmdkit.StepInfo(step, 0, None, {"loss": 1.0 / step}))
+        >>> seen
+        [1, 2, 3, 4]
+    """
     if callable(hooks) or not isinstance(hooks, Iterable):
         raise ConfigError(fix(f"run_hooks({hooks!r:.60}, ...): needs a list of hooks.", "pass run_hooks([hook], info)."))
     if not isinstance(info, StepInfo):

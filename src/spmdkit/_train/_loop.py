@@ -285,7 +285,7 @@ def _plan(task: Task, strategy: Any, config: TrainConfig, feed: Any) -> _Plan:
     if bs % shards:
         warnings.warn(
             f"batch_size={bs} does not split over the {shards} devices of the batch axis: every step runs the "
-            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=3)
+            f"whole batch on every device (exact, not parallel). Use a multiple of {shards}.", stacklevel=4)  # the caller of fit
     if n is not None:
         per_epoch = n // bs if config.drop_remainder else math.ceil(n / bs)
     elif feed.steps_per_epoch is None and config.steps is None:
