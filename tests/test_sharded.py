@@ -691,3 +691,25 @@ def test_a_layout_error_names_the_parameter_not_its_optimizer_moment():
     result = spmdkit.plan(make_state, step, {"x": np.ones((8, 4), np.float32)}, rules=("dp+tp",), target="h100x8")
     reasons = [c["reason"] for c in result["candidates"]]
     assert reasons and all(r.startswith("state['params']['Dense_0']['kernel'] has logical name 'hiden'") for r in reasons), reasons
+
+
+def test_a_constraint_of_more_names_than_its_value_has_dimensions_is_named():
+    # Flax's nn.DenseGeneral with two feature axes applies its kernel's three logical names to the
+    # kernel while it is still 2-D: Flax's raw ValueError, with no word of the layer or the fix.
+    rules = {"embed": "data", "heads": "model", "kv": None, "batch": "data"}
+    sharded = spmdkit.Sharded(spmdkit.make_mesh(data=2, model=4), rules)
+    dense = nn.DenseGeneral((4, 4), kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                                             ("embed", "heads", "kv")))
+    make = lambda rng: dense.init(rng, jnp.zeros((1, 16)))["params"]  # noqa: E731
+    words = (r"(?s)a sharding constraint P\('data', 'model', None\) \(rank 3\) was applied to a value of rank 2.*"
+             r"nn.DenseGeneral with several features.*Fix: .*nn.Dense\(heads \* kv\)")
+    with pytest.raises(spmdkit.LayoutError, match=words):
+        sharded.plan(make)
+    with pytest.raises(spmdkit.LayoutError, match=words):
+        sharded.init(make, jax.random.key(0))
+    # The same refusal in a step of the user's own, without the DenseGeneral cause.
+    state = sharded.init(lambda rng: {"w": jnp.ones((16, 8))}, jax.random.key(0))
+    step = sharded.evaluate(lambda s, b: nn.with_logical_constraint(b["x"] @ s["w"], ("batch", "embed", "kv")).sum())
+    with pytest.raises(spmdkit.LayoutError, match=r"(?s)\(rank 3\) was applied to a value of rank 2.*Fix: give the "
+                                                  r"constraint as many names as its value has dimensions"):
+        step(state, {"x": jnp.ones((8, 16))})

@@ -283,6 +283,38 @@ def logical_name_as_mesh_axis(error: Exception, axis: str, rules: AxisRules, mes
         f"of {axis!r} (what the rules map it to)."))
 
 
+_RANK_TOO_LOW = re.compile(r"spec=(P\([^()]*\))\)? is only valid for values of rank at least (\d+), but was applied "
+                           r"to a value of rank (\d+)")
+
+
+def constraint_of_other_rank(error: Exception) -> LayoutError | None:
+    """Flax's raw ValueError for a sharding constraint with more names than its value has
+    dimensions, with its usual cause: ``nn.DenseGeneral(features=(heads, kv), kernel_init=
+    nn.with_logical_partitioning(..., ('embed', 'heads', 'kv')))`` constrains the kernel while it
+    is still 2-D, before its reshape (under ``jax.set_mesh``, which spmdkit traces in)."""
+    found = _RANK_TOO_LOW.search(str(error))
+    if found is None:
+        return None
+    spec, rank, got = found.groups()
+    in_dense_general = any(code.co_name == "kernel_init_wrap" for code in _frames(error.__traceback__))
+    cause = (" Flax's nn.DenseGeneral with several features (or axes) applies its kernel's logical names before "
+             "it reshapes the kernel to their rank." if in_dense_general else "")
+    return LayoutError(fix(
+        f"a sharding constraint {spec} (rank {rank}) was applied to a value of rank {got} while tracing "
+        f"(JAX's with_sharding_constraint refused it).{cause}",
+        "give the layer names of the value's own rank: an nn.Dense(heads * kv) with 2 names, then a reshape "
+        "(the reshaped activation constrained with nn.with_logical_constraint), or a DenseGeneral of one feature "
+        "axis." if in_dense_general else "give the constraint as many names as its value has dimensions."))
+
+
+def _frames(tb: Any) -> list[Any]:
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    return out
+
+
 def _arrays_only(make_state: MakeState) -> MakeState:
     """``make_state`` whose state is checked while tracing: a string or an object in it made
     jax fail with a message of its own (no path under an ensemble's vmap)."""
@@ -481,6 +513,9 @@ class Placement:
             try:
                 return run()
             except ValueError as e:
+                other_rank = constraint_of_other_rank(e)
+                if other_rank is not None:
+                    raise other_rank from None
                 axis = missing_axis(e)
                 extra = getattr(self, "_extra_axes", ())
                 if axis is None or axis in extra or axis in self.mesh.axis_names:
