@@ -713,3 +713,18 @@ def test_a_constraint_of_more_names_than_its_value_has_dimensions_is_named():
     with pytest.raises(spmdkit.LayoutError, match=r"(?s)\(rank 3\) was applied to a value of rank 2.*Fix: give the "
                                                   r"constraint as many names as its value has dimensions"):
         step(state, {"x": jnp.ones((8, 16))})
+
+
+def test_a_constraint_of_another_rank_is_named_with_a_rule_of_several_mesh_axes():
+    # The spec then holds a tuple, ('data', 'model'), which the message's pattern must read too.
+    from spmdkit._strategies._compile import constraint_of_other_rank
+
+    mesh = spmdkit.make_mesh(data=2, model=4)
+    spec = P(("data", "model"), None, None)
+    try:
+        jax.jit(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec)))(jnp.ones((8, 4)))
+    except ValueError as e:
+        error = constraint_of_other_rank(e)
+    else:
+        pytest.fail("JAX accepted a constraint of rank 3 on a value of rank 2")
+    assert error is not None and "P(('data', 'model'), None, None) (rank 3) was applied to a value of rank 2" in str(error)

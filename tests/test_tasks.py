@@ -66,8 +66,12 @@ def test_mismatched_array_lengths_name_both_arrays():
         ({"x": np.ones((0, 3))}, "has 0 examples"),
         # A list is a pytree: each number was a leaf, named "train_data['x'][0][0] is a scalar".
         ({"x": [[1.0, 2.0]] * 4, "y": np.ones(4)},
-         r"(?s)train_data\['x'\] is a Python list or tuple of numbers.*np.asarray\(train_data\['x'\]\)"),
+         r"(?s)train_data\['x'\] is a Python list or tuple of values.*np.asarray\(train_data\['x'\]\)"),
         ({"x": np.ones((4, 2)), "y": (1, 0, 1, 0)}, r"train_data\['y'\] is a Python list or tuple"),
+        # Per-example records are not a list of values: np.asarray of them makes an object array.
+        ({"rows": [{"x": 1.0, "y": 0}] * 4}, r"(?s)train_data\['rows'\] is a Python list or tuple of per-example "
+                                             r"records \(train_data\['rows'\]\[0\]\['x'\] is one value\).*"
+                                             r"np.stack\(\[r\[k\] for r in rows\]\)"),
     ],
 )
 def test_bad_data(data, match):

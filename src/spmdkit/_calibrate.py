@@ -403,8 +403,8 @@ def run_two_processes(sizes: Sequence[int], kinds: Sequence[str], rounds: int, t
     """
     with tempfile.TemporaryDirectory(prefix="spmdkit-calibrate-") as tmp:
         out = os.path.join(tmp, "inter_host.json")
-        command = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--",
-                   sys.executable, "-m", "spmdkit._calibrate_worker", "--out", out, "--rounds", str(rounds),
+        command = [sys.executable, "-P", "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--",
+                   sys.executable, "-P", "-m", "spmdkit._calibrate_worker", "--out", out, "--rounds", str(rounds),
                    "--target-seconds", str(target_s), "--timeout", str(int(max(60, timeout))),
                    "--sizes", *map(str, sizes), "--kinds", *kinds,
                    "--reps", *(f"{k}:{b}:{r}" for (k, b), r in sorted((reps or {}).items()))]

@@ -716,14 +716,14 @@ def _within(close: Callable[[], None], seconds: float | None, step: int) -> None
     worker = threading.Thread(target=run, name="spmdkit-finish-save-at-exit", daemon=True)
     worker.start()
     worker.join(seconds)
-    if failed:
-        raise failed[0]
-    if worker.is_alive():
+    if worker.is_alive():  # read before `failed`: a failure landing in between is not a success
         raise CheckpointSaveError(fix(
             f"the save of step {step} did not finish within {seconds:g} s of this process's exit: another process "
-            "did not finish its part (it ended, or it has not reached the end of its program). The step is left "
-            "incomplete; a resume sets it aside and takes the step before.",
+            "did not finish its part (it ended, or it has not reached the end of its program), or this process's "
+            "own write took longer. The step is left incomplete; a resume sets it aside and takes the step before.",
             "call close() (or use `with Checkpointer(...) as ckpt`) in every process before it exits."))
+    if failed:
+        raise failed[0]
 
 
 class Checkpointer:

@@ -34,8 +34,11 @@ def open_npz(path: Any) -> Any:
     except ValueError as e:
         if "pickled" not in str(e):
             raise
-        with open(path, "rb") as f:
-            first = f.read(8)
+        try:
+            with open(path, "rb") as f:
+                first = f.read(8)
+        except TypeError:  # a file object, as np.load takes too
+            first = b"?"
         raise ValueError(f"neither a zip archive of named arrays (.npz) nor an .npy array: it starts with the bytes "
                          f"{first!r} (spmdkit never loads a pickle, which can run code)") from None
 

@@ -563,12 +563,14 @@ def own_spmdkit(command: Sequence[str]) -> list[str]:
     another install's (or none, from a venv not activated: "cannot start 'spmdkit'").
 
     >>> own_spmdkit(["spmdkit", "train"])[1:]
-    ['-m', 'spmdkit', 'train']
+    ['-P', '-m', 'spmdkit', 'train']
     >>> own_spmdkit(["./my_spmdkit", "train"])
     ['./my_spmdkit', 'train']
     """
     if command and command[0] == "spmdkit":
-        return [sys.executable, "-m", "spmdkit", *command[1:]]
+        # -P: no working directory on the path, as for the console script (a user's rich.py or
+        # logging.py there would be imported in place of the library's).
+        return [sys.executable, "-P", "-m", "spmdkit", *command[1:]]
     return list(command)
 
 
@@ -576,7 +578,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
            max_restarts: int = 0, backoff_s: float = BACKOFF_S, sigterm_wait_s: float = SIGTERM_WAIT_S) -> int:
     """Run ``command`` in ``processes`` local processes; the exit code of the first to fail (128 + N if
     signal N killed it, as a shell says), else 0. A bare ``spmdkit`` runs as this spmdkit
-    (``python -m spmdkit`` with this Python), not as whichever ``spmdkit`` comes first on PATH.
+    (``python -P -m spmdkit`` with this Python), not as whichever ``spmdkit`` comes first on PATH.
 
     When one fails and ``max_restarts`` allows, every process is stopped and the group is
     started again after a back-off (1 s, 2 s, 4 s ... at most 30 s), resuming from the last good

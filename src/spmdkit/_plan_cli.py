@@ -506,8 +506,8 @@ def _relaunch(args: argparse.Namespace, console: Console, term: list[int] = ()) 
     per = args.devices // args.processes
     given = list(getattr(args, "raw_argv", sys.argv[1:]))
     argv = [*given, "--host-devices", str(per)]  # the last one given counts
-    launcher = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", str(args.processes),
-                "--host-devices-per-process", str(per), "--", sys.executable, "-m", "spmdkit._cli", *argv]
+    launcher = [sys.executable, "-P", "-m", "spmdkit._cli", "launch", "-n", str(args.processes),
+                "--host-devices-per-process", str(per), "--", sys.executable, "-P", "-m", "spmdkit._cli", *argv]
     console.print(f"measuring over {args.processes} processes x {per} devices: spmdkit launch -n {args.processes} "
                   f"--host-devices-per-process {per} -- spmdkit {' '.join(given)}", highlight=False, markup=False)
     from spmdkit._launch import _die_with_parent

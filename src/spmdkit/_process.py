@@ -259,8 +259,7 @@ def disagreement(payload: bytes, detail: Callable[[], Any], at: str) -> list[Any
     naming both. Their digests met in one collective and the detail of one check was read as
     another's: an internal TypeError, or a wrong "rng differs" in the other process."""
     digest = np.frombuffer(hashlib.sha256(at.encode() + b"\0" + payload).digest()[:16], np.uint32)
-    every = np.asarray(allgather(digest, "a digest of what every process must give alike (settings, state, key, "
-                                           "batch layout)")).reshape(-1, digest.size)
+    every = np.asarray(allgather(digest, f"a digest of what every process must give alike ({at})")).reshape(-1, digest.size)
     if (every == every[0]).all():
         return None
     # Every process saw the same digests: all take this path.

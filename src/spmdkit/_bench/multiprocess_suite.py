@@ -15,8 +15,8 @@ fastest PyTorch case of the same run. ``levers=`` adds the levers of :data:`LEVE
 PyTorch is an optional extra (``pip install torch==2.13.0``, the CPU build, or ``-e '.[bench]'`` in a checkout); without
 it the suite reports the spmdkit cases only, and says so. PyTorch may live in another
 interpreter than JAX (a wheel for an older Python): ``torch_python`` (``--torch-python PATH``
-or ``$SPMDKIT_TORCH_PYTHON``) runs the PyTorch cases there, with this spmdkit source first on
-its path, while the JAX cases run with the current interpreter and its JAX.
+or ``$SPMDKIT_TORCH_PYTHON``) runs the PyTorch cases there, with this spmdkit (alone, not the
+directory it is installed in) first on its path, while the JAX cases run with the current interpreter and its JAX.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ def torch_interpreter(torch_python: str | None = None) -> tuple[str, dict[str, s
     """The Python that runs the PyTorch cases and the environment it needs, or None without PyTorch.
 
     ``torch_python`` (else ``$SPMDKIT_TORCH_PYTHON``) names another interpreter, e.g. an env
-    with a PyTorch wheel for an older Python; it gets this spmdkit's source first on
-    ``PYTHONPATH`` so both frameworks run the same worker. ValueError when that interpreter
+    with a PyTorch wheel for an older Python; it gets this spmdkit alone first on
+    ``PYTHONPATH`` (:func:`_spmdkit_alone`) so both frameworks run the same worker; it needs
+    spmdkit's dependencies (jax, numpy) of its own. ValueError when that interpreter
     cannot import torch and spmdkit.
     """
     path = torch_python or os.environ.get(TORCH_PYTHON_ENV)

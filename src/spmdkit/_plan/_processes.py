@@ -82,7 +82,8 @@ def check_same_arguments(arguments: dict[str, Any]) -> None:
     process must call it."""
     if jax.process_count() == 1:
         return
-    from spmdkit._strategies._agree import disagreement, first_difference
+    from spmdkit._process import disagreement
+    from spmdkit._strategies._agree import first_difference
 
     plain = json.loads(json.dumps(arguments, sort_keys=True, default=_plain))
     every = disagreement(json.dumps(plain, sort_keys=True).encode(), lambda: plain, "spmdkit.plan: its arguments")

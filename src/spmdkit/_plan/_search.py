@@ -428,12 +428,19 @@ def _check_hosts(target: Target, n: int, devices_per_host: int, processes: int) 
 
     Devices over several hosts fill whole hosts: 8 over hosts of 3 was priced as hosts of 3, 3
     and 2, a machine no cluster is, with no word."""
+    _check_inter_host(target, n, devices_per_host, processes)
     if n > devices_per_host and n % devices_per_host:
-        fits = sorted({devices_per_host * k for k in (n // devices_per_host, n // devices_per_host + 1)} - {0})
+        whole = n // devices_per_host
         raise TargetError(fix(f"target {target.name!r} has {devices_per_host} devices per host, which {n} devices do not "
-                              f"fill: {n} = {devices_per_host} x {n // devices_per_host} + {n % devices_per_host}.",
-                              f"plan for a whole number of hosts ({' or '.join(map(str, fits))} devices), or correct "
-                              f'the target\'s "devices_per_host" if a host holds another number.'))
+                              f"fill: {n} = {devices_per_host} x {whole} + {n % devices_per_host}.",
+                              f"plan for a whole number of hosts ({devices_per_host * whole} or "
+                              f"{devices_per_host * (whole + 1)} devices), or, for hosts of another size, a target "
+                              'file of your own with their "devices_per_host" (spmdkit calibrate writes one; '
+                              "README, Planning)."))
+
+
+def _check_inter_host(target: Target, n: int, devices_per_host: int, processes: int) -> None:
+    """More devices than a host holds need the target's inter_host link."""
     if devices_per_host >= n or "inter_host" in target.links or any(
             "inter_host" in per for per in target.collectives.values()):
         return

@@ -283,8 +283,9 @@ def logical_name_as_mesh_axis(error: Exception, axis: str, rules: AxisRules, mes
         f"of {axis!r} (what the rules map it to)."))
 
 
-_RANK_TOO_LOW = re.compile(r"spec=(P\([^()]*\))\)? is only valid for values of rank at least (\d+), but was applied "
-                           r"to a value of rank (\d+)")
+# The spec may hold tuples (a name mapped to several mesh axes) and, for a concrete mesh, a memory kind.
+_RANK_TOO_LOW = re.compile(r"spec=(P\((?:[^()]|\([^()]*\))*\))(?:, memory_kind=\w+)?\)? is only valid for values of "
+                           r"rank at least (\d+), but was applied to a value of rank (\d+)")
 
 
 def constraint_of_other_rank(error: Exception) -> LayoutError | None:
@@ -308,6 +309,7 @@ def constraint_of_other_rank(error: Exception) -> LayoutError | None:
 
 
 def _frames(tb: Any) -> list[Any]:
+    """The code objects of a traceback, outermost first."""
     out = []
     while tb is not None:
         out.append(tb.tb_frame.f_code)

@@ -241,12 +241,11 @@ def num_examples(data: Any) -> int:
     return int(jax.tree_util.tree_leaves(data)[0].shape[0])
 
 
-def _list_of_numbers(path: tuple, x: Any) -> tuple | None:
-    """The path of the list holding ``x`` when ``x`` is a bare number inside a list or tuple."""
+def _in_a_list(path: tuple, x: Any) -> int | None:
+    """Where in ``path`` the outermost list or tuple holding ``x`` sits, when ``x`` is a bare value."""
     if np.ndim(x) != 0 or not any(isinstance(k, jax.tree_util.SequenceKey) for k in path):
         return None
-    first = next(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.SequenceKey))
-    return path[:first]
+    return next(i for i, k in enumerate(path) if isinstance(k, jax.tree_util.SequenceKey))
 
 
 def check_examples(data: Any, name: str) -> int:
@@ -257,13 +256,19 @@ def check_examples(data: Any, name: str) -> int:
     sizes = []
     for path, x in leaves:
         where = name + jax.tree_util.keystr(path)
-        listed = _list_of_numbers(path, x)
+        listed = _in_a_list(path, x)
         if listed is not None:
-            # Else "train_data['x'][0][0] is a scalar": a list is a pytree, each number a leaf.
-            held = name + jax.tree_util.keystr(listed)
-            raise DataError(fix(f"{held} is a Python list or tuple of numbers; spmdkit reads a list as a pytree "
-                                "node, each number a leaf of its own, not as an array.",
-                                f"pass np.asarray({held}) (one array per leaf, examples along axis 0)."))
+            # Else "train_data['x'][0][0] is a scalar": a list is a pytree, each value a leaf.
+            held, rest = name + jax.tree_util.keystr(path[:listed]), path[listed:]
+            if all(isinstance(k, jax.tree_util.SequenceKey) for k in rest):
+                raise DataError(fix(f"{held} is a Python list or tuple of values; spmdkit reads a list as a pytree "
+                                    "node, each value a leaf of its own, not as an array.",
+                                    f"pass np.asarray({held}) (one array per leaf, examples along axis 0)."))
+            raise DataError(fix(f"{held} is a Python list or tuple of per-example records ({held}"
+                                f"{jax.tree_util.keystr(rest)} is one value); spmdkit reads a list as a pytree node, "
+                                "not as rows.",
+                                f"stack the records per field: {{k: np.stack([r[k] for r in rows]) for k in rows[0]}} "
+                                f"with rows = {held}."))
         if x.ndim == 0:
             raise DataError(
                 fix(f"{where} is a scalar; every leaf needs a leading example axis.", f"reshape {where}.")
