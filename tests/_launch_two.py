@@ -19,7 +19,8 @@ def start_two(program: Path, *args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def launch_two(program: Path, *args: str, timeout: float) -> None:
+def run_two(program: Path, *args: str, timeout: float) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of the launch, SIGKILLed (launcher and workers) at ``timeout``."""
     proc = start_two(program, *args)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -27,5 +28,10 @@ def launch_two(program: Path, *args: str, timeout: float) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
             proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+    return proc.returncode, stdout, stderr
+
+
+def launch_two(program: Path, *args: str, timeout: float) -> None:
+    code, stdout, stderr = run_two(program, *args, timeout=timeout)
+    assert code == 0, stderr[-3000:]
     assert "process 1 of 2 devices 8" in stdout + stderr

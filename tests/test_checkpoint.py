@@ -1093,25 +1093,20 @@ def test_processes_that_exit_without_close_finish_their_last_save_together(tmp_p
     # common habit) then waited for ever. Now each finishes its part; a peer that never does is
     # waited for a bounded time (here 10 s), and the step is named, exit 5.
     sys.path.insert(0, str(Path(__file__).parent))
-    from _launch_two import start_two
+    from _launch_two import run_two
 
     sys.path.pop(0)
-    proc = start_two(Path(__file__).parent / "_unclosed_mp_program.py", str(tmp_path / "ck"), mode)
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
-            proc.wait()
+    code, stdout, stderr = run_two(Path(__file__).parent / "_unclosed_mp_program.py", str(tmp_path / "ck"), mode,
+                                   timeout=240)
     ckpt = spmdkit.Checkpointer(spmdkit.CheckpointConfig(str(tmp_path / "ck")), log=lambda m: None)
     assert "Traceback" not in stderr and "cannot schedule" not in stderr, stderr[-3000:]
     if mode == "lost":
-        assert proc.returncode == 5, stdout[-2000:] + stderr[-3000:]
+        assert code == 5, stdout[-2000:] + stderr[-3000:]
         assert re.search(r"\[0\] spmdkit: the save of step 2 did not finish within 10 s of this process's exit: "
                          r"another process did not finish its part", stderr), stderr[-3000:]
         assert ckpt.steps() == [1] and ckpt.problems(1) == []
         return
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
     finishing = "finishing the save of step 2 as the process exits (close() was not called"
     assert stdout.count(finishing) == (2 if mode == "none" else 1), stdout[-3000:]
     assert ckpt.steps() == [1, 2] and ckpt.problems(2) == []

@@ -86,18 +86,9 @@ def test_an_eval_longer_than_the_step_timeout_does_not_end_a_healthy_job():
     here = Path(__file__).parent
     sys.path.insert(0, str(here))
     try:
-        from _launch_two import start_two
+        from _launch_two import run_two
     finally:
         sys.path.remove(str(here))
-    import os
-    import signal
-
-    proc = start_two(here / "_slow_eval_mp_program.py", "3")
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
-            proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+    code, stdout, stderr = run_two(here / "_slow_eval_mp_program.py", "3", timeout=180)
+    assert code == 0, stderr[-3000:]
     assert stdout.count("status completed evals 2") == 2 and "no step finished" not in stderr

@@ -46,7 +46,6 @@ from spmdkit._host_memory import _apply as _reuse_host_memory
 from spmdkit._host_memory import host_memory
 from spmdkit._process import end_soon
 
-EXIT_DAMAGED = EXIT_CHECK_FAILED  # spmdkit checkpoints --verify found a damaged or incomplete step
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of the output left (`| head`; the shell's code for it)
 
 
@@ -173,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("checkpoints", parents=[common], help="list the checkpoints in a directory")
     p.add_argument("directory", type=path_arg, help="a --checkpoint-dir")
     p.add_argument("--verify", action="store_true", help="compare every file's CRC-32 with the step's manifest "
-                   f"(exit {EXIT_DAMAGED} if a step is damaged or incomplete)")
+                   f"(exit {EXIT_CHECK_FAILED} if a step is damaged or incomplete)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     _add_bench_parser(sub, common)
@@ -784,7 +783,7 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
                                   for r in rows)  # a step being saved now ("being saved") is neither
     if args.json:
         print(json.dumps(rows, indent=2))
-        return EXIT_DAMAGED if damaged else 0
+        return EXIT_CHECK_FAILED if damaged else 0
     table = Table(title=f"checkpoints in {args.directory}")
     for col in ("step", "size", "status", "task", "strategy", "mesh", "written", "config"):
         table.add_column(col)
@@ -802,7 +801,7 @@ def _cmd_checkpoints(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     if not rows:
         console.print("no checkpoints")
-    return EXIT_DAMAGED if damaged else 0
+    return EXIT_CHECK_FAILED if damaged else 0
 
 
 def _cmd_sample(args: argparse.Namespace, console: Console) -> int:
