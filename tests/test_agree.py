@@ -70,6 +70,18 @@ def test_fit_on_the_same_arrays_passes(raised):
     assert raised["fit own timeout"] is None  # a process's own watchdog setting is not the run's
 
 
+def test_a_pipeline_not_split_per_process_is_refused_and_one_split_passes(raised):
+    # Each process's pipeline yields its share (8 of 16 rows) of every global batch: the same
+    # share in both trained each example twice, a batch of 8 for 16, without a word.
+    said = raised["fit pipeline unsplit"]
+    assert said is not None and said.startswith(
+        "fit: task.train_data's first batch is the same in processes 0, 1 (CRC-32 "), said
+    assert "(8 of batch_size=16 rows)" in said and "each of its examples 2 times" in said, said
+    assert "Fix: split the pipeline per process: a Grain sampler with shard_options=grain.ShardByJaxProcess()" in said
+    assert raised["fit pipeline split"] is None
+    assert raised["fit pipeline of ones"] is None  # rows all alike: alike by chance, not refused
+
+
 @pytest.mark.parametrize("case, words", [
     ("fit rows", "fit: task.train_data differs between processes: process 0 has 32 rows (CRC-32 "),
     ("fit eval values", "fit: task.eval_data differs between processes: process 0 has 32 rows (CRC-32 "),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from spmdkit._cli import main
+from spmdkit._errors import EXIT_CHECK_FAILED
 
 SPMDKIT = shutil.which("spmdkit") or os.path.join(os.path.dirname(sys.executable), "spmdkit")
 
@@ -212,6 +213,19 @@ def test_demo_runs_seed000_and_trains_on_eight_devices(tmp_path):
     out = run_cli("demo", "--out", str(tmp_path / "short"), "--steps", "5")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "test accuracy not checked: 5 steps" in out.stdout and "demo OK" in out.stdout
+
+
+def test_a_demo_whose_check_fails_exits_6_not_a_crash_s_1(monkeypatch):
+    # A script running `spmdkit demo` as a smoke test tells "the results are off" from a bug.
+    import spmdkit._cli
+    import spmdkit._demo
+
+    asked = []
+    monkeypatch.setattr(spmdkit._demo, "run_demo", lambda console, out, steps: asked.append((out, steps)) or {"ok": False})
+    assert spmdkit._cli._cmd_demo(argparse.Namespace(out="elsewhere", steps=60), None) == EXIT_CHECK_FAILED == 6
+    monkeypatch.setattr(spmdkit._demo, "run_demo", lambda console, out, steps: asked.append((out, steps)) or {"ok": True})
+    assert spmdkit._cli._cmd_demo(argparse.Namespace(out="elsewhere", steps=60), None) == 0
+    assert asked == [("elsewhere", 60)] * 2
 
 
 def test_bench_pmap_quick_writes_json(bench_all_quick):

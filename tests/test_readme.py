@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import platform
 import re
+import subprocess
+import sys
 
 import numpy as np
 
@@ -25,6 +29,22 @@ def test_readme_python_blocks_run():
     assert int(namespace["mask"].sum()) == 13
     assert namespace["result"].summary["eval_loss"] < 0.05
     assert str(namespace["layout"].leaves[1].spec) == "P(None, 'data', 'model')"
+
+
+def test_readme_py_block_runs_first_thing_in_a_fresh_python():
+    # The ``py`` block must run before JAX starts, which the one session above cannot give it.
+    blocks = re.findall(r"```py\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) == 1
+    # As a user's shell: none of the settings that make the call say "set in the environment".
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD", "SPMDKIT_"))}
+    out = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stated = re.search(r"print\(spmdkit.host_memory\(\)\)\s+# (.*)", blocks[0]).group(1)
+    if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+        assert out.stdout.strip() == stated, (out.stdout, stated)
+    else:  # elsewhere the call says why it changed nothing (tests/test_host_memory.py)
+        assert out.stdout.startswith("system default ("), out.stdout
 
 
 def _literal(text: str):

@@ -41,7 +41,7 @@ from spmdkit._atomic import is_temporary, replace_text
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
 from spmdkit._lockfile import OUT_LOCK, DirLock, held_now, refusal
-from spmdkit._process import broadcast, disagreement, exit_now, gather_json
+from spmdkit._process import armed, broadcast, disagreement, exit_now, gather_json
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -207,17 +207,23 @@ def _by_keys(prefix: str) -> bool:
     return "".join(m.group(0) for m in _KEY.finditer(prefix)) == prefix
 
 
-def _indexed_part(step: int, places: list[str]) -> CheckpointError:
+def _head(step: int, directory: Path | str | None) -> str:
+    """How an error names a step: with its directory, since one job may read several."""
+    return f"checkpoint step {step}" + (f" in {directory}" if directory else "")
+
+
+def _indexed_part(step: int, places: list[str], directory: Path | str | None = None) -> CheckpointError:
     """A target that is a part of the state under a list or tuple index, which a restore cannot
     take alone (it was "has no leaf" or "none does")."""
     return CheckpointError(fix(
-        f"checkpoint step {step}: the target's leaves are found in the saved state at {' and '.join(map(repr, places))}, "
+        f"{_head(step, directory)}: the target's leaves are found in the saved state at {' and '.join(map(repr, places))}, "
         "under a list or tuple index; a restore takes a part under dict keys or attributes only.",
         "restore the whole state (a target of all of it, e.g. strategy.abstract(make_state)) and take that part "
         "from it, or keep such parts in a dict keyed by name."))
 
 
-def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str | None = None) -> tuple[str, list[str]] | None:
+def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str | None = None,
+            directory: Path | str | None = None) -> tuple[str, list[str]] | None:
     """The part of a saved state a restore target stands for: its path prefix and keys
     (``(".params", ["params"])``), or None for the whole state.
 
@@ -231,11 +237,11 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
     found = [p for p in places if _by_keys(p)]
     indexed = [p for p in places if not _by_keys(p)]
     if indexed and (not found or (part is not None and part not in found)):
-        raise _indexed_part(step, indexed)
+        raise _indexed_part(step, indexed, directory)
     if part is not None:
         if part not in found:
             raise CheckpointError(fix(
-                f"checkpoint step {step}: part={part!r} is not a place of the saved state holding exactly the "
+                f"{_head(step, directory)}: part={part!r} is not a place of the saved state holding exactly the "
                 f"target's leaves ({', '.join(map(repr, found)) or 'none does'}).",
                 "pass one of those as part= (a path as jax.tree_util.keystr prints it), or a target of that part."))
         found = [part]
@@ -243,7 +249,7 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
     if len(exact) > 1 or (not exact and len(found) > 1):
         ambiguous = exact or found
         raise CheckpointError(fix(
-            f"checkpoint step {step}: the target matches {len(ambiguous)} places of the saved state, "
+            f"{_head(step, directory)}: the target matches {len(ambiguous)} places of the saved state, "
             f"{', '.join(map(repr, ambiguous))} (the same leaves, shapes and dtypes), so which one it asks for is "
             "ambiguous.",
             f"name it: restore({step}, target, part={ambiguous[-1]!r})."))
@@ -256,9 +262,10 @@ def part_of(step: int, saved: dict[str, list], want: dict[str, list], part: str 
 _TOP = re.compile(r"\.\w+|\['[^'\\]*'\]|\[\d+\]")
 
 
-def _missing_leaf(step: int, saved: dict[str, list], want: dict[str, list], at: str, path: str) -> str:
+def _missing_leaf(step: int, saved: dict[str, list], want: dict[str, list], at: str, path: str,
+                  directory: Path | str | None = None) -> str:
     """Why a target leaf is not in the checkpoint, with the way to the target that fits."""
-    head = f"checkpoint step {step} has no leaf state{at}{path} (the target has it)"
+    head = f"{_head(step, directory)} has no leaf state{at}{path} (the target has it)"
     bare = path.removesuffix(".value")
     if bare != path and bare in saved:  # a Flax box (nn.Partitioned, an NNX Variable) around a saved array
         return fix(f"{head}; it holds state{at}{bare}, the same array without Flax's box around it.",
@@ -284,9 +291,10 @@ def _missing_leaf(step: int, saved: dict[str, list], want: dict[str, list], at: 
                "target of that state).")
 
 
-def _without_step(message: str, step: int) -> str:
-    """An error's first line without its leading ``checkpoint step N:``, for a log line that names the step."""
-    for head in (f"checkpoint step {step}: ", f"checkpoint step {step} is damaged: "):
+def _without_step(message: str, step: int, directory: Path | str | None = None) -> str:
+    """An error's first line without its leading ``checkpoint step N in DIR:``, for a log line that
+    names the step."""
+    for head in (f"{_head(step, directory)}: ", f"{_head(step, directory)} is damaged: "):
         if message.startswith(head):
             return message[len(head):]
     return message
@@ -633,14 +641,15 @@ def _members_hint(saved: tuple, shape: tuple, members: int | None) -> str:
     return ""
 
 
-def _check_key_impls(step: int, saved: dict[str, str], target: dict[str, str], prefix: str) -> None:
+def _check_key_impls(step: int, saved: dict[str, str], target: dict[str, str], prefix: str,
+                     directory: Path | str | None = None) -> None:
     """A PRNG key saved as one implementation, restored as another (threefry and rbg keys
     differ in size, which read as a change of model size)."""
     for path, impl in target.items():
         was = saved.get(prefix + path)
         if was is not None and was != impl:
             raise CheckpointError(fix(
-                f"checkpoint step {step}: leaf state{path} is a {was} PRNG key in the checkpoint but a {impl} key "
+                f"{_head(step, directory)}: leaf state{path} is a {was} PRNG key in the checkpoint but a {impl} key "
                 "in the target.",
                 f"make that key with the implementation it was saved with: jax.random.key(seed, impl={was!r})."))
 
@@ -683,15 +692,19 @@ def _close_unclosed() -> None:
             if step is None:
                 continue
             several = jax.process_count() > 1
+            # A process ending after an error (end_soon) has less: the wait its timer allows.
+            ending = armed()
+            wait = UNCLOSED_WAIT_S if ending is None else min(UNCLOSED_WAIT_S, ending[1])
             ckpt.log(f"checkpoints: finishing the save of step {step} as the process exits (close() was not "
                      "called: call it, or use `with Checkpointer(...) as ckpt`"
-                     + (f"; every process finishes its part, this one waits up to {UNCLOSED_WAIT_S:g} s for the "
+                     + (f"; every process finishes its part, this one waits up to {wait:.0f} s for the "
                         "others)" if several else ")"))
             try:
-                _within(ckpt.close, UNCLOSED_WAIT_S if several else None, step)
+                _within(ckpt.close, wait if several else None, step)
             except Exception as e:
                 sys.stderr.write(f"spmdkit: {str(e).splitlines()[0]}\n")
-                code = code or CheckpointSaveError.exit_code
+                # The error that ended the process (a lost peer: exit 4; an uncaught one: 1) is the cause.
+                code = code or (ending[0] if ending and ending[0] else CheckpointSaveError.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write(f"spmdkit: interrupted while finishing the save of step {step} at exit: it is left "
                          "incomplete (a resume sets it aside)\n")
@@ -1148,36 +1161,35 @@ class Checkpointer:
             return meta
         except (OSError, ValueError) as e:
             self._check_step_exists(step)  # a step that is not there is not a damaged one
-            raise CheckpointDamagedError(fix(f"checkpoint step {step}: {path} cannot be read ({e}).",
+            raise CheckpointDamagedError(fix(f"{_head(step, self.directory)}: {path} cannot be read ({e}).",
                                       "the step is damaged; resume from another step.")) from None
 
     def check_target(self, step: int, target: Any, members: int | None = None, part: str | None = None) -> None:
         """The saved leaves have the target's paths, shapes and dtypes; the first difference is named."""
         saved = self.meta(step).get("leaves", {})
         want = leaf_table(target)
-        found = part_of(step, saved, want, part)
+        found = part_of(step, saved, want, part, self.directory)
         self._check_leaves(step, saved, want, found[0] if found else "", members)
 
-    @staticmethod
-    def _check_leaves(step: int, saved: dict[str, list], want: dict[str, list], at: str, members: int | None) -> None:
+    def _check_leaves(self, step: int, saved: dict[str, list], want: dict[str, list], at: str, members: int | None) -> None:
         """``want``'s leaves against the saved ones under the place ``at`` ("" for the whole
         state); errors name a leaf by its place in the saved state."""
         if at:  # a part of the saved state (the parameters alone): compare with that part
             saved = {p[len(at):]: v for p, v in saved.items() if p.startswith(at)}
         for path, (shape, dtype) in want.items():
             if path not in saved:
-                raise CheckpointError(_missing_leaf(step, saved, want, at, path))
+                raise CheckpointError(_missing_leaf(step, saved, want, at, path, self.directory))
             if list(saved[path][0]) != list(shape):
                 hint = _members_hint(tuple(saved[path][0]), tuple(shape), members)
                 raise CheckpointError(
-                    fix(f"checkpoint step {step}: leaf state{at}{path} has shape {tuple(saved[path][0])} in the "
+                    fix(f"{_head(step, self.directory)}: leaf state{at}{path} has shape {tuple(saved[path][0])} in the "
                         f"checkpoint but {tuple(shape)} in the target.{hint}",
                         "resume with the same model size and member count, or start a new run.")
                 )
             if len(saved[path]) > 1 and saved[path][1] != dtype:
                 # Orbax would cast silently: a float32 step counter, bfloat16 weights rounded.
                 raise CheckpointError(
-                    fix(f"checkpoint step {step}: leaf state{at}{path} is {saved[path][1]} in the checkpoint but "
+                    fix(f"{_head(step, self.directory)}: leaf state{at}{path} is {saved[path][1]} in the checkpoint but "
                         f"{dtype} in the target.{x64_hint(str(saved[path][1]), str(dtype))}",
                         f"restore into a target of the saved dtypes ({saved[path][1]} here) and cast after: "
                         "jax.tree.map(lambda x: x.astype(...), state).")
@@ -1186,7 +1198,7 @@ class Checkpointer:
         if extra:
             what = "optimizer" if extra[0].startswith(".opt_state") else "model (task and options)"
             raise CheckpointError(
-                fix(f"checkpoint step {step} has leaves the target lacks, e.g. state{at}{extra[0]}.",
+                fix(f"{_head(step, self.directory)} has leaves the target lacks, e.g. state{at}{extra[0]}.",
                     f"resume with the {what} the checkpoint was written with (from Python: restore into a "
                     "target of that state, or of one part of it).")
             )
@@ -1218,9 +1230,9 @@ class Checkpointer:
             saved, impls = None, {}  # the restore below reports what is wrong with the step
         typed, target = target, keys_as_data(target)
         want = leaf_table(target)
-        part = part_of(step, saved, want, part) if saved else None
+        part = part_of(step, saved, want, part, self.directory) if saved else None
         keys = part[1] if part else []
-        _check_key_impls(step, impls, key_impls(typed), part[0] if part else "")
+        _check_key_impls(step, impls, key_impls(typed), part[0] if part else "", self.directory)
         if saved:  # paths, shapes and dtypes: the first difference named
             self._check_leaves(step, saved, want, part[0] if part else "", None)
         item = target
@@ -1240,7 +1252,7 @@ class Checkpointer:
         return _keys_again(state, typed, impls, part[0] if part else ""), meta
 
     def _damaged(self, step: int, problems: list[str]) -> CheckpointDamagedError:
-        return CheckpointDamagedError(fix(f"checkpoint step {step} is damaged: {'; '.join(problems)}.",
+        return CheckpointDamagedError(fix(f"{_head(step, self.directory)} is damaged: {'; '.join(problems)}.",
                                    "resume from an earlier step (spmdkit does so with --resume)."))
 
     def _read_verified(self, step: int, item: Any, leaves: list[_read.Leaf], files: dict[str, Any]) -> tuple[Any, Any]:
@@ -1279,7 +1291,7 @@ class Checkpointer:
             )
         except Exception as e:  # Orbax / TensorStore raise many kinds on damaged data
             raise CheckpointDamagedError(
-                fix(f"checkpoint step {step} could not be read: {type(e).__name__}: {str(e)[:300]}",
+                fix(f"{_head(step, self.directory)} could not be read: {type(e).__name__}: {str(e)[:300]}",
                     "resume from an earlier step (spmdkit does so with --resume).")
             ) from None
         return restored["state"], restored["meta"]
@@ -1364,7 +1376,7 @@ class Checkpointer:
                 except (CheckpointError, OSError) as e:
                     if isinstance(e, OSError) and (self.directory / step_name(step)).exists():
                         raise
-                    problem = _without_step(str(e).splitlines()[0], step)
+                    problem = _without_step(str(e).splitlines()[0], step, self.directory)
             if not (self.directory / step_name(step)).exists():
                 self.log(f"checkpoints: step {step} was deleted while being read (the run writing here keeps "
                          "fewer steps); trying the next")
@@ -1384,7 +1396,7 @@ class Checkpointer:
         try:
             self.meta(step)
         except CheckpointError as e:
-            return _without_step(str(e).splitlines()[0], step)
+            return _without_step(str(e).splitlines()[0], step, self.directory)
         self.check_target(step, target, members)  # a target that does not fit is the caller's error
         return None
 

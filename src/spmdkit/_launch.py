@@ -349,7 +349,8 @@ _REAPER = ("import os, signal, sys\n"
 
 def _start_reaper(groups: list[int]) -> subprocess.Popen | None:
     try:  # its own session: a signal to the launcher's group must not end it first
-        return subprocess.Popen([sys.executable, "-c", _REAPER, *map(str, groups)], stdin=subprocess.PIPE,
+        # -P: a signal.py in the working directory is not imported in place of Python's.
+        return subprocess.Popen([sys.executable, "-P", "-c", _REAPER, *map(str, groups)], stdin=subprocess.PIPE,
                                 text=True, start_new_session=True, stdout=subprocess.DEVNULL)
     except OSError:
         return None  # the children still die with the launcher; only what they started may not

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -54,7 +55,7 @@ def _flush(stream: object) -> None:
 EXIT_GRACE_S = 20.0
 # Set when spmdkit joins this process to a group of several: its name there, the grace.
 _JOINED: dict[str, object] = {}
-_ARMED: dict[str, int] = {}  # the code end_soon's timer exits with, once armed
+_ARMED: dict[str, float] = {}  # the code end_soon's timer exits with, and when, once armed
 
 
 def joined_as(name: str, grace_s: float = EXIT_GRACE_S) -> None:
@@ -106,6 +107,7 @@ def end_soon(code: int, after: str | None = None, grace_s: float | None = None) 
             sys.stderr.flush()
         except (OSError, ValueError, AttributeError):
             pass
+        _ARMED["deadline"] = time.monotonic() + grace
         timer = threading.Timer(grace, _exit_after_grace)
         timer.daemon = True
         timer.start()
@@ -118,7 +120,16 @@ def _exit_after_grace() -> None:
     try:
         logging.shutdown()
     finally:
-        exit_now(_ARMED["code"])
+        exit_now(int(_ARMED["code"]))
+
+
+def armed() -> tuple[int, float] | None:
+    """``(exit code, seconds left)`` of :func:`end_soon`'s timer, None if it is not armed. For
+    work at exit that must not promise a wait the timer cuts short, nor replace the code of
+    the error that armed it."""
+    if "deadline" not in _ARMED:
+        return None
+    return int(_ARMED["code"]), max(_ARMED["deadline"] - time.monotonic(), 0.0)
 
 
 def process_age_s() -> float | None:

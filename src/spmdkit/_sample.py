@@ -108,7 +108,7 @@ def load_lm(checkpoint_dir: str | Path, step: int | None = None, **model: Any) -
             if step is not None:
                 raise _intact_hint(ckpt, chosen, e) from None
             # Its files passed the listing's checks but not the read's (a changed byte: its checksum).
-            damaged.append((chosen, _without_step(str(e).splitlines()[0], chosen)))
+            damaged.append((chosen, _without_step(str(e).splitlines()[0], chosen, ckpt.directory)))
             continue
         if skipped:
             warnings.warn(f"sample: {'steps' if len(skipped) > 1 else 'step'} {[s for s, _ in skipped]} of "

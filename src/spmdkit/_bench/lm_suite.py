@@ -188,7 +188,7 @@ def _command(framework: str, args: list[str], python: str | None, size: dict[str
     model = ["--layers", str(size["layers"]), "--d-model", str(size["d_model"]), "--heads", str(size["heads"]),
              "--seq-len", str(size["seq_len"]), "--batch", str(size["batch"]), "--data", str(data)]
     if framework == "jax":
-        return [sys.executable, "-m", "spmdkit._bench.lm_worker", "--framework", "jax", *model, *args]
+        return [sys.executable, "-P", "-m", "spmdkit._bench.lm_worker", "--framework", "jax", *model, *args]
     # By path: the PyTorch Python needs neither JAX nor spmdkit.
     return [python, lm_worker.__file__, "--framework", "torch", "--init", str(init), *model, *args]
 

@@ -36,8 +36,10 @@ from spmdkit._bench._torch import TORCH_PYTHON_ENV, ProbeFailed, probe_python
 from spmdkit._bench.report import collect
 from spmdkit._host_memory import REUSE, SYSTEM, child_env
 
-WORKER = [sys.executable, "-m", "spmdkit._bench.mp_worker"]
-LAUNCH = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
+# -P: no working directory on the path (a benchmark run from a folder holding a rich.py or a
+# logging.py would import those in place of the library's), as the console script does.
+WORKER = [sys.executable, "-P", "-m", "spmdkit._bench.mp_worker"]
+LAUNCH = [sys.executable, "-P", "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
 MODELS = {"mlp": "MLP 784-1024-1024-10", "cnn": "digits CNN"}
 BATCH = 512
 
@@ -212,7 +214,7 @@ def _command(prefix: list[str], args: list[str], base: list[str], torch: tuple[s
     if torch and "torch" in args:
         env = dict(torch[1])
         if torch[0] != sys.executable:
-            worker = [torch[0], *WORKER[1:]]
+            worker = [torch[0], "-m", "spmdkit._bench.mp_worker"]  # without -P: that Python may predate 3.11
     return (LAUNCH if prefix is LAUNCH else []) + worker + args + base, child_env(env, allocator)
 
 

@@ -158,12 +158,12 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     return collect(report, runs)
 
 
-MP_LAUNCH = [sys.executable, "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
+MP_LAUNCH = [sys.executable, "-P", "-m", "spmdkit._cli", "launch", "-n", "2", "--host-devices-per-process", "1", "--"]
 
 
 def _multiprocess(quick: bool, rounds: int) -> dict[str, Any] | None:
     """2 processes x 1 device: x / psum(x) across processes; process 0's rows and ratio."""
-    cmd = MP_LAUNCH + [sys.executable, "-W", "ignore::RuntimeWarning", "-m",
+    cmd = MP_LAUNCH + [sys.executable, "-P", "-W", "ignore::RuntimeWarning", "-m",
                        "spmdkit._bench.pmap_suite", "--worker", "--rounds", str(rounds)] + (["--quick"] if quick else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMDKIT_", "JAX_", "XLA_"))}
     # Its own session: on a timeout the launcher and both workers die together (SIGKILL:

@@ -22,7 +22,7 @@ from typing import Any
 from spmdkit._bench._timing import LoadMeter, idle_load, machine, ratio, record, rotations, target
 from spmdkit._bench.report import collect
 
-CLI = [sys.executable, "-m", "spmdkit._cli"]
+CLI = [sys.executable, "-P", "-m", "spmdkit._cli"]  # -P as the console script: not the working directory's modules
 WORKLOADS = {
     "digits, data-parallel, 8 devices": ["--host-devices", "8", "train", "--task", "digits", "--strategy", "data"],
     "mlp, sharded dp+tp 2x4, 8 devices": ["--host-devices", "8", "train", "--task", "mlp", "--strategy", "sharded",
@@ -44,7 +44,7 @@ def _first_step_s(args: list[str], cache: str, out: str) -> tuple[float, float]:
 
 def _import_floor_s() -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import spmdkit._cli"], check=True, timeout=300)
+    subprocess.run([sys.executable, "-P", "-c", "import spmdkit._cli"], check=True, timeout=300)
     return time.perf_counter() - t0
 
 

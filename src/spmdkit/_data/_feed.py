@@ -86,6 +86,22 @@ def assemble(local: Any, rows: int, sharding: Any) -> Any:
         lambda x: jax.make_array_from_process_local_data(sharding, x, (rows, *np.shape(x)[1:])), local)
 
 
+def share_digest(batch: Any) -> list[Any]:
+    """``[CRC-32 of the batch's bytes, whether its rows differ]``: two processes yielding the same
+    share of every global batch train on each example twice; a batch whose rows are all alike
+    (zeros in a smoke test) cannot tell that apart from a split one.
+
+    >>> share_digest({"x": np.zeros((2, 3), np.float32)}), share_digest({"x": np.eye(2, dtype=np.float32)})
+    (['a3c1ca20', False], ['c22429db', True])
+    """
+    crc, differ = 0, False
+    for x in jax.tree.leaves(batch):
+        rows = np.ascontiguousarray(np.asarray(x)).view(np.uint8).reshape(np.shape(x)[0], -1)
+        crc = crc32(rows.reshape(-1), crc)
+        differ = differ or bool((rows != rows[:1]).any())
+    return [f"{crc:08x}", differ]
+
+
 def arrays_digest(tree: Any) -> str | None:
     """The CRC-32 of a pytree's array bytes when every leaf is a numpy array in memory, else
     None (a pipeline, a data set directory: its files are checksummed when loaded). A list of
@@ -215,6 +231,7 @@ class PipelineFeed:
         if self.steps_per_epoch == 0:
             raise DataError(fix(f"{name} is empty.", "pass a pipeline that yields at least one batch."))
         self._first: tuple[Any, Any] | None = None  # (treedef, [(path, shape, dtype)])
+        self.first_share: list[Any] | None = None  # [CRC-32, rows differ] of this process's first batch
         self._pending: list[Any] = []  # a peeked batch not yet trained on
         self._it: Any = None
         self._saved: dict[str, Any] | None = None
@@ -297,12 +314,23 @@ class PipelineFeed:
             last = self.steps_per_epoch - 1
             if last > 0:  # a short last batch of an epoch (drop_remainder=False) found now, not epochs later
                 self._check(self.source[last], last)
-            return first
-        self._it = iter(self.source)
-        try:
-            return self._check(next(self._it), 0)
-        except StopIteration:
-            raise DataError(fix(f"{self.name} yielded no batch at all.", "pass a pipeline with data.")) from None
+        else:
+            self._it = iter(self.source)
+            try:
+                first = self._check(next(self._it), 0)
+            except StopIteration:
+                raise DataError(fix(f"{self.name} yielded no batch at all.", "pass a pipeline with data.")) from None
+        if self._shares_split():
+            self.first_share = share_digest(first)
+        return first
+
+    def _shares_split(self) -> bool:
+        """Whether each process's batch is rows of the global batch that no other process gives
+        (its devices' rows), as against every process giving the whole batch (an ensemble's)."""
+        if self.processes == 1 or self.sharding_for is None or self.batch_size % self.shards:
+            return False
+        block = local_block(self.sharding_for(True), (self.batch_size,))
+        return block is not None and block[1] - block[0] < self.batch_size
 
     # ---- reading --------------------------------------------------------------
     def _raw(self, start: int) -> Iterator[tuple[int, Any]]:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from spmdkit._errors import ProcessMismatchError, fix
+from spmdkit._errors import DataError, ProcessMismatchError, fix
 from spmdkit._process import disagreement
 
 _SHOWN = 8  # key words named in the error
@@ -227,6 +227,39 @@ def check_same_data(data: dict[str, Any], mesh: Mesh | None, call: str) -> None:
             f"give every process the same {name} (load the same files, or draw it from a seed every process "
             "shares, not from jax.process_index()); for data of which each process holds only its share, pass a "
             "pipeline that yields that share of every batch (batch_size / process_count rows)."))
+
+
+def check_distinct_shares(share: list[Any] | None, mesh: Mesh | None, call: str, name: str, rows: int,
+                          batch_size: int) -> None:
+    """Refuse a pipeline that yields the same rows in several processes.
+
+    Each process's pipeline yields its share of every global batch (``rows`` of ``batch_size``):
+    one not split per process (a list of batches, or a Grain pipeline without
+    ``ShardByJaxProcess``, the same in every process) trained on every example as many times as
+    there are processes, a smaller batch than asked for, silently. ``share`` is this process's
+    ``[CRC-32, rows differ]`` of its first batch, None where there is nothing to compare; every
+    process of ``mesh``'s program calls this at the same point.
+    """
+    if mesh is None or not spans_processes(mesh):
+        return
+    every = disagreement(json.dumps(share).encode(), lambda: share, f"{call}: the first batch of each process's {name}")
+    every = every or [share] * jax.process_count()
+    seen: dict[str, int] = {}
+    for p, s in enumerate(every):
+        if s is None or not s[1]:  # nothing to compare, or rows all alike (zeros): alike by chance
+            continue
+        if s[0] in seen:
+            alike = [q for q, t in enumerate(every) if t == s]
+            raise DataError(fix(
+                f"{call}: {name}'s first batch is the same in processes {', '.join(map(str, alike))} (CRC-32 {s[0]}). "
+                f"Each process's pipeline yields its own share of every global batch ({rows} of batch_size="
+                f"{batch_size} rows): the same share in {len(alike)} processes trains on each of its examples "
+                f"{len(alike)} times, a smaller batch than asked for, silently.",
+                "split the pipeline per process: a Grain sampler with shard_options=grain.ShardByJaxProcess(), "
+                "spmdkit.grain_batches(DIR, batch_size) (splits for you), or rows "
+                f"[i * {rows}:(i + 1) * {rows}] of each global batch in process i = jax.process_index(); or pass "
+                "the arrays themselves (or a data set directory), of which each process reads its rows."))
+        seen[s[0]] = p
 
 
 def arrays_digest_and_rows(tree: Any) -> list[Any] | None:

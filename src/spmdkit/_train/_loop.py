@@ -32,7 +32,7 @@ from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._data._feed import arrays_digest
 from spmdkit._errors import ConfigError, NonFiniteLossError, PeerLostError, fix
 from spmdkit._process import guarded, process_age_s, wait_ready
-from spmdkit._strategies._agree import check_same_data, check_same_settings
+from spmdkit._strategies._agree import check_distinct_shares, check_same_data, check_same_settings
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import LOSS_WEIGHT, Task
@@ -641,6 +641,9 @@ class _Run:
         check_same_settings(lambda: _run_settings(task, optimizer, config, checkpoint, self.plan),
                             getattr(strategy, "mesh", None), "fit", _said_setting, _SETTING_FIXES)
         validate_task(task, config.batch_size, self.feed.example())
+        # A pipeline not split per process trained on each example once per process, silently.
+        check_distinct_shares(getattr(self.feed, "first_share", None), getattr(strategy, "mesh", None), "fit",
+                              "task.train_data", config.batch_size // jax.process_count(), config.batch_size)
         self.out = None if out_dir is None else Path(out_dir)
         # With several processes (jax.distributed) every one trains; process 0 alone writes.
         self.primary = jax.process_index() == 0
