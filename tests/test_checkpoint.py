@@ -738,6 +738,69 @@ def test_resuming_a_complete_run_trains_nothing_and_keeps_its_artifacts(tmp_path
     np.testing.assert_array_equal(np.asarray(again.params["weight"]), np.asarray(first.params["weight"]))
 
 
+@pytest.mark.parametrize("resume_at", ["the end", "mid-run"])
+def test_a_resume_into_another_runs_out_is_refused_not_taken_for_its_own(tmp_path, resume_at):
+    # Run B's checkpoint resumed with the --out run A wrote (the default runs/latest holds whichever
+    # ran last): at its last step it handed back A's summary as its result, and mid-run it kept
+    # A's metrics rows as its own and appended to them.
+    task, opt = linreg.make(), optax.sgd(0.1)
+
+    def run(out, ck, steps, seed, resume=False):
+        return spmdkit.fit(task, spmdkit.Single(), opt, spmdkit.TrainConfig(steps=steps, batch_size=16, seed=seed),
+                           progress=False, out_dir=tmp_path / out,
+                           checkpoint=spmdkit.CheckpointConfig(tmp_path / ck, every=3, resume=resume), log=lambda m: None)
+
+    b = run("out_b", "ck_b", 6 if resume_at == "the end" else 3, seed=1)
+    a = run("out_a", "ck_a", 6, seed=0)
+    assert a.summary["run_id"] != b.summary["run_id"]
+    assert json.loads((tmp_path / "out_a" / "run.json").read_text())["run_id"] == a.summary["run_id"]
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out_a").iterdir() if p.is_file()}
+    with pytest.raises(spmdkit.ConfigError, match=rf"(?s)--out {tmp_path / 'out_a'} holds the files of another run "
+                                                  rf"\(run id {a.summary['run_id']}\), not of the run whose checkpoint in "
+                                                  rf"{tmp_path / 'ck_b'} is resumed \(run id {b.summary['run_id']}\).*"
+                                                  r"Fix: resume with the --out that run wrote to"):
+        run("out_a", "ck_b", 6, seed=1, resume=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out_a").iterdir() if p.is_file()} == before  # untouched
+    # Its own --out, or a new one: resumed.
+    again = run("out_b", "ck_b", 6, seed=1, resume=True)
+    assert again.summary["run_id"] == b.summary["run_id"]
+    assert run("out_new", "ck_b", 6, seed=1, resume=True).summary["run_id"] == b.summary["run_id"]
+
+
+def test_a_fresh_run_removes_an_earlier_runs_files_from_its_out(tmp_path, monkeypatch):
+    # A new run killed before its end left the earlier run's summary ("completed"), params.npz and
+    # plots beside its own rows; an ensemble's ensemble.png stayed after any later run.
+    from spmdkit._train import _loop
+
+    task, opt, said = linreg.make(), optax.sgd(0.1), []
+    config = spmdkit.TrainConfig(steps=3, batch_size=16)
+    spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path, log=lambda m: None)
+    assert (tmp_path / "summary.json").is_file() and (tmp_path / "params.npz").is_file()
+    (tmp_path / "ensemble.png").write_bytes(b"an ensemble's plot")  # a classifier ensemble's run writes one
+    (tmp_path / "notes.txt").write_text("the user's own")
+
+    class Killed(Exception):
+        pass
+
+    def killed(self, checkpoint):  # the new run ends before its first step, as a kill would leave it
+        raise Killed
+
+    monkeypatch.setattr(_loop._Run, "_hooks", killed)
+    with pytest.raises(Killed):
+        spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path, log=said.append)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file() and not p.name.startswith("."))
+    assert names == ["metrics.jsonl", "notes.txt", "run.json"], names
+    assert any("removed an earlier run's summary.json, params.npz, loss.png, ensemble.png" in m for m in said), said
+
+
+def test_a_users_own_files_in_out_are_never_removed(tmp_path):
+    (tmp_path / "summary.json").write_text('{"mine": 1}')  # not a run's summary
+    spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
+                progress=False, out_dir=tmp_path, log=lambda m: None)
+    # Written over at the end, as always; never removed at the start.
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
 def test_resuming_another_tasks_checkpoint_names_the_task(tmp_path):
     spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
                 progress=False, checkpoint=spmdkit.CheckpointConfig(tmp_path), log=lambda m: None)

@@ -261,6 +261,6 @@ def _print_summary(summary: dict[str, Any], out: Path, console: Console) -> None
             v = summary[k]
             table.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
     console.print(table)
-    console.print(
-        f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'params.npz'}, {out / 'loss.png'}"
-    )
+    # The files there, not "wrote": a resume of a complete run leaves them as they were.
+    names = [n for n in ("metrics.jsonl", "summary.json", "params.npz", "loss.png", "ensemble.png") if (out / n).is_file()]
+    console.print(f"{out}: {', '.join(names) or 'no files'}")

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,75 @@ def lock_out_dir(out: Path, log: Callable[[str], None]) -> DirLock:
     except OSError as e:
         raise _cannot_write(out / OUT_LOCK, e) from None
     return lock
+
+
+# Which run --out's files are of: a run's id, kept in its checkpoints too, so that a resume
+# continues its own metrics.jsonl and summary, not those of another run written to the same --out
+# (the default runs/latest holds whichever ran last).
+RUN_FILE = "run.json"
+# A run's files besides metrics.jsonl (which a fresh run truncates): an earlier run's, left beside
+# a new run's rows, read as the new run's until it wrote its own.
+RUN_OUTPUTS = ("summary.json", "params.npz", "loss.png", "ensemble.png")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def out_run_id(out: Path) -> str | None:
+    """The run id ``out``'s files were written by; None if none is recorded (empty, or by an
+    earlier spmdkit)."""
+    try:
+        recorded = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded.get("run_id") if isinstance(recorded, dict) else None
+
+
+def _holds_a_run(out: Path) -> bool:
+    """Whether ``out`` holds files of a spmdkit run (never a user's own summary.json)."""
+    if (out / RUN_FILE).is_file() or (out / "metrics.jsonl").is_file():
+        return True
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"task", "status", "steps"} <= set(summary)
+
+
+def other_run(out: Path, run_id: str, checkpoint_dir: Path) -> str | None:
+    """Why a run resumed from checkpoints of run ``run_id`` cannot continue ``out``'s files, or
+    None. An ``out`` of an earlier spmdkit (no run id recorded) cannot tell, and is continued."""
+    theirs = out_run_id(out)
+    if theirs is None or theirs == run_id:
+        return None
+    return fix(f"--out {out} holds the files of another run (run id {theirs}), not of the run whose checkpoint in "
+               f"{checkpoint_dir} is resumed (run id {run_id}): that run's metrics.jsonl and summary.json would be "
+               "taken for this one's.",
+               "resume with the --out that run wrote to (fit(out_dir=...) from Python), or a new, empty one; to "
+               "start over instead, drop --resume (CheckpointConfig(resume=False)).")
+
+
+def claim_out_dir(out: Path, run_id: str, fresh: bool, log: Callable[[str], None]) -> None:
+    """Make ``out`` this run's: record its id and, for a fresh run, remove an earlier run's
+    summary, parameters and plots (a run killed before writing its own left them to be read as its)."""
+    if fresh and _holds_a_run(out):
+        gone = []
+        for name in RUN_OUTPUTS:
+            try:
+                (out / name).unlink()
+                gone.append(name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise _cannot_write(out / name, e) from None
+        if gone:
+            log(f"{out}: removed an earlier run's {', '.join(gone)} (a new run starts here; "
+                "its files are written as it goes and at its end)")
+    try:
+        replace_text(out / RUN_FILE, json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+    except OSError as e:
+        raise _cannot_write(out / RUN_FILE, e) from None
 
 
 class MetricsWriter:

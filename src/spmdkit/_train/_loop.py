@@ -31,7 +31,7 @@ from spmdkit._data import ArrayFeed, DataError, Prefetch, open_feed, to_devices
 from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._data._feed import arrays_digest
 from spmdkit._errors import ConfigError, NonFiniteLossError, PeerLostError, fix
-from spmdkit._process import guarded, process_age_s, wait_ready
+from spmdkit._process import gather_json, guarded, process_age_s, wait_ready
 from spmdkit._strategies._agree import check_distinct_shares, check_same_data, check_same_settings
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
@@ -669,8 +669,9 @@ class _Run:
         self.eval_crc = arrays_digest(task.eval_data) if checkpoint is not None else None
         self.optimizer_record = optimizer_record(optimizer) if checkpoint is not None else None
         self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
-                                             self.ckpt, config, task, log, self.run_info, self.plan.total, self.feed,
-                                             self.eval_crc, self.optimizer_record)
+                                                      self.ckpt, config, task, log, self.run_info, self.plan.total,
+                                                      self.feed, self.eval_crc, self.optimizer_record)
+        self.run_id = self._claim_out()
         if self.ckpt is not None:
             check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True,
                           name_max=self.ckpt.name_max)
@@ -688,6 +689,24 @@ class _Run:
         self.watchdog = StepWatchdog(step_timeout, knob="--distributed-timeout (fit(step_timeout=...) from Python)") \
             if step_timeout and jax.process_count() > 1 else _NoWatchdog()
         self.hooks = self._hooks(checkpoint)
+
+    def _claim_out(self) -> str:
+        """This run's id (a resumed run's from its checkpoints), ``--out`` made its own: a resume
+        into an ``--out`` of another run is refused (it took that run's rows and summary for its own,
+        or, at its last step, handed back that run's results), decided by process 0 for all."""
+        # The checkpoint directory's run id (kept by a resume, and agreed by every process): the
+        # run's; without checkpoints a run cannot be resumed, and only process 0 writes --out.
+        run_id = self.ckpt.run_id if self.ckpt is not None else art.new_run_id()
+        problem = None
+        if self.out is not None and self.primary and self.start_step:
+            problem = art.other_run(self.out, run_id, self.ckpt.directory)
+        if jax.process_count() > 1:  # one verdict for every process: a refusal ends them all at once
+            problem = gather_json(problem, "--out's verdict on the resumed run")[0]
+        if problem is not None:
+            raise ConfigError(problem)
+        if self.out is not None and self.primary:
+            art.claim_out_dir(self.out, run_id, not self.start_step, self.log)
+        return run_id
 
     def release(self) -> None:
         """Unlock ``--out`` (the checkpoint directory is unlocked by its own close or abandon)."""
@@ -772,7 +791,7 @@ class _Run:
             return
         self.writer.close()
         last = {k: v for k, v in (self.metrics.last_row or {}).items() if k not in ("split", "step", "epoch")}
-        summary = {"task": self.task.name, "status": "failed", "error": str(error).splitlines()[0],
+        summary = {"task": self.task.name, "run_id": self.run_id, "status": "failed", "error": str(error).splitlines()[0],
                    **self.strategy.describe(), "steps": self.last.step, "steps_planned": self.plan.total,
                    "final_train_loss": last.get("loss"), "params_written": False,
                    **({"checkpoint_dir": str(self.ckpt.directory), "checkpoint_steps": self.ckpt.steps()}
@@ -843,7 +862,8 @@ class _Run:
         except (OSError, ValueError):
             previous = None
         if not isinstance(previous, dict) or previous.get("steps") != self.start_step \
-                or previous.get("status") != "completed" or not (self.out / "params.npz").is_file():
+                or previous.get("status") != "completed" or previous.get("run_id") not in (None, self.run_id) \
+                or not (self.out / "params.npz").is_file():
             # Another --out, or one whose files were not all written (a kill before the summary, which
             # is written last; a params.npz the disk refused): written anew from the checkpoint.
             return None
@@ -881,6 +901,7 @@ class _Run:
         summary = _summary(self.task, self.strategy, self.config, self.plan, self.status, self.last.step, self.start_step,
                            self.history, self.metrics.last_row, params, self.elapsed, train_seconds, self.ckpt,
                            self.run_info, self.host_memory)
+        summary["run_id"] = self.run_id
         summary["first_step_s"] = None if self.first_step_s is None else round(self.first_step_s, 3)
         summary["first_step_in_fit_s"] = None if self.t_first is None else round(self.t_first - self.entered, 3)
         if self.failure is not None:
