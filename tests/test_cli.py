@@ -254,6 +254,13 @@ def test_inspect_json_and_show():
     assert report["mesh"] == {"data": 2, "model": 4} and report["rules"] == "dp+tp"
     assert report["params"][1]["spec"] == "P(None, 'model', None)"
     assert report["show"]["grid"][0][1] == "[:, 128:256, :]"
+    # train --grad-accum's step can be inspected (it was "unrecognized arguments").
+    out = run_cli("inspect", "--task", "mlp", "--mesh", "data=2,model=4", "--rules", "dp+tp", "--layers", "2",
+                  "--grad-accum", "4", "--batch-size", "64")
+    assert out.returncode == 0, out.stderr
+    assert "compiled train step (batch 64 in 4 micro-batches)" in " ".join(out.stdout.split())
+    out = run_cli("inspect", "--task", "mlp", "--layers", "2", "--grad-accum", "3", "--batch-size", "64")
+    assert out.returncode == 2 and "grad_accum=3 must be a whole number >= 1 that divides batch_size=64" in out.stderr
 
 
 def test_inspect_writes_a_tiny_models_sizes_in_bytes_not_as_zero_mib():

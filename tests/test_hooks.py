@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import spmdkit
@@ -141,3 +142,19 @@ def test_a_step_info_of_the_wrong_kind_is_named(step, metrics, words):
     # A bare loss as metrics was AttributeError: 'float' object has no attribute 'get' in NaNGuard.
     with pytest.raises(spmdkit.ConfigError, match=words):
         run_hooks([spmdkit.NaNGuard(), MetricsHook([].append)], StepInfo(step, 0, None, metrics))
+
+
+def test_eval_rows_hold_python_numbers_as_metrics_rows_do():
+    # A record that json.dumps each row (a user's own writer) failed on EvalHook's rows: they held
+    # the evaluate's device arrays and NumPy scalars as given, where MetricsHook's hold floats.
+    import json
+
+    import jax.numpy as jnp
+
+    rows = []
+    hook = EvalHook(lambda state: {"loss": jnp.float32(0.5), "acc": np.float32(0.25), "per": {"a": jnp.ones(())}},
+                    rows.append, every=1)
+    run_hooks([hook], StepInfo(1, 0, None, {}))
+    assert rows == [{"split": "eval", "step": 1, "loss": 0.5, "acc": 0.25, "per/a": 1.0}]
+    assert all(type(v) is float for k, v in rows[0].items() if k not in ("split", "step"))
+    json.dumps(rows[0])

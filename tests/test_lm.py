@@ -599,7 +599,8 @@ def test_a_file_deleted_after_the_listing_is_named(tmp_path, monkeypatch):
     "kw, match",
     [
         (dict(text_dir="/no/such/dir"), r"--text-dir '/no/such/dir' does not exist"),
-        (dict(d_model=30, heads=8), r"d_model=30 is not a multiple of heads=8"),
+        (dict(d_model=30, heads=8), r"(?s)d_model=30 is not a multiple of heads=8.*Fix: use --heads 6 or 10 \(divisors "
+                                    r"of d_model=30\), or --d-model 24 or 32 \(multiples of heads=8\)"),
         (dict(precision="fp16"), r"(?s)precision='fp16' is not known.*bf16"),
         (dict(remat="some"), r"remat='some' is not a remat policy"),
         (dict(scan_unroll=0), r"scan_unroll=0 must be a whole number >= 1"),

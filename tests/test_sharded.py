@@ -167,6 +167,15 @@ def test_layout_report_without_running_a_step():
     assert report["step_memory_per_device"]["argument"] > 0 and report["step_flops_per_device"] > 0
     shown = array_layout(strategy, "['ScanDotReluDot_0']['W1']")
     assert shown["grid"][1][3] == "[:, 64:128, 384:512]" and shown["device_ids"][1][3] == 7
+    # The step train --grad-accum 4 runs (another program: its loop over micro-batches), the same parameters.
+    accumulated = layout_report(task, strategy, optax.adam(1e-3), 64, grad_accum=4)
+    assert accumulated["grad_accum"] == 4 and report["grad_accum"] == 1
+    assert accumulated["param_bytes"] == report["param_bytes"]
+    assert accumulated["step_memory_per_device"]["temp"] != report["step_memory_per_device"]["temp"]
+    for bad in (3, 0, 2.5, True):
+        with pytest.raises(spmdkit.ConfigError, match=rf"(?s)grad_accum={bad!r} must be a whole number >= 1 that divides "
+                                                      r"batch_size=64.*Fix: pass a divisor"):
+            layout_report(task, strategy, optax.adam(1e-3), 64, grad_accum=bad)
 
 
 # ---- NNX ---------------------------------------------------------------------------

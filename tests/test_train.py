@@ -147,6 +147,37 @@ def test_task_functions_of_the_wrong_shape_are_named_before_training(field, fn, 
         dataclasses.replace(linreg.make(), stateful=True)
 
 
+def test_a_stateful_loss_that_fails_is_named_by_the_call_spmdkit_made():
+    # It said loss_fn(params, batch, rng) and a check (task.loss_fn(task.init(key), batch, key))
+    # that a stateful task cannot run: its init returns a pair, its loss takes the model state.
+    base = linreg.make()
+
+    def loss_fn(params, model_state, batch, rng, train):
+        raise ValueError("the model's own mistake")
+
+    task = dataclasses.replace(base, init=lambda rng: (base.init(rng), {"count": jnp.zeros(())}), loss_fn=loss_fn,
+                               stateful=True)
+    with pytest.raises(spmdkit.TaskError, match=r"(?s)loss_fn\(params, model_state, batch, rng, train=True\) failed on "
+                                                r"a batch of 16: ValueError: the model's own mistake.*Fix: check it on one "
+                                                r"device first: params, model_state = task.variables\(jax.random.key\(0\)\); "
+                                                r"task.loss_fn\(params, model_state, batch, key, train=True\)"):
+        spmdkit.validate_task(task, 16)
+
+
+def test_a_metric_named_by_a_number_is_named_as_such():
+    # {0: ..., "mae": ...} failed in JAX's sorting of the keys: "Comparator raised exception".
+    base = linreg.make()
+
+    def loss_fn(params, batch, rng):
+        loss, _ = base.loss_fn(params, batch, rng)
+        return loss, {"per_class": {0: loss, "mae": loss}}
+
+    with pytest.raises(spmdkit.TaskError, match=r"(?s)loss_fn's metrics \(its aux\) have a key 0 \(int\) at "
+                                                r"aux\['per_class'\]: metric names are strings.*Fix: name it with a "
+                                                r"string, e.g. 'class_0'"):
+        spmdkit.validate_task(dataclasses.replace(base, loss_fn=loss_fn), 16)
+
+
 def test_data_order_is_deterministic_and_covers_every_example():
     data = {"i": np.arange(10)}
     a = iterate_batches(data, 4, seed=3, drop_remainder=False)
@@ -512,3 +543,19 @@ def test_an_nnx_task_with_sharding_annotations_trains_on_every_strategy_without_
         result = spmdkit.fit(task, strategy, optax.sgd(0.1), config, progress=False)
         losses[strategy.name] = [row["loss"] for row in result.history]
     assert all(np.allclose(v, losses["single"], rtol=1e-5) for v in losses.values()), losses
+
+
+def test_a_long_metric_name_keeps_the_plot_laid_out(tmp_path):
+    # A metric named in 300 characters made the legend wider than the figure, over the loss panel
+    # (matplotlib: "Tight layout not applied").
+    import warnings
+
+    from spmdkit._train import _artifacts as art
+
+    name = "grad_norm_of_" + "a_very_deeply_nested_module_" * 10
+    history = [{"split": "train", "step": s, "loss": 1.0 / s, name: 0.1 * s} for s in (1, 2, 3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        art.plot_history(history, tmp_path / "loss.png", "long")
+    assert not [w for w in caught if "layout" in str(w.message).lower()], [str(w.message) for w in caught]
+    assert (tmp_path / "loss.png").stat().st_size > 0

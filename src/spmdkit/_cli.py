@@ -411,6 +411,8 @@ def _add_inspect_parser(sub, common: argparse.ArgumentParser) -> None:
     _add_layout_options(p)
     _add_mlp_options(p, scan_default=None)
     p.add_argument("--batch-size", type=_positive_int, help="global batch of the compiled step (the task's)")
+    p.add_argument("--grad-accum", type=_positive_int, default=1,
+                   help="micro-batches per step, as train's --grad-accum (1): the step train runs with it")
     p.add_argument("--optimizer", default=None, help="sgd, adam or adamw (the task's)")
     p.add_argument("--data-dir", type=path_arg, metavar="DIR", help="for --task mnist")
     p.add_argument("--show", metavar="PATH", help="also draw how one parameter is split, e.g. \"['ScanDotReluDot_0']['W1']\"")
@@ -757,7 +759,7 @@ def _cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     strategy = get_strategy("sharded", mesh=args.mesh, rules=args.rules, replicate_unknown=args.replicate_unknown)
     defaults = task_defaults(args.task)
     optimizer = OptimizerConfig(name=args.optimizer or defaults.get("optimizer", "sgd"), lr=defaults.get("lr", 0.01)).build()
-    report = layout_report(task, strategy, optimizer, args.batch_size or defaults.get("batch_size", 32))
+    report = layout_report(task, strategy, optimizer, args.batch_size or defaults.get("batch_size", 32), args.grad_accum)
     shown = array_layout(strategy, args.show) if args.show else None
     if args.json:
         print(json.dumps({**report, **({"show": shown} if shown else {})}, indent=2))

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spmdkit._console import readable_bytes, readable_flops
-from spmdkit._errors import fix
+from spmdkit._errors import ConfigError, fix
 from spmdkit._plan._hlo import analyse
 from spmdkit._rules import LayoutError
 from spmdkit._strategies.sharded import Sharded
@@ -23,21 +23,28 @@ def _analysis(obj: Any) -> Any:
     return obj[0] if isinstance(obj, (list, tuple)) else obj
 
 
-def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransformation, batch_size: int) -> dict[str, Any]:
+def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransformation, batch_size: int,
+                  grad_accum: int = 1) -> dict[str, Any]:
     """Every parameter's layout and the compiled train step's per-device memory and flops.
 
     The step is lowered and compiled from abstract values only: no array of the model
-    is allocated and no step runs.
+    is allocated and no step runs. With ``grad_accum`` it is the step ``fit`` runs with that
+    many micro-batches (``TrainConfig(grad_accum=...)``), whose activations are a micro-batch's.
     """
     from spmdkit._train._steps import task_state, task_train_step
 
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, (int, np.integer)) or grad_accum < 1 \
+            or batch_size % grad_accum:
+        raise ConfigError(fix(f"grad_accum={grad_accum!r} must be a whole number >= 1 that divides batch_size="
+                              f"{batch_size}: the micro-batches of a step are equal, as in fit.",
+                              "pass a divisor of the batch (--grad-accum, --batch-size)."))
     make_state = task_state(task, optimizer)
     layout = strategy.plan(make_state)
     params = [leaf for leaf in layout.leaves if leaf.path.startswith("state.params")]
     others = [leaf for leaf in layout.leaves if not leaf.path.startswith("state.params")]
     # The batch asked for, not rounded up: an uneven one is compiled as fit runs it, whole on every device.
     batch = jax.tree.map(lambda x: abstract_rows(x, batch_size), task.train_data)
-    step = strategy.step(task_train_step(task, optimizer))
+    step = strategy.step(task_train_step(task, optimizer, int(grad_accum)))
     compiled = step.lower(layout.abstract, batch).compile()
     mem = _analysis(compiled.memory_analysis())
     cost = _analysis(compiled.cost_analysis()) or {}
@@ -51,6 +58,7 @@ def layout_report(task: Task, strategy: Sharded, optimizer: optax.GradientTransf
         "task": task.name,
         **strategy.describe(),
         "batch_size": batch_size,
+        "grad_accum": int(grad_accum),
         "batch_placement": _placement(batch_size, strategy.batch_shards),
         "params": [
             {
@@ -117,7 +125,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         f"{report['replicated_fraction']:.0%} of the state replicated"
     )
     console.print(
-        f"compiled train step (batch {report['batch_size']}), per device: arguments {readable_bytes(m['argument'])}, "
+        f"compiled train step (batch {report['batch_size']}"
+        + (f" in {report['grad_accum']} micro-batches" if report.get("grad_accum", 1) > 1 else "") + "), per device: arguments {readable_bytes(m['argument'])}, "
         f"outputs {readable_bytes(m['output'])}, temporaries {readable_bytes(m['temp'])}; "
         f"{readable_flops(report['step_flops_per_device'])}, {readable_bytes(report['step_bytes_accessed_per_device'])} "
         "accessed (loop trips counted)"

@@ -55,6 +55,22 @@ UNROLL_ALL_UP_TO = 8
 TOKEN_EMBED_STD = 0.02
 
 
+def _heads_fix(d_model: int, heads: int) -> str:
+    """The nearest sizes that fit: head counts dividing ``d_model`` on either side of ``heads``,
+    and multiples of ``heads`` on either side of ``d_model`` (64 and 3: --heads 2 or 4, or
+    --d-model 63 or 66; it said --d-model 63 or --heads 1).
+
+    >>> _heads_fix(64, 3)
+    'use --heads 2 or 4 (divisors of d_model=64), or --d-model 63 or 66 (multiples of heads=3).'
+    """
+    divisors = [d for d in range(1, d_model + 1) if d_model % d == 0]
+    near = [d for d in (max((d for d in divisors if d < heads), default=None),
+                        min((d for d in divisors if d > heads), default=None)) if d is not None]
+    sizes = sorted({m for m in ((d_model // heads) * heads, (d_model // heads + 1) * heads) if m >= heads})
+    return (f"use --heads {' or '.join(map(str, near))} (divisors of d_model={d_model}), or --d-model "
+            f"{' or '.join(map(str, sizes))} (multiples of heads={heads}).")
+
+
 @dataclass(frozen=True)
 class LMConfig:
     """Sizes and switches of the model. ``d_model`` must be a multiple of ``heads``.
@@ -81,8 +97,7 @@ class LMConfig:
                                       f"e.g. --{name.replace('_', '-')} 4."))
         if self.d_model % self.heads:
             raise ConfigError(fix(f"lm: d_model={self.d_model} is not a multiple of heads={self.heads}.",
-                                  f"use e.g. --d-model {self.heads * max(1, self.d_model // self.heads)} "
-                                  f"or --heads {math.gcd(self.d_model, self.heads)}."))
+                                  _heads_fix(self.d_model, self.heads)))
         if self.precision not in PRECISIONS:
             raise ConfigError(fix(f"lm: precision={self.precision!r} is not known.",
                                   f"choose one of {sorted(PRECISIONS)} (--precision bf16)."))

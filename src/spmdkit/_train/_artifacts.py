@@ -383,11 +383,21 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
             for split, rows, style in (("train", train, "-"), ("eval", evals, "o-")):
                 pts = [(r["step"], r[name]) for r in rows if name in r]
                 if pts:
-                    ax.plot(*zip(*pts), style, label=f"{split} {name}")
+                    ax.plot(*zip(*pts), style, label=_label(f"{split} {name}"))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
     _save_figure(fig, path)
+
+
+def _label(text: str, most: int = 40) -> str:
+    """A legend entry of at most ``most`` characters, its start and end kept: a metric named in
+    300 characters made a legend wider than the figure, over the loss panel.
+
+    >>> _label("train " + "x" * 100)
+    'train xxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxx'
+    """
+    return text if len(text) <= most else f"{text[:most // 2 - 1]}...{text[-(most // 2 - 2):]}"
 
 
 def _save_figure(fig: Any, path: Path) -> None:

@@ -70,7 +70,7 @@ def to_python(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+def flat_metrics(metrics: Mapping[str, Any], prefix: str = "", who: str = "MetricsHook") -> dict[str, np.ndarray]:
     """Metrics as float64 arrays; a nested dict's entries as ``outer/inner`` (a step's aux
     may group them: ``{"grad_norm": {"w": ..., "b": ...}}``). A value that is not a number is
     named (numpy's own error named neither the metric nor the fix)."""
@@ -78,12 +78,12 @@ def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, np.n
     for k, v in metrics.items():
         name = f"{prefix}{k}"
         if isinstance(v, Mapping):
-            out.update(flat_metrics(v, f"{name}/"))
+            out.update(flat_metrics(v, f"{name}/", who))
             continue
         try:
             out[name] = np.asarray(jax.device_get(v), np.float64)
         except (TypeError, ValueError) as e:
-            raise ConfigError(fix(f"MetricsHook: metric {name!r} is {type(v).__name__} {reprlib.repr(v)}, not a number "
+            raise ConfigError(fix(f"{who}: metric {name!r} is {type(v).__name__} {reprlib.repr(v)}, not a number "
                                   f"or an array of numbers ({e}).", f"leave {name!r} out of the metrics, or log it "
                                   "yourself.")) from None
     return out
@@ -277,7 +277,10 @@ class EvalHook(Hook):
             raise ConfigError(fix(f"EvalHook: evaluate(state) returned {type(metrics).__name__} {metrics!r:.40}, "
                                   "not a dict of metrics.", "return e.g. {'loss': loss, 'accuracy': acc}."))
         check_metric_names(metrics, "EvalHook: evaluate(state)")
-        self.record({"split": "eval", "step": info.step, **metrics})
+        # As MetricsHook's rows: Python numbers, nested dicts as outer/inner (a record that
+        # json.dumps each row failed on device arrays and NumPy scalars).
+        values = to_python(flat_metrics(metrics, who="EvalHook: evaluate(state)"))
+        self.record({"split": "eval", "step": info.step, **values})
         self.seconds += time.perf_counter() - started
         self.last_step = info.step
 

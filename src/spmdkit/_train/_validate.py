@@ -90,6 +90,26 @@ def validate_task(task: Task, batch_size: int, example: Any = None) -> None:
         _validate(task, batch_size, example)
 
 
+def _named(task: Task, out: Any) -> Any:
+    """``out`` once its metrics' names are strings: an int key among them ({0: ..., "mae": ...})
+    failed in JAX's sorting of the dict's keys, an error that named neither the metrics nor why."""
+    aux = out[1] if isinstance(out, tuple) and len(out) >= 2 else None
+
+    def walk(tree: Any, path: str) -> None:
+        if not isinstance(tree, Mapping):
+            return
+        for key, value in tree.items():
+            if not isinstance(key, str):
+                raise TaskError(fix(
+                    f"task {task.name!r}: loss_fn's metrics (its aux) have a key {key!r} ({type(key).__name__}) at "
+                    f"aux{path}: metric names are strings, the columns of metrics.jsonl.",
+                    f"name it with a string, e.g. {f'class_{key}'!r}: ... in place of {key!r}: ..."))
+            walk(value, f"{path}[{key!r}]")
+
+    walk(aux, "")
+    return out
+
+
 def _validate(task: Task, batch_size: int, example: Any) -> None:
     _check_data(task)
     params = _abstract_params(task)
@@ -100,16 +120,22 @@ def _validate(task: Task, batch_size: int, example: Any) -> None:
     try:
         if task.stateful:
             model_state = jax.eval_shape(lambda k: task.variables(k)[1], jax.random.key(0))
-            out = jax.eval_shape(lambda p, s, b, k: task.loss_fn(p, s, b, k, train=True), params, model_state,
-                                 batch, jax.random.key(0))
+            out = jax.eval_shape(lambda p, s, b, k: _named(task, task.loss_fn(p, s, b, k, train=True)), params,
+                                 model_state, batch, jax.random.key(0))
         else:
-            out = jax.eval_shape(lambda p, b, k: task.loss_fn(p, b, k, **_train_kw(task)), params, batch,
-                                 jax.random.key(0))
+            out = jax.eval_shape(lambda p, b, k: _named(task, task.loss_fn(p, b, k, **_train_kw(task))), params,
+                                 batch, jax.random.key(0))
+    except TaskError:
+        raise
     except Exception as e:
+        # The call as spmdkit made it: a stateful task's loss takes the model state and train too.
+        call, check = (("loss_fn(params, model_state, batch, rng, train=True)",
+                        "params, model_state = task.variables(jax.random.key(0)); "
+                        "task.loss_fn(params, model_state, batch, key, train=True)") if task.stateful else
+                       ("loss_fn(params, batch, rng)", "task.loss_fn(task.init(jax.random.key(0)), batch, key)"))
         raise TaskError(fix(
-            f"task {task.name!r}: loss_fn(params, batch, rng) failed on a batch of {n}: "
-            f"{type(e).__name__}: {str(e)[:400]}",
-            "check it on one device first: task.loss_fn(task.init(jax.random.key(0)), batch, key).")) from None
+            f"task {task.name!r}: {call} failed on a batch of {n}: {type(e).__name__}: {str(e)[:400]}",
+            f"check it on one device first: {check}.")) from None
     if task.stateful:
         if not (isinstance(out, tuple) and len(out) == 3):
             raise TaskError(fix(f"task {task.name!r} is stateful: loss_fn must return (loss, aux, new_model_state).",
