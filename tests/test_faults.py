@@ -1103,3 +1103,60 @@ def test_runs_racing_for_a_stale_lock_never_both_hold_it(tmp_path, procs):
         said = [r.communicate(timeout=60)[0].strip() for r in racers]
         assert sorted(said) == ["held", "refused", "refused", "refused"], said
         assert not lock.exists()
+
+
+def test_a_kill_between_rows_resumes_with_the_rows_of_an_uninterrupted_run(tmp_path):
+    # --log-every 4, checkpoints every 5, killed at step 13: the resume from step 10 wrote a row 12 of
+    # steps 11-12 alone; the checkpoint's meta now keeps the metrics of steps 9-10 for it.
+    code = textwrap.dedent(f"""
+        import os, signal, time, optax, spmdkit
+        from pathlib import Path
+        from spmdkit._tasks import linreg
+        from spmdkit._train import _loop
+        real = _loop._Run._stepped
+        def stepped(self, info):
+            if info.step == 13:  # once step 10's save is on disk
+                deadline = time.time() + 60
+                while not Path({str(tmp_path / "ck" / "manifests" / "10.json")!r}).exists() and time.time() < deadline:
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, info)
+        _loop._Run._stepped = stepped
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=16, batch_size=16, log_every=4),
+                    progress=False, out_dir={str(tmp_path / "out")!r}, log=lambda m: None,
+                    checkpoint=spmdkit.CheckpointConfig({str(tmp_path / "ck")!r}, every=5))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env())
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+
+    def losses(out):
+        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if r["split"] == "train"}
+
+    config = spmdkit.TrainConfig(steps=16, batch_size=16, log_every=4)
+    for ck, out, resume in ((tmp_path / "ck", tmp_path / "out", True), (tmp_path / "ck2", tmp_path / "whole", False)):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), config, progress=False, out_dir=out,
+                    log=lambda m: None, checkpoint=spmdkit.CheckpointConfig(ck, every=5, resume=resume))
+    resumed, whole = losses(tmp_path / "out"), losses(tmp_path / "whole")
+    assert sorted(resumed) == sorted(whole) == [4, 8, 12, 16]
+    for step in whole:
+        assert resumed[step] == pytest.approx(whole[step], abs=1e-6)
+
+
+def test_metrics_jsonl_past_a_file_size_limit_fails_the_run_but_keeps_its_state_and_files(tmp_path):
+    # The ArtifactError of metrics.jsonl was not among the errors a run ends on: exit 5 with no
+    # summary.json, loss.png or params.npz, the steps since the last checkpoint lost, and a cut last line.
+    import resource
+
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))  # noqa: E731
+    p = subprocess.run([*CLI, "train", "--task", "linreg", "--steps", "600", "--out", str(out), "--checkpoint-dir",
+                        str(ck), "--checkpoint-every", "100", "--no-progress"],
+                       capture_output=True, text=True, timeout=240, env=env(), preexec_fn=limit)
+    assert p.returncode == 5, p.stderr[-2000:]
+    assert "metrics.jsonl: File too large" in " ".join(p.stderr.split())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # whole lines only
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and "metrics.jsonl" in summary["error"]
+    assert (out / "loss.png").stat().st_size and (out / "params.npz").is_file()
+    assert summary["steps"] > rows[-1]["step"] - 1 and max(reader(ck).steps()) == summary["steps"] > 200

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,24 @@ def test_eval_rows_hold_python_numbers_as_metrics_rows_do():
     assert rows == [{"split": "eval", "step": 1, "loss": 0.5, "acc": 0.25, "per/a": 1.0}]
     assert all(type(v) is float for k, v in rows[0].items() if k not in ("split", "step"))
     json.dumps(rows[0])
+
+def test_metrics_hook_window_resumes_a_row_and_flush_keeps_it():
+    # A run stopped between rows: its window, resumed, gives the row an uninterrupted hook gives.
+    rows, whole = [], []
+    hook, ref = MetricsHook(rows.append, every=4), MetricsHook(whole.append, every=4)
+    for step in range(1, 9):
+        info = StepInfo(step, 0, None, {"loss": float(step), "member": [step, -step]})
+        run_hooks([ref], info)
+        if step <= 6:
+            run_hooks([hook], info)
+    hook.flush(StepInfo(6, 0, None, {}))  # a row at the stop, the steps kept counted
+    hook.flush(StepInfo(6, 0, None, {}))  # nothing twice
+    window = json.loads(json.dumps(hook.window()))  # as a checkpoint's meta keeps it
+    again = MetricsHook(rows.append, every=4)
+    again.resume(window)
+    for step in (7, 8):
+        run_hooks([again], StepInfo(step, 0, None, {"loss": float(step), "member": [step, -step]}))
+    assert [r["step"] for r in rows] == [4, 6, 8] and rows[1]["loss"] == 5.5
+    assert rows[2]["loss"] == whole[1]["loss"] == 6.5 and rows[2]["member_member"] == whole[1]["member_member"]
+    assert rows[2]["elapsed_s"] >= window["elapsed_s"]
+    MetricsHook([].append).resume({"sums": "not a window"})  # an older checkpoint's meta: ignored

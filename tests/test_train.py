@@ -559,3 +559,61 @@ def test_a_long_metric_name_keeps_the_plot_laid_out(tmp_path):
         art.plot_history(history, tmp_path / "loss.png", "long")
     assert not [w for w in caught if "layout" in str(w.message).lower()], [str(w.message) for w in caught]
     assert (tmp_path / "loss.png").stat().st_size > 0
+
+def _fit_line(tmp_path, steps, resume=False, log_every=1, **kw):
+    return spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1),
+                       spmdkit.TrainConfig(steps=steps, batch_size=16, log_every=log_every, **kw),
+                       progress=False, out_dir=tmp_path / "out", log=lambda m: None,
+                       checkpoint=spmdkit.CheckpointConfig(tmp_path / "ck", every=5, resume=resume))
+
+
+def _rows(out: Path, split: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def test_a_resumed_run_times_only_its_own_steps_and_its_elapsed_s_goes_on(tmp_path):
+    # steps_per_sec was (all steps - 1) / the resumed part's time: 30 -> 40 reported 4x the speed; and
+    # elapsed_s began again at 0, so a plot of loss against time folded back.
+    _fit_line(tmp_path, 30)
+    resumed = _fit_line(tmp_path, 40, resume=True).summary
+    rows = _rows(tmp_path / "out")
+    elapsed = [r["elapsed_s"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert elapsed == sorted(elapsed) and elapsed[30] > elapsed[29]
+    rates = sorted(r["steps_per_sec"] for r in rows[31:])
+    assert resumed["resumed_from_step"] == 30 and resumed["steps_per_sec"] < 2 * rates[len(rates) // 2]
+
+
+def test_a_stop_between_rows_writes_them_and_a_resume_averages_as_if_uninterrupted(tmp_path, monkeypatch):
+    # --log-every 4: a run stopped at step 9 wrote no row for step 9 (its summary's final loss was
+    # step 8's), and its resume's row 12 averaged steps 10-12 where the uninterrupted run's averages 9-12.
+    from spmdkit._train import _loop
+
+    (tmp_path / "whole").mkdir()
+    _fit_line(tmp_path / "whole", 16, log_every=4)
+    whole = {r["step"]: r["loss"] for r in _rows(tmp_path / "whole" / "out")}
+    with monkeypatch.context() as m:
+        m.setattr(_loop.Preemption, "reached", lambda self, step: step >= 9)
+        stopped = _fit_line(tmp_path, 16, log_every=4).summary
+    rows = _rows(tmp_path / "out")
+    assert stopped["status"] == "preempted" and stopped["steps"] == 9 and rows[-1]["step"] == 9
+    assert stopped["final_train_loss"] == rows[-1]["loss"]
+    _fit_line(tmp_path, 16, resume=True, log_every=4)
+    resumed = {r["step"]: r["loss"] for r in _rows(tmp_path / "out")}
+    assert sorted(resumed) == [4, 8, 9, 12, 16]
+    for step in (12, 16):
+        assert resumed[step] == pytest.approx(whole[step], abs=1e-6)
+
+
+def test_a_diverged_runs_summary_gives_the_figures_of_the_step_it_keeps(tmp_path):
+    # It reported step k's parameters with the eval of step k + 1 (the diverged state's: null).
+    with pytest.raises(spmdkit.NonFiniteLossError):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(10.0),
+                    spmdkit.TrainConfig(steps=200, batch_size=16, eval_every=1), progress=False,
+                    out_dir=tmp_path, log=lambda m: None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    evals = {r["step"]: r["loss"] for r in _rows(tmp_path, "eval")}
+    trains = {r["step"]: r["loss"] for r in _rows(tmp_path)}
+    assert summary["status"] == "diverged" and max(evals) > summary["steps"]
+    assert summary["eval_loss"] == evals[summary["steps"]] is not None
+    assert summary["final_train_loss"] == trains[summary["steps"]]

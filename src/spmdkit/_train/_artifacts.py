@@ -142,11 +142,13 @@ def claim_out_dir(out: Path, run_id: str, fresh: bool, log: Callable[[str], None
 
 
 class MetricsWriter:
-    """Append-only JSON lines, flushed per line so a crash loses at most one.
+    """Append-only JSON lines, each written whole or not at all.
 
     ``kept`` (a resumed run's rows up to its checkpoint) replaces the file whole, atomically,
     before anything is appended: truncating it and writing them back one by one lost every row
     not yet written back when the process was killed there, and the next resume found only those.
+    A row the file takes in part (a full disk, ``ulimit -f``) is cut back off before the error is
+    raised: the file ends in whole lines, which a resume and any JSON-lines reader take.
     """
 
     def __init__(self, path: Path | None, kept: list[dict[str, Any]] | None = None):
@@ -154,22 +156,31 @@ class MetricsWriter:
         try:
             if path is not None and kept:
                 replace_text(path, "".join(_metrics_line(r) for r in kept))
-            self._fh = None if path is None else open(path, "a" if kept else "w")
+            # Unbuffered: a row is on disk once write returns, and a failed one leaves nothing buffered
+            # for close to write after the cut.
+            self._fh = None if path is None else open(path, "ab" if kept else "wb", buffering=0)
         except OSError as e:
             raise _cannot_write(path, e) from None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._fh is not None:
+        if self._fh is None:
+            return
+        line = _metrics_line(record).encode()
+        start = None
+        try:
+            start = self._fh.seek(0, os.SEEK_END)
+            done = 0
+            while done < len(line):  # a short write (near a file size limit) is finished, or fails
+                done += self._fh.write(line[done:]) or 0
+        except OSError as e:
+            fh, self._fh = self._fh, None
             try:
-                self._fh.write(_metrics_line(record))
-                self._fh.flush()
-            except OSError as e:
-                fh, self._fh = self._fh, None
-                try:
-                    fh.close()
-                except OSError:
-                    pass  # the same failure again, flushing what is buffered
-                raise _cannot_write(self.path, e) from None
+                if start is not None:
+                    os.ftruncate(fh.fileno(), start)
+                fh.close()
+            except OSError:
+                pass  # a read-only disk took nothing to cut back
+            raise _cannot_write(self.path, e) from None
 
     def close(self) -> None:
         if self._fh is not None:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from spmdkit._console import finite_or_null
 from spmdkit._errors import ConfigError, NonFiniteLossError, fix
 
 
@@ -219,6 +220,7 @@ class MetricsHook(Hook):
         self._count = 0
         self._added: int | None = None  # the step last counted: counting it again (add, then run_hooks) is a no-op
         self._start = self._t0 = time.perf_counter()
+        self._before = 0.0  # elapsed_s of the steps before this hook's first (a resumed run's, see resume)
         self.last_row: dict[str, Any] | None = None
 
     def add(self, info: StepInfo) -> None:
@@ -245,15 +247,65 @@ class MetricsHook(Hook):
     def __call__(self, info: StepInfo) -> None:
         if not self._count:  # called by hand, not through run_hooks (again at one step: that step's metrics again)
             self._count_step(info)
-        check_metric_names(self._sums, "MetricsHook")
+        now = self._row(info, self._sums, self._counts)
+        self._sums, self._counts, self._count, self._start = {}, {}, 0, now
+
+    def _row(self, info: StepInfo, sums: dict[str, Any], counts: dict[str, int]) -> float:
+        check_metric_names(sums, "MetricsHook")
         now = time.perf_counter()
         # Each metric over the steps that gave it: one given every other step was halved.
-        means = to_python({k: v / self._counts[k] for k, v in self._sums.items()})
+        means = to_python({k: v / counts[k] for k, v in sums.items()})
         row = {"split": "train", "step": info.step, "epoch": info.epoch + 1, **with_member_means(means),
-               "steps_per_sec": self._count / max(now - self._start, 1e-9), "elapsed_s": now - self._t0}
-        self._sums, self._counts, self._count, self._start = {}, {}, 0, now
+               "steps_per_sec": self._count / max(now - self._start, 1e-9), "elapsed_s": self.elapsed(now)}
         self.last_row = row
         self.record(row)
+        return now
+
+    def elapsed(self, now: float | None = None) -> float:
+        """Seconds since this hook was made, plus a resumed run's time before (see :meth:`resume`)."""
+        return (time.perf_counter() if now is None else now) - self._t0 + self._before
+
+    def flush(self, info: StepInfo, window: dict[str, Any] | None = None) -> None:
+        """A row at ``info.step`` of the steps counted since the last row (a run that ends between
+        rows), unless there are none or a row of that step was written. The steps stay counted: a
+        checkpoint of this step records them (:meth:`window`), so that the run resumed from it
+        writes the next row an uninterrupted run writes. ``window``: another one to write (a
+        diverged run's at its last good step)."""
+        sums, counts = (self._sums, self._counts) if window is None else self._unpacked(window)
+        if counts and (self.last_row is None or self.last_row["step"] < info.step):
+            self._row(info, sums, counts)
+
+    def window(self) -> dict[str, Any]:
+        """The steps counted toward the next row, as JSON (a float per metric; a list per
+        ensemble metric): each metric's sum and count, and ``elapsed_s`` now. For a checkpoint's
+        meta, and :meth:`resume` from it."""
+        return {"sums": finite_or_null({k: np.asarray(v).tolist() for k, v in self._sums.items()}),
+                "counts": dict(self._counts), "elapsed_s": self.elapsed()}
+
+    def resume(self, window: Any, elapsed_s: float | None = None) -> None:
+        """Continue a run stopped between rows, from the :meth:`window` saved with its checkpoint:
+        its sums and counts join the next row's means (``steps_per_sec`` counts this process's
+        steps only), and ``elapsed_s`` goes on from the window's (or ``elapsed_s``): the time to
+        the checkpoint, the downtime after it not counted. A window that is not one is ignored
+        (a checkpoint of an older spmdkit has none)."""
+        if isinstance(window, Mapping) and isinstance(window.get("elapsed_s"), (int, float)):
+            elapsed_s = window["elapsed_s"]
+        if isinstance(elapsed_s, (int, float)) and math.isfinite(elapsed_s):
+            self._before = float(elapsed_s)
+        try:
+            self._sums, self._counts = self._unpacked(window)
+        except (TypeError, ValueError, AttributeError):
+            self._sums, self._counts = {}, {}
+
+    @staticmethod
+    def _unpacked(window: Any) -> tuple[dict[str, Any], dict[str, int]]:
+        if not isinstance(window, Mapping) or not isinstance(window.get("sums"), Mapping):
+            return {}, {}
+        counts = {str(k): int(v) for k, v in window.get("counts", {}).items()}
+        # JSON's null is a non-finite sum: NaN again (numpy reads None as NaN in a float array).
+        sums = {str(k): np.asarray(v if v is not None else np.nan, np.float64) for k, v in window["sums"].items()
+                if k in counts}
+        return sums, {k: counts[k] for k in sums}
 
     def close(self, info: StepInfo | None, status: str) -> None:
         """The last row: the steps since the previous one (a run of 7 steps with every=5 lost

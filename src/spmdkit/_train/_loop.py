@@ -714,23 +714,59 @@ class _Run:
             self.out_lock.release()
 
     def _hooks(self, checkpoint: CheckpointConfig | None) -> list[Hook]:
-        """In order: the NaN guard, the step's bookkeeping, checkpoints, metrics, eval, progress, stops."""
+        """In order: the NaN guard, the step's bookkeeping, metrics, checkpoints, eval, progress, stops.
+        Metrics before checkpoints: a checkpoint's meta records the metrics window after its step."""
         hint = ("lower the learning rate (optimizer=; --lr on the command line), or check the data for NaN/inf. "
                 "The parameters of the last finite loss are kept" + (f" in {self.out / 'params.npz'}." if self.out else "."))
         self.metrics = MetricsHook(self._record, every=self.config.log_every)
         # A resume that trains no further step (its files to be written anew) reports the loss logged at its step.
         self.metrics.last_row = next((r for r in reversed(self.history) if r.get("split") == "train"
                                       and r.get("step") == self.start_step), None)
+        self._resume_metrics()
         self.evaluator = _eval_hook(self.task, self.strategy, self.config, self.plan, self._record, self.eval_key,
                                     self.watchdog.progressed)
         self.held = None if self.ckpt is None else HeldCheckpoints(
             self.ckpt, checkpoint.every,
             _checkpoint_meta(self.task, self.strategy, self.config, self.plan, self.run_info, self.feed, self.eval_crc,
-                             self.optimizer_record),
+                             self.optimizer_record, self._window_at),
             self.known)
-        optional = [_Each(self._stepped), self.held, self.metrics, self.evaluator, self.bar]  # run_hooks: metrics.add every step
+        optional = [_Each(self._stepped), self.metrics, self.held, self.evaluator, self.bar]  # run_hooks: metrics.add every step
         self.guard = NaNGuard(hint=hint)
         return [self.guard, *[h for h in optional if h is not None], _Each(self._at_end)]
+
+    def _resume_metrics(self) -> None:
+        """A resumed run's rows go on as an uninterrupted run's: the next row's means include the
+        steps before the checkpoint since its last row (the window the checkpoint's meta keeps), and
+        ``elapsed_s`` goes on from the checkpoint's (else the kept history's last), not from 0."""
+        window = None
+        if self.start_step and self.ckpt is not None:
+            try:
+                window = self.ckpt.meta(self.start_step).get("metrics")
+            except CheckpointError:
+                pass  # restored a moment ago; a window is a nicety, the run goes on without it
+        kept = next((r["elapsed_s"] for r in reversed(self.history)
+                     if isinstance(r.get("elapsed_s"), (int, float))), None)
+        self.metrics.resume(window, kept)
+        self.known_window = (self.start_step, 0, self.metrics.window())
+        self.steps_run = 0
+
+    def _window_at(self, step: int) -> dict[str, Any]:
+        """The metrics window after ``step``: a diverged run's kept step is behind the steps counted."""
+        return self.known_window[2] if step == self.known_window[0] else self.metrics.window()
+
+    def _flush_metrics(self, done: int) -> None:
+        """A run that ends between rows (interrupted, preempted, diverged, failed) writes the steps
+        since its last row as a row at the step it keeps, so that the summary's final train loss is
+        of that step. A diverged run's window is the one at its last good step: the steps after it
+        are not of the state it keeps (a row written past it already is left as it is)."""
+        if self.status == "completed" or done <= self.start_step:
+            return  # the last step logged already (_at_end); or this process trained nothing
+        if self.status == "diverged":
+            step, epoch, window = self.known_window
+            if step == done:
+                self.metrics.flush(StepInfo(done, epoch, None, {}), window)
+            return
+        self.metrics.flush(StepInfo(done, self.last.epoch, None, {}))
 
     def _record(self, row: dict[str, Any]) -> None:
         self.history.append(row)
@@ -740,6 +776,9 @@ class _Run:
 
     def _stepped(self, info: StepInfo) -> None:
         due = self.known.confirm(self.last.state, self.last.step)  # this step's loss came from it: good
+        # The metrics window after the known-good step: a diverged run's checkpoint and last row need it.
+        self.known_window = (self.last.step, self.last.epoch, self.metrics.window())
+        self.steps_run += 1
         if due is not None:
             self.held.save(*due)
         self.last = info
@@ -750,9 +789,11 @@ class _Run:
     def _at_end(self, info: StepInfo) -> None:
         """The last step always logs and evaluates; a stop request ends the run here."""
         if info.step == self.plan.total:
-            for hook in (self.metrics, self.evaluator):
-                if hook is not None and info.step % hook.every:
-                    hook(info)
+            # The steps since the last row stay counted: the final checkpoint's meta keeps them, so a
+            # run resumed with more steps writes its next row as an uninterrupted run does.
+            self.metrics.flush(info)
+            if self.evaluator is not None and info.step % self.evaluator.every:
+                self.evaluator(info)
         if self._stop.requested and jax.process_count() == 1:
             raise _StopRun("interrupted")
         if self._preempt.reached(info.step):  # with several processes a Ctrl-C arrives this way too
@@ -775,7 +816,9 @@ class _Run:
             self.status, self.failure = "diverged", error
             self.last = StepInfo(self.known.step, 0, self.known.state, {})
             self.known.drop()
-        elif isinstance(error, (CheckpointSaveError, DataError)):  # bad data: the last good state is still kept
+        elif isinstance(error, (CheckpointSaveError, DataError, art.ArtifactError)):
+            # Bad data, or metrics.jsonl refused (a full disk, ulimit -f): the last state is still
+            # saved and the other files attempted, as after a failed checkpoint save.
             self.status, self.failure = "failed", error
         elif isinstance(error, (KeyboardInterrupt, _StopRun)):
             self.status = getattr(error, "status", "interrupted")
@@ -826,6 +869,7 @@ class _Run:
             self.log(f"{self.task.name}: preempted at step {done} with no checkpoint directory: nothing is saved to "
                      "resume from, so a restart begins at step 0 (pass --checkpoint-dir; CheckpointConfig from Python)")
         final = StepInfo(done, 0, state, {})
+        self._flush_metrics(done)
         if self.status == "interrupted" and self.evaluator is not None and done and self.evaluator.last_step != done:
             self.evaluator(final)  # so an interrupted run still reports where it got
         self.writer.close()
@@ -899,7 +943,7 @@ class _Run:
         eval_seconds = self.evaluator.seconds if self.evaluator is not None else 0.0
         train_seconds = None if self.t_first is None else time.perf_counter() - self.t_first - eval_seconds
         summary = _summary(self.task, self.strategy, self.config, self.plan, self.status, self.last.step, self.start_step,
-                           self.history, self.metrics.last_row, params, self.elapsed, train_seconds, self.ckpt,
+                           self.history, self.steps_run, params, self.elapsed, train_seconds, self.ckpt,
                            self.run_info, self.host_memory)
         summary["run_id"] = self.run_id
         summary["first_step_s"] = None if self.first_step_s is None else round(self.first_step_s, 3)
@@ -940,7 +984,7 @@ def _eval_hook(task, strategy, config, plan, record, eval_key, on_chunk=None) ->
 
 
 def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None, eval_crc=None,
-                     optimizer=None) -> Callable[[StepInfo], dict[str, Any]]:
+                     optimizer=None, window=None) -> Callable[[StepInfo], dict[str, Any]]:
     """What a checkpoint records of the run, to resume it exactly (see ``_check_resumable``)."""
 
     def meta(info: StepInfo) -> dict[str, Any]:
@@ -952,7 +996,9 @@ def _checkpoint_meta(task, strategy, config, plan, run_info, feed=None, eval_crc
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **({"data": feed.state(info.step)} if feed is not None else {}),
                 **({"eval_data": {"crc32": eval_crc}} if eval_crc is not None else {}),
-                **({"optimizer": optimizer} if optimizer is not None else {})}
+                **({"optimizer": optimizer} if optimizer is not None else {}),
+                # The metrics since the last row: a resume's next row is then an uninterrupted run's.
+                **({"metrics": window(info.step)} if window is not None else {})}
 
     return meta
 
@@ -986,10 +1032,14 @@ def _check_same_optimizer(meta: dict[str, Any], now: list[list[str]] | None) -> 
             "state. If that is not meant, pass fit the optimizer the run started with.", RuntimeWarning, stacklevel=4)
 
 
-def _summary(task, strategy, config, plan, status, done, start_step, history, last_train, params, elapsed,
+def _summary(task, strategy, config, plan, status, done, start_step, history, ran, params, elapsed,
              train_seconds, ckpt, run_info, host: HostMemory) -> dict[str, Any]:
+    """``ran``: the steps this process ran (a resumed run's, after its checkpoint), timed from the
+    end of the first. The train and eval figures are the last rows at or before ``done``, the step
+    whose parameters it reports (a diverged run logged rows past it, of states it does not keep)."""
+    last_train = _last_row(history, "train", done)
     last_train = {k: v for k, v in (last_train or {}).items() if k not in ("split", "step", "epoch", "steps_per_sec", "elapsed_s")}
-    eval_row = next((r for r in reversed(history) if r["split"] == "eval"), None)
+    eval_row = _last_row(history, "eval", done)
     return {
         "task": task.name,
         "status": status,
@@ -1006,7 +1056,7 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
         "eval_loss": None if eval_row is None else eval_row["loss"],
         **({f"eval_{k}": v for k, v in eval_row.items() if k not in ("split", "step", "loss")} if eval_row else {}),
         "wall_time_s": elapsed,
-        "steps_per_sec": (done - 1) / train_seconds if train_seconds and done > 1 else None,
+        "steps_per_sec": (ran - 1) / train_seconds if train_seconds and ran > 1 else None,
         "host_memory": str(host),  # glibc's defaults slow CPU steps: say which this run had
         "params_digest": art.params_digest(params),
         **({"resumed_from_step": start_step, "checkpoint_dir": str(ckpt.directory), "checkpoint_steps": ckpt.steps(),
@@ -1016,6 +1066,10 @@ def _summary(task, strategy, config, plan, status, done, start_step, history, la
         **(strategy.summarize(eval_row or {}) if isinstance(strategy, Ensemble) else {}),
         **({"config": run_info} if run_info else {}),
     }
+
+
+def _last_row(history: list[dict[str, Any]], split: str, upto: int) -> dict[str, Any] | None:
+    return next((r for r in reversed(history) if r.get("split") == split and r.get("step", 0) <= upto), None)
 
 
 def _write_artifacts(out: Path, params: Any, summary: dict[str, Any], history: list[dict[str, Any]], task: Task) -> None:
