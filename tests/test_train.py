@@ -560,6 +560,7 @@ def test_a_long_metric_name_keeps_the_plot_laid_out(tmp_path):
     assert not [w for w in caught if "layout" in str(w.message).lower()], [str(w.message) for w in caught]
     assert (tmp_path / "loss.png").stat().st_size > 0
 
+
 def _fit_line(tmp_path, steps, resume=False, log_every=1, **kw):
     return spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1),
                        spmdkit.TrainConfig(steps=steps, batch_size=16, log_every=log_every, **kw),
