@@ -275,12 +275,18 @@ class MetricsHook(Hook):
         if counts and (self.last_row is None or self.last_row["step"] < info.step):
             self._row(info, sums, counts)
 
-    def window(self) -> dict[str, Any]:
-        """The steps counted toward the next row, as JSON (a float per metric; a list per
-        ensemble metric): each metric's sum and count, and ``elapsed_s`` now. For a checkpoint's
-        meta, and :meth:`resume` from it."""
-        return {"sums": finite_or_null({k: np.asarray(v).tolist() for k, v in self._sums.items()}),
-                "counts": dict(self._counts), "elapsed_s": self.elapsed()}
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, int], float]:
+        """The steps counted toward the next row, kept as they are now (cheap: every step takes
+        one; :meth:`window` turns it to JSON only when a checkpoint needs it)."""
+        return dict(self._sums), dict(self._counts), self.elapsed()
+
+    def window(self, snapshot: tuple[dict[str, Any], dict[str, int], float] | None = None) -> dict[str, Any]:
+        """The steps counted toward the next row (now, or at ``snapshot``), as JSON (a float per
+        metric; a list per ensemble metric): each metric's sum and count, and ``elapsed_s``. For a
+        checkpoint's meta, and :meth:`resume` from it."""
+        sums, counts, elapsed = snapshot if snapshot is not None else self.snapshot()
+        return {"sums": finite_or_null({k: np.asarray(v).tolist() for k, v in sums.items()}),
+                "counts": dict(counts), "elapsed_s": elapsed}
 
     def resume(self, window: Any, elapsed_s: float | None = None) -> None:
         """Continue a run stopped between rows, from the :meth:`window` saved with its checkpoint:

@@ -747,12 +747,12 @@ class _Run:
         kept = next((r["elapsed_s"] for r in reversed(self.history)
                      if isinstance(r.get("elapsed_s"), (int, float))), None)
         self.metrics.resume(window, kept)
-        self.known_window = (self.start_step, 0, self.metrics.window())
+        self.known_window = (self.start_step, 0, self.metrics.snapshot())
         self.steps_run = 0
 
     def _window_at(self, step: int) -> dict[str, Any]:
         """The metrics window after ``step``: a diverged run's kept step is behind the steps counted."""
-        return self.known_window[2] if step == self.known_window[0] else self.metrics.window()
+        return self.metrics.window(self.known_window[2] if step == self.known_window[0] else None)
 
     def _flush_metrics(self, done: int) -> None:
         """A run that ends between rows (interrupted, preempted, diverged, failed) writes the steps
@@ -762,9 +762,9 @@ class _Run:
         if self.status == "completed" or done <= self.start_step:
             return  # the last step logged already (_at_end); or this process trained nothing
         if self.status == "diverged":
-            step, epoch, window = self.known_window
+            step, epoch, snapshot = self.known_window
             if step == done:
-                self.metrics.flush(StepInfo(done, epoch, None, {}), window)
+                self.metrics.flush(StepInfo(done, epoch, None, {}), self.metrics.window(snapshot))
             return
         self.metrics.flush(StepInfo(done, self.last.epoch, None, {}))
 
@@ -777,7 +777,7 @@ class _Run:
     def _stepped(self, info: StepInfo) -> None:
         due = self.known.confirm(self.last.state, self.last.step)  # this step's loss came from it: good
         # The metrics window after the known-good step: a diverged run's checkpoint and last row need it.
-        self.known_window = (self.last.step, self.last.epoch, self.metrics.window())
+        self.known_window = (self.last.step, self.last.epoch, self.metrics.snapshot())
         self.steps_run += 1
         if due is not None:
             self.held.save(*due)
