@@ -82,6 +82,13 @@ def cases():
     # A process's own one-device strategy runs its own program: its keys and batches may differ.
     own = spmdkit.Single(jax.local_devices()[0])
     yield "own device", lambda: own.step(train_step)(own.init(make_state, me), {"x": x[: 8 + 8 * me]})
+    # fit on a process's own device (a sweep split between processes): process 0 ran a second fit
+    # alone, which waited for ever in a gather of --out's verdict that process 1 never reached.
+    own_task = spmdkit.Task(name="own", init=lambda key: {"w": jnp.zeros((8, 1))},
+                            loss_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), {}), train_data=xy)
+    yield "fit own device", lambda: [spmdkit.fit(own_task, own, optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=16),
+                                                 out_dir=where + f"-own-{run}", progress=False)
+                                     for run in range(2 - me)]
 
 
 def run() -> dict[str, str | None]:

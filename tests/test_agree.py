@@ -139,6 +139,10 @@ def test_a_checkpointer_opened_otherwise_in_one_process_is_named(raised):
                                                   "CheckpointConfig.keep: process 0 1, process 1 3."), raised["checkpointer keep"]
 
 
+def test_fits_on_each_process_s_own_device_run_their_own_programs(raised):
+    assert raised["fit own device"] is None  # process 0's second fit, alone, did not wait for process 1
+
+
 def test_one_process_compares_nothing():
     assert not spans_processes(spmdkit.DataParallel().mesh)
     assert batch_signature({"x": np.zeros((4, 2), np.float32), "n": jax.numpy.zeros(4, jax.numpy.int32)}) == [

@@ -753,7 +753,7 @@ def test_a_resume_into_another_runs_out_is_refused_not_taken_for_its_own(tmp_pat
     b = run("out_b", "ck_b", 6 if resume_at == "the end" else 3, seed=1)
     a = run("out_a", "ck_a", 6, seed=0)
     assert a.summary["run_id"] != b.summary["run_id"]
-    assert json.loads((tmp_path / "out_a" / "run.json").read_text())["run_id"] == a.summary["run_id"]
+    assert json.loads((tmp_path / "out_a" / "spmdkit-out.json").read_text())["run_id"] == a.summary["run_id"]
     before = {p.name: p.read_bytes() for p in (tmp_path / "out_a").iterdir() if p.is_file()}
     with pytest.raises(spmdkit.ConfigError, match=rf"(?s)--out {tmp_path / 'out_a'} holds the files of another run "
                                                   rf"\(run id {a.summary['run_id']}\), not of the run whose checkpoint in "
@@ -789,16 +789,78 @@ def test_a_fresh_run_removes_an_earlier_runs_files_from_its_out(tmp_path, monkey
     with pytest.raises(Killed):
         spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path, log=said.append)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file() and not p.name.startswith("."))
-    assert names == ["metrics.jsonl", "notes.txt", "run.json"], names
+    assert names == ["metrics.jsonl", "notes.txt", "spmdkit-out.json"], names
     assert any("removed an earlier run's summary.json, params.npz, loss.png, ensemble.png" in m for m in said), said
 
 
-def test_a_users_own_files_in_out_are_never_removed(tmp_path):
+def test_a_users_own_files_in_out_are_never_removed(tmp_path, monkeypatch):
+    from spmdkit._train import _loop
+
     (tmp_path / "summary.json").write_text('{"mine": 1}')  # not a run's summary
-    spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
-                progress=False, out_dir=tmp_path, log=lambda m: None)
-    # Written over at the end, as always; never removed at the start.
-    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+    (tmp_path / "params.npz").write_bytes(b"the user's own")
+    (tmp_path / "run.json").write_text('{"run_id": "an-experiment-trackers"}')  # a common name, not spmdkit's
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(self, checkpoint):  # the run ends at its start, as a kill would leave it
+        raise Stopped
+
+    monkeypatch.setattr(_loop._Run, "_hooks", stopped)
+    with pytest.raises(Stopped):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
+                    progress=False, out_dir=tmp_path, log=lambda m: None)
+    assert (tmp_path / "summary.json").read_text() == '{"mine": 1}'
+    assert (tmp_path / "params.npz").read_bytes() == b"the user's own"
+    assert (tmp_path / "run.json").read_text() == '{"run_id": "an-experiment-trackers"}'
+    # A spmdkit-out.json spmdkit did not write is refused, not overwritten.
+    (tmp_path / "spmdkit-out.json").write_text('{"run_id": "x"}')
+    monkeypatch.undo()
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)spmdkit-out.json is not a file spmdkit wrote.*Fix: move"):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
+                    progress=False, out_dir=tmp_path, log=lambda m: None)
+    assert (tmp_path / "spmdkit-out.json").read_text() == '{"run_id": "x"}'
+
+
+def test_a_resume_from_a_checkpoint_copied_without_its_owner_file_continues_its_out(tmp_path):
+    # The copy's owner file gone, the directory took a new run id: the resume was refused as
+    # another run's, and the owner file already rewritten, so the fix it gave could never work.
+    task, opt = linreg.make(), optax.sgd(0.1)
+
+    def run(steps, resume):
+        return spmdkit.fit(task, spmdkit.Single(), opt, spmdkit.TrainConfig(steps=steps, batch_size=16),
+                           progress=False, out_dir=tmp_path / "out", log=lambda m: None,
+                           checkpoint=spmdkit.CheckpointConfig(tmp_path / "ck", every=3, resume=resume))
+
+    first = run(3, False)
+    (tmp_path / "ck" / "spmdkit-run.json").unlink()
+    again = run(6, True)
+    assert again.summary["resumed_from_step"] == 3 and again.summary["run_id"] != first.summary["run_id"]
+    assert run(9, True).summary["resumed_from_step"] == 6  # the new id recorded in --out too
+
+
+def test_finishing_an_unclosed_save_after_an_error_exits_with_that_errors_code(monkeypatch):
+    # A process ending after a lost peer (end_soon armed with 4) whose unclosed save then failed
+    # exited 5, the code of a failed save, hiding the cause.
+    from spmdkit import _checkpoint
+
+    class Unclosed:
+        _pending = 3
+        log = staticmethod(lambda m: None)
+
+        def close(self):
+            raise spmdkit.CheckpointSaveError("saving checkpoint step 3 failed: the peer is gone")
+
+    exits = []
+    monkeypatch.setattr(_checkpoint, "_UNCLOSED", {Unclosed()})
+    monkeypatch.setattr(_checkpoint, "exit_now", exits.append)
+    monkeypatch.setattr(_checkpoint, "armed", lambda: (4, 15.0))
+    _checkpoint._close_unclosed()
+    monkeypatch.setattr(_checkpoint, "armed", lambda: None)
+    _checkpoint._close_unclosed()
+    monkeypatch.setattr(_checkpoint, "armed", lambda: (0, 15.0))  # end_soon(0): a save that failed still says so
+    _checkpoint._close_unclosed()
+    assert exits == [4, 5, 5]
 
 
 def test_resuming_another_tasks_checkpoint_names_the_task(tmp_path):

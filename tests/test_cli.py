@@ -258,7 +258,8 @@ def test_inspect_json_and_show():
     out = run_cli("inspect", "--task", "mlp", "--mesh", "data=2,model=4", "--rules", "dp+tp", "--layers", "2",
                   "--grad-accum", "4", "--batch-size", "64")
     assert out.returncode == 0, out.stderr
-    assert "compiled train step (batch 64 in 4 micro-batches)" in " ".join(out.stdout.split())
+    assert "compiled train step (batch 64 in 4 micro-batches), per device: arguments " in " ".join(out.stdout.split())
+    assert "{readable" not in out.stdout, out.stdout  # every figure filled in (an f missing printed the code)
     out = run_cli("inspect", "--task", "mlp", "--layers", "2", "--grad-accum", "3", "--batch-size", "64")
     assert out.returncode == 2 and "grad_accum=3 must be a whole number >= 1 that divides batch_size=64" in out.stderr
 

@@ -245,3 +245,17 @@ def test_a_run_reads_no_batch_past_its_last_step_from_a_one_shot_iterator():
         it = numbered()
         _fit(it, steps=5, prefetch=prefetch)
         assert int(next(it)["i"][0]) == 5, prefetch
+
+
+def test_a_pipeline_of_bfloat16_batches_trains_and_evaluates():
+    # NumPy files ml_dtypes' bfloat16 under kind "V": such a pipeline was refused, "dtype bfloat16;
+    # JAX trains on numeric arrays".
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(32, 2)
+    batches = [{"x": x[i:i + 8].astype(jnp.bfloat16), "y": x[i:i + 8, :1].astype(jnp.bfloat16)} for i in (0, 8, 16, 24)]
+    task = spmdkit.Task(name="bf16", init=lambda rng: {"w": jnp.zeros((2, 1))},
+                        loss_fn=lambda p, b, rng: (jnp.mean((b["x"].astype(jnp.float32) @ p["w"]
+                                                             - b["y"].astype(jnp.float32)) ** 2), {}),
+                        train_data=batches, eval_data=batches)
+    result = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.5), spmdkit.TrainConfig(steps=8, batch_size=8),
+                         progress=False, log=lambda m: None)
+    assert result.summary["eval_loss"] < result.history[0]["loss"]

@@ -371,7 +371,7 @@ def test_a_params_file_that_cannot_be_written_leaves_the_other_files(tmp_path, m
     with pytest.raises(art.ArtifactError, match="cannot write .*params.npz: File too large"):
         spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=3, batch_size=16),
                     progress=False, out_dir=tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {"summary.json", "loss.png", "metrics.jsonl", "run.json"}
+    assert {p.name for p in tmp_path.iterdir()} == {"summary.json", "loss.png", "metrics.jsonl", "spmdkit-out.json"}
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and "params.npz: File too large" in summary["error"]
 

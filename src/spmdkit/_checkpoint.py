@@ -40,7 +40,7 @@ from spmdkit import _checkpoint_read as _read
 from spmdkit._atomic import is_temporary, replace_text
 from spmdkit._crc import crc32_file
 from spmdkit._errors import SpmdkitError, fix
-from spmdkit._lockfile import OUT_LOCK, DirLock, held_now, refusal
+from spmdkit._lockfile import OUT_LOCK, OUT_RUN_FILE, DirLock, held_now, refusal
 from spmdkit._process import armed, broadcast, disagreement, exit_now, gather_json
 
 if TYPE_CHECKING:
@@ -692,9 +692,10 @@ def _close_unclosed() -> None:
             if step is None:
                 continue
             several = jax.process_count() > 1
-            # A process ending after an error (end_soon) has less: the wait its timer allows.
+            # A process ending after an error (end_soon) has less: the wait its timer allows, less a
+            # margin, so that this process's verdict and code (not the timer's) end it.
             ending = armed()
-            wait = UNCLOSED_WAIT_S if ending is None else min(UNCLOSED_WAIT_S, ending[1])
+            wait = UNCLOSED_WAIT_S if ending is None else min(UNCLOSED_WAIT_S, max(ending[1] - 2.0, 0.0))
             ckpt.log(f"checkpoints: finishing the save of step {step} as the process exits (close() was not "
                      "called: call it, or use `with Checkpointer(...) as ckpt`"
                      + (f"; every process finishes its part, this one waits up to {wait:.0f} s for the "
@@ -921,7 +922,7 @@ class Checkpointer:
         return str(run_id)
 
     def _is_ours(self, name: str) -> bool:
-        return (name in (MANIFESTS, OWNER_FILE, LOCK_FILE, OUT_LOCK) or parse_step(name) is not None
+        return (name in (MANIFESTS, OWNER_FILE, LOCK_FILE, OUT_LOCK, OUT_RUN_FILE) or parse_step(name) is not None
                 or name.startswith((f"{STEP_PREFIX}_", _ASIDE, f".{OWNER_FILE}.")) or is_temporary(name))
 
     def _lock(self, run_id: str) -> None:

@@ -124,9 +124,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         f"optimizer state {readable_bytes(report['optimizer_bytes_per_device'])} per device; "
         f"{report['replicated_fraction']:.0%} of the state replicated"
     )
+    micro = f" in {report['grad_accum']} micro-batches" if report.get("grad_accum", 1) > 1 else ""
     console.print(
-        f"compiled train step (batch {report['batch_size']}"
-        + (f" in {report['grad_accum']} micro-batches" if report.get("grad_accum", 1) > 1 else "") + "), per device: arguments {readable_bytes(m['argument'])}, "
+        f"compiled train step (batch {report['batch_size']}{micro}), per device: arguments {readable_bytes(m['argument'])}, "
         f"outputs {readable_bytes(m['output'])}, temporaries {readable_bytes(m['temp'])}; "
         f"{readable_flops(report['step_flops_per_device'])}, {readable_bytes(report['step_bytes_accessed_per_device'])} "
         "accessed (loop trips counted)"

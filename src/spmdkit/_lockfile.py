@@ -23,6 +23,7 @@ from typing import Any
 from spmdkit._errors import fix
 
 OUT_LOCK = "spmdkit-out.lock"  # a run's --out; not spmdkit.lock, so one directory can be --out and checkpoints
+OUT_RUN_FILE = "spmdkit-out.json"  # whose run a --out holds (spmdkit._train._artifacts)
 _ATTEMPTS = 5  # a holder releasing (unlinking) the file while we open it sends us round again
 
 

@@ -151,7 +151,7 @@ class _Checked:
                                  "yield batches of one structure (same keys)."))
         rows = None
         for (p, x), (where, shape, dtype) in zip(leaves, spec):
-            if x.dtype.kind not in "biufc" or x.ndim == 0 or x.shape[1:] != shape or x.dtype != dtype:
+            if not _feed.is_numeric(x.dtype) or x.ndim == 0 or x.shape[1:] != shape or x.dtype != dtype:
                 raise BatchError(fix(
                     f"{self.name}: batch {k}{where} has shape {x.shape} dtype {x.dtype}; the first batch had "
                     f"shape (rows, {', '.join(map(str, shape))}) dtype {dtype}.",

@@ -86,6 +86,17 @@ def assemble(local: Any, rows: int, sharding: Any) -> Any:
         lambda x: jax.make_array_from_process_local_data(sharding, x, (rows, *np.shape(x)[1:])), local)
 
 
+def is_numeric(dtype: Any) -> bool:
+    """A dtype JAX trains on: NumPy's numbers, and ml_dtypes' floats (bfloat16, float8), which
+    NumPy files under kind "V" (a pipeline yielding bfloat16 images was refused as not numeric).
+
+    >>> is_numeric(np.dtype("int8")), is_numeric(jax.numpy.bfloat16), is_numeric(np.dtype("U3"))
+    (True, True, False)
+    """
+    dtype = np.dtype(dtype)
+    return dtype.kind in "biufc" or jax.dtypes.issubdtype(dtype, np.floating)
+
+
 def share_digest(batch: Any) -> list[Any]:
     """``[CRC-32 of the batch's bytes, whether its rows differ]``: two processes yielding the same
     share of every global batch train on each example twice; a batch whose rows are all alike
@@ -262,7 +273,7 @@ class PipelineFeed:
                                      "Python lists, whose every number JAX sees as a separate leaf.",
                                      "yield NumPy arrays (np.asarray(rows)) for every leaf."))
             x = np.asarray(x) if not isinstance(x, jax.Array) else x
-            if x.dtype.kind not in "biufc":
+            if not is_numeric(x.dtype):
                 raise BatchError(fix(f"{where} has dtype {x.dtype}; JAX trains on numeric arrays.",
                                      "yield numbers (token ids, one-hot floats)."))
             if x.ndim == 0 or x.shape[0] != self.rows:

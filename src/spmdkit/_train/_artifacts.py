@@ -21,7 +21,7 @@ from spmdkit._atomic import replace_text, replace_whole
 from spmdkit._checkpoint import is_prng_key, keys_as_data
 from spmdkit._console import finite_or_null
 from spmdkit._errors import NPZ_DAMAGE, ConfigError, DataError, SpmdkitError, fix, open_npz
-from spmdkit._lockfile import OUT_LOCK, DirLock, refusal
+from spmdkit._lockfile import OUT_LOCK, OUT_RUN_FILE, DirLock, refusal
 from spmdkit._train._hooks import ROW_FIELDS
 
 
@@ -75,7 +75,11 @@ def lock_out_dir(out: Path, log: Callable[[str], None]) -> DirLock:
 # Which run --out's files are of: a run's id, kept in its checkpoints too, so that a resume
 # continues its own metrics.jsonl and summary, not those of another run written to the same --out
 # (the default runs/latest holds whichever ran last).
-RUN_FILE = "run.json"
+# Named and marked as spmdkit's (a run.json of the user's, an experiment tracker's, is not taken
+# for one, nor overwritten); not the checkpoint directory's spmdkit-run.json, so one directory can
+# be both.
+RUN_FILE = OUT_RUN_FILE
+_MARK = "spmdkit_out"
 # A run's files besides metrics.jsonl (which a fresh run truncates): an earlier run's, left beside
 # a new run's rows, read as the new run's until it wrote its own.
 RUN_OUTPUTS = ("summary.json", "params.npz", "loss.png", "ensemble.png")
@@ -86,18 +90,20 @@ def new_run_id() -> str:
 
 
 def out_run_id(out: Path) -> str | None:
-    """The run id ``out``'s files were written by; None if none is recorded (empty, or by an
-    earlier spmdkit)."""
+    """The run id ``out``'s files were written by; None if none is recorded (empty, by an earlier
+    spmdkit, or a file of that name spmdkit did not write)."""
     try:
         recorded = json.loads((out / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return recorded.get("run_id") if isinstance(recorded, dict) else None
+    if not isinstance(recorded, dict) or recorded.get(_MARK) != 1 or not isinstance(recorded.get("run_id"), str):
+        return None
+    return recorded["run_id"]
 
 
 def _holds_a_run(out: Path) -> bool:
     """Whether ``out`` holds files of a spmdkit run (never a user's own summary.json)."""
-    if (out / RUN_FILE).is_file() or (out / "metrics.jsonl").is_file():
+    if out_run_id(out) is not None or (out / "metrics.jsonl").is_file():
         return True
     try:
         summary = json.loads((out / "summary.json").read_text())
@@ -121,8 +127,18 @@ def other_run(out: Path, run_id: str, checkpoint_dir: Path) -> str | None:
 
 def claim_out_dir(out: Path, run_id: str, fresh: bool, log: Callable[[str], None]) -> None:
     """Make ``out`` this run's: record its id and, for a fresh run, remove an earlier run's
-    summary, parameters and plots (a run killed before writing its own left them to be read as its)."""
-    if fresh and _holds_a_run(out):
+    summary, parameters and plots (a run killed before writing its own left them to be read as its).
+    The id first: a disk that refuses it leaves the earlier run's files whole."""
+    earlier = fresh and _holds_a_run(out)
+    if (out / RUN_FILE).is_file() and out_run_id(out) is None:
+        raise ConfigError(fix(f"{out / RUN_FILE} is not a file spmdkit wrote, where it records whose run --out {out} "
+                              "holds.", f"move {RUN_FILE} out of {out}, or pass another --out."))
+    try:
+        replace_text(out / RUN_FILE, json.dumps({_MARK: 1, "run_id": run_id,
+                                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+    except OSError as e:
+        raise _cannot_write(out / RUN_FILE, e) from None
+    if earlier:
         gone = []
         for name in RUN_OUTPUTS:
             try:
@@ -135,10 +151,6 @@ def claim_out_dir(out: Path, run_id: str, fresh: bool, log: Callable[[str], None
         if gone:
             log(f"{out}: removed an earlier run's {', '.join(gone)} (a new run starts here; "
                 "its files are written as it goes and at its end)")
-    try:
-        replace_text(out / RUN_FILE, json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-    except OSError as e:
-        raise _cannot_write(out / RUN_FILE, e) from None
 
 
 class MetricsWriter:

@@ -32,7 +32,7 @@ from spmdkit._data._eval import eval_chunks, resolve_eval_data
 from spmdkit._data._feed import arrays_digest
 from spmdkit._errors import ConfigError, NonFiniteLossError, PeerLostError, fix
 from spmdkit._process import gather_json, guarded, process_age_s, wait_ready
-from spmdkit._strategies._agree import check_distinct_shares, check_same_data, check_same_settings
+from spmdkit._strategies._agree import check_distinct_shares, check_same_data, check_same_settings, spans_processes
 from spmdkit._strategies._base import Strategy, TrainState, to_host
 from spmdkit._strategies.ensemble import Ensemble
 from spmdkit._tasks._base import LOSS_WEIGHT, Task
@@ -346,9 +346,10 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
            ckpt: Checkpointer | None, config: TrainConfig, task: Task, log: Callable[[str], None],
            run_info: dict[str, Any] | None = None, total: int | None = None,
            feed: Any = None, eval_crc: str | None = None,
-           optimizer: list[list[str]] | None = None) -> tuple[Any, int]:
-    """The initial state and the steps already done: fresh, or the newest intact checkpoint
-    (with ``feed`` moved to its data position; a refused resume logs no resume)."""
+           optimizer: list[list[str]] | None = None) -> tuple[Any, int, dict[str, Any] | None]:
+    """The initial state, the steps already done and the restored step's meta: fresh (None), or
+    the newest intact checkpoint (with ``feed`` moved to its data position; a refused resume logs
+    no resume)."""
     if ckpt is not None and checkpoint.resume:
         _check_same_task(ckpt, task.name)
         target = strategy.abstract(make_state, key, unbox=True)
@@ -367,9 +368,9 @@ def _start(strategy: Any, make_state: Callable[..., Any], key: jax.Array, checkp
             _check_same_eval_data(meta, eval_crc)
             _check_same_optimizer(meta, optimizer)
             log(f"checkpoints: resumed from step {int(meta['step'])} in {ckpt.directory}")
-            return state, int(meta["step"])
+            return state, int(meta["step"]), meta
         log(f"checkpoints: nothing to resume in {ckpt.directory}; starting from step 0")
-    return strategy.init(make_state, key, unbox=True), 0
+    return strategy.init(make_state, key, unbox=True), 0, None
 
 
 def fit(
@@ -668,10 +669,10 @@ class _Run:
         # The eval arrays' CRC-32, read once: a resume compares it, every checkpoint records it.
         self.eval_crc = arrays_digest(task.eval_data) if checkpoint is not None else None
         self.optimizer_record = optimizer_record(optimizer) if checkpoint is not None else None
-        self.state, self.start_step = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
+        self.state, self.start_step, resumed = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
                                                       self.ckpt, config, task, log, self.run_info, self.plan.total,
                                                       self.feed, self.eval_crc, self.optimizer_record)
-        self.run_id = self._claim_out()
+        self.run_id = self._claim_out(resumed)
         if self.ckpt is not None:
             check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True,
                           name_max=self.ckpt.name_max)
@@ -690,23 +691,39 @@ class _Run:
             if step_timeout and jax.process_count() > 1 else _NoWatchdog()
         self.hooks = self._hooks(checkpoint)
 
-    def _claim_out(self) -> str:
-        """This run's id (a resumed run's from its checkpoints), ``--out`` made its own: a resume
-        into an ``--out`` of another run is refused (it took that run's rows and summary for its own,
-        or, at its last step, handed back that run's results), decided by process 0 for all."""
-        # The checkpoint directory's run id (kept by a resume, and agreed by every process): the
-        # run's; without checkpoints a run cannot be resumed, and only process 0 writes --out.
+    def _claim_out(self, resumed: dict[str, Any] | None) -> str:
+        """This run's id, ``--out`` made its own: a resume into an ``--out`` of another run is
+        refused (it took that run's rows and summary for its own, or, at its last step, handed
+        back that run's results). Process 0 decides and writes, and every process of its program
+        ends with its verdict."""
+        # The id later checkpoints carry (the checkpoint directory's, agreed by every process);
+        # without checkpoints a run cannot be resumed, and only process 0 writes --out.
         run_id = self.ckpt.run_id if self.ckpt is not None else art.new_run_id()
-        problem = None
-        if self.out is not None and self.primary and self.start_step:
-            problem = art.other_run(self.out, run_id, self.ckpt.directory)
-        if jax.process_count() > 1:  # one verdict for every process: a refusal ends them all at once
-            problem = gather_json(problem, "--out's verdict on the resumed run")[0]
-        if problem is not None:
-            raise ConfigError(problem)
+        verdict = None
         if self.out is not None and self.primary:
-            art.claim_out_dir(self.out, run_id, not self.start_step, self.log)
+            verdict = self._out_verdict(run_id, (resumed or {}).get("run_id") or run_id)
+        mesh = getattr(self.strategy, "mesh", None)
+        if mesh is not None and spans_processes(mesh):  # a process's own program decides alone
+            verdict = gather_json(verdict, "--out's verdict on this run")[0]
+        if verdict is not None:
+            raise (art.ArtifactError if verdict[0] == "io" else ConfigError)(verdict[1])
         return run_id
+
+    def _out_verdict(self, run_id: str, resumed_id: str) -> list[str] | None:
+        """None once ``--out`` is this run's, else ``[kind, message]`` of why it cannot be. A resume
+        is checked against the id its restored step was saved with (the checkpoint directory may
+        have been copied without its owner file, which gives it a new id from here on)."""
+        try:
+            if self.start_step:
+                problem = art.other_run(self.out, resumed_id, self.ckpt.directory)
+                if problem is not None:
+                    return ["config", problem]
+            art.claim_out_dir(self.out, run_id, not self.start_step, self.log)
+        except art.ArtifactError as e:
+            return ["io", str(e)]
+        except ConfigError as e:
+            return ["config", str(e)]
+        return None
 
     def release(self) -> None:
         """Unlock ``--out`` (the checkpoint directory is unlocked by its own close or abandon)."""
