@@ -181,3 +181,27 @@ def test_metrics_hook_window_resumes_a_row_and_flush_keeps_it():
     assert rows[2]["loss"] == whole[1]["loss"] == 6.5 and rows[2]["member_member"] == whole[1]["member_member"]
     assert rows[2]["elapsed_s"] >= window["elapsed_s"]
     MetricsHook([].append).resume({"sums": "not a window"})  # an older checkpoint's meta: ignored
+
+
+def test_a_step_given_again_or_going_back_is_said_and_not_written_twice():
+    # Steps 1, 2, 2, 3, 4, 1, 2 (a retried step, a restarted loop) wrote rows at 2, 2, 4, 2 without
+    # a word, the second "step 2" row repeating its metrics as if it had run twice.
+    rows = []
+    hook = MetricsHook(rows.append, every=2)
+    with pytest.warns(RuntimeWarning, match=r"MetricsHook: step 2 came after step 2: the rows follow the steps as "
+                                            r"given, so they repeat steps"):
+        for step in (1, 2, 2, 3, 4):
+            run_hooks([hook], StepInfo(step, 0, None, {"loss": float(step)}))
+    assert [(r["step"], r["loss"]) for r in rows] == [(2, 1.5), (4, 3.5)]
+
+
+def test_close_with_no_step_since_the_last_row_writes_nothing():
+    rows = []
+    hook = MetricsHook(rows.append, every=2)
+    hook.close(StepInfo(0, 0, None, {}), "completed")  # no step at all: it wrote a row of no metrics
+    for step in (1, 2):
+        run_hooks([hook], StepInfo(step, 0, None, {"loss": 1.0}))
+    hook.close(StepInfo(2, 0, None, {"loss": 1.0}), "completed")
+    run_hooks([hook], StepInfo(3, 0, None, {"loss": 3.0}))
+    hook.close(StepInfo(3, 0, None, {"loss": 3.0}), "completed")
+    assert [(r["step"], r["loss"]) for r in rows] == [(2, 1.0), (3, 3.0)]

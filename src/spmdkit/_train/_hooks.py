@@ -221,6 +221,7 @@ class MetricsHook(Hook):
         self._added: int | None = None  # the step last counted: counting it again (add, then run_hooks) is a no-op
         self._start = self._t0 = time.perf_counter()
         self._before = 0.0  # elapsed_s of the steps before this hook's first (a resumed run's, see resume)
+        self._warned_back, self._written_again = False, None  # see _went_back
         self.last_row: dict[str, Any] | None = None
 
     def add(self, info: StepInfo) -> None:
@@ -230,7 +231,24 @@ class MetricsHook(Hook):
             self._count_step(info)
 
     def observe(self, info: StepInfo) -> None:
+        # A step counted already by add() is not a step given again; one whose row is written is.
+        again = info.step == self._added and not self._count and self.last_row is not None \
+            and self.last_row["step"] == info.step
+        if self._added is not None and (info.step < self._added or again):
+            self._went_back(info.step)
         self.add(info)
+
+    def _went_back(self, step: int) -> None:
+        """A loop that gives a step again (a retry) or goes back (a restart): said once, and a
+        step given again through run_hooks writes no second row of itself (it repeated the row's
+        metrics, as if it had run twice)."""
+        if not self._warned_back:
+            self._warned_back = True
+            warnings.warn(f"MetricsHook: step {step} came after step {self._added}: the rows follow the steps "
+                          "as given, so they repeat steps (a loop that retries or restarts its steps). Give each "
+                          "step its own number (a restarted loop: a new MetricsHook).", RuntimeWarning, stacklevel=4)
+        if step == self._added and self.last_row is not None and self.last_row["step"] == step:
+            self._written_again = step
 
     def _count_step(self, info: StepInfo) -> None:
         for k, v in flat_metrics(info.metrics).items():
@@ -245,6 +263,9 @@ class MetricsHook(Hook):
         self._added = info.step
 
     def __call__(self, info: StepInfo) -> None:
+        if self._written_again == info.step and not self._count:  # run_hooks gave a step already written again
+            self._written_again = None
+            return
         if not self._count:  # called by hand, not through run_hooks (again at one step: that step's metrics again)
             self._count_step(info)
         now = self._row(info, self._sums, self._counts)
@@ -316,7 +337,8 @@ class MetricsHook(Hook):
     def close(self, info: StepInfo | None, status: str) -> None:
         """The last row: the steps since the previous one (a run of 7 steps with every=5 lost
         steps 6 and 7), unless a row for ``info.step`` was written already."""
-        if info is not None and (self.last_row is None or self.last_row["step"] != info.step):
+        # Only steps counted since the last row: with none it wrote an empty row of no metrics.
+        if info is not None and self._count and (self.last_row is None or self.last_row["step"] != info.step):
             self(info)
 
 
