@@ -776,7 +776,7 @@ def test_a_fresh_run_removes_an_earlier_runs_files_from_its_out(tmp_path, monkey
     config = spmdkit.TrainConfig(steps=3, batch_size=16)
     spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path, log=lambda m: None)
     assert (tmp_path / "summary.json").is_file() and (tmp_path / "params.npz").is_file()
-    (tmp_path / "ensemble.png").write_bytes(b"an ensemble's plot")  # a classifier ensemble's run writes one
+    (tmp_path / "ensemble.png").write_bytes(b"not written by that run")  # the run did not record it: kept
     (tmp_path / "notes.txt").write_text("the user's own")
 
     class Killed(Exception):
@@ -789,8 +789,8 @@ def test_a_fresh_run_removes_an_earlier_runs_files_from_its_out(tmp_path, monkey
     with pytest.raises(Killed):
         spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path, log=said.append)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file() and not p.name.startswith("."))
-    assert names == ["metrics.jsonl", "notes.txt", "spmdkit-out.json"], names
-    assert any("removed an earlier run's summary.json, params.npz, loss.png, ensemble.png" in m for m in said), said
+    assert names == ["ensemble.png", "metrics.jsonl", "notes.txt", "spmdkit-out.json"], names
+    assert any("removed an earlier run's loss.png, params.npz, summary.json" in m for m in said), said
 
 
 def test_a_users_own_files_in_out_are_never_removed(tmp_path, monkeypatch):
@@ -837,6 +837,42 @@ def test_a_resume_from_a_checkpoint_copied_without_its_owner_file_continues_its_
     again = run(6, True)
     assert again.summary["resumed_from_step"] == 3 and again.summary["run_id"] != first.summary["run_id"]
     assert run(9, True).summary["resumed_from_step"] == 6  # the new id recorded in --out too
+    # Once more without the owner file, and a resume that saves no new step (nothing left to train):
+    # the next resume restores a step of the id before, and continues.
+    (tmp_path / "ck" / "spmdkit-run.json").unlink()
+    assert run(9, True).summary["resumed_from_step"] == 9
+    assert run(12, True).summary["resumed_from_step"] == 9
+
+
+def test_a_resume_whose_out_lost_its_id_file_is_checked_by_its_summary(tmp_path):
+    # spmdkit-out.json deleted by hand: a resume into another run's --out took that run's rows.
+    task, opt = linreg.make(), optax.sgd(0.1)
+
+    def run(out, ck, steps, resume=False, seed=0):
+        return spmdkit.fit(task, spmdkit.Single(), opt, spmdkit.TrainConfig(steps=steps, batch_size=16, seed=seed),
+                           progress=False, out_dir=tmp_path / out, log=lambda m: None,
+                           checkpoint=spmdkit.CheckpointConfig(tmp_path / ck, every=3, resume=resume))
+
+    run("a", "ck_a", 3)
+    other = run("a", "ck_b", 3, seed=1)
+    (tmp_path / "a" / "spmdkit-out.json").unlink()
+    with pytest.raises(spmdkit.ConfigError, match=rf"holds the files of another run \(run id {other.summary['run_id']}\)"):
+        run("a", "ck_a", 6, resume=True)
+
+
+def test_a_run_refused_at_its_start_leaves_out_as_it_was(tmp_path):
+    # A state fit cannot save (an empty leaf) was refused after --out had been taken: the earlier
+    # run's files removed, and its resume then refused as another run's.
+    task, opt = linreg.make(), optax.sgd(0.1)
+    spmdkit.fit(task, spmdkit.Single(), opt, spmdkit.TrainConfig(steps=3, batch_size=16), progress=False,
+                out_dir=tmp_path / "out", log=lambda m: None)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()}
+    empty = dataclasses.replace(task, init=lambda rng: {**task.init(rng), "none": jnp.zeros((0, 3))})
+    with pytest.raises(spmdkit.CheckpointError):
+        spmdkit.fit(empty, spmdkit.Single(), opt, spmdkit.TrainConfig(steps=3, batch_size=16), progress=False,
+                    out_dir=tmp_path / "out", log=lambda m: None,
+                    checkpoint=spmdkit.CheckpointConfig(tmp_path / "ck"))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()} == before
 
 
 def test_finishing_an_unclosed_save_after_an_error_exits_with_that_errors_code(monkeypatch):

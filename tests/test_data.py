@@ -259,3 +259,25 @@ def test_a_pipeline_of_bfloat16_batches_trains_and_evaluates():
     result = spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.5), spmdkit.TrainConfig(steps=8, batch_size=8),
                          progress=False, log=lambda m: None)
     assert result.summary["eval_loss"] < result.history[0]["loss"]
+
+
+@pytest.mark.parametrize("kind", ["iterator", "indexed"])
+def test_a_pipeline_failing_at_its_first_batch_is_a_data_error_naming_it(kind):
+    # A failure at batch 5 was a DataError naming the batch; at the first, the reader's bare OSError.
+    class Failing:
+        def __iter__(self):
+            raise OSError("the bucket is not there")
+            yield
+
+    class FailingIndexed(list):
+        def __getitem__(self, i):
+            raise OSError("the bucket is not there")
+
+    data = Failing() if kind == "iterator" else FailingIndexed([None] * 4)
+    task = spmdkit.Task(name="fails", init=lambda rng: {"w": jnp.zeros((2, 1))},
+                        loss_fn=lambda p, b, rng: (jnp.mean(b["x"] @ p["w"]), {}), train_data=data)
+    with pytest.raises(spmdkit.DataError, match=r"(?s)train_data raised OSError reading its first batch: the bucket "
+                                                r"is not there.*Fix: fix the pipeline") as raised:
+        spmdkit.fit(task, spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=8),
+                    progress=False, log=lambda m: None)
+    assert isinstance(raised.value.__cause__, OSError)

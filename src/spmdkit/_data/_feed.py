@@ -313,7 +313,13 @@ class PipelineFeed:
 
     def example(self) -> Any:
         if self._first is None:
-            first = self._read_first()
+            try:
+                first = self._read_first()
+            except (BatchError, DataError):
+                raise
+            except Exception as e:  # the user's reader failed at once: named as at any later batch
+                raise DataError(fix(f"{self.name} raised {type(e).__name__} reading its first batch: {e}",
+                                    "fix the pipeline (it failed before any step ran).")) from e
             self._pending = [] if self.indexable else [first]  # not lost: trained on first
         _, spec = self._first
         shapes = [jax.ShapeDtypeStruct((self.batch_size, *s[1:]), jax.dtypes.canonicalize_dtype(d)) for _, s, d in spec]

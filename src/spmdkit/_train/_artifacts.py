@@ -44,13 +44,17 @@ def prepare_out_dir(out: Path) -> None:
     """Create the output directory, or say why it cannot be one (before any training)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(fix(f"--out {out} is a file, not a directory.", "pass a directory path to --out."))
+    probe = out / f".spmdkit-write-test-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".spmdkit-write-test-{os.getpid()}"
         probe.write_text("ok")  # a byte, not an empty file: a full disk shows here, before training
-        probe.unlink()
     except OSError as e:
         raise _cannot_write(out, e) from None
+    finally:
+        try:  # also when the write failed: an empty probe was left in the user's --out
+            probe.unlink()
+        except OSError:
+            pass
 
 
 
@@ -89,68 +93,81 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def out_run_id(out: Path) -> str | None:
-    """The run id ``out``'s files were written by; None if none is recorded (empty, by an earlier
-    spmdkit, or a file of that name spmdkit did not write)."""
+def _recorded(out: Path) -> dict[str, Any] | None:
+    """``out``'s marked id file, or None (none, by an earlier spmdkit, or not spmdkit's)."""
     try:
         recorded = json.loads((out / RUN_FILE).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(recorded, dict) or recorded.get(_MARK) != 1 or not isinstance(recorded.get("run_id"), str):
         return None
-    return recorded["run_id"]
+    return recorded
 
 
-def _holds_a_run(out: Path) -> bool:
-    """Whether ``out`` holds files of a spmdkit run (never a user's own summary.json)."""
-    if out_run_id(out) is not None or (out / "metrics.jsonl").is_file():
-        return True
+def out_run_id(out: Path) -> str | None:
+    """The run id ``out``'s files were written by: its id file's, else its summary.json's (the id
+    file deleted by hand); None if neither records one (empty, or by an earlier spmdkit)."""
+    recorded = _recorded(out)
+    if recorded is not None:
+        return recorded["run_id"]
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and {"task", "status", "steps"} <= set(summary)
+        return None
+    return summary.get("run_id") if isinstance(summary, dict) and isinstance(summary.get("run_id"), str) else None
 
 
-def other_run(out: Path, run_id: str, checkpoint_dir: Path) -> str | None:
-    """Why a run resumed from checkpoints of run ``run_id`` cannot continue ``out``'s files, or
-    None. An ``out`` of an earlier spmdkit (no run id recorded) cannot tell, and is continued."""
+def other_run(out: Path, ids: tuple[str, ...], checkpoint_dir: Path) -> str | None:
+    """Why a run resumed from checkpoints of run ``ids`` (its restored step's, its directory's now)
+    cannot continue ``out``'s files, or None. An ``out`` of an earlier spmdkit (no run id recorded)
+    cannot tell, and is continued."""
     theirs = out_run_id(out)
-    if theirs is None or theirs == run_id:
+    if theirs is None or theirs in ids:
         return None
     return fix(f"--out {out} holds the files of another run (run id {theirs}), not of the run whose checkpoint in "
-               f"{checkpoint_dir} is resumed (run id {run_id}): that run's metrics.jsonl and summary.json would be "
+               f"{checkpoint_dir} is resumed (run id {ids[0]}): that run's metrics.jsonl and summary.json would be "
                "taken for this one's.",
                "resume with the --out that run wrote to (fit(out_dir=...) from Python), or a new, empty one; to "
                "start over instead, drop --resume (CheckpointConfig(resume=False)).")
 
 
-def claim_out_dir(out: Path, run_id: str, fresh: bool, log: Callable[[str], None]) -> None:
-    """Make ``out`` this run's: record its id and, for a fresh run, remove an earlier run's
-    summary, parameters and plots (a run killed before writing its own left them to be read as its).
-    The id first: a disk that refuses it leaves the earlier run's files whole."""
-    earlier = fresh and _holds_a_run(out)
-    if (out / RUN_FILE).is_file() and out_run_id(out) is None:
-        raise ConfigError(fix(f"{out / RUN_FILE} is not a file spmdkit wrote, where it records whose run --out {out} "
-                              "holds.", f"move {RUN_FILE} out of {out}, or pass another --out."))
+def _write_record(out: Path, run_id: str, files: list[str]) -> None:
     try:
-        replace_text(out / RUN_FILE, json.dumps({_MARK: 1, "run_id": run_id,
+        replace_text(out / RUN_FILE, json.dumps({_MARK: 1, "run_id": run_id, "files": sorted(files),
                                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
     except OSError as e:
         raise _cannot_write(out / RUN_FILE, e) from None
-    if earlier:
-        gone = []
-        for name in RUN_OUTPUTS:
-            try:
-                (out / name).unlink()
-                gone.append(name)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                raise _cannot_write(out / name, e) from None
-        if gone:
-            log(f"{out}: removed an earlier run's {', '.join(gone)} (a new run starts here; "
-                "its files are written as it goes and at its end)")
+
+
+def claim_out_dir(out: Path, run_id: str, fresh: bool, log: Callable[[str], None]) -> None:
+    """Make ``out`` this run's: record its id and, for a fresh run, remove the summary, parameters
+    and plots the earlier run recorded as written (a run killed before writing its own left them to
+    be read as its); files it did not record, a user's own, stay. The id first: a disk that refuses
+    it leaves the earlier run's files whole."""
+    if (out / RUN_FILE).is_dir() or ((out / RUN_FILE).exists() and _recorded(out) is None):
+        raise ConfigError(fix(f"{out / RUN_FILE} is not a file spmdkit wrote, where it records whose run --out {out} "
+                              "holds.", f"move {RUN_FILE} out of {out}, or pass another --out."))
+    earlier = _recorded(out) or {}
+    ours = [n for n in earlier.get("files", []) if n in RUN_OUTPUTS] if fresh else []
+    _write_record(out, run_id, [] if fresh else [n for n in earlier.get("files", []) if n in RUN_OUTPUTS])
+    gone = []
+    for name in ours:
+        try:
+            (out / name).unlink()
+            gone.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _cannot_write(out / name, e) from None
+    if gone:
+        log(f"{out}: removed an earlier run's {', '.join(gone)} (a new run starts here; "
+            "its files are written as it goes and at its end)")
+
+
+def record_written(out: Path, run_id: str, names: list[str]) -> None:
+    """Add ``names`` to the files ``out``'s id file says this run wrote (what a fresh run after it removes)."""
+    recorded = _recorded(out) or {}
+    _write_record(out, run_id, sorted(set(recorded.get("files", [])) | set(names)))
 
 
 class MetricsWriter:

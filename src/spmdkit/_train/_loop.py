@@ -646,8 +646,11 @@ class _Run:
         check_distinct_shares(getattr(self.feed, "first_share", None), getattr(strategy, "mesh", None), "fit",
                               "task.train_data", config.batch_size // jax.process_count(), config.batch_size)
         self.out = None if out_dir is None else Path(out_dir)
-        # With several processes (jax.distributed) every one trains; process 0 alone writes.
-        self.primary = jax.process_index() == 0
+        # With several processes (jax.distributed) every one trains; process 0 alone writes. A process's
+        # own program (a mesh of its own devices: a sweep split between processes) writes its own.
+        mesh = getattr(strategy, "mesh", None)
+        own = mesh is not None and all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        self.primary = jax.process_index() == 0 or own
         self.out_lock = None
         if self.out is not None and self.primary:
             art.prepare_out_dir(self.out)
@@ -672,10 +675,10 @@ class _Run:
         self.state, self.start_step, resumed = _start(strategy, task_state(task, optimizer), init_key, checkpoint,
                                                       self.ckpt, config, task, log, self.run_info, self.plan.total,
                                                       self.feed, self.eval_crc, self.optimizer_record)
-        self.run_id = self._claim_out(resumed)
         if self.ckpt is not None:
             check_savable(self.state, "fit(checkpoint=...) saves the whole train state", in_fit=True,
                           name_max=self.ckpt.name_max)
+        self.run_id = self._claim_out(resumed)  # after every check: a refused start leaves --out as it was
         self.last = StepInfo(self.start_step, 0, self.state, {})
         self.status, self.failure, self.t_first, self.first_step_s = "completed", None, None, None
         self.known = KnownGood(self.state, self.start_step)  # checkpoints wait until their state's loss is seen finite
@@ -715,7 +718,7 @@ class _Run:
         have been copied without its owner file, which gives it a new id from here on)."""
         try:
             if self.start_step:
-                problem = art.other_run(self.out, resumed_id, self.ckpt.directory)
+                problem = art.other_run(self.out, (resumed_id, run_id), self.ckpt.directory)
                 if problem is not None:
                     return ["config", problem]
             art.claim_out_dir(self.out, run_id, not self.start_step, self.log)
@@ -858,6 +861,7 @@ class _Run:
                       if self.ckpt is not None else {}),
                    **({"config": self.run_info} if self.run_info else {})}
         errors: list[OSError] = []
+        _attempt(errors, art.record_written, self.out, self.run_id, ["summary.json"] + (["loss.png"] if self.history else []))
         _attempt(errors, art.write_json, self.out / "summary.json", summary)
         if self.history:
             _attempt(errors, art.plot_history, self.history, self.out / "loss.png", _plot_title(self.task, summary))
@@ -1097,13 +1101,17 @@ def _write_artifacts(out: Path, params: Any, summary: dict[str, Any], history: l
     resume of a complete run keeps ``--out`` as it is only then (a run killed between the summary
     and the plot left no loss.png, or an interrupted run's, for good)."""
     errors: list[OSError] = []
+    members = any("member_accuracy" in r for r in history)
+    # Recorded first as this run's: what a fresh run after it removes (never a user's other files).
+    written = ["params.npz", "summary.json"] + (["loss.png"] if history else []) + (["ensemble.png"] if members else [])
+    _attempt(errors, art.record_written, out, summary["run_id"], written)
     _attempt(errors, art.save_params, out / "params.npz", params)
     bug = None
     try:
         if history:
             title = _plot_title(task, summary)
             _attempt(errors, art.plot_history, history, out / "loss.png", title)
-            if any("member_accuracy" in r for r in history):
+            if members:
                 _attempt(errors, art.plot_members, history, out / "ensemble.png", title)
     except Exception as e:  # a plot's bug: the summary of the run is still written, then it is raised
         bug = e
