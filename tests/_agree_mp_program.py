@@ -63,9 +63,8 @@ def cases():
     yield "fit steps", lambda: fit_on(xy, steps=1 + me)
     yield "fit model", lambda: fit_on(xy, width=1 + me)
     yield "fit lr", lambda: fit_on(xy, lr=0.1 * (1 + me))
-    import tempfile
-
-    where = tempfile.gettempdir() + f"/agree-{jax.process_index()}-unused"
+    # Beside this launch's own output (two pytest workers each launch this program at once).
+    where = f"{sys.argv[1]}-{jax.process_index()}-unused"
     yield "fit resume", lambda: fit_on(xy, checkpoint=spmdkit.CheckpointConfig(where, resume=me == 0))
     yield "fit own timeout", lambda: fit_on(xy, step_timeout=100 + 50 * me)  # each process's watchdog: its own
     yield "fit checkpoint in one", lambda: fit_on(xy, checkpoint=spmdkit.CheckpointConfig(where) if me else None)
@@ -86,9 +85,17 @@ def cases():
     # alone, which waited for ever in a gather of --out's verdict that process 1 never reached.
     own_task = spmdkit.Task(name="own", init=lambda key: {"w": jnp.zeros((8, 1))},
                             loss_fn=lambda p, b, rng: (jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), {}), train_data=xy)
-    yield "fit own device", lambda: [spmdkit.fit(own_task, own, optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=16),
-                                                 out_dir=where + f"-own-{run}", progress=False)
-                                     for run in range(2 - me)]
+    from spmdkit._process import sync
+
+    def own_fits():
+        for run in range(2 - me):
+            spmdkit.fit(own_task, own, optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=16),
+                        out_dir=where + f"-own-{run}", progress=False)
+        # Then both together again: process 1 ending while process 0 still trained alone failed the
+        # launch on a loaded machine (its exit does not wait for a peer's own program).
+        sync("agree-own-fits", "after each process's own fits")
+
+    yield "fit own device", own_fits
 
 
 def run() -> dict[str, str | None]:

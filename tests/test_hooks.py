@@ -188,11 +188,15 @@ def test_a_step_given_again_or_going_back_is_said_and_not_written_twice():
     # a word, the second "step 2" row repeating its metrics as if it had run twice.
     rows = []
     hook = MetricsHook(rows.append, every=2)
-    with pytest.warns(RuntimeWarning, match=r"MetricsHook: step 2 came after step 2: the rows follow the steps as "
+    with pytest.warns(RuntimeWarning, match=r"MetricsHook: step 2 was given again: the rows follow the steps as "
                                             r"given, so they repeat steps"):
         for step in (1, 2, 2, 3, 4):
             run_hooks([hook], StepInfo(step, 0, None, {"loss": float(step)}))
     assert [(r["step"], r["loss"]) for r in rows] == [(2, 1.5), (4, 3.5)]
+    restarted = MetricsHook([].append, every=2)
+    with pytest.warns(RuntimeWarning, match=r"MetricsHook: step 1 came after step 4"):
+        for step in (1, 2, 3, 4, 1, 2):
+            run_hooks([restarted], StepInfo(step, 0, None, {"loss": 1.0}))
 
 
 def test_close_with_no_step_since_the_last_row_writes_nothing():
@@ -205,3 +209,8 @@ def test_close_with_no_step_since_the_last_row_writes_nothing():
     run_hooks([hook], StepInfo(3, 0, None, {"loss": 3.0}))
     hook.close(StepInfo(3, 0, None, {"loss": 3.0}), "completed")
     assert [(r["step"], r["loss"]) for r in rows] == [(2, 1.0), (3, 3.0)]
+    by_hand = []
+    hook = MetricsHook(by_hand.append, every=2)
+    hook(StepInfo(1, 0, None, {"loss": 1.0}))
+    hook.close(StepInfo(2, 0, None, {"loss": 2.0}), "completed")  # a hand call's last row: still written
+    assert [(r["step"], r["loss"]) for r in by_hand] == [(1, 1.0), (2, 2.0)]

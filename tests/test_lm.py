@@ -207,7 +207,7 @@ def test_sample_falls_back_past_a_step_cut_short_by_a_kill(task, tmp_path):
         _, params, step = load_lm(tmp_path, **sizes)
     assert step == 1 and (tmp_path / "spmdkit_2").is_dir()  # a reader: the step is left in place
     assert not np.array_equal(np.asarray(params["token_embed"]), np.asarray(result.params["token_embed"]))
-    with pytest.raises(spmdkit.CheckpointDamagedError, match=r"(?s)step 2 is damaged: it has no manifest.*Fix: pass --step 1 "
+    with pytest.raises(spmdkit.CheckpointDamagedError, match=r"(?s)step 2 in .* is damaged: it has no manifest.*Fix: pass --step 1 "
                                                       r"\(the newest intact step"):
         load_lm(tmp_path, step=2, **sizes)
     (tmp_path / "manifests" / "1.json").write_text("{")

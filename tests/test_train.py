@@ -618,3 +618,28 @@ def test_a_diverged_runs_summary_gives_the_figures_of_the_step_it_keeps(tmp_path
     assert summary["status"] == "diverged" and max(evals) > summary["steps"]
     assert summary["eval_loss"] == evals[summary["steps"]] is not None
     assert summary["final_train_loss"] == trains[summary["steps"]]
+
+
+def test_out_probe_is_removed_when_its_write_fails_and_a_directory_in_the_id_files_place_is_named(tmp_path, monkeypatch):
+    # A full disk left an empty .spmdkit-write-test-PID in the user's --out; a directory named
+    # spmdkit-out.json was "a file stands where a directory is needed", the fix about parents.
+    from spmdkit._train import _artifacts as art
+
+    plain = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name.startswith(".spmdkit-write-test-"):
+            plain(self, "")  # created, then the disk refused its byte
+            raise OSError(28, "No space left on device")
+        return plain(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(art.ArtifactError, match="No space left on device"):
+        art.prepare_out_dir(tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / "out" / art.RUN_FILE).mkdir()
+    with pytest.raises(spmdkit.ConfigError, match=r"(?s)spmdkit-out.json is not a file spmdkit wrote.*Fix: move "
+                                                  r"spmdkit-out.json out of"):
+        spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=1, batch_size=16),
+                    progress=False, out_dir=tmp_path / "out", log=lambda m: None)

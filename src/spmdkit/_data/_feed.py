@@ -318,7 +318,9 @@ class PipelineFeed:
             except (BatchError, DataError):
                 raise
             except Exception as e:  # the user's reader failed at once: named as at any later batch
-                raise DataError(fix(f"{self.name} raised {type(e).__name__} reading its first batch: {e}",
+                last = "" if not self.indexable or self.steps_per_epoch < 2 else \
+                    f" (or batch {self.steps_per_epoch - 1}, its last, read to check its size)"
+                raise DataError(fix(f"{self.name} raised {type(e).__name__} reading its first batch{last}: {e}",
                                     "fix the pipeline (it failed before any step ran).")) from e
             self._pending = [] if self.indexable else [first]  # not lost: trained on first
         _, spec = self._first

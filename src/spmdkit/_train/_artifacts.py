@@ -104,17 +104,19 @@ def _recorded(out: Path) -> dict[str, Any] | None:
     return recorded
 
 
-def out_run_id(out: Path) -> str | None:
-    """The run id ``out``'s files were written by: its id file's, else its summary.json's (the id
-    file deleted by hand); None if neither records one (empty, or by an earlier spmdkit)."""
-    recorded = _recorded(out)
-    if recorded is not None:
-        return recorded["run_id"]
+def out_summary_id(out: Path) -> str | None:
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError):
         return None
     return summary.get("run_id") if isinstance(summary, dict) and isinstance(summary.get("run_id"), str) else None
+
+
+def out_run_id(out: Path) -> str | None:
+    """The run id ``out``'s files were written by: its id file's, else its summary.json's (the id
+    file deleted by hand); None if neither records one (empty, or by an earlier spmdkit)."""
+    recorded = _recorded(out)
+    return recorded["run_id"] if recorded is not None else out_summary_id(out)
 
 
 def other_run(out: Path, ids: tuple[str, ...], checkpoint_dir: Path) -> str | None:
@@ -147,9 +149,16 @@ def claim_out_dir(out: Path, run_id: str, fresh: bool, log: Callable[[str], None
     if (out / RUN_FILE).is_dir() or ((out / RUN_FILE).exists() and _recorded(out) is None):
         raise ConfigError(fix(f"{out / RUN_FILE} is not a file spmdkit wrote, where it records whose run --out {out} "
                               "holds.", f"move {RUN_FILE} out of {out}, or pass another --out."))
-    earlier = _recorded(out) or {}
-    ours = [n for n in earlier.get("files", []) if n in RUN_OUTPUTS] if fresh else []
-    _write_record(out, run_id, [] if fresh else [n for n in earlier.get("files", []) if n in RUN_OUTPUTS])
+    earlier = _recorded(out)
+    listed = [n for n in (earlier or {}).get("files", []) if n in RUN_OUTPUTS]
+    if earlier is not None and out_summary_id(out) == earlier["run_id"]:
+        listed = sorted(set(listed) | {"summary.json"})  # its id file's last update was refused: still its own
+    if earlier is None and not fresh and out_run_id(out) is not None:
+        # The id file deleted by hand, the run matched by its summary: its outputs there are its own.
+        listed = [n for n in RUN_OUTPUTS if (out / n).is_file()]
+    ours = listed if fresh else []
+    # A fresh run's record lists what it is about to remove: a removal refused or cut short is retried.
+    _write_record(out, run_id, listed)
     gone = []
     for name in ours:
         try:

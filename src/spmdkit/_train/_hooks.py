@@ -244,7 +244,8 @@ class MetricsHook(Hook):
         metrics, as if it had run twice)."""
         if not self._warned_back:
             self._warned_back = True
-            warnings.warn(f"MetricsHook: step {step} came after step {self._added}: the rows follow the steps "
+            said = "was given again" if step == self._added else f"came after step {self._added}"
+            warnings.warn(f"MetricsHook: step {step} {said}: the rows follow the steps "
                           "as given, so they repeat steps (a loop that retries or restarts its steps). Give each "
                           "step its own number (a restarted loop: a new MetricsHook).", RuntimeWarning, stacklevel=4)
         if step == self._added and self.last_row is not None and self.last_row["step"] == step:
@@ -337,8 +338,10 @@ class MetricsHook(Hook):
     def close(self, info: StepInfo | None, status: str) -> None:
         """The last row: the steps since the previous one (a run of 7 steps with every=5 lost
         steps 6 and 7), unless a row for ``info.step`` was written already."""
-        # Only steps counted since the last row: with none it wrote an empty row of no metrics.
-        if info is not None and self._count and (self.last_row is None or self.last_row["step"] != info.step):
+        # Something to write (steps counted since the last row, a resumed window, or the metrics of
+        # ``info``, a hand call's): with none it wrote an empty row of no metrics.
+        if info is not None and (self._count or self._counts or flat_metrics(info.metrics)) \
+                and (self.last_row is None or self.last_row["step"] != info.step):
             self(info)
 
 
