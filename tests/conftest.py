@@ -81,3 +81,20 @@ def _own_group(command: Sequence[str], *, sigint: bool = False, **popen: object)
 def own_group():
     """``with own_group(command, sigint=False, **popen) as proc``: see :func:`_own_group`."""
     return _own_group
+
+
+class StoppedAtStart(Exception):
+    """Raised by a ``fit`` that ``stop_fit_at_start`` ended before its first step."""
+
+
+@pytest.fixture
+def stop_fit_at_start(monkeypatch):
+    """``fit`` ends once its start is done (--out taken, before any step), as a kill there would
+    leave it: it raises :class:`StoppedAtStart`, which the fixture returns."""
+    from spmdkit._train import _loop
+
+    def stopped(self, checkpoint):
+        raise StoppedAtStart
+
+    monkeypatch.setattr(_loop._Run, "_hooks", stopped)
+    return StoppedAtStart

@@ -767,11 +767,9 @@ def test_a_resume_into_another_runs_out_is_refused_not_taken_for_its_own(tmp_pat
     assert run("out_new", "ck_b", 6, seed=1, resume=True).summary["run_id"] == b.summary["run_id"]
 
 
-def test_a_fresh_run_removes_an_earlier_runs_files_from_its_out(tmp_path, monkeypatch):
+def test_a_fresh_run_removes_an_earlier_runs_files_from_its_out(tmp_path, request):
     # A new run killed before its end left the earlier run's summary ("completed"), params.npz and
     # plots beside its own rows; an ensemble's ensemble.png stayed after any later run.
-    from spmdkit._train import _loop
-
     task, opt, said = linreg.make(), optax.sgd(0.1), []
     config = spmdkit.TrainConfig(steps=3, batch_size=16)
     spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path, log=lambda m: None)
@@ -779,35 +777,19 @@ def test_a_fresh_run_removes_an_earlier_runs_files_from_its_out(tmp_path, monkey
     (tmp_path / "ensemble.png").write_bytes(b"not written by that run")  # the run did not record it: kept
     (tmp_path / "notes.txt").write_text("the user's own")
 
-    class Killed(Exception):
-        pass
-
-    def killed(self, checkpoint):  # the new run ends before its first step, as a kill would leave it
-        raise Killed
-
-    monkeypatch.setattr(_loop._Run, "_hooks", killed)
-    with pytest.raises(Killed):
+    with pytest.raises(request.getfixturevalue("stop_fit_at_start")):  # the new run, killed before its first step
         spmdkit.fit(task, spmdkit.Single(), opt, config, progress=False, out_dir=tmp_path, log=said.append)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file() and not p.name.startswith("."))
     assert names == ["ensemble.png", "metrics.jsonl", "notes.txt", "spmdkit-out.json"], names
     assert any("removed an earlier run's loss.png, params.npz, summary.json" in m for m in said), said
 
 
-def test_a_users_own_files_in_out_are_never_removed(tmp_path, monkeypatch):
-    from spmdkit._train import _loop
-
+def test_a_users_own_files_in_out_are_never_removed(tmp_path, monkeypatch, request):
     (tmp_path / "summary.json").write_text('{"mine": 1}')  # not a run's summary
     (tmp_path / "params.npz").write_bytes(b"the user's own")
     (tmp_path / "run.json").write_text('{"run_id": "an-experiment-trackers"}')  # a common name, not spmdkit's
 
-    class Stopped(Exception):
-        pass
-
-    def stopped(self, checkpoint):  # the run ends at its start, as a kill would leave it
-        raise Stopped
-
-    monkeypatch.setattr(_loop._Run, "_hooks", stopped)
-    with pytest.raises(Stopped):
+    with pytest.raises(request.getfixturevalue("stop_fit_at_start")):  # the run ends at its start, as a kill would
         spmdkit.fit(linreg.make(), spmdkit.Single(), optax.sgd(0.1), spmdkit.TrainConfig(steps=2, batch_size=16),
                     progress=False, out_dir=tmp_path, log=lambda m: None)
     assert (tmp_path / "summary.json").read_text() == '{"mine": 1}'

@@ -117,22 +117,14 @@ def test_short_run_ensemble_beats_mean_member_and_reports_it(task, tmp_path):
     assert train_rows[0]["loss"] == pytest.approx(np.mean(train_rows[0]["member_loss"]))
 
 
-def test_a_later_run_into_an_ensembles_out_removes_its_ensemble_png(task, tmp_path, monkeypatch):
+def test_a_later_run_into_an_ensembles_out_removes_its_ensemble_png(task, tmp_path, request):
     # ensemble.png stayed beside any later run's files, read as that run's.
-    from spmdkit._train import _loop
-
     spmdkit.fit(task, spmdkit.Ensemble(members=2), optax.sgd(0.05), spmdkit.TrainConfig(steps=2, batch_size=64),
                 out_dir=tmp_path, progress=False, log=lambda m: None)
     assert (tmp_path / "ensemble.png").is_file()
+    stop_fit_at_start = request.getfixturevalue("stop_fit_at_start")  # only now: the first run trains
 
-    class Stopped(Exception):
-        pass
-
-    def stopped(self, checkpoint):
-        raise Stopped
-
-    monkeypatch.setattr(_loop._Run, "_hooks", stopped)  # the later run ends at its start, as a kill would leave it
-    with pytest.raises(Stopped):
+    with pytest.raises(stop_fit_at_start):  # the later run ends at its start, as a kill would leave it
         spmdkit.fit(task, spmdkit.DataParallel(), optax.sgd(0.05), spmdkit.TrainConfig(steps=2, batch_size=64),
                     out_dir=tmp_path, progress=False, log=lambda m: None)
     assert not (tmp_path / "ensemble.png").exists() and not (tmp_path / "summary.json").exists()
